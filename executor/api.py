@@ -1,0 +1,168 @@
+"""The executor's public request and result types (plain, frozen dataclasses).
+
+These mirror the gRPC messages one-to-one so the servicer stays a thin translation layer,
+but they know nothing about protobuf. Validation lives in ``executor/validation.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Phase = Literal["prefill", "decode"]
+Path = Literal["graph", "eager"]
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling parameters. The defaults mean "off" (greedy, no filtering).
+
+    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    top_k: keep the k most likely tokens; 0 = off.
+    top_p: keep the smallest set whose probability reaches p; 1.0 = off.
+    min_p: drop tokens whose probability is below ``min_p * max_prob``; 0.0 = off.
+    seed: makes sampling reproducible: the same seed, tokens and position give the same
+        token. ``None`` draws a fresh seed for every step.
+    logprobs: return the sampled token's log-probability.
+    top_logprobs: also return the ``n`` most likely tokens with their log-probabilities
+        (0..20). Log-probabilities are of the model's raw distribution (before temperature
+        and filtering), as vLLM and OpenAI report them.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """Admit a new sequence (unknown ``seq_id``) or extend a known one with ``token_ids``.
+
+    ``sample=False`` only fills the KV cache (a non-final chunk of a chunked prefill).
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+    sample: bool = True
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """Append ``token_id`` to a known sequence and sample the next token."""
+
+    seq_id: str
+    token_id: int
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass(frozen=True)
+class ItemOutput:
+    """Result for one item, in request order. ``token_id`` is None when nothing was sampled."""
+
+    seq_id: str
+    token_id: int | None
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...]
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """How a step ran: graph or eager (and why eager), tokens and padding, forward time."""
+
+    phase: Phase
+    path: Path
+    fallback_reason: str  # "" when path == "graph"
+    num_tokens: int
+    padded_tokens: int
+    forward_ms: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: tuple[ItemOutput, ...]
+    step: StepInfo
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    released: int
+    unknown_seq_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always."""
+
+    total_tokens: int
+    free_tokens: int
+    total_slots: int
+    free_slots: int
+    active_sequences: int
+
+    @property
+    def used_tokens(self) -> int:
+        return self.total_tokens - self.free_tokens
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.used_tokens / self.total_tokens if self.total_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class BucketCapture:
+    size: int
+    capture_ms: float
+    ok: bool
+    error: str = ""
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PhaseCapture:
+    phase: Phase
+    backend: str
+    buckets: tuple[BucketCapture, ...] = ()
+    total_ms: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class GraphStatus:
+    phase: Phase
+    mode: str
+    captured_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class ExecutorStatus:
+    """A snapshot for Health: model, KV accounting and graph state."""
+
+    model: ModelInfo
+    kv: KVStats
+    graphs: tuple[GraphStatus, ...] = field(default_factory=tuple)

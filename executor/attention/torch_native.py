@@ -1,0 +1,55 @@
+"""Reference attention in plain PyTorch: one SDPA call per sequence.
+
+Correct on CPU and CUDA for any batch; it reads host-side lengths, so it is never captured.
+It is the reference the Triton and FlashInfer kernels are checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from executor.api import Phase
+from executor.attention.base import AttentionBackend, AttentionMetadata
+from executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class TorchNativeMetadata(AttentionMetadata):
+    out_cache_loc: torch.Tensor  # (T,)
+    # Per sequence: (slot, prefix_len, new_len, start in packed tokens), from the host.
+    seqs: tuple[tuple[int, int, int, int], ...]
+    kv_locations: tuple[torch.Tensor, ...]  # per sequence: (seq_len,) locations, on device
+
+
+class TorchNativeBackend(AttentionBackend):
+    name: ClassVar[str] = "torch_native"
+    capturable: ClassVar[frozenset[Phase]] = frozenset()
+
+    def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        seqs = tuple(zip(batch.req_pool_indices_host, batch.prefix_lens_host,
+                         batch.extend_lens_host, batch.extend_start_host, strict=True))
+        table = self.table.device_table
+        locs = tuple(table[slot, : prefix + n].to(torch.int64) for slot, prefix, n, _ in seqs)
+        return TorchNativeMetadata(batch.out_cache_loc, seqs, locs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(meta, TorchNativeMetadata)
+        self.pool.store(layer_id, meta.out_cache_loc, k, v)
+        k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
+        out = torch.empty_like(q)
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        for (_, prefix, n, start), locs in zip(meta.seqs, meta.kv_locations, strict=True):
+            # (heads, n, d) queries against (heads, prefix + n, d) keys.
+            qi = q[start : start + n].transpose(0, 1)
+            ki = k_pool[locs].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            vi = v_pool[locs].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            # Query j (absolute position prefix + j) sees keys 0 .. prefix + j.
+            mask = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).tril(prefix)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.shape.scale)
+            out[start : start + n] = oi.transpose(0, 1)
+        return out

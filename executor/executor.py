@@ -1,0 +1,241 @@
+"""``Executor``: owns the model, the KV pools, the sequence table and the graph runners.
+
+Start-up reads top to bottom as a boot sequence:
+
+    1. resolve device and dtype
+    2. load weights                     (HF directory -> our modules)
+    3. size and allocate the KV cache   (pools + request-slot table)
+    4. attention backend and sampler
+    5. graph runners                    (capture happens on ``capture``)
+
+Every public call validates completely, then allocates atomically, then runs; if the
+forward pass fails after allocation, the allocation is rolled back, so a call applies to
+all of its items or to none. The executor is not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from executor.api import (
+    DecodeItem,
+    ExecutorStatus,
+    GraphStatus,
+    ItemOutput,
+    KVStats,
+    ModelInfo,
+    Phase,
+    PhaseCapture,
+    PrefillItem,
+    ReleaseResult,
+    SamplingParams,
+    StepInfo,
+    StepResult,
+)
+from executor.attention import AttentionShape, create_backend, resolve_backend_name
+from executor.config import TINY_MODEL, ExecutorConfig
+from executor.errors import ConfigError, GraphsUnavailable
+from executor.forward_batch import ForwardBatch
+from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
+from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
+from executor.model.loader import load_model
+from executor.model.tiny import ensure_tiny_model
+from executor.sampling import Sampler, SampleOutput
+from executor.validation import Limits, validate_decode, validate_prefill
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_TOKENS = 32768
+
+
+class Executor:
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        # -- 1. device and dtype -------------------------------------------------------
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
+        dtype_name = config.model.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+
+        # -- 2. weights ----------------------------------------------------------------
+        source = config.model.source
+        model_dir = ensure_tiny_model() if source == TINY_MODEL else Path(source)
+        from executor.model.loader import load_hf_config
+
+        spec = load_hf_config(model_dir)
+        max_context = config.cache.max_context or spec.max_position
+        self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context)
+        self.model_info = ModelInfo(
+            name=source if source == TINY_MODEL else model_dir.name,
+            architecture=spec.architecture,
+            dtype=dtype_name,
+            device=str(self.device),
+            vocab_size=spec.vocab_size,
+            max_context=max_context,
+        )
+
+        # -- 3. KV cache ---------------------------------------------------------------
+        num_tokens = self._kv_tokens(max_context)
+        self.pool = KVPool(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim,
+                           self.dtype, self.device)
+        self.table = ReqToTokenTable(config.cache.max_sequences, max_context, self.device)
+        self.kv = KVCacheManager(self.table, num_tokens)
+
+        # -- 4. attention and sampling -------------------------------------------------
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
+        self.attn = create_backend(backend_name, shape, self.pool, self.table)
+        self.sampler = Sampler()
+        self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
+                             config.decode_batch_limit)
+
+        # -- 5. graph runners ----------------------------------------------------------
+        # Runners arrive with the CUDA-graph work; until then every step runs eagerly and
+        # the decision below says why.
+        self._graph_modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,
+                                               "prefill": config.graphs.prefill_mode}
+
+    # ------------------------------------------------------------------------------------
+    # Boot helpers
+    # ------------------------------------------------------------------------------------
+    def _kv_tokens(self, max_context: int) -> int:
+        cache = self.config.cache
+        if cache.kv_tokens is not None:
+            return cache.kv_tokens
+        if self.device.type != "cuda":
+            return min(cache.max_sequences * max_context, CPU_DEFAULT_KV_TOKENS)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads,
+                                           self.spec.head_dim, self.dtype)
+        tokens = int(free * cache.kv_memory_fraction) // per_token
+        if tokens <= 0:
+            raise ConfigError(f"no device memory left for the KV cache ({free} bytes free)")
+        return tokens
+
+    # ------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------
+    def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
+        """Admit unknown sequences / extend known ones; sample where ``item.sample``."""
+        validate_prefill(items, self._seq_len, self.limits)
+        alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
+        try:
+            rows = [i for i, it in enumerate(items) if it.sample]
+            tokens = [t for it in items for t in it.token_ids]
+            batch = ForwardBatch.build("prefill", tokens, alloc, rows, self.device)
+            params = [items[i].sampling for i in rows]
+            positions = [alloc.extensions[i].seq_len for i in rows]
+            sampled, step = self._step(batch, params, positions)
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+        by_row = dict(zip(rows, range(len(rows)), strict=True))
+        outputs = tuple(
+            _output(it.seq_id, ext.seq_len, it.sampling, sampled, by_row.get(i))
+            for i, (it, ext) in enumerate(zip(items, alloc.extensions, strict=True))
+        )
+        return StepResult(outputs, step)
+
+    def decode(self, items: Sequence[DecodeItem]) -> StepResult:
+        """Append each item's token to its sequence and sample the next one."""
+        validate_decode(items, self._seq_len, self.limits)
+        alloc = self.kv.allocate([(it.seq_id, 1) for it in items])
+        try:
+            rows = list(range(len(items)))
+            batch = ForwardBatch.build("decode", [it.token_id for it in items], alloc, rows,
+                                       self.device)
+            positions = [ext.seq_len for ext in alloc.extensions]
+            sampled, step = self._step(batch, [it.sampling for it in items], positions)
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+        outputs = tuple(_output(it.seq_id, ext.seq_len, it.sampling, sampled, i)
+                        for i, (it, ext) in enumerate(zip(items, alloc.extensions, strict=True)))
+        return StepResult(outputs, step)
+
+    def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
+        """Free everything the sequences hold; unknown ids are reported, not an error."""
+        released, unknown = 0, []
+        for sid in dict.fromkeys(seq_ids):  # de-duplicated, order kept
+            if self.kv.release(sid):
+                released += 1
+            else:
+                unknown.append(sid)
+        return ReleaseResult(released, tuple(unknown))
+
+    def capture(self, phases: Sequence[Phase] = ("decode", "prefill"), force: bool = False
+                ) -> tuple[PhaseCapture, ...]:
+        """Capture CUDA graphs for ``phases`` (recapture with ``force``)."""
+        if self.device.type != "cuda":
+            raise GraphsUnavailable(
+                f"CUDA graphs need a CUDA device; this executor runs on {self.device.type}")
+        disabled = [p for p in phases if self._graph_modes[p] == "disabled"]
+        if disabled:
+            raise GraphsUnavailable(
+                f"graph mode is 'disabled' for {', '.join(disabled)}; start the server with a "
+                "graph mode for that phase to capture it")
+        raise GraphsUnavailable("CUDA-graph capture is not available in this build yet")
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats()
+
+    def status(self) -> ExecutorStatus:
+        graphs = tuple(GraphStatus(phase, mode, ()) for phase, mode in self._graph_modes.items())
+        return ExecutorStatus(self.model_info, self.kv.stats(), graphs)
+
+    # ------------------------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------------------------
+    def _seq_len(self, seq_id: str) -> int | None:
+        state = self.kv.get(seq_id)
+        return None if state is None else state.length
+
+    def _decide(self, batch: ForwardBatch) -> Decision:
+        size = batch.batch_size if batch.phase == "decode" else batch.num_tokens
+        state = RunnerState(cuda=self.device.type == "cuda",
+                            enabled=self._graph_modes[batch.phase] != "disabled",
+                            buckets=(), captured=frozenset(), failed=frozenset())
+        return decide(GraphKey(batch.phase, size), state)
+
+    @torch.inference_mode()
+    def _step(self, batch: ForwardBatch, params: list[SamplingParams], positions: list[int]
+              ) -> tuple[SampleOutput, StepInfo]:
+        start = time.perf_counter()
+        decision = self._decide(batch)
+        meta = self.attn.build_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
+        sampled = SampleOutput([], [], [])
+        if params:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            sampled = self.sampler(logits, params, positions)
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # KV written before we report success
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        reason = decision.reason.value if decision.reason is not None else ""
+        step = StepInfo(batch.phase, "eager", reason, batch.num_tokens, 0, elapsed_ms)
+        return sampled, step
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Eager forward returning float32 logits of ``batch.logits_indices`` (for tests
+        and benchmarks; it does not sample)."""
+        meta = self.attn.build_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _output(seq_id: str, seq_len: int, params: SamplingParams, sampled: SampleOutput,
+            row: int | None) -> ItemOutput:
+    if row is None:
+        return ItemOutput(seq_id, None, None, (), seq_len)
+    return ItemOutput(
+        seq_id,
+        sampled.token_ids[row],
+        sampled.logprobs[row] if params.logprobs else None,
+        sampled.top_logprobs[row],
+        seq_len,
+    )

@@ -1,0 +1,108 @@
+"""``ForwardBatch``: everything one forward pass needs, passed explicitly (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import Phase
+from executor.kv.manager import Allocation
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """A packed batch: ``T`` new tokens over ``B`` sequences, no padding.
+
+    Sequence ``i`` contributes tokens ``extend_start[i] : extend_start[i] + extend_lens[i]``
+    of the packed tensors; they sit at positions ``prefix_lens[i] ..`` of that sequence,
+    whose cached prefix (``prefix_lens[i]`` tokens) is already in the KV pool. Decode is the
+    special case ``extend_lens == 1``.
+
+    Device tensors are what kernels and graphs read; the ``*_host`` tuples are the same
+    values on the host, so eager code never needs a device-to-host sync.
+    """
+
+    phase: Phase
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_cache_loc: torch.Tensor  # (T,) int64: KV location each new token writes
+    req_pool_indices: torch.Tensor  # (B,) int64: request-slot row of each sequence
+    seq_lens: torch.Tensor  # (B,) int64: length after this step (prefix + new)
+    prefix_lens: torch.Tensor  # (B,) int64
+    extend_lens: torch.Tensor  # (B,) int64
+    extend_start: torch.Tensor  # (B,) int64: offset of each sequence in the packed tokens
+    logits_indices: torch.Tensor  # (S,) int64: packed rows whose logits are needed
+    req_pool_indices_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    prefix_lens_host: tuple[int, ...]
+    extend_lens_host: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+    @property
+    def extend_start_host(self) -> tuple[int, ...]:
+        starts, acc = [], 0
+        for n in self.extend_lens_host:
+            starts.append(acc)
+            acc += n
+        return tuple(starts)
+
+    @staticmethod
+    def build(
+        phase: Phase,
+        token_ids: list[int],
+        alloc: Allocation,
+        logits_rows: list[int],
+        device: torch.device,
+    ) -> ForwardBatch:
+        """Pack a batch from the tokens of each sequence (in ``alloc`` order).
+
+        ``logits_rows`` are indices into ``alloc.extensions`` of sequences that need the
+        logits of their last new token.
+        """
+        exts = alloc.extensions
+        prefix = [e.prefix_len for e in exts]
+        ext_lens = [e.new_len for e in exts]
+        starts: list[int] = []
+        positions: list[int] = []
+        acc = 0
+        for e in exts:
+            starts.append(acc)
+            positions.extend(range(e.prefix_len, e.prefix_len + e.new_len))
+            acc += e.new_len
+        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
+        slots = [e.slot for e in exts]
+        seq_lens = [e.seq_len for e in exts]
+
+        # All integer metadata travels in one host-to-device copy, then is split into views.
+        parts = [token_ids, positions, slots, seq_lens, prefix, ext_lens, starts, last_rows]
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        views = torch.split(flat.to(device, non_blocking=True), [len(p) for p in parts])
+        ids_d, pos_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d = views
+        return ForwardBatch(
+            phase=phase,
+            input_ids=ids_d,
+            positions=pos_d,
+            out_cache_loc=alloc.out_cache_loc_device,
+            req_pool_indices=slots_d,
+            seq_lens=seq_lens_d,
+            prefix_lens=prefix_d,
+            extend_lens=ext_d,
+            extend_start=starts_d,
+            logits_indices=rows_d,
+            req_pool_indices_host=tuple(slots),
+            seq_lens_host=tuple(seq_lens),
+            prefix_lens_host=tuple(prefix),
+            extend_lens_host=tuple(ext_lens),
+        )

@@ -1,0 +1,1 @@
+"""CUDA graphs: buckets and the graph-or-eager decision (pure), runners and backends."""

@@ -1,0 +1,160 @@
+"""The sequence table and atomic KV allocation on top of the pools.
+
+Invariants (checked by ``check_invariants`` in tests after every operation):
+
+* ``free + used == total`` for token locations and for slots;
+* every live sequence of length ``n`` owns exactly the locations in
+  ``table[slot, :n]``, and no location is owned twice;
+* ``allocate`` is all-or-nothing, and ``rollback`` undoes one allocation exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import KVStats
+from executor.errors import OutOfResources
+from executor.kv.allocator import SlotAllocator, TokenAllocator
+from executor.kv.pool import ReqToTokenTable
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    slot: int
+    length: int  # tokens whose K/V are in the cache
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One sequence's part of an allocation: tokens ``prefix_len .. prefix_len+new_len-1``."""
+
+    seq_id: str
+    slot: int
+    prefix_len: int
+    new_len: int
+    is_new: bool
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + self.new_len
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What one call allocated, in item order; ``out_cache_loc`` packs every new token."""
+
+    extensions: tuple[Extension, ...]
+    out_cache_loc: torch.Tensor  # (num_tokens,) int64, CPU
+    out_cache_loc_device: torch.Tensor  # same, on the executor's device
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.numel())
+
+
+class KVCacheManager:
+    """Owns the sequence table and allocates/frees KV locations and slots for it."""
+
+    def __init__(self, table: ReqToTokenTable, num_locations: int) -> None:
+        self.table = table
+        self.tokens = TokenAllocator(num_locations)
+        self.slots = SlotAllocator(table.max_sequences)
+        self._seqs: dict[str, SequenceState] = {}
+
+    # -- queries ---------------------------------------------------------------------
+    def get(self, seq_id: str) -> SequenceState | None:
+        return self._seqs.get(seq_id)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            total_tokens=self.tokens.size,
+            free_tokens=self.tokens.num_free,
+            total_slots=self.slots.size,
+            free_slots=self.slots.num_free,
+            active_sequences=len(self._seqs),
+        )
+
+    # -- mutations -------------------------------------------------------------------
+    def allocate(self, requests: Sequence[tuple[str, int]]) -> Allocation:
+        """Allocate ``n`` new token locations for each ``(seq_id, n)``, admitting unknown ids.
+
+        Raises OutOfResources (with needed vs free) before changing anything if the tokens
+        or the slots for the whole call do not fit. Callers validate ids and lengths first.
+        """
+        needed_tokens = sum(n for _, n in requests)
+        new_ids = [sid for sid, _ in requests if sid not in self._seqs]
+        if needed_tokens > self.tokens.num_free:
+            raise OutOfResources("kv_tokens", needed=needed_tokens, free=self.tokens.num_free)
+        if len(new_ids) > self.slots.num_free:
+            raise OutOfResources("sequence_slots", needed=len(new_ids), free=self.slots.num_free)
+
+        # From here on nothing can fail for lack of resources.
+        new_slots = iter(self.slots.alloc(len(new_ids)))
+        locs = self.tokens.alloc(needed_tokens)
+        extensions: list[Extension] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        for seq_id, n in requests:
+            state = self._seqs.get(seq_id)
+            if state is None:
+                state = SequenceState(seq_id, next(new_slots), 0)
+                self._seqs[seq_id] = state
+                is_new = True
+            else:
+                is_new = False
+            extensions.append(Extension(seq_id, state.slot, state.length, n, is_new))
+            rows.extend([state.slot] * n)
+            cols.extend(range(state.length, state.length + n))
+            state.length += n
+        device = self.table.device_table.device
+        locs_device = locs.to(device, non_blocking=True)
+        self.table.write(torch.tensor(rows, dtype=torch.int64),
+                         torch.tensor(cols, dtype=torch.int64), locs, locs_device)
+        return Allocation(tuple(extensions), locs, locs_device)
+
+    def rollback(self, alloc: Allocation) -> None:
+        """Undo ``alloc`` exactly (used when the forward pass after it fails)."""
+        self.tokens.free(alloc.out_cache_loc)
+        for ext in reversed(alloc.extensions):
+            if ext.is_new:
+                del self._seqs[ext.seq_id]
+                self.slots.free(ext.slot)
+            else:
+                self._seqs[ext.seq_id].length = ext.prefix_len
+
+    def release(self, seq_id: str) -> bool:
+        """Free every location and the slot of ``seq_id``; False if it is unknown."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return False
+        self.tokens.free(self.table.locations(state.slot, 0, state.length))
+        self.slots.free(state.slot)
+        return True
+
+    # -- test support ----------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if accounting is off (cheap enough to call in tests)."""
+        used = sum(s.length for s in self._seqs.values())
+        assert self.tokens.num_free + used == self.tokens.size, (
+            f"free {self.tokens.num_free} + used {used} != total {self.tokens.size}"
+        )
+        assert self.slots.num_free + len(self._seqs) == self.slots.size
+        owned = [self.table.locations(s.slot, 0, s.length) for s in self._seqs.values()]
+        if owned:
+            all_locs = torch.cat(owned)
+            assert int(all_locs.unique().numel()) == int(all_locs.numel()), "location owned twice"
+            assert int(all_locs.min()) >= 1, "reserved location handed out"
+            free = self.tokens._free[: self.tokens.num_free]
+            assert not bool(torch.isin(all_locs, free).any()), "owned location is also free"
+        slots = [s.slot for s in self._seqs.values()]
+        assert len(set(slots)) == len(slots), "slot owned twice"

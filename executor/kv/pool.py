@@ -1,0 +1,81 @@
+"""Device buffers of the KV cache: per-layer K/V pools and the request-slot table."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Per-layer K and V buffers indexed by token location.
+
+    Shapes: ``k[layer]`` and ``v[layer]`` are ``(num_locations + 1, kv_heads, head_dim)``;
+    row 0 is the reserved dummy location (see ``allocator.RESERVED_LOCATION``). One
+    allocation backs all layers, and the per-layer tensors are views of it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_locations: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_locations = num_locations
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_layers, num_locations + 1, num_kv_heads, head_dim)
+        # (layers, locations + 1, kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))
+        self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_buffer.nbytes + self.v_buffer.nbytes
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new K/V rows: ``loc`` (tokens,), ``k``/``v`` (tokens, kv_heads, head_dim)."""
+        self.k[layer][loc] = k.to(self.dtype)
+        self.v[layer][loc] = v.to(self.dtype)
+
+
+class ReqToTokenTable:
+    """``table[slot, i]`` is the KV location of token ``i`` of the sequence in ``slot``.
+
+    The device copy is what attention kernels read; a host mirror lets release and
+    rollback find a sequence's locations without a device-to-host copy.
+    """
+
+    def __init__(self, max_sequences: int, max_context: int, device: torch.device) -> None:
+        self.max_sequences = max_sequences
+        self.max_context = max_context
+        # (max_sequences, max_context) int32
+        self.device_table = torch.zeros((max_sequences, max_context), dtype=torch.int32, device=device)
+        self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor,
+              locs_device: torch.Tensor) -> None:
+        """Set ``table[rows[j], cols[j]] = locs[j]`` on host and device (one index_put each).
+
+        ``rows``/``cols``/``locs`` are CPU tensors; ``locs_device`` is ``locs`` on the device
+        (the caller already needs it there for the forward pass).
+        """
+        self.host_table[rows, cols] = locs.to(torch.int32)
+        dev = self.device_table.device
+        self.device_table[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = (
+            locs_device.to(torch.int32)
+        )
+
+    def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""
+        return self.host_table[slot, start:end].to(torch.int64)

@@ -1,0 +1,1 @@
+"""Llama-family models: spec, layers, decoder, loader, the embedded tiny model."""

@@ -1,0 +1,117 @@
+"""Sampling on the device with per-sequence parameters in one batch.
+
+Order of operations (as in HF ``generate``): temperature, top-k, top-p, min-p, then a draw.
+Greedy rows (temperature 0) take the argmax of the raw logits. Log-probabilities returned
+to the caller are those of the raw distribution.
+
+The draw is an exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` picks ``i``
+with probability ``p_i``. The ``E_i`` come from a counter-based hash of (seed, position,
+token id), so a seeded sequence is reproducible whatever else shares its batch, with no
+per-row generator objects and no host sync.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import SamplingParams
+
+_MASK31 = 0x7FFFFFFF
+# Odd 31-bit multipliers for the integer mixer (products stay below 2**62: no overflow).
+_MIX_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995 & _MASK31)
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]]
+
+
+def _row_key(seed: int, position: int) -> int:
+    """Mix (seed, position) into a 31-bit key on the host (splitmix64 finalizer)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & _MASK31
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``(B, vocab)`` float32, a pure function of ``keys`` (B,) int64."""
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] + idx[None, :] * 0x9E3779B) & _MASK31
+    for mult in _MIX_MULTIPLIERS:
+        x = x ^ (x >> 15)
+        x = (x * mult) & _MASK31
+    x = x ^ (x >> 16)
+    u = (x.to(torch.float64) + 0.5) / float(1 << 31)  # uniform in (0, 1)
+    return (-torch.log(u)).to(torch.float32)
+
+
+def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p; filtered-out entries become -inf. (B, V) float32."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=device)
+    x = logits / temps[:, None]
+    if any(p.top_k > 0 for p in params):
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor(ks, device=device)[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
+                          float("-inf"))
+    return x
+
+
+class Sampler:
+    """Samples one token per row. Holds only a host RNG for unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 positions: Sequence[int]) -> SampleOutput:
+        """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
+        in its sequence (it keys the seeded noise)."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            sub_params = [params[i] for i in sampled_rows]
+            filtered = apply_filters(logits[rows], sub_params)
+            keys = torch.tensor(
+                [_row_key(p.seed if p.seed is not None else self._rng.getrandbits(63),
+                          positions[i]) for i, p in zip(sampled_rows, sub_params, strict=True)],
+                device=logits.device, dtype=torch.int64,
+            )
+            noise = exponential_noise(keys, logits.shape[-1])
+            drawn = (filtered.softmax(-1) / noise).argmax(dim=-1)
+            tokens = tokens.index_copy(0, rows, drawn)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        k = max((p.top_logprobs for p in params), default=0)
+        if k > 0:
+            top = torch.topk(raw_logprobs, k, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        token_list, logprob_list = tokens.tolist(), chosen.tolist()
+        tops: list[tuple[tuple[int, float], ...]] = []
+        for i, p in enumerate(params):
+            n = p.top_logprobs
+            tops.append(tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ())
+        return SampleOutput(token_list, logprob_list, tops)

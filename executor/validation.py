@@ -1,0 +1,129 @@
+"""Request validation: pure functions over the items and the sequence table.
+
+Everything is checked before anything is allocated, and every violation is reported
+(not only the first) with the field path a client sent, e.g. ``items[2].token_ids[7]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from executor.api import MAX_TOP_LOGPROBS, DecodeItem, PrefillItem, SamplingParams
+from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+    max_prefill_tokens: int
+    max_decode_batch: int
+
+
+def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
+    out = []
+
+    def bad(name: str, why: str) -> None:
+        out.append(FieldViolation(f"{field}.{name}", why))
+
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {p.temperature}")
+    if p.top_k < 0:
+        bad("top_k", f"must be >= 0 (0 = off), got {p.top_k}")
+    if not (0.0 < p.top_p <= 1.0):
+        bad("top_p", f"must be in (0, 1] (1 = off), got {p.top_p}")
+    if not (0.0 <= p.min_p <= 1.0):
+        bad("min_p", f"must be in [0, 1] (0 = off), got {p.min_p}")
+    if not (0 <= p.top_logprobs <= MAX_TOP_LOGPROBS):
+        bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if p.seed is not None and not (0 <= p.seed < 2**64):
+        bad("seed", f"must be in [0, 2**64), got {p.seed}")
+    return out
+
+
+def _common(seq_ids: Sequence[str], what: str) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+    if not seq_ids:
+        out.append(FieldViolation("items", f"must contain at least one {what} item"))
+    first: dict[str, int] = {}
+    for i, sid in enumerate(seq_ids):
+        if not sid:
+            out.append(FieldViolation(f"items[{i}].seq_id", "must be a non-empty string"))
+        elif sid in first:
+            out.append(FieldViolation(
+                f"items[{i}].seq_id",
+                f"{sid!r} appears more than once in one call (also items[{first[sid]}])"))
+        else:
+            first[sid] = i
+    return out
+
+
+def _token_violation(token: int, field: str, vocab: int) -> FieldViolation | None:
+    if 0 <= token < vocab:
+        return None
+    return FieldViolation(field, f"token id {token} is outside the vocabulary [0, {vocab})")
+
+
+def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int | None],
+                     limits: Limits) -> None:
+    """Raise InvalidRequest / ContextLengthExceeded; ``seq_len`` gives a known id's length."""
+    out = _common([it.seq_id for it in items], "prefill")
+    total = 0
+    too_long: list[FieldViolation] = []
+    for i, it in enumerate(items):
+        n = len(it.token_ids)
+        total += n
+        if n == 0:
+            out.append(FieldViolation(f"items[{i}].token_ids", "must contain at least one token"))
+        for k, tok in enumerate(it.token_ids):
+            v = _token_violation(tok, f"items[{i}].token_ids[{k}]", limits.vocab_size)
+            if v is not None:
+                out.append(v)
+                break  # one per item is enough to act on
+        out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
+        cached = seq_len(it.seq_id) or 0
+        if cached + n > limits.max_context:
+            too_long.append(FieldViolation(
+                f"items[{i}].token_ids",
+                f"sequence {it.seq_id!r} would reach {cached + n} tokens ({cached} cached + "
+                f"{n} new); max_context is {limits.max_context}"))
+    if total > limits.max_prefill_tokens:
+        out.append(FieldViolation(
+            "items", f"{total} tokens in one call; at most {limits.max_prefill_tokens} "
+            "(split the prompt into chunks)"))
+    if out:
+        raise InvalidRequest(out + too_long)
+    if too_long:
+        raise ContextLengthExceeded(too_long)
+
+
+def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | None],
+                    limits: Limits) -> None:
+    """Raise InvalidRequest / ContextLengthExceeded / SequenceNotFound."""
+    out = _common([it.seq_id for it in items], "decode")
+    if len(items) > limits.max_decode_batch:
+        out.append(FieldViolation(
+            "items", f"{len(items)} sequences in one call; at most {limits.max_decode_batch}"))
+    unknown: list[tuple[str, str]] = []
+    too_long: list[FieldViolation] = []
+    for i, it in enumerate(items):
+        v = _token_violation(it.token_id, f"items[{i}].token_id", limits.vocab_size)
+        if v is not None:
+            out.append(v)
+        out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
+        cached = seq_len(it.seq_id)
+        if it.seq_id and cached is None:
+            unknown.append((it.seq_id, f"items[{i}].seq_id"))
+        elif cached is not None and cached + 1 > limits.max_context:
+            too_long.append(FieldViolation(
+                f"items[{i}].token_id",
+                f"sequence {it.seq_id!r} already holds {cached} tokens; max_context is "
+                f"{limits.max_context}"))
+    if out:
+        raise InvalidRequest(out + too_long)
+    if unknown:
+        raise SequenceNotFound([s for s, _ in unknown], [f for _, f in unknown])
+    if too_long:
+        raise ContextLengthExceeded(too_long)

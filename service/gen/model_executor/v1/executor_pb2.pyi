@@ -1,0 +1,266 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_PREFILL: _ClassVar[Phase]
+    PHASE_DECODE: _ClassVar[Phase]
+
+class Path(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PATH_UNSPECIFIED: _ClassVar[Path]
+    PATH_GRAPH: _ClassVar[Path]
+    PATH_EAGER: _ClassVar[Path]
+
+class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_STATE_UNSPECIFIED: _ClassVar[ServerState]
+    SERVER_STATE_STARTING: _ClassVar[ServerState]
+    SERVER_STATE_CAPTURING: _ClassVar[ServerState]
+    SERVER_STATE_READY: _ClassVar[ServerState]
+    SERVER_STATE_DRAINING: _ClassVar[ServerState]
+    SERVER_STATE_UNHEALTHY: _ClassVar[ServerState]
+PHASE_UNSPECIFIED: Phase
+PHASE_PREFILL: Phase
+PHASE_DECODE: Phase
+PATH_UNSPECIFIED: Path
+PATH_GRAPH: Path
+PATH_EAGER: Path
+SERVER_STATE_UNSPECIFIED: ServerState
+SERVER_STATE_STARTING: ServerState
+SERVER_STATE_CAPTURING: ServerState
+SERVER_STATE_READY: ServerState
+SERVER_STATE_DRAINING: ServerState
+SERVER_STATE_UNHEALTHY: ServerState
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "top_logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "items")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+
+class PrefillItem(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "sample", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "items")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
+
+class DecodeItem(_message.Message):
+    __slots__ = ("seq_id", "token_id", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class ItemOutput(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    seq_len: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ...) -> None: ...
+
+class StepInfo(_message.Message):
+    __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    path: Path
+    fallback_reason: str
+    num_tokens: int
+    padded_tokens: int
+    forward_ms: float
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[ItemOutput]
+    step: StepInfo
+    queue_ms: float
+    execute_ms: float
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "seq_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released", "unknown_seq_ids")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    unknown_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CaptureRequest(_message.Message):
+    __slots__ = ("phases", "force")
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    phases: _containers.RepeatedScalarFieldContainer[Phase]
+    force: bool
+    def __init__(self, phases: _Optional[_Iterable[_Union[Phase, str]]] = ..., force: bool = ...) -> None: ...
+
+class CaptureResponse(_message.Message):
+    __slots__ = ("phases",)
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseCapture]
+    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseCapture, _Mapping]]] = ...) -> None: ...
+
+class PhaseCapture(_message.Message):
+    __slots__ = ("phase", "backend", "buckets", "total_ms", "memory_bytes")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    backend: str
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketCapture]
+    total_ms: float
+    memory_bytes: int
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., backend: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[BucketCapture, _Mapping]]] = ..., total_ms: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class BucketCapture(_message.Message):
+    __slots__ = ("size", "capture_ms", "ok", "error", "memory_bytes")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_MS_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    capture_ms: float
+    ok: bool
+    error: str
+    memory_bytes: int
+    def __init__(self, size: _Optional[int] = ..., capture_ms: _Optional[float] = ..., ok: bool = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("state", "model", "kv", "graphs", "version", "uptime_s", "pending_calls")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    state: ServerState
+    model: ModelInfo
+    kv: KVCacheStats
+    graphs: _containers.RepeatedCompositeFieldContainer[GraphStatus]
+    version: str
+    uptime_s: float
+    pending_calls: int
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv: _Optional[_Union[KVCacheStats, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[GraphStatus, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pending_calls: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_context: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class KVCacheStats(_message.Message):
+    __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences")
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    total_tokens: int
+    free_tokens: int
+    total_slots: int
+    free_slots: int
+    active_sequences: int
+    def __init__(self, total_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., active_sequences: _Optional[int] = ...) -> None: ...
+
+class GraphStatus(_message.Message):
+    __slots__ = ("phase", "mode", "captured_sizes")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_SIZES_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    mode: str
+    captured_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
