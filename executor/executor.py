@@ -44,7 +44,7 @@ from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
 from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
 from executor.model.loader import load_model
 from executor.model.tiny import ensure_tiny_model
-from executor.sampling import Sampler, SampleOutput
+from executor.sampling import SampleOutput, Sampler
 from executor.validation import Limits, validate_decode, validate_prefill
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

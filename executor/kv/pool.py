@@ -35,7 +35,8 @@ class KVPool:
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
@@ -60,7 +61,8 @@ class ReqToTokenTable:
         self.max_sequences = max_sequences
         self.max_context = max_context
         # (max_sequences, max_context) int32
-        self.device_table = torch.zeros((max_sequences, max_context), dtype=torch.int32, device=device)
+        self.device_table = torch.zeros((max_sequences, max_context), dtype=torch.int32,
+                                        device=device)
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor,

@@ -123,7 +123,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
                     raise ModelLoadError(
                         f"unexpected tensor {hf_name!r} in {file.name} for {spec.architecture}"
                     )
-                target = params[name]
+                target: torch.Tensor = params[name]
                 if shard is not None:
                     rows = _shard_rows(spec, name)
                     target = target[rows[shard] : rows[shard + 1]]
@@ -138,7 +138,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
                 loaded.add((name, shard))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        shown = ", ".join(missing[:8]) + more
         raise ModelLoadError(f"checkpoint at {str(path)!r} is missing tensors: {shown}")
     model.eval().requires_grad_(False)
     return model, spec

@@ -1,0 +1,242 @@
+"""Triton paged attention: a CUDA-graph-capturable decode and an eager packed extend.
+
+Decode (one new token per sequence) is one split-KV kernel, which also stores the new
+K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
+launch shape depends on the batch size only, so one capture per batch bucket serves any
+lengths up to the table's max context. Extend (prefill, chunked prefill, mixed batches)
+stores the new K/V with ``store_kv`` and runs ``extend_attention``, whose grid uses the
+host-side max extend length: it runs eagerly.
+
+Graph use (decode only; see ``AttentionBackend``):
+
+* ``init_graph_buffers`` allocates ``DecodeGraphBuffers`` once for the largest bucket;
+* ``capture_metadata("decode", bs, bs)`` fills rows ``:bs`` with padding and returns
+  metadata whose tensors are views of them;
+* ``refresh_metadata`` copies a real batch into rows ``:B`` and padding into ``B:bs``.
+
+A padded row has ``seq_len`` 1 (only the new token), slot 0 and ``out_cache_loc`` 0: the
+kernel reads no table entry for it and writes its K/V to the reserved location 0 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from executor.api import Phase
+from executor.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from executor.attention.triton_kernels import (
+    decode_attention,
+    extend_attention,
+    num_kv_splits,
+    store_kv,
+)
+from executor.forward_batch import ForwardBatch
+from executor.kv.allocator import RESERVED_LOCATION
+from executor.kv.pool import KVPool, ReqToTokenTable
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
+_DEFAULT_NUM_SMS = 132
+# A padded decode row: (request slot, seq_len, out_cache_loc). seq_len 1 means the row
+# attends to its own new token only, so slot 0's table row is never read.
+_PAD_ROW = (0, 1, RESERVED_LOCATION)
+
+
+@dataclass(frozen=True)
+class TritonDecodeMetadata(AttentionMetadata):
+    """One new token per sequence. Under a graph, every tensor is a view of the static
+    ``DecodeGraphBuffers``; eagerly they are the batch's own tensors."""
+
+    req_pool_indices: torch.Tensor  # (B,) int64
+    seq_lens: torch.Tensor  # (B,) int64, including the new token
+    out_cache_loc: torch.Tensor  # (B,) int64
+    # Split-KV scratch; None when each sequence runs as one split (no reduction).
+    partial_out: torch.Tensor | None  # (B, heads, splits, head_dim) fp32
+    partial_lse: torch.Tensor | None  # (B, heads, splits) fp32
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass(frozen=True)
+class TritonExtendMetadata(AttentionMetadata):
+    """Packed variable-length extend; eager only (the grid uses ``max_extend_len``)."""
+
+    req_pool_indices: torch.Tensor  # (B,) int64
+    prefix_lens: torch.Tensor  # (B,) int64
+    extend_lens: torch.Tensor  # (B,) int64
+    extend_start: torch.Tensor  # (B,) int64
+    out_cache_loc: torch.Tensor  # (T,) int64
+    max_extend_len: int
+
+
+@dataclass
+class DecodeGraphBuffers:
+    """Static decode metadata for the largest bucket; a bucket of ``bs`` rows uses the
+    leading ``bs`` columns. Addresses never change after allocation (graphs record them)."""
+
+    rows: torch.Tensor  # (3, max_batch) int64: req_pool_indices, seq_lens, out_cache_loc
+    pad_rows: torch.Tensor  # (3, max_batch) int64: _PAD_ROW in every column
+    partial_out: torch.Tensor  # (max over buckets of bs * splits * heads * head_dim,) fp32
+    partial_lse: torch.Tensor  # (max over buckets of bs * splits * heads,) fp32
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.rows.shape[1])
+
+
+class TritonBackend(AttentionBackend):
+    name: ClassVar[str] = "triton"
+    capturable: ClassVar[frozenset[Phase]] = frozenset({"decode"})
+
+    def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
+        super().__init__(shape, pool, table)
+        if pool.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"triton attention supports fp16 and bf16 KV, not {pool.dtype}")
+        if (pool.num_kv_heads, pool.head_dim) != (shape.num_kv_heads, shape.head_dim):
+            raise ValueError(f"KV pool is ({pool.num_kv_heads} heads, dim {pool.head_dim}), "
+                             f"attention wants ({shape.num_kv_heads}, {shape.head_dim})")
+        if shape.num_heads % shape.num_kv_heads:
+            raise ValueError(f"{shape.num_heads} query heads are not a multiple of "
+                             f"{shape.num_kv_heads} KV heads")
+        device = pool.k_buffer.device
+        self.device = device
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else _DEFAULT_NUM_SMS)
+        self.graph_buffers: DecodeGraphBuffers | None = None
+
+    def num_splits(self, batch_size: int) -> int:
+        """Split-KV factor of a decode of ``batch_size`` rows (lengths play no part)."""
+        return num_kv_splits(batch_size, self.shape.num_kv_heads, self.table.max_context,
+                             self.num_sms)
+
+    # -- eager ---------------------------------------------------------------------------
+    def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
+        if batch.phase == "decode":
+            _check_decode(batch)
+            partial_out, partial_lse = self._alloc_scratch(batch.batch_size)
+            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
+                                        batch.out_cache_loc, partial_out, partial_lse)
+        return TritonExtendMetadata(
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            extend_start=batch.extend_start,
+            out_cache_loc=batch.out_cache_loc,
+            max_extend_len=max(batch.extend_lens_host, default=0),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = _inner_contiguous(q), _inner_contiguous(k), _inner_contiguous(v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, heads, head_dim)
+        k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
+        table = self.table.device_table
+        if isinstance(meta, TritonDecodeMetadata):
+            assert q.shape[0] == meta.batch_size, "decode takes exactly one token per row"
+            # Also stores k/v at meta.out_cache_loc (fused into the split kernel).
+            decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
+                             meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
+                             meta.partial_lse, self.shape.scale)
+        elif isinstance(meta, TritonExtendMetadata):
+            store_kv(k_pool, v_pool, meta.out_cache_loc, k, v)
+            extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
+                             meta.prefix_lens, meta.extend_lens, meta.extend_start,
+                             meta.max_extend_len, self.shape.scale)
+        else:
+            raise TypeError(f"triton backend got {type(meta).__name__}")
+        return out
+
+    # -- graph hooks -----------------------------------------------------------------------
+    def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:
+        """Allocate the static decode buffers for buckets of up to ``max_batch`` rows.
+
+        Idempotent while the existing buffers are big enough: graphs captured over them
+        stay valid (their addresses must not change). ``max_tokens`` is unused: decode
+        has one token per row and extend metadata is never captured.
+        """
+        del max_tokens
+        if self.graph_buffers is not None and self.graph_buffers.max_batch >= max_batch:
+            return
+        heads, dim = self.shape.num_heads, self.shape.head_dim
+        # Scratch for the bucket that needs the most (bs * splits is not monotonic in bs).
+        rows_x_splits = max(bs * self.num_splits(bs) for bs in range(1, max_batch + 1))
+        pad = torch.tensor(_PAD_ROW, dtype=torch.int64, device=self.device)
+        pad_rows = pad[:, None].expand(3, max_batch).contiguous()
+        self.graph_buffers = DecodeGraphBuffers(
+            rows=pad_rows.clone(),
+            pad_rows=pad_rows,
+            partial_out=torch.empty(rows_x_splits * heads * dim, dtype=torch.float32,
+                                    device=self.device),
+            partial_lse=torch.empty(rows_x_splits * heads, dtype=torch.float32,
+                                    device=self.device),
+        )
+
+    def capture_metadata(self, phase: Phase, batch_size: int,
+                         num_tokens: int) -> TritonDecodeMetadata:
+        if phase != "decode":
+            raise NotImplementedError(f"triton attention captures decode only, not {phase}: "
+                                      "extend attention runs eagerly between graph pieces")
+        bufs = self._buffers(batch_size)
+        if num_tokens != batch_size:
+            raise ValueError(f"decode has one token per row: {num_tokens} != {batch_size}")
+        bufs.rows[:, :batch_size].copy_(bufs.pad_rows[:, :batch_size])
+        splits = self.num_splits(batch_size)
+        heads, dim = self.shape.num_heads, self.shape.head_dim
+        partial_out = partial_lse = None
+        if splits > 1:
+            n = batch_size * heads * splits
+            partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
+            partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
+        req, seq_lens, loc = bufs.rows[:, :batch_size]
+        return TritonDecodeMetadata(req, seq_lens, loc, partial_out, partial_lse)
+
+    def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
+        """Copy ``batch`` into the static rows of ``meta`` (padding after it): 2-3 small
+        device copies, no host sync, issued on the current stream before the replay."""
+        assert isinstance(meta, TritonDecodeMetadata), type(meta).__name__
+        size = meta.batch_size
+        bufs = self._buffers(size)
+        assert meta.seq_lens.data_ptr() == bufs.rows[1].data_ptr(), "not capture metadata"
+        _check_decode(batch)
+        real = batch.batch_size
+        if real > size:
+            raise ValueError(f"batch of {real} does not fit a bucket of {size}")
+        bufs.rows[:, :real].copy_(
+            torch.stack((batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc)))
+        if real < size:
+            bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _buffers(self, batch_size: int) -> DecodeGraphBuffers:
+        if self.graph_buffers is None:
+            raise RuntimeError("init_graph_buffers must run before capture_metadata")
+        if batch_size > self.graph_buffers.max_batch:
+            raise ValueError(f"bucket {batch_size} exceeds the graph buffers' max batch "
+                             f"{self.graph_buffers.max_batch}")
+        return self.graph_buffers
+
+    def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        splits = self.num_splits(batch_size)
+        if splits == 1:
+            return None, None
+        heads, dim = self.shape.num_heads, self.shape.head_dim
+        out = torch.empty((batch_size, heads, splits, dim), dtype=torch.float32,
+                          device=self.device)
+        lse = torch.empty((batch_size, heads, splits), dtype=torch.float32, device=self.device)
+        return out, lse
+
+
+def _check_decode(batch: ForwardBatch) -> None:
+    if batch.phase != "decode" or any(n != 1 for n in batch.extend_lens_host):
+        raise ValueError("triton decode metadata needs a decode batch (one token per row)")
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # Kernels take any token/head strides (e.g. q/k/v as views of one fused QKV output)
+    # but need each head's vector contiguous.
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,271 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Split-KV paged decode attention: one new query token per sequence.
+
+Design (page size 1; a sequence's KV is read through its request-slot table row):
+
+* Grid ``(batch, kv_heads, num_splits)``. A program owns one KV head and the ``group``
+  query heads that share it, so each cached K/V row is read once per group (GQA), and
+  both matmuls run on tensor cores with the group as the M dimension (padded to 16 rows).
+* ``num_splits`` is fixed on the host per batch size (``num_kv_splits``); nothing in the
+  launch depends on sequence lengths, which the kernels read from device memory. One
+  launch can therefore be captured in a CUDA graph and replayed for any lengths.
+* The ``seq_len - 1`` cached tokens of a sequence are cut into ``num_splits`` equal chunks
+  (a multiple of ``SPLIT_ALIGN`` tokens), computed in the kernel from its length. Programs
+  past the last chunk do nothing and the reduction never reads their slots.
+* The new token's K/V arrive in registers, not from the pool: split 0 writes them to the
+  pool at ``out_cache_loc`` (the fused store) and seeds its softmax with them. A padded
+  graph row (``seq_len`` 1, ``out_cache_loc`` 0) so reads no table entry at all and
+  writes only the reserved location 0.
+* Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch;
+  ``_decode_reduce_kernel`` merges the splits of each (sequence, head). With one split the
+  split kernel writes the final output and the reduction is not launched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Chunks are a multiple of this many tokens: a program does at least this much work.
+SPLIT_ALIGN = 32
+# Bounds the reduction's tile and the fp32 scratch.
+MAX_SPLITS = 64
+BLOCK_N = 64  # cached tokens per inner iteration
+# Query heads of a group are padded to this many rows (tl.dot needs M >= 16).
+MIN_BLOCK_H = 16
+# Programs wanted per SM: enough in flight to hide the gather latency of short splits.
+PROGRAMS_PER_SM = 2
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence for a decode launch of ``batch_size`` rows.
+
+    Depends only on the batch size (fixed per graph bucket), never on the lengths: enough
+    splits that ``batch * kv_heads * splits`` fills the GPU about ``PROGRAMS_PER_SM``
+    times over, but no more than a max-context sequence has ``SPLIT_ALIGN`` chunks.
+    """
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
+    useful = triton.cdiv(max(max_context - 1, 1), SPLIT_ALIGN)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@triton.jit
+def _split_size(cached, NUM_SPLITS: tl.constexpr, ALIGN: tl.constexpr):
+    # ceil(cached / NUM_SPLITS) rounded up to a multiple of ALIGN (ALIGN when cached == 0).
+    per_split = (cached + NUM_SPLITS - 1) // NUM_SPLITS
+    return tl.maximum((per_split + ALIGN - 1) // ALIGN * ALIGN, ALIGN)
+
+
+@triton.jit(do_not_specialize=["group"])
+def _decode_split_kernel(
+    q_ptr,  # (B, heads, head_dim): one new query per sequence
+    k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
+    k_pool_ptr, v_pool_ptr,  # (locations + 1, kv_heads, head_dim), same strides
+    table_ptr,  # (max_sequences, max_context) int32 locations
+    req_idx_ptr, seq_lens_ptr, out_loc_ptr,  # (B,) int64 each
+    mid_o_ptr,  # (B, heads, NUM_SPLITS, head_dim) fp32, normalized partial outputs
+    mid_lse_ptr,  # (B, heads, NUM_SPLITS) fp32, log2-sum-exp of each split
+    out_ptr,  # (B, heads, head_dim): written only when NUM_SPLITS == 1
+    sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    group,  # query heads per KV head
+    stride_q_t, stride_q_h,
+    stride_kn_t, stride_kn_h,
+    stride_vn_t, stride_vn_h,
+    stride_pool_n, stride_pool_h,
+    stride_table,
+    stride_mid_b, stride_mid_h, stride_mid_s,
+    stride_lse_b, stride_lse_h,
+    stride_out_t, stride_out_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1  # pool positions 0 .. cached - 1
+    chunk = _split_size(cached, NUM_SPLITS, SPLIT_ALIGN)
+    start = split * chunk
+    end = tl.minimum(start + chunk, cached)
+    # Split 0 always runs (it owns the new token); a later split only if it has tokens.
+    if (split == 0) | (start < cached):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < group
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * group + offs_h  # (BLOCK_H,) query heads of this KV head
+        mask_hd = mask_h[:, None] & mask_d[None, :]
+        pool_dtype = k_pool_ptr.dtype.element_ty
+
+        # (BLOCK_H, BLOCK_D)
+        q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+                    mask=mask_hd, other=0.0)
+        # (BLOCK_D,), rounded through the pool dtype exactly as a pool read would be.
+        k_new = tl.load(k_new_ptr + b * stride_kn_t + kvh * stride_kn_h + offs_d,
+                        mask=mask_d, other=0.0).to(pool_dtype)
+        v_new = tl.load(v_new_ptr + b * stride_vn_t + kvh * stride_vn_h + offs_d,
+                        mask=mask_d, other=0.0).to(pool_dtype)
+        is_first = split == 0
+        # Fused store: each (sequence, KV head) writes its new row once, from split 0.
+        loc = tl.load(out_loc_ptr + b).to(tl.int64)
+        dst = loc * stride_pool_n + kvh * stride_pool_h + offs_d
+        tl.store(k_pool_ptr + dst, k_new, mask=mask_d & is_first)
+        tl.store(v_pool_ptr + dst, v_new, mask=mask_d & is_first)
+
+        # Online-softmax state, seeded by the new token in split 0 and empty elsewhere.
+        qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)
+        m_i = tl.where(is_first, qk_new * sm_scale_log2, float("-inf"))  # (BLOCK_H,)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + tl.where(is_first, 1.0, 0.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + tl.where(
+            is_first, v_new.to(tl.float32), 0.0)[None, :]  # (BLOCK_H, BLOCK_D)
+
+        table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
+        head_off = kvh * stride_pool_h + offs_d[None, :]
+        # Every block holds at least one valid token, so m_i is finite after it.
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            mask_nd = mask_n[:, None] & mask_d[None, :]
+            # (BLOCK_N, BLOCK_D) gathered rows
+            k = tl.load(k_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                        other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o_ptrs = out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
+            tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
+        else:
+            mid_base = b * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
+            tl.store(mid_o_ptr + mid_base[:, None] + offs_d[None, :], acc / l_i[:, None],
+                     mask=mask_hd)
+            lse_ptrs = mid_lse_ptr + b * stride_lse_b + heads * stride_lse_h + split
+            tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr,  # (B, heads, NUM_SPLITS, head_dim) fp32
+    mid_lse_ptr,  # (B, heads, NUM_SPLITS) fp32
+    seq_lens_ptr,  # (B,) int64
+    out_ptr,  # (B, heads, head_dim)
+    stride_mid_b, stride_mid_h, stride_mid_s,
+    stride_lse_b, stride_lse_h,
+    stride_out_t, stride_out_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+):
+    # One program per (sequence, query head): a log-sum-exp weighted mean of the splits.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1
+    chunk = _split_size(cached, NUM_SPLITS, SPLIT_ALIGN)
+    # Same arithmetic as the split kernel: only splits that ran are read (split 0 always).
+    active = tl.maximum((cached + chunk - 1) // chunk, 1)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < active
+    lse = tl.load(mid_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=mask_s,
+                  other=float("-inf"))  # (BLOCK_S,)
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # 0 for splits that did not run
+    o_ptrs = (mid_o_ptr + b * stride_mid_b + h * stride_mid_h + offs_s[:, None] * stride_mid_s
+              + offs_d[None, :])
+    mid = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(mid * weight[:, None], axis=0) / tl.sum(weight, axis=0)  # (BLOCK_D,)
+    tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, heads, head_dim)
+    k_new: torch.Tensor,  # (B, kv_heads, head_dim)
+    v_new: torch.Tensor,  # (B, kv_heads, head_dim)
+    k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    table: torch.Tensor,  # (max_sequences, max_context) int32
+    req_pool_indices: torch.Tensor,  # (B,) int64
+    seq_lens: torch.Tensor,  # (B,) int64, including the new token
+    out_cache_loc: torch.Tensor,  # (B,) int64
+    out: torch.Tensor,  # (B, heads, head_dim), written
+    mid_o: torch.Tensor | None,  # (B, heads, num_splits, head_dim) fp32 scratch
+    mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
+    sm_scale: float,
+) -> None:
+    """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
+
+    The split count is ``mid_o.shape[2]``; without scratch (``None``) it is 1. The launch
+    shape depends on ``B`` and the split count only, so it may be captured in a CUDA
+    graph: lengths, slots and locations are read on the device.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
+    assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == out.stride(-1) == 1
+    if mid_o is None or mid_lse is None:
+        # One split: the split kernel writes ``out``; the scratch pointers are never used.
+        num_splits = 1
+        mid_o = mid_lse = out
+    else:
+        num_splits = mid_o.shape[2]
+        assert mid_lse.shape[2] == num_splits
+        assert mid_o.stride(-1) == 1 and mid_lse.stride(-1) == 1
+    block_d = triton.next_power_of_2(head_dim)
+    scale_log2 = sm_scale * math.log2(math.e)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
+        mid_o, mid_lse, out,
+        scale_log2, group,
+        q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
+        k_pool.stride(0), k_pool.stride(1),
+        table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits,
+        SPLIT_ALIGN=SPLIT_ALIGN,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits == 1:
+        return
+    _decode_reduce_kernel[(batch, num_heads)](
+        mid_o, mid_lse, seq_lens, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        SPLIT_ALIGN=SPLIT_ALIGN,
+        num_warps=2 if head_dim <= 64 else 4,
+    )

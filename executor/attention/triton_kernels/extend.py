@@ -1,0 +1,167 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Paged attention for packed variable-length extends (prefill, chunked prefill, mixed).
+
+Sequence ``b`` brings ``extend_lens[b]`` new tokens at ``extend_start[b]`` of the packed
+tensors; they sit after a cached prefix of ``prefix_lens[b]`` tokens. New query ``i`` sees
+the whole prefix (read from the pool through the request-slot table) and new keys
+``0..i`` (read from the packed K/V, which the caller has also stored in the pool).
+
+Grid ``(ceil(max_extend_len / BLOCK_M), batch, heads)``: a program takes ``BLOCK_M`` new
+queries of one sequence and one head; blocks past a sequence's new tokens exit at once.
+The grid uses a host-side maximum, so this kernel runs eagerly (it is not captured).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # new queries per program
+BLOCK_N = 64  # keys per inner iteration
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc):
+    # One block of scores (BLOCK_M, BLOCK_N), in base 2 and already masked with -inf,
+    # folded into the running max ``m_i``, sum ``l_i`` and unnormalized output ``acc``.
+    # Each row must already have seen a finite score (m_i finite or one in this block).
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["group"])
+def _extend_kernel(
+    q_ptr,  # (T, heads, head_dim) packed new queries
+    k_ptr, v_ptr,  # (T, kv_heads, head_dim) packed new keys/values
+    out_ptr,  # (T, heads, head_dim)
+    k_pool_ptr, v_pool_ptr,  # (locations + 1, kv_heads, head_dim), same strides
+    table_ptr,  # (max_sequences, max_context) int32 locations
+    req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (B,) int64 each
+    sm_scale_log2,  # softmax scale * log2(e)
+    group,  # query heads per KV head
+    stride_q_t, stride_q_h,
+    stride_k_t, stride_k_h,
+    stride_v_t, stride_v_h,
+    stride_o_t, stride_o_h,
+    stride_pool_n, stride_pool_h,
+    stride_table,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    num_new = tl.load(extend_lens_ptr + b).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    if m0 < num_new:
+        prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
+        start = tl.load(extend_start_ptr + b).to(tl.int64)
+        kvh = h // group
+        pool_dtype = k_pool_ptr.dtype.element_ty
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)  # new-token index of each query row
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < num_new
+        mask_d = offs_d < HEAD_DIM
+        # (BLOCK_M, BLOCK_D)
+        q = tl.load(q_ptr + (start + offs_m[:, None]) * stride_q_t + h * stride_q_h
+                    + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # 1) The cached prefix, visible to every new query: no causal mask.
+        table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
+        head_off = kvh * stride_pool_h + offs_d[None, :]
+        for n0 in range(0, prefix, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix
+            locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            mask_nd = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                        other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                        other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+
+        # 2) The new tokens, causally, from the packed K/V (rounded through the pool dtype
+        # so they equal what a pool read returns). Key j is visible to query i iff j <= i;
+        # key 0 is visible to every row, so the first block makes every m_i finite.
+        hi = tl.minimum(num_new, m0 + BLOCK_M)
+        for n0 in range(0, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < num_new
+            mask_nd = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_ptr + (start + offs_n[:, None]) * stride_k_t + kvh * stride_k_h
+                        + offs_d[None, :], mask=mask_nd, other=0.0).to(pool_dtype)
+            v = tl.load(v_ptr + (start + offs_n[:, None]) * stride_v_t + kvh * stride_v_h
+                        + offs_d[None, :], mask=mask_nd, other=0.0).to(pool_dtype)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
+            visible = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (start + offs_m[:, None]) * stride_o_t + h * stride_o_h
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,  # (T, heads, head_dim)
+    k: torch.Tensor,  # (T, kv_heads, head_dim)
+    v: torch.Tensor,  # (T, kv_heads, head_dim)
+    out: torch.Tensor,  # (T, heads, head_dim), written
+    k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    table: torch.Tensor,  # (max_sequences, max_context) int32
+    req_pool_indices: torch.Tensor,  # (B,) int64
+    prefix_lens: torch.Tensor,  # (B,) int64
+    extend_lens: torch.Tensor,  # (B,) int64
+    extend_start: torch.Tensor,  # (B,) int64
+    max_extend_len: int,  # host-side max of extend_lens: sizes the grid
+    sm_scale: float,
+) -> None:
+    """Causal attention of packed new tokens over their cached prefix and each other.
+
+    Reads the prefix from the pool; does not store ``k``/``v`` (see ``store_kv``).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    batch = req_pool_indices.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
+    grid = (triton.cdiv(max_extend_len, BLOCK_M), batch, num_heads)
+    _extend_kernel[grid](
+        q, k, v, out, k_pool, v_pool, table,
+        req_pool_indices, prefix_lens, extend_lens, extend_start,
+        sm_scale * math.log2(math.e), group,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_pool.stride(0), k_pool.stride(1),
+        table.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )

@@ -1,0 +1,141 @@
+"""Triton attention kernels on CPU through Triton's interpreter, against torch_native.
+
+Checks the kernels' indexing and masking logic at tiny shapes (fp16 only: the
+interpreter's bf16 ``tl.dot`` returns garbage as of Triton 3.9). Skipped when Triton is not
+installed, and on CUDA machines, where ``tests/gpu/test_triton_attention.py`` runs the
+compiled kernels instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_KERNELS = "executor.attention.triton_kernels"
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
+                allow_module_level=True)
+if any(name.startswith(_KERNELS) for name in sys.modules):
+    pytest.skip("triton kernels already imported without the interpreter",
+                allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+# ``@triton.jit`` reads TRITON_INTERPRET when the kernel modules are imported.
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from executor.attention.base import AttentionShape
+    from executor.attention.torch_native import TorchNativeBackend
+    from executor.attention.triton_backend import TritonBackend
+finally:
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from executor.forward_batch import ForwardBatch  # noqa: E402
+from executor.kv.manager import Allocation, Extension  # noqa: E402
+from executor.kv.pool import KVPool, ReqToTokenTable  # noqa: E402
+
+DTYPE = torch.float16
+LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
+
+
+def _setup(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
+           head_dim: int, seed: int) -> tuple[KVPool, ReqToTokenTable, ForwardBatch]:
+    """A pool full of random K/V, sequences at scattered locations in scattered slots."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, total = len(prefix_lens), sum(prefix_lens) + sum(new_lens)
+    num_locations = total + 5
+    max_context = max(p + n for p, n in zip(prefix_lens, new_lens, strict=True)) + 3
+    pool = KVPool(2, num_locations, kv_heads, head_dim, DTYPE, torch.device("cpu"))
+    pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen))
+    pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=gen))
+    table = ReqToTokenTable(batch + 2, max_context, torch.device("cpu"))
+    # Stale entries everywhere: a read past a sequence's length would change the result.
+    table.device_table.copy_(torch.randint(0, num_locations + 1, table.device_table.shape,
+                                           generator=gen, dtype=torch.int32))
+    slots = torch.randperm(batch + 2, generator=gen)[:batch].tolist()
+    locs = (torch.randperm(num_locations, generator=gen)[:total] + 1).tolist()
+    exts, new_locs = [], []
+    for i, (slot, p, n) in enumerate(zip(slots, prefix_lens, new_lens, strict=True)):
+        seq_locs, locs = locs[: p + n], locs[p + n :]
+        table.device_table[slot, : p + n] = torch.tensor(seq_locs, dtype=torch.int32)
+        new_locs.extend(seq_locs[p:])
+        exts.append(Extension(f"s{i}", slot, p, n, p == 0))
+    out_loc = torch.tensor(new_locs, dtype=torch.int64)
+    phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
+    fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc, out_loc),
+                            [], torch.device("cpu"))
+    return pool, table, fb
+
+
+def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
+           head_dim: int, seed: int = 0) -> None:
+    pool, table, batch = _setup(prefix_lens, new_lens, heads, kv_heads, head_dim, seed)
+    shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # q/k/v as views of one fused QKV projection, like the model passes them.
+    qkv = torch.randn(batch.num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.to(DTYPE).split([heads * head_dim, kv_heads * head_dim,
+                                   kv_heads * head_dim], dim=1)
+    q = q.view(-1, heads, head_dim)
+    k, v = k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+    expect_k, expect_v = pool.k_buffer.clone(), pool.v_buffer.clone()
+    expect_k[LAYER, batch.out_cache_loc], expect_v[LAYER, batch.out_cache_loc] = k, v
+    tri = TritonBackend(shape, pool, table)
+    out = tri.forward(q, k, v, LAYER, tri.build_metadata(batch))
+    assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
+
+    ref_backend = TorchNativeBackend(shape, pool, table)
+    ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads"), [
+    ([0 + 1], 4, 4),  # a sequence whose only cached token is its first
+    ([5, 40, 130], 8, 2),  # several splits and a partial last split
+    ([70, 3], 4, 1),
+])
+def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int) -> None:
+    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim=16)
+
+
+@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads"), [
+    ([0], [9], 2, 1),  # pure prefill
+    ([0, 20, 70], [70, 5, 1], 4, 2),  # prefill, chunked prefill, a decode-like row
+])
+def test_extend_interpreted(prefix_lens: list[int], new_lens: list[int], heads: int,
+                            kv_heads: int) -> None:
+    _check(prefix_lens, new_lens, heads, kv_heads, head_dim=16)
+
+
+def test_decode_graph_hooks_interpreted() -> None:
+    """capture_metadata pads; refresh_metadata rewrites the same buffers in place."""
+    pool, table, batch = _setup([33, 6], [1, 1], 4, 2, 16, seed=3)
+    shape = AttentionShape(4, 2, 16, 0.25)
+    tri = TritonBackend(shape, pool, table)
+    tri.init_graph_buffers(max_batch=4, max_tokens=4)
+    meta = tri.capture_metadata("decode", 4, 4)
+    assert meta.seq_lens.tolist() == [1, 1, 1, 1] and meta.out_cache_loc.tolist() == [0] * 4
+    ptr = meta.seq_lens.data_ptr()
+    tri.refresh_metadata(meta, batch)
+    assert meta.seq_lens.data_ptr() == ptr
+    assert meta.seq_lens.tolist() == [34, 7, 1, 1]
+    assert meta.out_cache_loc.tolist()[:2] == batch.out_cache_loc.tolist()
+    assert meta.out_cache_loc.tolist()[2:] == [0, 0]
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 4, 16, generator=gen).to(DTYPE)
+    k, v = (torch.randn(4, 2, 16, generator=gen).to(DTYPE) for _ in range(2))
+    before = pool.k_buffer[LAYER].clone()
+    out = tri.forward(q, k, v, LAYER, meta)
+    # Padded rows wrote location 0 only.
+    changed = (pool.k_buffer[LAYER] != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= {0, *batch.out_cache_loc.tolist()}
+    eager = tri.forward(q[:2], k[:2], v[:2], LAYER, tri.build_metadata(batch))
+    torch.testing.assert_close(out[:2].float(), eager.float(), atol=2e-3, rtol=2e-3)
