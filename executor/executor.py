@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path as FsPath
 
 import torch
 
@@ -28,6 +28,7 @@ from executor.api import (
     ItemOutput,
     KVStats,
     ModelInfo,
+    Path,
     Phase,
     PhaseCapture,
     PrefillItem,
@@ -40,7 +41,15 @@ from executor.attention import AttentionShape, create_backend, resolve_backend_n
 from executor.config import TINY_MODEL, ExecutorConfig
 from executor.errors import ConfigError, GraphsUnavailable
 from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import (
+    default_decode_buckets,
+    default_prefill_buckets,
+    normalize_buckets,
+)
 from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
+from executor.graphs.graph_runner import GraphRunner
+from executor.graphs.registry import make_capture_backend
+from executor.graphs.runner import PhaseRunner
 from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
 from executor.model.loader import load_model
 from executor.model.tiny import ensure_tiny_model
@@ -63,7 +72,7 @@ class Executor:
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
-        model_dir = ensure_tiny_model() if source == TINY_MODEL else Path(source)
+        model_dir = ensure_tiny_model() if source == TINY_MODEL else FsPath(source)
         from executor.model.loader import load_hf_config
 
         spec = load_hf_config(model_dir)
@@ -93,11 +102,14 @@ class Executor:
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
                              config.decode_batch_limit)
 
-        # -- 5. graph runners ----------------------------------------------------------
-        # Runners arrive with the CUDA-graph work; until then every step runs eagerly and
-        # the decision below says why.
+        # -- 5. graph runners (captured by ``capture``, at start-up by the service) ------
         self._graph_modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,
                                                "prefill": config.graphs.prefill_mode}
+        self.runners: dict[Phase, PhaseRunner] = {}
+        for phase in ("decode", "prefill"):
+            runner = self._make_runner(phase)
+            if runner is not None:
+                self.runners[phase] = runner
 
     # ------------------------------------------------------------------------------------
     # Boot helpers
@@ -115,6 +127,26 @@ class Executor:
         if tokens <= 0:
             raise ConfigError(f"no device memory left for the KV cache ({free} bytes free)")
         return tokens
+
+    def _make_runner(self, phase: Phase) -> GraphRunner | None:
+        mode = self._graph_modes[phase]
+        if mode == "disabled" or self.device.type != "cuda":
+            return None
+        backend = make_capture_backend(mode, self.device)
+        if backend.attention_in_graph and phase not in self.attn.capturable:
+            raise ConfigError(
+                f"{phase} graph mode {mode!r} captures attention, and attention backend "
+                f"{self.attn.name!r} cannot be captured for {phase}; use --attention-backend "
+                f"triton, another graph mode, or disable {phase} graphs")
+        graphs = self.config.graphs
+        if phase == "decode":
+            buckets = graphs.decode_buckets or default_decode_buckets(
+                self.config.decode_batch_limit)
+        else:
+            buckets = graphs.prefill_buckets or default_prefill_buckets(
+                self.config.max_prefill_tokens)
+        return GraphRunner(phase, self.model, self.attn, backend, normalize_buckets(buckets),
+                           self.limits.max_context, self.device)
 
     # ------------------------------------------------------------------------------------
     # Public API
@@ -167,8 +199,8 @@ class Executor:
                 unknown.append(sid)
         return ReleaseResult(released, tuple(unknown))
 
-    def capture(self, phases: Sequence[Phase] = ("decode", "prefill"), force: bool = False
-                ) -> tuple[PhaseCapture, ...]:
+    def capture(self, phases: Sequence[Phase] = ("decode", "prefill"), force: bool = False,
+                progress: bool = False) -> tuple[PhaseCapture, ...]:
         """Capture CUDA graphs for ``phases`` (recapture with ``force``)."""
         if self.device.type != "cuda":
             raise GraphsUnavailable(
@@ -178,13 +210,29 @@ class Executor:
             raise GraphsUnavailable(
                 f"graph mode is 'disabled' for {', '.join(disabled)}; start the server with a "
                 "graph mode for that phase to capture it")
-        raise GraphsUnavailable("CUDA-graph capture is not available in this build yet")
+        missing = [p for p in phases if p not in self.runners]
+        if missing:
+            raise GraphsUnavailable(f"no graph runner for {', '.join(missing)} in this build")
+        return tuple(self.runners[p].capture_all(force=force, progress=progress)
+                     for p in dict.fromkeys(phases))
+
+    def drain_replay_seconds(self) -> dict[Phase, list[float]]:
+        """Durations of graph replays finished since the last call (CUDA events that have
+        completed; reading them adds no host sync)."""
+        return {phase: r.drain_replay_seconds() for phase, r in self.runners.items()}
 
     def kv_stats(self) -> KVStats:
         return self.kv.stats()
 
+    def startup_phases(self) -> tuple[Phase, ...]:
+        """Phases to capture at start-up: those with a graph mode and a runner."""
+        return tuple(self.runners)
+
     def status(self) -> ExecutorStatus:
-        graphs = tuple(GraphStatus(phase, mode, ()) for phase, mode in self._graph_modes.items())
+        graphs = tuple(
+            GraphStatus(phase, mode, self.runners[phase].captured_sizes()
+                        if phase in self.runners else ())
+            for phase, mode in self._graph_modes.items())
         return ExecutorStatus(self.model_info, self.kv.stats(), graphs)
 
     # ------------------------------------------------------------------------------------
@@ -196,9 +244,13 @@ class Executor:
 
     def _decide(self, batch: ForwardBatch) -> Decision:
         size = batch.batch_size if batch.phase == "decode" else batch.num_tokens
-        state = RunnerState(cuda=self.device.type == "cuda",
-                            enabled=self._graph_modes[batch.phase] != "disabled",
-                            buckets=(), captured=frozenset(), failed=frozenset())
+        runner = self.runners.get(batch.phase)
+        if runner is not None:
+            state = runner.state()
+        else:
+            state = RunnerState(cuda=self.device.type == "cuda",
+                                enabled=self._graph_modes[batch.phase] != "disabled",
+                                buckets=(), captured=frozenset(), failed=frozenset())
         return decide(GraphKey(batch.phase, size), state)
 
     @torch.inference_mode()
@@ -206,18 +258,27 @@ class Executor:
               ) -> tuple[SampleOutput, StepInfo]:
         start = time.perf_counter()
         decision = self._decide(batch)
-        meta = self.attn.build_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
-        sampled = SampleOutput([], [], [])
-        if params:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sampled = self.sampler(logits, params, positions)
-        elif self.device.type == "cuda":
+        if decision.bucket is not None:
+            # Graph logits are valid until the next replay: sampled right below.
+            logits = self.runners[batch.phase].replay(batch, decision.bucket)
+            padded = decision.bucket - (batch.batch_size if batch.phase == "decode"
+                                        else batch.num_tokens)
+        else:
+            logits = self.forward_logits(batch) if params else self._forward_only(batch)
+            padded = 0
+        sampled = self.sampler(logits, params, positions) if params else SampleOutput([], [], [])
+        if not params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # KV written before we report success
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
-        step = StepInfo(batch.phase, "eager", reason, batch.num_tokens, 0, elapsed_ms)
+        path: Path = "graph" if decision.use_graph else "eager"
+        step = StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
         return sampled, step
+
+    def _forward_only(self, batch: ForwardBatch) -> torch.Tensor:
+        """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""
+        meta = self.attn.build_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, self.attn, meta)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -106,3 +106,39 @@ class ForwardBatch:
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
         )
+
+
+def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.device
+                ) -> ForwardBatch:
+    """A batch of ``num_tokens`` tokens for capture: each sequence uses slot 0 from
+    position 0 and every token writes the reserved KV location 0, so running it never
+    touches a live sequence's cache. Decode: ``num_tokens`` one-token sequences; prefill:
+    as few sequences as ``max_context`` allows."""
+    if phase == "decode":
+        lens = [1] * num_tokens
+    else:
+        full, rest = divmod(num_tokens, max_context)
+        lens = [max_context] * full + ([rest] if rest else [])
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    positions = [p for n in lens for p in range(n)]
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    zeros = [0] * len(lens)
+    return ForwardBatch(
+        phase=phase,
+        input_ids=dev([0] * num_tokens),
+        positions=dev(positions),
+        out_cache_loc=dev([0] * num_tokens),
+        req_pool_indices=dev(zeros),
+        seq_lens=dev(lens),
+        prefix_lens=dev(zeros),
+        extend_lens=dev(lens),
+        extend_start=dev(starts),
+        logits_indices=dev([s + n - 1 for s, n in zip(starts, lens, strict=True)]),
+        req_pool_indices_host=tuple(zeros),
+        seq_lens_host=tuple(lens),
+        prefix_lens_host=tuple(zeros),
+        extend_lens_host=tuple(lens),
+    )

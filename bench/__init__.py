@@ -1,0 +1,1 @@
+"""Benchmarks (GPU): see bench/README.md."""

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU run: GPU tests, then the benchmark. Logs and JSON go to ${OUT:-results-local}.
+# Usage on the GPU machine, from the repo root:  bash bench/gpu_check.sh [quick|full]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-results-local}
+mkdir -p "$OUT"
+profile=${1:-quick}
+if [ -d .whl ]; then  # wheels the GPU machine lacks (structlog, grpc extras), see GPU.md
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+python3 -m bench.run --profile "$profile" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
+tail -n 3 "$OUT/gpu_tests.log"
+exit $(( tests_rc || bench_rc ))

@@ -1,0 +1,56 @@
+"""Real model shapes with random weights (weights cannot be downloaded here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+LLAMA_3_2_1B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+LLAMA_3_1_8B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
+
+
+def hf_config(name: str) -> Any:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**SHAPES[name])
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def write_shape(name: str, root: Path) -> Path:
+    """Write ``name`` in HF format (bf16 random weights) under ``root`` unless present."""
+    import torch
+
+    from executor.model.random_weights import write_random_model
+
+    path = root / name
+    if not (path / "config.json").is_file():
+        write_random_model(path, hf_config(name), seed=0, dtype=torch.bfloat16,
+                           max_shard_bytes=2 * 2**30)
+    return path
+
+
+def weight_bytes(name: str) -> int:
+    """Bytes of bf16 weights read per decode step (embedding rows excluded but lm_head in)."""
+    from executor.model.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(hf_config(name))
+    n = spec.num_params()
+    if spec.tie_word_embeddings:  # embedding table is read once as lm_head; lookups are tiny
+        return 2 * n
+    return 2 * (n - spec.vocab_size * spec.hidden_size)

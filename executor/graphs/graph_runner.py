@@ -1,0 +1,217 @@
+"""``GraphRunner``: one phase's CUDA graphs, one per bucket, over a capture backend.
+
+The runner owns the buckets, the static input buffers, padding and output slicing; the
+capture backend (composition, chosen by the graph mode) owns the graphs. Two things vary,
+each decided once at construction, never per step:
+
+| phase   | logits                         | attention (from the capture backend)       |
+|---------|--------------------------------|--------------------------------------------|
+| decode  | in the graph, every padded row | ``full``: inside the graph, static metadata |
+| prefill | after the graph, sampled rows  | ``breakable``: eager between segments      |
+
+Inside-graph attention uses the attention backend's three graph hooks (static buffers,
+dummy metadata at capture, in-place refresh before replay). Eager attention gets the real
+batch's metadata through a ``BatchScope`` bound around the replay.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import BucketCapture, Phase, PhaseCapture
+from executor.attention.base import AttentionBackend, AttentionMetadata
+from executor.forward_batch import ForwardBatch, dummy_batch
+from executor.graphs.backends import CaptureBackend
+from executor.graphs.breakable import (
+    AttentionIO,
+    BatchScope,
+    BreakableGraphBackend,
+    BreakingAttention,
+)
+from executor.graphs.dispatch import RunnerState
+from executor.model.llama import CausalLM
+
+
+@dataclass
+class GraphInputs:
+    """Static token inputs the graphs read, sized for the largest bucket."""
+
+    input_ids: torch.Tensor  # (max_tokens,) int64
+    positions: torch.Tensor  # (max_tokens,) int64
+
+    @staticmethod
+    def allocate(max_tokens: int, device: torch.device) -> GraphInputs:
+        return GraphInputs(torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                           torch.zeros(max_tokens, dtype=torch.int64, device=device))
+
+    def fill(self, batch: ForwardBatch, bucket: int) -> None:
+        """Copy the batch in; padded tokens ``T..bucket`` are token 0 at position 0."""
+        t = batch.num_tokens
+        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:t].copy_(batch.positions, non_blocking=True)
+        if bucket > t:
+            self.input_ids[t:bucket].zero_()
+            self.positions[t:bucket].zero_()
+
+
+class ReplayTimer:
+    """CUDA events around replays, read later without adding a host sync to the step."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self.pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=maxlen)
+
+    @contextmanager
+    def time(self) -> Iterator[None]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.pending.append((start, end))
+
+    def drain(self) -> list[float]:
+        """Seconds of every finished replay since the last drain (unfinished ones stay)."""
+        out = []
+        while self.pending and self.pending[0][1].query():
+            start, end = self.pending.popleft()
+            out.append(start.elapsed_time(end) / 1e3)
+        return out
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Python GC frozen during capture (no collection pauses mid-capture), collected after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
+class GraphRunner:
+    def __init__(self, phase: Phase, model: CausalLM, attn: AttentionBackend,
+                 backend: CaptureBackend, buckets: tuple[int, ...], max_context: int,
+                 device: torch.device) -> None:
+        self.phase, self.model, self.attn, self.backend = phase, model, attn, backend
+        self.buckets, self.max_context, self.device = buckets, max_context, device
+        self.logits_in_graph = phase == "decode"
+        self.inputs = GraphInputs.allocate(max(buckets), device)
+        self.scope = BatchScope()
+        self.model_attn: AttentionBackend = attn
+        if isinstance(backend, BreakableGraphBackend):
+            s = attn.shape
+            io = AttentionIO.allocate(max(buckets), s.num_heads, s.num_kv_heads, s.head_dim,
+                                      attn.pool.dtype, device)
+            self.model_attn = BreakingAttention(attn, backend, self.scope, io)
+        self.attention_in_graph = self.model_attn is attn
+        self._meta: dict[int, AttentionMetadata] = {}
+        self._static_meta_ready = False
+        self.failed: dict[int, str] = {}
+        self.timer = ReplayTimer()
+        # Test hook: called with each bucket before it is captured (fault injection).
+        self.before_capture: Callable[[int], None] | None = None
+
+    def state(self) -> RunnerState:
+        return RunnerState(cuda=True, enabled=True, buckets=self.buckets,
+                           captured=frozenset(self.backend.captured()),
+                           failed=frozenset(self.failed))
+
+    # -- capture -------------------------------------------------------------------------
+    def capture_all(self, force: bool = False, progress: bool = True) -> PhaseCapture:
+        """Capture every bucket not yet captured, largest first. A failing bucket is
+        reported and skipped; the others stay usable."""
+        from tqdm import tqdm
+
+        if force:
+            self.release()
+        self.failed.clear()
+        if self.attention_in_graph and not self._static_meta_ready:
+            largest = max(self.buckets)
+            self.attn.init_graph_buffers(largest, largest)
+            self._static_meta_ready = True
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # Largest first: the shared pool is sized by the biggest bucket, and each smaller
+        # one is captured into blocks the pool already holds instead of growing it.
+        todo = [b for b in sorted(self.buckets, reverse=True) if not self.backend.has(b)]
+        results = []
+        bar = tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})", unit="bucket",
+                   disable=not progress)
+        with frozen_gc(), torch.inference_mode():
+            for bucket in bar:
+                results.append(self._capture_one(bucket))
+                free = torch.cuda.mem_get_info(self.device)[0]
+                bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
+        bar.close()
+        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        return PhaseCapture(self.phase, self.backend.name,
+                            tuple(sorted(results, key=lambda r: r.size)),
+                            (time.perf_counter() - start) * 1e3, used)
+
+    def _capture_one(self, bucket: int) -> BucketCapture:
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        try:
+            if self.before_capture is not None:
+                self.before_capture(bucket)
+            if self.attention_in_graph:
+                meta = self.attn.capture_metadata(self.phase, bucket, bucket)
+            else:
+                meta = self.attn.build_metadata(
+                    dummy_batch(self.phase, bucket, self.max_context, self.device))
+            self.inputs.input_ids[:bucket].zero_()
+            self.inputs.positions[:bucket].zero_()
+            self.backend.capture(bucket, self._forward_fn(bucket, meta))
+            self._meta[bucket] = meta
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # one bucket failing must not stop the others
+            self.failed[bucket] = f"{type(exc).__name__}: {exc}"
+            torch.cuda.synchronize(self.device)
+            return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, False,
+                                 self.failed[bucket])
+        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
+
+    def _forward_fn(self, bucket: int, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
+        ids, pos = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
+
+        def run() -> torch.Tensor:
+            hidden = self.model(ids, pos, self.model_attn, meta)  # (bucket, hidden)
+            return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
+
+        return run
+
+    # -- replay --------------------------------------------------------------------------
+    def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """Run ``batch`` padded to ``bucket``; float32 logits of ``batch.logits_indices``,
+        valid until the next replay of this runner."""
+        self.inputs.fill(batch, bucket)
+        with self.timer.time():
+            if self.attention_in_graph:
+                self.attn.refresh_metadata(self._meta[bucket], batch)
+                out = self.backend.replay(bucket)
+            else:
+                with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
+                    out = self.backend.replay(bucket)
+        if self.logits_in_graph:  # decode: logits_indices are rows 0..B-1
+            return out[: batch.batch_size]
+        return self.model.compute_logits(out[batch.logits_indices])
+
+    def captured_sizes(self) -> tuple[int, ...]:
+        return self.backend.captured()
+
+    def drain_replay_seconds(self) -> list[float]:
+        return self.timer.drain()
+
+    def release(self) -> None:
+        self.backend.release()
+        self._meta.clear()

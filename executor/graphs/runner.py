@@ -1,0 +1,34 @@
+"""The interface the executor sees of a phase's graph runner."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from executor.api import PhaseCapture
+from executor.forward_batch import ForwardBatch
+from executor.graphs.dispatch import RunnerState
+
+
+class PhaseRunner(Protocol):
+    def state(self) -> RunnerState:
+        """Snapshot for the graph-or-eager decision."""
+        ...
+
+    def capture_all(self, force: bool = False, progress: bool = True) -> PhaseCapture:
+        """Capture every bucket not yet captured (all of them again with ``force``)."""
+        ...
+
+    def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """Run ``batch`` padded to ``bucket``; float32 logits of ``batch.logits_indices``,
+        valid until the runner's next replay."""
+        ...
+
+    def captured_sizes(self) -> tuple[int, ...]: ...
+
+    def drain_replay_seconds(self) -> list[float]:
+        """Durations of finished replays since the last call (no host sync)."""
+        ...
+
+    def release(self) -> None: ...
