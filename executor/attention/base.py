@@ -47,6 +47,11 @@ class AttentionMetadata:
     """Per-batch metadata; each backend defines its own dataclass deriving from this."""
 
 
+#: Passed as ``meta`` where attention reads its batch from a ``BatchScope`` instead (graph
+#: pieces): one constant object, so a compiled forward never specializes on metadata.
+SCOPED = AttentionMetadata()
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     #: Phases whose forward can be captured in a single CUDA graph with this backend.
@@ -71,7 +76,10 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Store ``k``/``v`` at the batch's ``out_cache_loc`` in layer ``layer_id``'s pool,
-        then return attention output ``(T, num_heads, head_dim)`` in ``q``'s dtype."""
+        then return attention output ``(T, num_heads, head_dim)`` in ``q``'s dtype.
+
+        ``meta`` comes from ``build_metadata`` or ``capture_metadata``; it is ``SCOPED``
+        only for wrappers that read the batch from a ``BatchScope`` (graph pieces)."""
 
     # -- graph hooks -------------------------------------------------------------------
     def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:

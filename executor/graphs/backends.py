@@ -17,11 +17,18 @@ pool already holds instead of growing it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from executor.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from executor.graphs.breakable import BatchScope
+
 CapturedFn = Callable[[], torch.Tensor]
+# forward(input_ids (T,), positions (T,), meta) -> logits or hidden states (T, ...)
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
 class CaptureBackend(Protocol):
@@ -29,6 +36,16 @@ class CaptureBackend(Protocol):
     #: True when attention is captured inside the graphs (it needs static metadata);
     #: False when it runs eagerly between graph pieces.
     attention_in_graph: bool
+
+    def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
+                       ) -> AttentionBackend:
+        """The attention backend the model should call under this capture backend."""
+        ...
+
+    def prepare_forward(self, forward: ForwardFn) -> ForwardFn:
+        """Return the callable that captures and replays will run (a backend that compiles
+        returns the compiled one); called once per runner."""
+        ...
 
     def capture(self, shape: int, fn: CapturedFn) -> torch.Tensor: ...
 
@@ -46,6 +63,13 @@ class FullGraphBackend:
 
     name = "full"
     attention_in_graph = True
+
+    def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
+                       ) -> AttentionBackend:
+        return attn  # captured inside the graph through its static-metadata hooks
+
+    def prepare_forward(self, forward: ForwardFn) -> ForwardFn:
+        return forward
 
     def __init__(self, device: torch.device, warmup_runs: int = 2) -> None:
         self.device = device

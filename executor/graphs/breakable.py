@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
-from executor.graphs.backends import CapturedFn
+from executor.graphs.backends import CapturedFn, ForwardFn
 
 EagerOp = Callable[[], None]
 
@@ -38,9 +38,19 @@ class _Capture:
 
 class BreakableGraphBackend:
     name = "breakable"
-    #: Attention runs eagerly between segments (the runner gives the model a
-    #: ``BreakingAttention``), so per-batch attention metadata needs no static buffers.
+    #: Attention runs eagerly between segments, so it needs no static metadata buffers.
     attention_in_graph = False
+
+    def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
+                       ) -> AttentionBackend:
+        """The attention the model calls under this backend: marked graph-hostile."""
+        s = attn.shape
+        io = AttentionIO.allocate(max_tokens, s.num_heads, s.num_kv_heads, s.head_dim,
+                                  attn.pool.dtype, self.device)
+        return BreakingAttention(attn, self, scope, io)
+
+    def prepare_forward(self, forward: ForwardFn) -> ForwardFn:
+        return forward
 
     def __init__(self, device: torch.device, warmup_runs: int = 1) -> None:
         self.device = device
@@ -56,15 +66,15 @@ class BreakableGraphBackend:
     def capturing(self) -> bool:
         return self._active is not None
 
-    def graph_break(self, run_now: Callable[[], None], replay_op: EagerOp) -> None:
-        """End the current segment, run ``run_now`` eagerly, remember ``replay_op`` for
-        replay, and begin the next segment. Only valid while capturing."""
+    def graph_break(self, op: EagerOp) -> None:
+        """End the current segment, run ``op`` eagerly now and again at every replay
+        between the same two segments, and begin the next segment. Only while capturing."""
         cap = self._active
         assert cap is not None and cap.current is not None, "graph_break outside capture"
         cap.current.capture_end()
         cap.segments.append(cap.current)
-        run_now()
-        cap.ops.append(replay_op)
+        op()
+        cap.ops.append(op)
         cap.current = self._begin_segment()
 
     # -- capture backend contract ----------------------------------------------------------
@@ -181,24 +191,22 @@ class BreakingAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """``meta`` is ignored: the batch bound to the scope (dummy while capturing, the
+        real one while replaying) is what attention reads."""
         t = q.shape[0]
         qs, ks, vs, out = self.io.q[:t], self.io.k[:t], self.io.v[:t], self.io.out[:t]
         qs.copy_(q)
         ks.copy_(k)
         vs.copy_(v)
 
-        def run_now() -> None:
-            out.copy_(self.inner.forward(qs, ks, vs, layer_id, meta))
-
-        if not self.graphs.capturing:
-            run_now()
-            return out
-
-        def replay_op() -> None:
+        def run() -> None:
             # Real tokens only: padded rows neither store K/V nor attend.
-            n, real_meta = self.scope.num_tokens, self.scope.meta
-            assert real_meta is not None, "breakable replay without a bound batch"
-            out[:n].copy_(self.inner.forward(qs[:n], ks[:n], vs[:n], layer_id, real_meta))
+            n, bound = self.scope.num_tokens, self.scope.meta
+            assert bound is not None, "breakable attention without a bound batch"
+            out[:n].copy_(self.inner.forward(qs[:n], ks[:n], vs[:n], layer_id, bound))
 
-        self.graphs.graph_break(run_now, replay_op)
+        if self.graphs.capturing:
+            self.graphs.graph_break(run)
+        else:
+            run()
         return out

@@ -26,15 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from executor.api import BucketCapture, Phase, PhaseCapture
-from executor.attention.base import AttentionBackend, AttentionMetadata
+from executor.attention.base import SCOPED, AttentionBackend, AttentionMetadata
 from executor.forward_batch import ForwardBatch, dummy_batch
 from executor.graphs.backends import CaptureBackend
-from executor.graphs.breakable import (
-    AttentionIO,
-    BatchScope,
-    BreakableGraphBackend,
-    BreakingAttention,
-)
+from executor.graphs.breakable import BatchScope
 from executor.graphs.dispatch import RunnerState
 from executor.model.llama import CausalLM
 
@@ -105,13 +100,9 @@ class GraphRunner:
         self.logits_in_graph = phase == "decode"
         self.inputs = GraphInputs.allocate(max(buckets), device)
         self.scope = BatchScope()
-        self.model_attn: AttentionBackend = attn
-        if isinstance(backend, BreakableGraphBackend):
-            s = attn.shape
-            io = AttentionIO.allocate(max(buckets), s.num_heads, s.num_kv_heads, s.head_dim,
-                                      attn.pool.dtype, device)
-            self.model_attn = BreakingAttention(attn, backend, self.scope, io)
-        self.attention_in_graph = self.model_attn is attn
+        self.attention_in_graph = backend.attention_in_graph
+        self.model_attn = backend.wrap_attention(attn, self.scope, max(buckets))
+        self._forward = backend.prepare_forward(self._model_forward)
         self._meta: dict[int, AttentionMetadata] = {}
         self._static_meta_ready = False
         self.failed: dict[int, str] = {}
@@ -163,15 +154,18 @@ class GraphRunner:
         try:
             if self.before_capture is not None:
                 self.before_capture(bucket)
-            if self.attention_in_graph:
-                meta = self.attn.capture_metadata(self.phase, bucket, bucket)
-            else:
-                meta = self.attn.build_metadata(
-                    dummy_batch(self.phase, bucket, self.max_context, self.device))
             self.inputs.input_ids[:bucket].zero_()
             self.inputs.positions[:bucket].zero_()
-            self.backend.capture(bucket, self._forward_fn(bucket, meta))
-            self._meta[bucket] = meta
+            if self.attention_in_graph:
+                meta = self.attn.capture_metadata(self.phase, bucket, bucket)
+                self.backend.capture(bucket, self._forward_fn(bucket, meta))
+                self._meta[bucket] = meta
+            else:
+                # Attention reads the batch bound to the scope, not an argument: the
+                # forward gets ``SCOPED`` (one compiled function serves every bucket).
+                dummy = dummy_batch(self.phase, bucket, self.max_context, self.device)
+                with self.scope.bind(self.attn.build_metadata(dummy), bucket):
+                    self.backend.capture(bucket, self._forward_fn(bucket, SCOPED))
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # one bucket failing must not stop the others
             self.failed[bucket] = f"{type(exc).__name__}: {exc}"
@@ -181,14 +175,14 @@ class GraphRunner:
         used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
 
+    def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(ids, pos, self.model_attn, meta)  # (T, hidden)
+        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
+
     def _forward_fn(self, bucket: int, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
         ids, pos = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
-
-        def run() -> torch.Tensor:
-            hidden = self.model(ids, pos, self.model_attn, meta)  # (bucket, hidden)
-            return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
-
-        return run
+        return lambda: self._forward(ids, pos, meta)
 
     # -- replay --------------------------------------------------------------------------
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
