@@ -95,7 +95,7 @@ class Executor:
         self.kv = KVCacheManager(self.table, num_tokens)
 
         # -- 4. attention and sampling -------------------------------------------------
-        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
         self.sampler = Sampler()

@@ -14,33 +14,30 @@ import sys
 import pytest
 import torch
 
-_KERNELS = "executor.attention.triton_kernels"
 if torch.cuda.is_available():
     pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
                 allow_module_level=True)
-if any(name.startswith(_KERNELS) for name in sys.modules):
-    pytest.skip("triton kernels already imported without the interpreter",
-                allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+# Triton decides at import time whether its own library functions (tl.sum, ...) are
+# interpreted, so TRITON_INTERPRET must be set before the first ``import triton``; it stays
+# set, as the interpreter reads it again at each launch.
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed")
+if type(triton.language.sum).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (set it in the "
+                "environment or run this file in its own process)", allow_module_level=True)
 
-# ``@triton.jit`` reads TRITON_INTERPRET when the kernel modules are imported.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from executor.attention.base import AttentionShape
-    from executor.attention.torch_native import TorchNativeBackend
-    from executor.attention.triton_backend import TritonBackend
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-
+from executor.api import Phase  # noqa: E402
+from executor.attention.base import AttentionShape  # noqa: E402
+from executor.attention.torch_native import TorchNativeBackend  # noqa: E402
+from executor.attention.triton_backend import TritonBackend  # noqa: E402
 from executor.forward_batch import ForwardBatch  # noqa: E402
 from executor.kv.manager import Allocation, Extension  # noqa: E402
 from executor.kv.pool import KVPool, ReqToTokenTable  # noqa: E402
 
 DTYPE = torch.float16
+
+
 LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 
 
@@ -67,14 +64,14 @@ def _setup(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
         new_locs.extend(seq_locs[p:])
         exts.append(Extension(f"s{i}", slot, p, n, p == 0))
     out_loc = torch.tensor(new_locs, dtype=torch.int64)
-    phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
+    phase: Phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
     fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc, out_loc),
                             [], torch.device("cpu"))
     return pool, table, fb
 
 
 def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-           head_dim: int, seed: int = 0) -> None:
+           head_dim: int, seed: int = 0, num_sms: int | None = None) -> None:
     pool, table, batch = _setup(prefix_lens, new_lens, heads, kv_heads, head_dim, seed)
     shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -88,6 +85,8 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     expect_k, expect_v = pool.k_buffer.clone(), pool.v_buffer.clone()
     expect_k[LAYER, batch.out_cache_loc], expect_v[LAYER, batch.out_cache_loc] = k, v
     tri = TritonBackend(shape, pool, table)
+    if num_sms is not None:
+        tri.num_sms = num_sms  # steers the split count
     out = tri.forward(q, k, v, LAYER, tri.build_metadata(batch))
     assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
 
@@ -96,22 +95,26 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads"), [
-    ([0 + 1], 4, 4),  # a sequence whose only cached token is its first
-    ([5, 40, 130], 8, 2),  # several splits and a partial last split
-    ([70, 3], 4, 1),
+@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
+    ([1], 4, 4, 16, None),  # only the first token is cached
+    ([5, 40, 130], 8, 2, 16, None),  # several splits, a partial last split, idle splits
+    ([70, 3], 4, 1, 24, None),  # head_dim not a power of two
+    ([5, 130], 8, 2, 16, 1),  # one split per sequence: no reduction kernel
 ])
-def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int) -> None:
-    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim=16)
+def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                            num_sms: int | None) -> None:
+    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim, num_sms=num_sms)
 
 
-@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads"), [
-    ([0], [9], 2, 1),  # pure prefill
-    ([0, 20, 70], [70, 5, 1], 4, 2),  # prefill, chunked prefill, a decode-like row
+@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "head_dim"), [
+    ([0], [9], 2, 1, 16),  # pure prefill
+    ([0, 20, 70], [70, 5, 1], 4, 2, 16),  # prefill, chunked prefill, a decode-like row
+    ([65], [3], 2, 2, 24),
+    ([0, 3], [150, 140], 2, 1, 24),  # more new tokens than one query block
 ])
 def test_extend_interpreted(prefix_lens: list[int], new_lens: list[int], heads: int,
-                            kv_heads: int) -> None:
-    _check(prefix_lens, new_lens, heads, kv_heads, head_dim=16)
+                            kv_heads: int, head_dim: int) -> None:
+    _check(prefix_lens, new_lens, heads, kv_heads, head_dim)
 
 
 def test_decode_graph_hooks_interpreted() -> None:

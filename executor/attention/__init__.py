@@ -30,10 +30,16 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """``auto`` -> triton on CUDA, torch_native on CPU; a named backend is checked."""
+# KV dtypes the Triton kernels support.
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> triton on CUDA for fp16/bf16, else torch_native; a named backend is
+    checked against the device."""
     if requested == "auto":
-        return "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch_native"
+        use_triton = device.type == "cuda" and dtype in _TRITON_DTYPES
+        return "triton" if use_triton else "torch_native"
     if requested not in _REGISTRY:
         raise ConfigError(
             f"unknown attention backend {requested!r}; valid: auto, {', '.join(_REGISTRY)}"
