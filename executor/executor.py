@@ -50,7 +50,7 @@ from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
 from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
-from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
+from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
 from executor.model.loader import load_model
 from executor.model.tiny import ensure_tiny_model
 from executor.sampling import SampleOutput, Sampler
@@ -158,7 +158,7 @@ class Executor:
         try:
             rows = [i for i, it in enumerate(items) if it.sample]
             tokens = [t for it in items for t in it.token_ids]
-            batch = ForwardBatch.build("prefill", tokens, alloc, rows, self.device)
+            batch = self.build_batch("prefill", tokens, alloc, rows)
             params = [items[i].sampling for i in rows]
             positions = [alloc.extensions[i].seq_len for i in rows]
             sampled, step = self._step(batch, params, positions)
@@ -178,8 +178,7 @@ class Executor:
         alloc = self.kv.allocate([(it.seq_id, 1) for it in items])
         try:
             rows = list(range(len(items)))
-            batch = ForwardBatch.build("decode", [it.token_id for it in items], alloc, rows,
-                                       self.device)
+            batch = self.build_batch("decode", [it.token_id for it in items], alloc, rows)
             positions = [ext.seq_len for ext in alloc.extensions]
             sampled, step = self._step(batch, [it.sampling for it in items], positions)
         except BaseException:
@@ -220,6 +219,16 @@ class Executor:
         """Durations of graph replays finished since the last call (CUDA events that have
         completed; reading them adds no host sync)."""
         return {phase: r.drain_replay_seconds() for phase, r in self.runners.items()}
+
+    def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
+                    logits_rows: list[int]) -> ForwardBatch:
+        """Pack a batch for ``alloc`` and publish its new KV locations to the device
+        request-slot table (part of the same transfer). ``logits_rows`` index the
+        sequences whose last new token needs logits."""
+        batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device)
+        self.table.write_device(batch.req_pool_indices, batch.extend_lens, batch.positions,
+                                batch.out_cache_loc)
+        return batch
 
     def kv_stats(self) -> KVStats:
         return self.kv.stats()

@@ -86,15 +86,18 @@ class ForwardBatch:
         seq_lens = [e.seq_len for e in exts]
 
         # All integer metadata travels in one host-to-device copy, then is split into views.
-        parts = [token_ids, positions, slots, seq_lens, prefix, ext_lens, starts, last_rows]
+        locs = alloc.out_cache_loc.tolist()
+        parts = [token_ids, positions, locs, slots, seq_lens, prefix, ext_lens, starts, last_rows]
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        if device.type == "cuda":
+            flat = flat.pin_memory()
         views = torch.split(flat.to(device, non_blocking=True), [len(p) for p in parts])
-        ids_d, pos_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d = views
+        ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d = views
         return ForwardBatch(
             phase=phase,
             input_ids=ids_d,
             positions=pos_d,
-            out_cache_loc=alloc.out_cache_loc_device,
+            out_cache_loc=locs_d,
             req_pool_indices=slots_d,
             seq_lens=seq_lens_d,
             prefix_lens=prefix_d,

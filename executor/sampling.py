@@ -27,6 +27,9 @@ _MIX_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995 & _MASK31)
 
 @dataclass(frozen=True)
 class SampleOutput:
+    """Per row: the token, its raw log-probability (0.0 when no row asked for logprobs)
+    and the requested top log-probabilities."""
+
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[tuple[tuple[int, float], ...]]
@@ -89,9 +92,11 @@ class Sampler:
                  positions: Sequence[int]) -> SampleOutput:
         """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
         in its sequence (it keys the seeded noise)."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        if not sampled_rows and not want_logprobs:  # the common greedy step: one D2H copy
+            return SampleOutput(tokens.tolist(), [0.0] * len(params), [()] * len(params))
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             sub_params = [params[i] for i in sampled_rows]
@@ -104,14 +109,17 @@ class Sampler:
             noise = exponential_noise(keys, logits.shape[-1])
             drawn = (filtered.softmax(-1) / noise).argmax(dim=-1)
             tokens = tokens.index_copy(0, rows, drawn)
+        if not want_logprobs:
+            return SampleOutput(tokens.tolist(), [0.0] * len(params), [()] * len(params))
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        k = max((p.top_logprobs for p in params), default=0)
+        k = max(p.top_logprobs for p in params)
+        top_ids: list[list[int]] = [[] for _ in params]
+        top_vals: list[list[float]] = [[] for _ in params]
         if k > 0:
             top = torch.topk(raw_logprobs, k, dim=-1)
             top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         token_list, logprob_list = tokens.tolist(), chosen.tolist()
-        tops: list[tuple[tuple[int, float], ...]] = []
-        for i, p in enumerate(params):
-            n = p.top_logprobs
-            tops.append(tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ())
+        tops = [tuple(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs],
+                          strict=True)) for i, p in enumerate(params)]
         return SampleOutput(token_list, logprob_list, tops)

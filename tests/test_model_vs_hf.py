@@ -12,7 +12,6 @@ import torch
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
 from executor.executor import Executor
-from executor.forward_batch import ForwardBatch
 from tests.conftest import ARCHS
 
 ATOL = 2e-4
@@ -41,8 +40,7 @@ def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 def extend_logits(ex: Executor, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """Allocate and run one packed prefill/extend batch; logits of every new token."""
     alloc = ex.kv.allocate([(sid, len(toks)) for sid, toks in chunks.items()])
-    batch = ForwardBatch.build("prefill", [t for toks in chunks.values() for t in toks], alloc,
-                               [], ex.device)
+    batch = ex.build_batch("prefill", [t for toks in chunks.values() for t in toks], alloc, [])
     batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
     logits = ex.forward_logits(batch)
     out, start = {}, 0
@@ -94,8 +92,8 @@ def test_decode_steps_match_hf(pair: tuple[Executor, torch.nn.Module]) -> None:
         for sid, tok in step.items():
             seqs[sid] += tok
         alloc = ex.kv.allocate([(sid, 1) for sid in seqs])
-        batch = ForwardBatch.build("decode", [t[0] for t in step.values()], alloc,
-                                   list(range(len(seqs))), ex.device)
+        batch = ex.build_batch("decode", [t[0] for t in step.values()], alloc,
+                               list(range(len(seqs))))
         logits = ex.forward_logits(batch)
         for j, sid in enumerate(seqs):
             torch.testing.assert_close(logits[j], hf_logits(hf, seqs[sid])[-1], atol=ATOL,

@@ -65,7 +65,7 @@ def _setup(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
         exts.append(Extension(f"s{i}", slot, p, n, p == 0))
     out_loc = torch.tensor(new_locs, dtype=torch.int64)
     phase: Phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
-    fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc, out_loc),
+    fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc),
                             [], torch.device("cpu"))
     return pool, table, fb
 

@@ -49,7 +49,6 @@ class Allocation:
 
     extensions: tuple[Extension, ...]
     out_cache_loc: torch.Tensor  # (num_tokens,) int64, CPU
-    out_cache_loc_device: torch.Tensor  # same, on the executor's device
 
     @property
     def num_tokens(self) -> int:
@@ -116,11 +115,8 @@ class KVCacheManager:
             rows.extend([state.slot] * n)
             cols.extend(range(state.length, state.length + n))
             state.length += n
-        device = self.table.device_table.device
-        locs_device = locs.to(device, non_blocking=True)
-        self.table.write(torch.tensor(rows, dtype=torch.int64),
-                         torch.tensor(cols, dtype=torch.int64), locs, locs_device)
-        return Allocation(tuple(extensions), locs, locs_device)
+        self.table.write_host(rows, cols, locs)
+        return Allocation(tuple(extensions), locs)
 
     def rollback(self, alloc: Allocation) -> None:
         """Undo ``alloc`` exactly (used when the forward pass after it fails)."""

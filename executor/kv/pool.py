@@ -54,7 +54,9 @@ class ReqToTokenTable:
     """``table[slot, i]`` is the KV location of token ``i`` of the sequence in ``slot``.
 
     The device copy is what attention kernels read; a host mirror lets release and
-    rollback find a sequence's locations without a device-to-host copy.
+    rollback find a sequence's locations without a device-to-host copy. Allocation writes
+    the host mirror; the batch that uses new locations publishes them to the device copy
+    (``write_device``) in the same host-to-device transfer as the rest of its metadata.
     """
 
     def __init__(self, max_sequences: int, max_context: int, device: torch.device) -> None:
@@ -65,18 +67,18 @@ class ReqToTokenTable:
                                         device=device)
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor,
-              locs_device: torch.Tensor) -> None:
-        """Set ``table[rows[j], cols[j]] = locs[j]`` on host and device (one index_put each).
+    def write_host(self, rows: list[int], cols: list[int], locs: torch.Tensor) -> None:
+        """Set ``host_table[rows[j], cols[j]] = locs[j]`` (allocation time)."""
+        self.host_table[torch.tensor(rows), torch.tensor(cols)] = locs.to(torch.int32)
 
-        ``rows``/``cols``/``locs`` are CPU tensors; ``locs_device`` is ``locs`` on the device
-        (the caller already needs it there for the forward pass).
-        """
-        self.host_table[rows, cols] = locs.to(torch.int32)
-        dev = self.device_table.device
-        self.device_table[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = (
-            locs_device.to(torch.int32)
-        )
+    def write_device(self, req_pool_indices: torch.Tensor, extend_lens: torch.Tensor,
+                     positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """Publish a packed batch's new locations to the device table, from tensors that are
+        already on the device (one index_put, no host sync): token ``j`` of sequence ``i``
+        lands at ``table[req_pool_indices[i], positions[j]]``."""
+        rows = torch.repeat_interleave(req_pool_indices, extend_lens,
+                                       output_size=positions.shape[0])
+        self.device_table[rows, positions] = out_cache_loc.to(torch.int32)
 
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.api import DecodeItem, PrefillItem
+from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
-from executor.forward_batch import ForwardBatch
 from executor.graphs.dispatch import FallbackReason
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +49,34 @@ def ex(tmp_path_factory: pytest.TempPathFactory) -> Executor:
     return ex
 
 
+# bf16 logits of magnitude < 16 have an ulp of 1/16: allow two ulps, and compare greedy
+# choices only where the top two logits are further apart than that noise.
+LOGIT_ATOL, LOGIT_RTOL, MARGIN = 0.125, 0.02, 0.25
+
+
 def _prefill(ex: Executor, n: int, tag: str) -> dict[str, int]:
+    """Admit ``n`` sequences of random lengths 1..599, in calls that fit the token limit."""
     gen = torch.Generator().manual_seed(n)
     lens = torch.randint(1, 600, (n,), generator=gen).tolist()
     items = [PrefillItem(f"{tag}{i}", torch.randint(0, 1024, (ln,), generator=gen).tolist())
              for i, ln in enumerate(lens)]
-    return {o.seq_id: int(o.token_id) for o in ex.prefill(items).outputs}  # type: ignore[arg-type]
+    out: dict[str, int] = {}
+    call: list[PrefillItem] = []
+    for item in [*items, None]:
+        if item is None or sum(len(c.token_ids) for c in call) + len(item.token_ids) > 8192:
+            out.update({o.seq_id: int(o.token_id)  # type: ignore[arg-type]
+                        for o in ex.prefill(call).outputs})
+            call = []
+        if item is not None:
+            call.append(item)
+    return out
+
+
+def assert_same_greedy(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal argmax wherever the reference's top-2 margin exceeds bf16 noise."""
+    top2 = b.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > MARGIN
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 5, 8, 13, 24, 32])
@@ -65,34 +86,45 @@ def test_graph_logits_equal_eager_at_every_bucket(ex: Executor, bs: int) -> None
     runner = ex.runners["decode"]
     for _ in range(12):  # growing contexts
         alloc = ex.kv.allocate([(sid, 1) for sid in last])
-        batch = ForwardBatch.build("decode", list(last.values()), alloc, list(range(bs)),
-                                   ex.device)
+        batch = ex.build_batch("decode", list(last.values()), alloc, list(range(bs)))
         eager = ex.forward_logits(batch).clone()
         decision = ex._decide(batch)
         assert decision.use_graph and decision.bucket is not None
         graph = runner.replay(batch, decision.bucket).clone()
-        torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
-        assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+        torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+        assert_same_greedy(graph, eager)
         last = dict(zip(last, graph.argmax(-1).tolist(), strict=True))
     ex.release(list(last))
     ex.kv.check_invariants()
 
 
 def test_greedy_tokens_equal_eager_executor(ex: Executor, tmp_path: Path) -> None:
+    """Public decode API, graph executor vs an eager one on the same weights, 30 steps.
+
+    Both are fed the graph executor's tokens (teacher forcing), so one bf16 near-tie cannot
+    make the sequences diverge; the tokens must agree at every step whose top-2 logprob
+    margin is clear of bf16 noise, and nearly everywhere overall.
+    """
     eager = make(gpu_model(tmp_path), decode_mode="disabled")
-    outs = []
+    params = SamplingParams(logprobs=True, top_logprobs=2)
+    toks = _prefill(ex, 11, "g")
+    assert _prefill(eager, 11, "g") == toks
+    agree = total = 0
+    for _ in range(30):
+        items = [DecodeItem(s, t, params) for s, t in toks.items()]
+        g, e = ex.decode(items), eager.decode(items)
+        assert (g.step.path, e.step.path) == ("graph", "eager")
+        for og, oe in zip(g.outputs, e.outputs, strict=True):
+            (_, lp1), (_, lp2) = oe.top_logprobs
+            if lp1 - lp2 > 0.05:
+                assert og.token_id == oe.token_id, (og, oe)
+            agree += og.token_id == oe.token_id
+            total += 1
+        toks = {o.seq_id: int(o.token_id) for o in g.outputs}  # type: ignore[arg-type]
+    assert agree / total > 0.97, (agree, total)
     for e in (ex, eager):
-        toks = _prefill(e, 11, "g")
-        seq = {s: [t] for s, t in toks.items()}
-        for _ in range(30):
-            res = e.decode([DecodeItem(s, t[-1]) for s, t in seq.items()])
-            assert res.step.path == ("graph" if e is ex else "eager")
-            for o in res.outputs:
-                seq[o.seq_id].append(int(o.token_id))  # type: ignore[arg-type]
-        outs.append(seq)
-        e.release(list(seq))
-    assert outs[0] == outs[1]
-    assert ex.kv_stats().free_tokens == ex.kv_stats().total_tokens
+        e.release(list(toks))
+        assert e.kv_stats().free_tokens == e.kv_stats().total_tokens
 
 
 def test_batch_above_max_falls_back_with_reason(tmp_path: Path) -> None:
@@ -101,8 +133,7 @@ def test_batch_above_max_falls_back_with_reason(tmp_path: Path) -> None:
     toks = _prefill(cfg_ex, 40, "big")  # 40 > largest bucket 32, but <= max_sequences
     # The executor's decode batch limit is 32, so ask the decision directly for 40.
     alloc = cfg_ex.kv.allocate([(s, 1) for s in toks])
-    batch = ForwardBatch.build("decode", list(toks.values()), alloc, list(range(40)),
-                               cfg_ex.device)
+    batch = cfg_ex.build_batch("decode", list(toks.values()), alloc, list(range(40)))
     assert cfg_ex._decide(batch).reason == FallbackReason.TOO_LARGE
 
 

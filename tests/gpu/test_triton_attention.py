@@ -74,7 +74,7 @@ class Setup:
             exts.append(Extension(f"s{i}", slot, p, n, p == 0))
             locs.append(self.table.device_table[slot, p : p + n])
         out_loc = torch.cat(locs).to(torch.int64)
-        alloc = Allocation(tuple(exts), out_loc.cpu(), out_loc)
+        alloc = Allocation(tuple(exts), out_loc.cpu())
         return ForwardBatch.build(phase, [0] * int(out_loc.numel()), alloc, [], DEVICE)
 
     def qkv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
