@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -36,9 +37,11 @@ def environment() -> dict[str, Any]:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip() or "unknown"
+                                text=True, check=False).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit = ""
+    # The GPU machine gets a copy of the tree without .git: the caller passes the commit.
+    commit = commit or os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown")
     props = torch.cuda.get_device_properties(0)
     return {
         "date": dt.date.today().isoformat(),
