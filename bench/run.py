@@ -1,9 +1,12 @@
 """Benchmark entry point: ``python -m bench.run [--profile quick|full] --out DIR``.
 
-Measures the device (read bandwidth, bf16 matmul rate), then our decode latency on the
-Llama-3.2-1B shape (random bf16 weights written in HF format and loaded through the real
-loader), graph vs eager, and writes ``bench.json`` plus ``bench.md`` to ``--out``. The
-short table is printed last.
+In one run on a CUDA machine: the device (read bandwidth, bf16 matmul rate) and from it
+the floor per step; our decode (eager, full graph, breakable) and prefill (eager,
+breakable, tc_piecewise with the eager and inductor compilers) on the Llama-3.2-1B shape
+(random bf16 weights written in HF format and loaded through the real loader); capture
+time and graph memory per phase and backend; start-up time to ready; and the peer (HF
+transformers on the same weights). Writes ``bench.json``, ``bench.md`` and PNG plots to
+``--out`` and prints the short table last.
 """
 
 from __future__ import annotations
@@ -21,13 +24,24 @@ from typing import Any
 
 import torch
 
-from bench import decode, hardware, shapes
+from bench import decode, hardware, peer, prefill, shapes
+from bench.plots import write_plots
+from bench.report import markdown
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
+from executor.errors import ConfigError
 from executor.executor import Executor
 
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {"batches": [1, 8, 64], "contexts": [512], "steps": 30},
-    "full": {"batches": [1, 8, 32, 64, 128, 256], "contexts": [512, 2048], "steps": 50},
+    "quick": {"batches": [1, 8, 64], "contexts": [512], "steps": 30,
+              "prefill_tokens": [16, 128, 512, 2048], "prefill_seqs": [1],
+              "decode_modes": ["full", "breakable"],
+              "prefill_modes": ["breakable", "tc_piecewise:eager"],
+              "peer_compile": False, "repeats": 10},
+    "full": {"batches": [1, 8, 32, 64, 128, 256], "contexts": [512, 2048], "steps": 30,
+             "prefill_tokens": [16, 64, 128, 256, 512, 1024, 2048, 4096],
+             "prefill_seqs": [1, 8], "decode_modes": ["full", "breakable"],
+             "prefill_modes": ["breakable", "tc_piecewise:eager", "tc_piecewise:inductor"],
+             "peer_compile": True, "repeats": 10},
 }
 
 
@@ -61,52 +75,34 @@ def _driver() -> str:
         return "unknown"
 
 
-def build_executor(model_dir: Path, max_batch: int, max_ctx: int) -> tuple[Executor, dict]:
+def build(model_dir: Path, decode_mode: str, prefill_mode: str, prof: dict[str, Any]
+          ) -> tuple[Executor, dict[str, Any]]:
+    """An executor with the given graph modes, captured; start-up figures alongside."""
+    max_batch, max_ctx = max(prof["batches"]), max(prof["contexts"])
+    compiler = "eager"
+    if ":" in prefill_mode:
+        prefill_mode, compiler = prefill_mode.split(":")
     t0 = time.perf_counter()
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(model_dir), dtype="bfloat16"), device="cuda",
-        cache=CacheConfig(kv_tokens=max_batch * (max_ctx + 128) + 4096,
-                          max_sequences=max(max_batch, 8), max_context=max_ctx + 256),
-        graphs=GraphConfig(decode_mode="full", prefill_mode="disabled"),
-        attention_backend="triton", max_decode_batch=max_batch, max_prefill_tokens=8192)
+        cache=CacheConfig(kv_tokens=max_batch * (max_ctx + 128) + 16384,
+                          max_sequences=max(max_batch, 16), max_context=max(max_ctx, 4096) + 256),
+        graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
+                           compiler=compiler),  # type: ignore[arg-type]
+        attention_backend="triton", max_decode_batch=max_batch, max_prefill_tokens=4096)
     ex = Executor(cfg)
     load_s = time.perf_counter() - t0
-    cap = ex.capture(["decode"], progress=True)[0]
-    ready_s = time.perf_counter() - t0
-    info = {"load_s": load_s, "ready_s": ready_s, "capture_ms": cap.total_ms,
-            "graph_memory_bytes": cap.memory_bytes,
-            "buckets": len(cap.buckets), "failed": [b.size for b in cap.buckets if not b.ok]}
+    caps = ex.capture(ex.startup_phases(), progress=True)
+    info: dict[str, Any] = {"load_s": load_s, "ready_s": time.perf_counter() - t0,
+                            "decode_mode": decode_mode, "prefill_mode": prefill_mode,
+                            "compiler": compiler, "phases": {}}
+    for cap in caps:
+        info["phases"][cap.phase] = {
+            "backend": cap.backend, "capture_s": cap.total_ms / 1e3,
+            "graph_memory_bytes": cap.memory_bytes, "buckets": len(cap.buckets),
+            "failed": [b.size for b in cap.buckets if not b.ok],
+            "first_error": next((b.error for b in cap.buckets if not b.ok), "")}
     return ex, info
-
-
-def markdown(result: dict[str, Any]) -> str:
-    env, hw = result["environment"], result["hardware"]
-    lines = [
-        f"# Benchmark — {env['device']}, {env['date']} (commit {env['git_commit']})", "",
-        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-        f"transformers {env['transformers']}, driver {env['driver']}", "",
-        f"Measured read bandwidth {hw['read_gbs']:.0f} GB/s, bf16 matmul "
-        f"{hw['matmul_tflops']:.0f} TFLOP/s.", "",
-        "## Decode, Llama-3.2-1B shape (bf16, random weights)", "",
-        f"Start-up: load {result['startup']['load_s']:.1f} s, decode capture "
-        f"{result['startup']['capture_ms'] / 1e3:.1f} s for {result['startup']['buckets']} "
-        f"buckets, graph memory {result['startup']['graph_memory_bytes'] / 2**20:.0f} MiB.", "",
-        "| batch | ctx | floor ms | eager step ms | graph step ms | graph forward ms | "
-        "graph/floor | eager/graph |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in result["decode_table"]:
-        lines.append(
-            f"| {row['batch']} | {row['context']} | {row['floor_ms']:.3f} | "
-            f"{row['eager_step_ms']:.3f} | {row['graph_step_ms']:.3f} | "
-            f"{row['graph_forward_ms']:.3f} | {row['graph_step_ms'] / row['floor_ms']:.2f} | "
-            f"{row['eager_step_ms'] / row['graph_step_ms']:.1f} |")
-    prof = result.get("kernel_profile")
-    if prof:
-        lines += ["", f"Eager decode step at batch 1: {prof['kernels_per_step']} kernels. "
-                  "Largest:", ""]
-        lines += [f"- {k['name']} ×{k['count']}: {k['us_total']:.0f} µs" for k in prof["top"]]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,37 +110,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
+    ap.add_argument("--no-peer", action="store_true", help="skip HF transformers")
     args = ap.parse_args(argv)
     prof = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"environment": environment(), "profile": args.profile}
+    result: dict[str, Any] = {"environment": environment(), "profile": args.profile,
+                              "startup": [], "decode_table": [], "prefill_table": []}
     bw = hardware.read_bandwidth_gbs()
-    result["hardware"] = {"read_gbs": bw, "matmul_tflops": hardware.matmul_tflops()}
+    flops = hardware.matmul_tflops()
+    result["hardware"] = {"read_gbs": bw, "matmul_tflops": flops}
     print(f"hardware: {result['hardware']}", flush=True)
-
     t0 = time.perf_counter()
     model_dir = shapes.write_shape("llama-3.2-1b", args.models)
     result["write_model_s"] = time.perf_counter() - t0
-    max_batch, max_ctx = max(prof["batches"]), max(prof["contexts"])
-    ex, startup = build_executor(model_dir, max_batch, max_ctx)
-    result["startup"] = startup
     wbytes = shapes.weight_bytes("llama-3.2-1b")
-    per_tok_kv = 2 * ex.spec.num_layers * ex.spec.num_kv_heads * ex.spec.head_dim * 2
-    rows = []
-    for ctx in prof["contexts"]:
-        for bs in prof["batches"]:
-            eager = decode.measure(ex, bs, ctx, prof["steps"], use_graph=False)
-            graph = decode.measure(ex, bs, ctx, prof["steps"], use_graph=True)
-            floor_ms = (wbytes + bs * ctx * per_tok_kv) / (bw * 1e9) * 1e3
-            rows.append({"batch": bs, "context": ctx, "floor_ms": floor_ms,
-                         "eager_step_ms": eager["step_ms_median"],
-                         "graph_step_ms": graph["step_ms_median"],
-                         "graph_forward_ms": graph["forward_ms_median"] or float("nan"),
-                         "graph_paths": graph["paths"], "eager_paths": eager["paths"]})
-            print(f"decode bs={bs} ctx={ctx}: {rows[-1]}", flush=True)
-    result["decode_table"] = rows
-    result["kernel_profile"] = decode.kernel_profile(ex, 1, 512)
-    (args.out / "bench.json").write_text(json.dumps(result, indent=2))
+    spec = shapes.spec("llama-3.2-1b")
+    kv_per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+
+    def save() -> None:
+        (args.out / "bench.json").write_text(json.dumps(result, indent=2))
+
+    # -- decode: eager vs each graph mode ------------------------------------------------
+    for i, mode in enumerate(prof["decode_modes"]):
+        ex, info = build(model_dir, mode, "disabled", prof)
+        result["startup"].append(info)
+        for ctx in prof["contexts"]:
+            for bs in prof["batches"]:
+                floor_ms = (wbytes + bs * ctx * kv_per_tok) / (bw * 1e9) * 1e3
+                if i == 0:
+                    row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=False)
+                    result["decode_table"].append({**row, "mode": "eager", "floor_ms": floor_ms})
+                row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=True)
+                result["decode_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
+                print(f"decode {mode} bs={bs} ctx={ctx}: {row}", flush=True)
+        if i == 0:
+            result["kernel_profile"] = decode.kernel_profile(ex, 1, prof["contexts"][0])
+        del ex
+        torch.cuda.empty_cache()
+        save()
+
+    # -- prefill: eager vs each graph mode -----------------------------------------------
+    for i, mode in enumerate(prof["prefill_modes"]):
+        try:
+            ex, info = build(model_dir, "disabled", mode, prof)
+        except (ConfigError, NotImplementedError) as exc:
+            result["startup"].append({"prefill_mode": mode, "error": str(exc)})
+            continue
+        result["startup"].append(info)
+        for seqs in prof["prefill_seqs"]:
+            for n in prof["prefill_tokens"]:
+                if n < seqs:
+                    continue
+                flops_ms = 2 * spec.num_params() * n / (flops * 1e12) * 1e3
+                floor_ms = max(flops_ms, wbytes / (bw * 1e9) * 1e3)
+                if i == 0:
+                    runners = dict(ex.runners)
+                    ex.runners.clear()
+                    row = prefill.measure(ex, n, seqs, prof["repeats"])
+                    ex.runners.update(runners)
+                    result["prefill_table"].append({**row, "mode": "eager", "floor_ms": floor_ms})
+                row = prefill.measure(ex, n, seqs, prof["repeats"])
+                result["prefill_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
+                print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)
+        del ex
+        torch.cuda.empty_cache()
+        save()
+
+    # -- the peer ------------------------------------------------------------------------
+    if not args.no_peer:
+        result["peer"] = peer.measure(model_dir, prof["contexts"][0], [128, 2048],
+                                      prof["peer_compile"])
+        print(f"peer: {result['peer']}", flush=True)
+    save()
+    result["plots"] = [p.name for p in write_plots(result, args.out)]
+    save()
     md = markdown(result)
     (args.out / "bench.md").write_text(md)
     print(md)

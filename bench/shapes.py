@@ -54,3 +54,9 @@ def weight_bytes(name: str) -> int:
     if spec.tie_word_embeddings:  # embedding table is read once as lm_head; lookups are tiny
         return 2 * n
     return 2 * (n - spec.vocab_size * spec.hidden_size)
+
+
+def spec(name: str) -> Any:
+    from executor.model.spec import spec_from_hf_config
+
+    return spec_from_hf_config(hf_config(name))

@@ -1,0 +1,74 @@
+"""The peer on the same weights: HF transformers eager and static-cache + torch.compile.
+
+Decode ms/token comes from the difference of two generation lengths from the same prompt,
+so prefill and fixed costs cancel: ``(t(n2) - t(n1)) / (n2 - n1)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _load(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    load: Any = AutoModelForCausalLM.from_pretrained
+    model = load(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.cuda().eval()
+
+
+def _generate_s(model: Any, ids: torch.Tensor, n: int, repeats: int, **kw: Any) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       **kw)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def hf_decode_ms(model: Any, ctx: int, static_compile: bool, n1: int = 16, n2: int = 80,
+                 repeats: int = 3) -> float:
+    ids = torch.randint(0, model.config.vocab_size, (1, ctx), device="cuda")
+    kw: dict[str, Any] = {}
+    if static_compile:
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        _generate_s(model, ids, n2, 2, **kw)  # compile + warm-up outside the timing
+    else:
+        _generate_s(model, ids, n1, 1)
+    t1 = _generate_s(model, ids, n1, repeats, **kw)
+    t2 = _generate_s(model, ids, n2, repeats, **kw)
+    return (t2 - t1) / (n2 - n1) * 1e3
+
+
+@torch.inference_mode()
+def hf_prefill_ms(model: Any, tokens: int, repeats: int = 10) -> float:
+    from bench.hardware import time_ms
+
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    return time_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), repeats=repeats)
+
+
+def measure(model_dir: Path, ctx: int, prefill_tokens: list[int], with_compile: bool
+            ) -> dict[str, Any]:
+    model = _load(model_dir)
+    out: dict[str, Any] = {"decode_bs1_eager_ms": hf_decode_ms(model, ctx, False)}
+    out["prefill_eager_ms"] = {str(n): hf_prefill_ms(model, n) for n in prefill_tokens}
+    if with_compile:
+        try:
+            out["decode_bs1_static_compile_ms"] = hf_decode_ms(model, ctx, True)
+        except Exception as exc:  # report, do not lose the rest of the run
+            out["decode_bs1_static_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    del model
+    torch.cuda.empty_cache()
+    return out

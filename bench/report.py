@@ -1,0 +1,122 @@
+"""Markdown summary of a benchmark result: tables with the ratios that matter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGETS_MS = {"decode_bs1": 0.80, "prefill_128": 1.2, "prefill_2048": 8.0}
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, hw = result["environment"], result["hardware"]
+    out = [
+        f"# Benchmark — {env['device']}, {env['date']} (commit {env['git_commit']})", "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, transformers "
+        f"{env['transformers']}, driver {env['driver']}; profile `{result['profile']}`. "
+        "Llama-3.2-1B shape, bf16, random weights loaded through our loader. Medians; "
+        "`step` = one Executor call, host work included.", "",
+        f"Measured read bandwidth {hw['read_gbs']:.0f} GB/s, bf16 matmul "
+        f"{hw['matmul_tflops']:.0f} TFLOP/s.", "",
+        "## Start-up and capture", "",
+        "| decode | prefill | load s | ready s | phase | backend | capture s | graph MiB | "
+        "buckets | failed |", "|---|---|---:|---:|---|---|---:|---:|---:|---|",
+    ]
+    for s in result["startup"]:
+        if "error" in s:
+            out.append(f"| — | {s['prefill_mode']} | — | — | — | — | — | — | — | {s['error']} |")
+            continue
+        for phase, p in s["phases"].items():
+            pm = s["prefill_mode"] + (f" ({s['compiler']})" if s["prefill_mode"] ==
+                                      "tc_piecewise" else "")
+            out.append(f"| {s['decode_mode']} | {pm} | {s['load_s']:.1f} | {s['ready_s']:.1f} "
+                       f"| {phase} | {p['backend']} | {p['capture_s']:.1f} | "
+                       f"{p['graph_memory_bytes'] / 2**20:.0f} | {p['buckets']} | "
+                       f"{p['failed'] or ''} |")
+    rows = result["decode_table"]
+    modes = [m for m in ("eager", "full", "breakable") if any(r["mode"] == m for r in rows)]
+    if rows:
+        out += ["", "## Decode (ms per step)", "",
+                "| batch | ctx | floor | " + " | ".join(modes) + " | full fwd | full/floor "
+                "| eager/full |", "|" + "---:|" * (len(modes) + 6)]
+        for key in sorted({(r["batch"], r["context"]) for r in rows},
+                          key=lambda k: (k[1], k[0])):
+            sel = {r["mode"]: r for r in rows if (r["batch"], r["context"]) == key}
+            full = sel.get("full", {})
+            out.append(
+                f"| {key[0]} | {key[1]} | {_f(next(iter(sel.values()))['floor_ms'])} | "
+                + " | ".join(_f(sel[m]["step_ms_median"]) if m in sel else "—" for m in modes)
+                + f" | {_f(full.get('forward_ms_median'))} | "
+                f"{_ratio(full.get('step_ms_median'), next(iter(sel.values()))['floor_ms'])} | "
+                f"{_ratio(sel.get('eager', {}).get('step_ms_median'), full.get('step_ms_median'))}"
+                " |")
+    pre = result["prefill_table"]
+    pmodes = list(dict.fromkeys(r["mode"] for r in pre))
+    if pre:
+        out += ["", "## Prefill (ms per call)", "",
+                "| tokens | seqs | floor | " + " | ".join(pmodes) + " | eager/best graph |",
+                "|" + "---:|" * (len(pmodes) + 4)]
+        for key in sorted({(r["tokens"], r["sequences"]) for r in pre},
+                          key=lambda k: (k[1], k[0])):
+            sel = {r["mode"]: r for r in pre if (r["tokens"], r["sequences"]) == key}
+            graphs = [sel[m]["ms_median"] for m in pmodes if m != "eager" and m in sel
+                      and sel[m]["paths"] == ["graph"]]
+            best = min(graphs) if graphs else None
+            out.append(f"| {key[0]} | {key[1]} | {_f(next(iter(sel.values()))['floor_ms'])} | "
+                       + " | ".join(_f(sel[m]["ms_median"]) + ("" if sel[m]["paths"] ==
+                                    ["graph"] or m == "eager" else "*") if m in sel else "—"
+                                    for m in pmodes)
+                       + f" | {_ratio(sel.get('eager', {}).get('ms_median'), best)} |")
+        out.append("\n`*` the call ran eagerly (no captured bucket; see the JSON's reasons).")
+    out += ["", *_key_figures(result)]
+    if result.get("plots"):
+        out += ["", *[f"![{p}]({p})" for p in result["plots"]]]
+    prof = result.get("kernel_profile")
+    if prof:
+        out += ["", f"Eager decode step at batch 1: {prof['kernels_per_step']} kernels; "
+                "largest:", ""]
+        out += [f"- `{k['name']}` ×{k['count']}: {k['us_total']:.0f} µs" for k in prof["top"]]
+    return "\n".join(out) + "\n"
+
+
+def _key_figures(result: dict[str, Any]) -> list[str]:
+    """The short table, last: our best graph figure per target, floor, peer, ratios."""
+    peer = result.get("peer", {})
+
+    def best_decode(bs: int) -> tuple[float | None, float | None]:
+        rows = [r for r in result["decode_table"] if r["batch"] == bs and r["context"] == 512]
+        graph = [r["step_ms_median"] for r in rows if r["mode"] != "eager"]
+        floor = rows[0]["floor_ms"] if rows else None
+        return (min(graph) if graph else None), floor
+
+    def best_prefill(n: int) -> tuple[float | None, float | None]:
+        rows = [r for r in result["prefill_table"] if r["tokens"] == n and r["sequences"] == 1]
+        graph = [r["ms_median"] for r in rows if r["mode"] != "eager"]
+        floor = rows[0]["floor_ms"] if rows else None
+        return (min(graph) if graph else None), floor
+
+    d1, d1_floor = best_decode(1)
+    p128, p128_floor = best_prefill(128)
+    p2048, p2048_floor = best_prefill(2048)
+    hf_pre = peer.get("prefill_eager_ms", {})
+    lines = ["## Key figures", "",
+             "| | ours ms | target | floor | ours/floor | HF eager | HF/ours | "
+             "HF static+compile |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, ours, floor, hf, hfc, target in (
+        ("1B decode bs1 (ctx 512)", d1, d1_floor, peer.get("decode_bs1_eager_ms"),
+         peer.get("decode_bs1_static_compile_ms"), TARGETS_MS["decode_bs1"]),
+        ("1B prefill 128 tok", p128, p128_floor, hf_pre.get("128"), None,
+         TARGETS_MS["prefill_128"]),
+        ("1B prefill 2048 tok", p2048, p2048_floor, hf_pre.get("2048"), None,
+         TARGETS_MS["prefill_2048"]),
+    ):
+        lines.append(f"| {name} | {_f(ours)} | ≤ {target} | {_f(floor)} | "
+                     f"{_ratio(ours, floor)} | {_f(hf, 2)} | {_ratio(hf, ours)} | {_f(hfc, 2)} |")
+    return lines

@@ -1,0 +1,53 @@
+"""The benchmark's report and plots render from a result (no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.plots import write_plots
+from bench.report import markdown
+
+
+def result() -> dict[str, Any]:
+    dec = []
+    for bs in (1, 8):
+        dec.append({"batch": bs, "context": 512, "mode": "eager", "step_ms_median": 10.0 + bs,
+                    "forward_ms_median": None, "floor_ms": 0.6, "paths": ["eager"]})
+        dec.append({"batch": bs, "context": 512, "mode": "full", "step_ms_median": 1.0 + bs,
+                    "forward_ms_median": 0.9, "floor_ms": 0.6, "paths": ["graph"]})
+    pre = [{"tokens": n, "sequences": 1, "mode": m, "ms_median": t, "floor_ms": 0.5,
+            "paths": ["graph" if m != "eager" else "eager"], "fallback_reasons": []}
+           for n in (128, 2048) for m, t in (("eager", 9.0), ("breakable", 1.5))]
+    return {
+        "environment": {"device": "Test GPU", "date": "2026-11-22", "git_commit": "abc",
+                        "torch": "2.x", "cuda": "13", "triton": "3", "transformers": "5",
+                        "driver": "1"},
+        "hardware": {"read_gbs": 4000.0, "matmul_tflops": 790.0}, "profile": "quick",
+        "startup": [{"decode_mode": "full", "prefill_mode": "disabled", "compiler": "eager",
+                     "load_s": 1.0, "ready_s": 2.0,
+                     "phases": {"decode": {"backend": "full", "capture_s": 1.0,
+                                           "graph_memory_bytes": 2**20, "buckets": 3,
+                                           "failed": []}}},
+                    {"prefill_mode": "tc_piecewise", "error": "not built"}],
+        "decode_table": dec, "prefill_table": pre,
+        "peer": {"decode_bs1_eager_ms": 15.0, "prefill_eager_ms": {"128": 18.0}},
+    }
+
+
+def test_markdown_has_ratios_and_key_figures() -> None:
+    md = markdown(result())
+    assert "| 1 | 512 | 0.600 | 11.000 | 2.000 | 0.900 | 3.33 | 5.50 |" in md
+    assert "| 128 | 1 | 0.500 | 9.000 | 1.500 | 6.00 |" in md
+    key = md[md.index("## Key figures"):]
+    assert "| 1B decode bs1 (ctx 512) | 2.000 | ≤ 0.8 | 0.600 | 3.33 | 15.00 | 7.50 | — |" in key
+    assert "not built" in md
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = write_plots(result(), tmp_path)
+    assert [p.name for p in paths] == ["decode.png", "prefill.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
