@@ -1,0 +1,134 @@
+"""``model-executor``: ``serve`` runs the gRPC service; ``client`` is a small debug client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from executor.config import (
+    TINY_MODEL,
+    CacheConfig,
+    ExecutorConfig,
+    GraphConfig,
+    ModelConfig,
+    resolve_graph_modes,
+)
+from executor.errors import ConfigError
+from service import __version__
+from service.client import add_client_parser
+from service.config import ServerConfig
+
+GRAPH_CHOICES = ("auto", "full", "breakable", "tc_piecewise", "disabled")
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the gRPC service",
+        description="Serve Prefill/Decode/Release/Capture/Health over gRPC, with the standard "
+        "health and reflection services and Prometheus metrics on their own port.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=TINY_MODEL,
+                       help="HF model directory, or 'tiny' (an embedded random-weight Llama)")
+    model.add_argument("--device", default=None,
+                       help="'cpu' or 'cuda[:N]' (default: cuda if available, else cpu)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="weight dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    model.add_argument("--attention-backend", default="auto",
+                       choices=("auto", "torch_native", "triton", "flashinfer"))
+    cache = p.add_argument_group("KV cache and batches")
+    cache.add_argument("--kv-tokens", type=int, default=None,
+                       help="KV token locations (default: sized from --kv-memory-fraction)")
+    cache.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                       help="share of free device memory for the KV cache")
+    cache.add_argument("--max-sequences", type=int, default=256,
+                       help="sequences alive at once")
+    cache.add_argument("--max-context", type=int, default=None,
+                       help="longest sequence (default: the model's limit)")
+    cache.add_argument("--max-prefill-tokens", type=int, default=8192,
+                       help="tokens in one Prefill call")
+    cache.add_argument("--max-decode-batch", type=int, default=None,
+                       help="sequences in one Decode call (default: min(256, max sequences))")
+    graphs = p.add_argument_group("CUDA graphs")
+    graphs.add_argument("--decode-graph", default="auto", metavar="MODE",
+                        help="full | breakable | disabled | auto (full on CUDA)")
+    graphs.add_argument("--prefill-graph", default="auto", metavar="MODE",
+                        help="breakable | tc_piecewise | disabled | auto (breakable on CUDA)")
+    graphs.add_argument("--no-capture-at-startup", action="store_true",
+                        help="capture only on a Capture call")
+    net = p.add_argument_group("network and process")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to bind gRPC and metrics to (0.0.0.0 opens it to all)")
+    net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    net.add_argument("--metrics-port", type=int, default=9400,
+                     help="Prometheus /metrics port (0: any free port, -1: no exporter)")
+    net.add_argument("--grace-period", type=float, default=10.0,
+                     help="seconds in-flight calls may run after SIGTERM/SIGINT")
+    net.add_argument("--drain-delay", type=float, default=0.0,
+                     help="seconds to report NOT_SERVING before closing the listener")
+    net.add_argument("--max-concurrent-rpcs", type=int, default=256,
+                     help="calls in flight at once; more get RESOURCE_EXHAUSTED")
+    net.add_argument("--no-reflection", action="store_true",
+                     help="turn gRPC server reflection off")
+    net.add_argument("--log-format", choices=("json", "console"), default="json")
+    net.add_argument("--log-level", default="INFO",
+                     choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def build_configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfig]:
+    """Flags -> validated configs; raises ConfigError / ValueError with a readable message."""
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    decode_mode, prefill_mode = resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    max_decode_batch = args.max_decode_batch or min(256, args.max_sequences)
+    executor_config = ExecutorConfig(
+        model=ModelConfig(source=args.model, dtype=args.dtype),
+        cache=CacheConfig(kv_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
+                          max_sequences=args.max_sequences, max_context=args.max_context),
+        graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
+                           capture_at_startup=not args.no_capture_at_startup),
+        device=device, attention_backend=args.attention_backend,
+        max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch)
+    server_config = ServerConfig(
+        host=args.host, port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        grace_period_s=args.grace_period, drain_delay_s=args.drain_delay,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        reflection=not args.no_reflection)
+    return executor_config, server_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="model-executor",
+                                     description="gRPC executor of LLM forward passes")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(subparsers)
+    add_client_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "client":
+        return int(args.run(args))
+    try:
+        executor_config, server_config = build_configs(args)
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    from service.logs import configure_logging
+    from service.server import serve
+
+    configure_logging(args.log_format, args.log_level)
+    return asyncio.run(serve(executor_config, server_config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

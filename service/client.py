@@ -1,0 +1,183 @@
+"""``model-executor client``: a small debug client for people without grpcurl.
+
+Each command prints the response as JSON (proto field names) on stdout; an error prints
+its status code, message and google.rpc details on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+
+def _tokens(text: str) -> list[int]:
+    return [int(t) for t in text.replace(",", " ").split()]
+
+
+def _sampling(args: argparse.Namespace) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
+                            logprobs=args.logprobs, top_logprobs=args.top_logprobs)
+    if args.top_p is not None:
+        msg.top_p = args.top_p
+    if args.seed is not None:
+        msg.seed = args.seed
+    return msg
+
+
+def _prefill(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    item = pb.PrefillItem(seq_id=a.seq_id, token_ids=_tokens(a.tokens), sample=not a.no_sample,
+                          sampling=_sampling(a))
+    return stub.Prefill(pb.PrefillRequest(request_id=a.request_id, items=[item]),
+                        timeout=a.timeout)
+
+
+def _decode(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    item = pb.DecodeItem(seq_id=a.seq_id, token_id=a.token, sampling=_sampling(a))
+    return stub.Decode(pb.DecodeRequest(request_id=a.request_id, items=[item]),
+                       timeout=a.timeout)
+
+
+def _release(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    return stub.Release(pb.ReleaseRequest(request_id=a.request_id, seq_ids=a.seq_ids),
+                        timeout=a.timeout)
+
+
+def _capture(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    phases = [f"PHASE_{p.upper()}" for p in a.phase]
+    return stub.Capture(pb.CaptureRequest(phases=phases, force=a.force), timeout=a.timeout)
+
+
+def _health(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    return stub.Health(pb.HealthRequest(), timeout=a.timeout)
+
+
+def _check(_: pb_grpc.ExecutorStub, channel: grpc.Channel, a: argparse.Namespace) -> Message:
+    health = health_pb2_grpc.HealthStub(channel)
+    return health.Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
+
+
+def _generate(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace
+              ) -> dict[str, Any]:
+    """Prefill a prompt, decode --max-new-tokens tokens, release; prints all tokens."""
+    sampling = _sampling(a)
+    first = stub.Prefill(pb.PrefillRequest(request_id=a.request_id, items=[pb.PrefillItem(
+        seq_id=a.seq_id, token_ids=_tokens(a.tokens), sample=True, sampling=sampling)]),
+        timeout=a.timeout)
+    tokens = [first.outputs[0].token_id]
+    try:
+        for _step in range(a.max_new_tokens - 1):
+            step = stub.Decode(pb.DecodeRequest(request_id=a.request_id, items=[
+                pb.DecodeItem(seq_id=a.seq_id, token_id=tokens[-1], sampling=sampling)]),
+                timeout=a.timeout)
+            tokens.append(step.outputs[0].token_id)
+    finally:
+        stub.Release(pb.ReleaseRequest(seq_ids=[a.seq_id]), timeout=a.timeout)
+    return {"seq_id": a.seq_id, "token_ids": tokens}
+
+
+def _print(result: Message | dict[str, Any]) -> None:
+    if isinstance(result, dict):
+        print(json.dumps(result, indent=2))
+    else:
+        print(json_format.MessageToJson(result, preserving_proto_field_name=True, indent=2))
+
+
+def describe_error(err: grpc.RpcError) -> dict[str, Any]:
+    """A grpc error's code, message and decoded google.rpc details."""
+    out: dict[str, Any] = {"code": err.code().name, "message": err.details()}  # type: ignore[attr-defined]
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is not None:
+        details = []
+        for detail in status.details:
+            details.append({"type": detail.TypeName(), **json.loads(json_format.MessageToJson(
+                _unpack(detail), preserving_proto_field_name=True))})
+        out["details"] = details
+    return out
+
+
+def _unpack(detail: Any) -> Message:
+    from google.rpc import error_details_pb2
+
+    cls = getattr(error_details_pb2, detail.TypeName().rsplit(".", 1)[-1])
+    msg: Message = cls()
+    detail.Unpack(msg)
+    return msg
+
+
+def run(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.ExecutorStub(channel)
+        try:
+            _print(args.func(stub, channel, args))
+        except grpc.RpcError as err:
+            print(json.dumps(describe_error(err), indent=2), file=sys.stderr)
+            return 1
+    return 0
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--top-logprobs", type=int, default=0)
+
+
+def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
+    client = subparsers.add_parser("client", help="call a running server (debugging)")
+    client.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
+    client.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
+    client.add_argument("--request-id", default="", help="request id to send")
+    client.set_defaults(run=run)
+    cmds = client.add_subparsers(dest="client_command", required=True)
+
+    cmds.add_parser("health", help="Executor/Health: state, model, KV, graphs"
+                    ).set_defaults(func=_health)
+    check = cmds.add_parser("check", help="grpc.health.v1.Health/Check")
+    check.add_argument("--service", default="",
+                       help="'' (liveness) or model_executor.v1.Executor (readiness)")
+    check.set_defaults(func=_check)
+
+    prefill = cmds.add_parser("prefill", help="prefill one sequence")
+    prefill.add_argument("--seq-id", required=True)
+    prefill.add_argument("--tokens", required=True, help="token ids, e.g. '1,2,3'")
+    prefill.add_argument("--no-sample", action="store_true", help="fill the KV cache only")
+    _add_sampling(prefill)
+    prefill.set_defaults(func=_prefill)
+
+    decode = cmds.add_parser("decode", help="decode one step of one sequence")
+    decode.add_argument("--seq-id", required=True)
+    decode.add_argument("--token", type=int, required=True, help="the token to append")
+    _add_sampling(decode)
+    decode.set_defaults(func=_decode)
+
+    release = cmds.add_parser("release", help="free sequences")
+    release.add_argument("seq_ids", nargs="+")
+    release.set_defaults(func=_release)
+
+    capture = cmds.add_parser("capture", help="capture CUDA graphs")
+    capture.add_argument("--phase", action="append", default=[], choices=("decode", "prefill"),
+                         help="repeatable; default: both")
+    capture.add_argument("--force", action="store_true", help="recapture captured buckets")
+    capture.set_defaults(func=_capture)
+
+    generate = cmds.add_parser("generate", help="prefill a prompt, decode, release")
+    generate.add_argument("--seq-id", default="client-generate")
+    generate.add_argument("--tokens", required=True, help="prompt token ids, e.g. '1,2,3'")
+    generate.add_argument("--max-new-tokens", type=int, default=16)
+    _add_sampling(generate)
+    generate.set_defaults(func=_generate)

@@ -1,0 +1,101 @@
+"""Server settings and the request limits derived from the executor's configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.config import ExecutorConfig
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the gRPC process listens and stops.
+
+    port / metrics_port: 0 picks a free port (the bound one is logged); metrics_port None
+        runs no exporter.
+    grace_period_s: how long in-flight calls may run after a shutdown signal.
+    drain_delay_s: how long to keep answering (health NOT_SERVING, new steps UNAVAILABLE)
+        before the listener closes, so load balancers and the scheduler see the drain.
+    max_concurrent_rpcs: calls in flight at once; more get RESOURCE_EXHAUSTED from gRPC.
+        Executor calls run one at a time anyway, so a deep queue only adds latency.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = 9400
+    grace_period_s: float = 10.0
+    drain_delay_s: float = 0.0
+    max_concurrent_rpcs: int = 256
+    reflection: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace period must be >= 0, got {self.grace_period_s}")
+        if self.drain_delay_s < 0:
+            raise ValueError(f"drain delay must be >= 0, got {self.drain_delay_s}")
+        if self.max_concurrent_rpcs <= 0:
+            raise ValueError("max_concurrent_rpcs must be > 0")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-call limits the service enforces before a request reaches the executor."""
+
+    max_prefill_items: int
+    max_prefill_tokens: int
+    max_decode_items: int
+    max_release_ids: int
+    max_seq_id_bytes: int = 256
+    max_request_id_chars: int = 128
+
+    @classmethod
+    def from_executor(cls, config: ExecutorConfig) -> RequestLimits:
+        return cls(
+            max_prefill_items=config.cache.max_sequences,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_decode_items=min(config.max_decode_batch, config.cache.max_sequences),
+            max_release_ids=max(1024, config.cache.max_sequences),
+        )
+
+    @property
+    def max_receive_bytes(self) -> int:
+        """The largest request the limits allow, with slack, and never under 4 MiB.
+
+        A token id is a varint of at most 5 bytes (negative int32s take 10; they are
+        invalid anyway); an item adds its seq_id, sampling params and framing.
+        """
+        per_item = self.max_seq_id_bytes + 96
+        largest = max(
+            10 * self.max_prefill_tokens + per_item * self.max_prefill_items,
+            (per_item + 8) * self.max_decode_items,
+            (self.max_seq_id_bytes + 4) * self.max_release_ids,
+        )
+        return max(4 * MiB, largest + MiB)
+
+    @property
+    def max_send_bytes(self) -> int:
+        """The largest response: one output per item with 20 top logprobs each."""
+        per_item = self.max_seq_id_bytes + 32 + 20 * 12
+        return max(4 * MiB, per_item * max(self.max_prefill_items, self.max_decode_items) + MiB)
+
+
+def channel_options(limits: RequestLimits) -> list[tuple[str, int]]:
+    """gRPC server options: explicit message limits; keepalive pings every >= 10 s allowed."""
+    return [
+        ("grpc.max_receive_message_length", limits.max_receive_bytes),
+        ("grpc.max_send_message_length", limits.max_send_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]

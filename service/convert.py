@@ -1,0 +1,222 @@
+"""Proto <-> executor types. Requests are checked here for what the proto allows but the
+executor's types do not: item counts and sizes, string lengths, sampling-parameter ranges,
+enum values. Every violation is collected (with the field path the client sent, e.g.
+``items[3].sampling.top_p``) and raised together as ``InvalidRequest``. Token ids,
+duplicate and unknown seq_ids and context lengths are the executor's to check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from executor.api import (
+    GREEDY,
+    MAX_TOP_LOGPROBS,
+    DecodeItem,
+    ExecutorStatus,
+    ItemOutput,
+    Phase,
+    PhaseCapture,
+    PrefillItem,
+    ReleaseResult,
+    SamplingParams,
+    StepResult,
+)
+from executor.errors import FieldViolation, InvalidRequest
+from service.config import RequestLimits
+from service.gen.model_executor.v1 import executor_pb2 as pb
+
+PHASE_TO_PB: dict[Phase, pb.Phase] = {"prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
+PHASE_FROM_PB: dict[int, Phase] = {v: k for k, v in PHASE_TO_PB.items()}
+PATH_TO_PB: dict[str, pb.Path] = {"graph": pb.PATH_GRAPH, "eager": pb.PATH_EAGER}
+ALL_PHASES: tuple[Phase, ...] = ("decode", "prefill")
+
+
+class _Violations:
+    def __init__(self) -> None:
+        self.items: list[FieldViolation] = []
+
+    def add(self, field: str, description: str) -> None:
+        self.items.append(FieldViolation(field, description))
+
+    def raise_any(self) -> None:
+        if self.items:
+            raise InvalidRequest(self.items)
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------
+
+def _check_request_id(request_id: str, limits: RequestLimits, out: _Violations) -> None:
+    if len(request_id) > limits.max_request_id_chars:
+        out.add("request_id", f"at most {limits.max_request_id_chars} characters, got "
+                f"{len(request_id)}")
+
+
+def _check_seq_id(seq_id: str, field: str, limits: RequestLimits, out: _Violations) -> None:
+    size = len(seq_id.encode())
+    if size > limits.max_seq_id_bytes:
+        out.add(field, f"at most {limits.max_seq_id_bytes} bytes, got {size}")
+
+
+def _check_count(n: int, limit: int, what: str, field: str, out: _Violations) -> bool:
+    if n > limit:
+        out.add(field, f"{n} {what} in one call; at most {limit}")
+        return False
+    return True
+
+
+def sampling_params(msg: pb.SamplingParams | None, field: str, out: _Violations
+                    ) -> SamplingParams:
+    """``msg`` as executor params (unset fields mean off); range errors go to ``out``."""
+    if msg is None:
+        return GREEDY
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    checks = (
+        ("temperature", math.isfinite(msg.temperature) and msg.temperature >= 0,
+         f"must be a finite number >= 0 (0 = greedy), got {msg.temperature}"),
+        ("top_k", msg.top_k >= 0, f"must be >= 0 (0 = off), got {msg.top_k}"),
+        ("top_p", math.isfinite(top_p) and 0.0 < top_p <= 1.0,
+         f"must be in (0, 1] (unset = off), got {top_p}"),
+        ("min_p", math.isfinite(msg.min_p) and 0.0 <= msg.min_p <= 1.0,
+         f"must be in [0, 1] (0 = off), got {msg.min_p}"),
+        ("top_logprobs", 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS,
+         f"must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}"),
+    )
+    for name, ok, why in checks:
+        if not ok:
+            out.add(f"{field}.{name}", why)
+    return SamplingParams(
+        temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs)
+
+
+def _sampling_of(item: pb.PrefillItem | pb.DecodeItem, field: str, out: _Violations
+                 ) -> SamplingParams:
+    msg = item.sampling if item.HasField("sampling") else None
+    return sampling_params(msg, f"{field}.sampling", out)
+
+
+def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[PrefillItem]:
+    out = _Violations()
+    _check_request_id(request.request_id, limits, out)
+    if not _check_count(len(request.items), limits.max_prefill_items, "items", "items", out):
+        out.raise_any()
+    total = sum(len(item.token_ids) for item in request.items)
+    if total > limits.max_prefill_tokens:
+        out.add("items", f"{total} tokens in one call; at most {limits.max_prefill_tokens} "
+                "(split long prompts into chunks)")
+    items = []
+    for i, item in enumerate(request.items):
+        _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
+        sampling = _sampling_of(item, f"items[{i}]", out)
+        items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling))
+    out.raise_any()
+    return items
+
+
+def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[DecodeItem]:
+    out = _Violations()
+    _check_request_id(request.request_id, limits, out)
+    if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
+        out.raise_any()
+    items = []
+    for i, item in enumerate(request.items):
+        _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
+        sampling = _sampling_of(item, f"items[{i}]", out)
+        items.append(DecodeItem(item.seq_id, item.token_id, sampling))
+    out.raise_any()
+    return items
+
+
+def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
+    out = _Violations()
+    _check_request_id(request.request_id, limits, out)
+    if not request.seq_ids:
+        out.add("seq_ids", "must contain at least one seq_id")
+    _check_count(len(request.seq_ids), limits.max_release_ids, "seq_ids", "seq_ids", out)
+    for i, seq_id in enumerate(request.seq_ids):
+        _check_seq_id(seq_id, f"seq_ids[{i}]", limits, out)
+    out.raise_any()
+    return list(request.seq_ids)
+
+
+def capture_phases(request: pb.CaptureRequest) -> tuple[Phase, ...]:
+    """The phases to capture; an empty list means all of them."""
+    out = _Violations()
+    phases: list[Phase] = []
+    for i, value in enumerate(request.phases):
+        phase = PHASE_FROM_PB.get(value)
+        if phase is None:
+            out.add(f"phases[{i}]", "must be PHASE_PREFILL or PHASE_DECODE")
+        elif phase in phases:
+            out.add(f"phases[{i}]", f"{pb.Phase.Name(value)} appears more than once")
+        else:
+            phases.append(phase)
+    out.raise_any()
+    return tuple(phases) or ALL_PHASES
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+
+def _item_output(item: ItemOutput) -> pb.ItemOutput:
+    msg = pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len, top_logprobs=[
+        pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in item.top_logprobs
+    ])
+    if item.token_id is not None:
+        msg.token_id = item.token_id
+    if item.logprob is not None:
+        msg.logprob = item.logprob
+    return msg
+
+
+def step_response(result: StepResult, queue_ms: float, execute_ms: float) -> pb.StepResponse:
+    step = result.step
+    return pb.StepResponse(
+        outputs=[_item_output(item) for item in result.outputs],
+        step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
+                         fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
+                         padded_tokens=step.padded_tokens, forward_ms=step.forward_ms),
+        queue_ms=queue_ms, execute_ms=execute_ms)
+
+
+def release_response(result: ReleaseResult) -> pb.ReleaseResponse:
+    return pb.ReleaseResponse(released=result.released,
+                              unknown_seq_ids=list(result.unknown_seq_ids))
+
+
+def capture_response(phases: Sequence[PhaseCapture]) -> pb.CaptureResponse:
+    return pb.CaptureResponse(phases=[
+        pb.PhaseCapture(
+            phase=PHASE_TO_PB[p.phase], backend=p.backend, total_ms=p.total_ms,
+            memory_bytes=p.memory_bytes,
+            buckets=[pb.BucketCapture(size=b.size, capture_ms=b.capture_ms, ok=b.ok,
+                                      error=b.error, memory_bytes=b.memory_bytes)
+                     for b in p.buckets])
+        for p in phases
+    ])
+
+
+def health_response(state: int, status: ExecutorStatus | None, version: str,
+                    uptime_s: float, pending_calls: int) -> pb.HealthResponse:
+    msg = pb.HealthResponse(state=state, version=version, uptime_s=uptime_s,  # type: ignore[arg-type]
+                            pending_calls=pending_calls)
+    if status is None:
+        return msg
+    m, kv = status.model, status.kv
+    msg.model.CopyFrom(pb.ModelInfo(
+        name=m.name, architecture=m.architecture, dtype=m.dtype, device=m.device,
+        vocab_size=m.vocab_size, max_context=m.max_context))
+    msg.kv.CopyFrom(pb.KVCacheStats(
+        total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
+        free_slots=kv.free_slots, active_sequences=kv.active_sequences))
+    msg.graphs.extend(pb.GraphStatus(phase=PHASE_TO_PB[g.phase], mode=g.mode,
+                                     captured_sizes=sorted(g.captured_sizes))
+                      for g in status.graphs)
+    return msg
+

@@ -1,0 +1,155 @@
+"""Exceptions to gRPC status: one table from error class to code and google.rpc details.
+
+Nothing here touches a call: ``to_status`` builds a ``google.rpc.Status`` and the
+interceptor (the one error boundary) sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from executor.errors import (
+    GraphsUnavailable,
+    InvalidRequest,
+    OutOfResources,
+    SequenceNotFound,
+)
+
+DOMAIN = "model_executor.v1"
+SEQUENCE_RESOURCE = "model_executor.v1.Sequence"
+RETRY_AFTER_OUT_OF_RESOURCES_S = 0.1
+
+
+class Unavailable(Exception):
+    """The server cannot take the call in its current state (starting, draining, ...)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExpired(Exception):
+    """The call's deadline passed while it waited for the executor; it never ran."""
+
+
+def _pack(*details: object) -> list[any_pb2.Any]:
+    packed = []
+    for detail in details:
+        item = any_pb2.Any()
+        item.Pack(detail)  # type: ignore[arg-type]
+        packed.append(item)
+    return packed
+
+
+def _retry(seconds: float) -> error_details_pb2.RetryInfo:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(seconds * 1e9))
+    return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
+def _invalid(exc: InvalidRequest) -> status_pb2.Status:
+    bad = error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+        for v in exc.violations
+    ])
+    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc),
+                             details=_pack(bad))
+
+
+def _not_found(exc: SequenceNotFound) -> status_pb2.Status:
+    infos = [
+        error_details_pb2.ResourceInfo(
+            resource_type=SEQUENCE_RESOURCE, resource_name=seq_id,
+            description=f"{field}: no such sequence (never admitted, or already released)")
+        for seq_id, field in zip(exc.seq_ids, exc.field_names, strict=False)
+    ]
+    return status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc), details=_pack(*infos))
+
+
+def _exhausted(exc: OutOfResources) -> status_pb2.Status:
+    quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
+        subject=exc.resource, description=f"needed {exc.needed}, free {exc.free}")])
+    info = error_details_pb2.ErrorInfo(
+        reason=f"{exc.resource.upper()}_EXHAUSTED", domain=DOMAIN,
+        metadata={"resource": exc.resource, "needed": str(exc.needed), "free": str(exc.free)})
+    return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc),
+                             details=_pack(quota, info, _retry(RETRY_AFTER_OUT_OF_RESOURCES_S)))
+
+
+def _graphs_unavailable(exc: GraphsUnavailable) -> status_pb2.Status:
+    failure = error_details_pb2.PreconditionFailure(violations=[
+        error_details_pb2.PreconditionFailure.Violation(
+            type="CUDA_GRAPHS", subject="executor", description=str(exc))])
+    return status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(exc),
+                             details=_pack(failure))
+
+
+def _unavailable(exc: Unavailable) -> status_pb2.Status:
+    details = _pack(_retry(exc.retry_after_s)) if exc.retry_after_s is not None else []
+    return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(exc), details=details)
+
+
+def _deadline(exc: DeadlineExpired) -> status_pb2.Status:
+    return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc))
+
+
+# Most specific class first: ``to_status`` takes the first match.
+_TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
+    (InvalidRequest, _invalid),  # includes ContextLengthExceeded
+    (SequenceNotFound, _not_found),
+    (OutOfResources, _exhausted),
+    (GraphsUnavailable, _graphs_unavailable),
+    (Unavailable, _unavailable),
+    (DeadlineExpired, _deadline),
+]
+
+
+def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
+    """The status for ``exc``; anything not in the table is a bug and maps to INTERNAL."""
+    for cls, build in _TABLE:
+        if isinstance(exc, cls):
+            return build(exc)
+    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=DOMAIN,
+                                       metadata={"request_id": request_id})
+    return status_pb2.Status(
+        code=code_pb2.INTERNAL,
+        message=f"internal error ({type(exc).__name__}); request_id={request_id} in the "
+        "server log has the traceback",
+        details=_pack(info))
+
+
+def is_expected(exc: BaseException) -> bool:
+    """True for errors that are the client's or the state's, not a bug."""
+    return any(isinstance(exc, cls) for cls, _ in _TABLE)
+
+
+# Messages of errors after which the CUDA context cannot be trusted any more.
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
+                  "CUBLAS_STATUS_EXECUTION_FAILED", "unspecified launch failure")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """True if ``exc`` means the device (and so this process) can no longer serve."""
+    accelerator_error = _accelerator_error_class()
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in text for m in _FATAL_MARKERS)
+
+
+def _accelerator_error_class() -> type[BaseException] | None:
+    import torch
+
+    cls = getattr(torch, "AcceleratorError", None)
+    return cls if isinstance(cls, type) else None
+
+
+GRPC_CODES: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def grpc_code(status: status_pb2.Status) -> grpc.StatusCode:
+    return GRPC_CODES[status.code]

@@ -1,0 +1,173 @@
+"""The one server interceptor: error boundary, request context, RPC metrics, summary log.
+
+For every call it binds ``request_id`` / ``rpc`` / ``peer`` into structlog's contextvars,
+counts it, and on the way out either records OK or turns the exception into a gRPC status
+with google.rpc details (``service/errors.py``), logging bugs with their traceback. It ends
+with one summary line per RPC. Servicers therefore never catch or abort themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from service import errors
+from service.stats import StatsRecorder
+
+log = structlog.get_logger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_HEADER_REQUEST_ID = 128
+# Probes and tools call these every few seconds; their summary lines go to DEBUG.
+QUIET_RPCS = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
+                        "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                        "grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                        "model_executor.v1.Executor/Health"})
+
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+@dataclass
+class _Call:
+    service: str
+    method: str
+    rpc_type: str
+    request_id: str
+    started: float
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, recorder: StatsRecorder,
+                 on_fatal: Callable[[BaseException], Awaitable[None]]) -> None:
+        self._recorder = recorder
+        self._on_fatal = on_fatal
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; not counted
+            return None
+        full = handler_call_details.method  # "/pkg.Service/Method"
+        service, _, method = full.lstrip("/").partition("/")
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        header_id = str(metadata.get(REQUEST_ID_HEADER, ""))[:MAX_HEADER_REQUEST_ID]
+        args = (handler.request_deserializer, handler.response_serializer)
+
+        def wrap(behavior: Behavior, rpc_type: str) -> Behavior:
+            if inspect.isasyncgenfunction(behavior):
+                return self._stream(behavior, service, method, rpc_type, header_id)
+            return self._unary(behavior, service, method, rpc_type, header_id)
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, "unary"), *args)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap(handler.unary_stream, "server_stream"), *args)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap(handler.stream_unary, "client_stream"), *args)
+        return grpc.stream_stream_rpc_method_handler(
+            wrap(handler.stream_stream, "bidi_stream"), *args)
+
+    # -- wrappers -----------------------------------------------------------------------
+    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+               header_id: str) -> Behavior:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = self._begin(service, method, rpc_type, header_id, request, context)
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                await self._fail(call, exc, context)
+            self._finish(call, grpc.StatusCode.OK, context)
+            return response
+
+        return handle
+
+    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+                header_id: str) -> Behavior:
+        async def handle(request: Any, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[Any]:
+            call = self._begin(service, method, rpc_type, header_id, request, context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except GeneratorExit:  # the client went away; nothing may be awaited here
+                self._end(call, grpc.StatusCode.CANCELLED)
+                raise
+            except BaseException as exc:
+                await self._fail(call, exc, context)
+            self._finish(call, grpc.StatusCode.OK, context)
+
+        return handle
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _begin(self, service: str, method: str, rpc_type: str, header_id: str, request: Any,
+               context: grpc.aio.ServicerContext) -> _Call:
+        body_id = getattr(request, "request_id", "") if rpc_type == "unary" else ""
+        request_id = body_id or header_id or uuid.uuid4().hex[:16]
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(
+            request_id=request_id, rpc=f"{service.rsplit('.', 1)[-1]}/{method}",
+            peer=context.peer())
+        self._recorder.rpc_started(service, method, rpc_type)
+        return _Call(service, method, rpc_type, request_id, time.perf_counter())
+
+    def _finish(self, call: _Call, code: grpc.StatusCode,
+                context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, call.request_id),))
+        self._end(call, code)
+
+    def _end(self, call: _Call, code: grpc.StatusCode,
+             exc: BaseException | None = None) -> None:
+        seconds = time.perf_counter() - call.started
+        self._recorder.rpc_handled(call.service, call.method, call.rpc_type, code, seconds)
+        fields: dict[str, Any] = {"code": code.name, "duration_ms": round(seconds * 1e3, 3)}
+        if exc is not None:
+            log.error("rpc", **fields, exc_info=exc)
+        elif f"{call.service}/{call.method}" in QUIET_RPCS:
+            log.debug("rpc", **fields)
+        else:
+            log.info("rpc", **fields)
+
+    async def _fail(self, call: _Call, exc: BaseException,
+                    context: grpc.aio.ServicerContext) -> NoReturn:
+        if isinstance(exc, asyncio.CancelledError):
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED if expired
+                      else grpc.StatusCode.CANCELLED)
+            raise exc
+        if isinstance(exc, grpc.aio.AbortError):  # a handler aborted on its own
+            self._end(call, _code_of(context))
+            raise exc
+        status = errors.to_status(exc, call.request_id)
+        code = errors.grpc_code(status)
+        self._recorder.error(exc)
+        if errors.is_fatal_device_error(exc):
+            await self._on_fatal(exc)
+        self._end(call, code, None if errors.is_expected(exc) else exc)
+        await context.abort(code, status.message, trailing_metadata=(
+            ("grpc-status-details-bin", status.SerializeToString()),
+            (REQUEST_ID_HEADER, call.request_id),
+        ))
+        raise AssertionError("context.abort() returned")  # it raises; this keeps mypy sure
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return errors.GRPC_CODES.get(code, grpc.StatusCode.UNKNOWN)
+    return grpc.StatusCode.UNKNOWN

@@ -1,0 +1,60 @@
+"""Logging setup: structlog JSON lines on stdout (or a readable console format), with the
+stdlib loggers of grpc, torch and transformers routed through the same renderer.
+
+Request context (request_id, rpc, peer, ...) is bound with structlog's contextvars by the
+interceptor, so every line logged while a call runs carries it, also lines logged by the
+executor on its worker thread (the worker copies the context). Named ``logs`` and not
+``logging`` so it never shadows the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal, TextIO
+
+import structlog
+from structlog.typing import Processor
+
+LogFormat = Literal["json", "console"]
+
+# Third-party loggers that are chatty at INFO.
+_QUIET = {"urllib3": logging.WARNING, "filelock": logging.WARNING}
+
+
+def configure_logging(fmt: LogFormat = "json", level: str | int = "INFO",
+                      stream: TextIO | None = None) -> None:
+    """Configure structlog and the stdlib root logger once, at start-up."""
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.stdlib.ExtraAdder(),
+    ]
+    renderer: Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+        final: list[Processor] = [structlog.processors.dict_tracebacks, renderer]
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        final = [renderer]
+
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = logging.StreamHandler(stream if stream is not None else sys.stdout)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
+    for name, quiet_level in _QUIET.items():
+        logging.getLogger(name).setLevel(quiet_level)
+    logging.captureWarnings(True)

@@ -1,0 +1,152 @@
+"""Every Prometheus metric the service exports, on one registry, and the HTTP exporter.
+
+Names follow Prometheus conventions: one prefix, base units (seconds, bytes), ``_total``
+counters (prometheus-client appends it), ``_ratio`` for 0..1. Labels only take values from
+small fixed sets (phase, path, fallback reason, state, gRPC method and code), never a
+request or sequence id. Every graph series exists from the start (at zero), so dashboards
+built before graphs land keep working.
+
+Nothing here knows about requests or the executor: ``service/stats.py`` records into it.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "model_executor_"
+PHASES = ("prefill", "decode")
+PATHS = ("graph", "eager")
+CAPTURE_FAILURE_REASONS = ("oom", "error")
+ALLOCATION_RESOURCES = ("kv_tokens", "sequence_slots")
+
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                10.0)
+REPLAY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                  0.1, 0.25, 0.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+               5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """The metric objects; construct one per registry (tests use a fresh registry each)."""
+
+    def __init__(self, registry: CollectorRegistry, fallback_reasons: tuple[str, ...]) -> None:
+        self.registry = registry
+        self.fallback_reasons = fallback_reasons
+        r, p = registry, PREFIX
+        # -- steps ---------------------------------------------------------------------
+        self.step_seconds = Histogram(
+            p + "step_seconds", "Wall time of one executor step (validation, forward, "
+            "sampling)", ["phase", "path"], buckets=STEP_BUCKETS, registry=r)
+        self.tokens = Counter(p + "tokens", "Tokens run through the model (no padding)",
+                              ["phase"], registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Sequences in one step", ["phase"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        # -- graphs --------------------------------------------------------------------
+        self.eager_fallbacks = Counter(p + "eager_fallbacks", "Steps that ran eagerly, by "
+                                       "reason", ["phase", "reason"], registry=r)
+        self.graph_replays = Counter(p + "graph_replays", "Steps replayed from a CUDA graph",
+                                     ["phase"], registry=r)
+        self.graph_replay_seconds = Histogram(
+            p + "graph_replay_seconds", "Forward time of graph-replayed steps", ["phase"],
+            buckets=REPLAY_BUCKETS, registry=r)
+        self.padded_tokens = Counter(p + "padded_tokens", "Padding tokens added to reach a "
+                                     "graph bucket", ["phase"], registry=r)
+        self.graph_captured_buckets = Gauge(p + "graph_captured_buckets", "Buckets captured "
+                                            "now", ["phase"], registry=r)
+        self.graph_capture_seconds = Gauge(p + "graph_capture_seconds", "Duration of the "
+                                           "phase's last capture", ["phase"], registry=r)
+        self.graph_memory_bytes = Gauge(p + "graph_memory_bytes", "Device memory held by the "
+                                        "phase's graphs", ["phase"], registry=r)
+        self.graph_capture_failures = Counter(p + "graph_capture_failures", "Buckets whose "
+                                              "capture failed", ["phase", "reason"],
+                                              registry=r)
+        # -- KV cache ------------------------------------------------------------------
+        self.kv_tokens = Gauge(p + "kv_tokens", "KV-cache token locations", ["state"],
+                               registry=r)
+        self.kv_usage_ratio = Gauge(p + "kv_usage_ratio", "Used / total KV token locations",
+                                    registry=r)
+        self.kv_slots = Gauge(p + "kv_slots", "Sequence slots", ["state"], registry=r)
+        self.active_sequences = Gauge(p + "active_sequences", "Sequences admitted and not "
+                                      "released", registry=r)
+        self.kv_allocation_failures = Counter(p + "kv_allocation_failures", "Calls refused "
+                                              "for lack of KV tokens or sequence slots",
+                                              ["resource"], registry=r)
+        # -- process -------------------------------------------------------------------
+        self.healthy = Gauge(p + "healthy", "1 when ready to serve steps, else 0", registry=r)
+        self.build_info = Gauge(p + "build_info", "Build and runtime versions (always 1)",
+                                ["version", "python", "torch", "grpcio"], registry=r)
+        self.model_info = Gauge(p + "model_info", "The served model (always 1)",
+                                ["name", "architecture", "dtype", "device"], registry=r)
+        # -- gRPC (the go-grpc-prometheus names, so stock gRPC dashboards work) --------
+        rpc_labels = ["grpc_service", "grpc_method", "grpc_type"]
+        self.grpc_started = Counter("grpc_server_started", "RPCs started", rpc_labels,
+                                    registry=r)
+        self.grpc_handled = Counter("grpc_server_handled", "RPCs completed, by status code",
+                                    [*rpc_labels, "grpc_code"], registry=r)
+        self.grpc_handling_seconds = Histogram("grpc_server_handling_seconds", "RPC latency",
+                                               rpc_labels, buckets=RPC_BUCKETS, registry=r)
+        self._touch()
+
+    def _touch(self) -> None:
+        """Create every fixed-label series at zero."""
+        for phase in PHASES:
+            for path in PATHS:
+                self.step_seconds.labels(phase, path)
+            for reason in self.fallback_reasons:
+                self.eager_fallbacks.labels(phase, reason)
+            for reason in CAPTURE_FAILURE_REASONS:
+                self.graph_capture_failures.labels(phase, reason)
+            for metric in (self.tokens, self.batch_size, self.graph_replays,
+                           self.graph_replay_seconds, self.padded_tokens,
+                           self.graph_captured_buckets, self.graph_capture_seconds,
+                           self.graph_memory_bytes):
+                metric.labels(phase)
+        for state in ("used", "free"):
+            self.kv_tokens.labels(state)
+            self.kv_slots.labels(state)
+        for resource in ALLOCATION_RESOURCES:
+            self.kv_allocation_failures.labels(resource)
+
+    def touch_rpcs(self, service: str, methods: tuple[str, ...], rpc_type: str = "unary"
+                   ) -> None:
+        """Create the gRPC series of ``methods`` at zero (OK only; other codes on use)."""
+        for method in methods:
+            self.grpc_started.labels(service, method, rpc_type)
+            self.grpc_handled.labels(service, method, rpc_type, "OK")
+            self.grpc_handling_seconds.labels(service, method, rpc_type)
+
+    def set_build_info(self, version: str) -> None:
+        import torch
+
+        self.build_info.labels(version, platform.python_version(), torch.__version__,
+                               grpc.__version__).set(1)
+
+
+@dataclass
+class Exporter:
+    """The ``/metrics`` HTTP server (a daemon thread)."""
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_exporter(registry: CollectorRegistry, host: str, port: int) -> Exporter:
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return Exporter(server, thread)

@@ -1,0 +1,209 @@
+"""The gRPC process, assembled: ``ExecutorServer`` wires the servicer, the standard health
+and reflection services, the interceptor, metrics and the executor thread; ``serve`` runs
+one until SIGTERM/SIGINT.
+
+Boot sequence (on the executor thread; gRPC answers from the first moment, steps get
+UNAVAILABLE until READY):
+
+    STARTING   load weights, allocate the KV cache (Executor construction)
+    CAPTURING  capture CUDA graphs for the enabled phases (if asked to at start-up)
+    READY      readiness SERVING
+
+Shutdown: DRAINING (health NOT_SERVING, new steps UNAVAILABLE) -> after the drain delay
+the listener closes (new calls UNAVAILABLE from gRPC) -> in-flight calls finish within the
+grace period -> the executor thread and the exporter stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Callable
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from executor.api import Phase
+from executor.config import ExecutorConfig
+from executor.errors import GraphsUnavailable
+from service import __version__
+from service.config import RequestLimits, ServerConfig, channel_options
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from service.health import Lifecycle, State
+from service.interceptors import ServiceInterceptor
+from service.metrics import Exporter, Metrics, start_exporter
+from service.servicer import ExecutorServicer
+from service.stats import StatsRecorder
+from service.worker import ExecutorLike, ExecutorWorker
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["Executor"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+ExecutorFactory = Callable[[], ExecutorLike]
+
+
+def real_executor_factory(config: ExecutorConfig) -> ExecutorFactory:
+    def build() -> ExecutorLike:
+        from executor.executor import Executor
+
+        return Executor(config)
+
+    return build
+
+
+def fallback_reasons() -> tuple[str, ...]:
+    """The executor's eager-fallback reasons: the label values of eager_fallbacks."""
+    from executor.graphs.dispatch import FallbackReason
+
+    return (*(r.value for r in FallbackReason), "other")
+
+
+class ExecutorServer:
+    def __init__(self, executor_config: ExecutorConfig, config: ServerConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.executor_config = executor_config
+        self.config = config or ServerConfig()
+        self._factory = executor_factory or real_executor_factory(executor_config)
+        self.limits = RequestLimits.from_executor(executor_config)
+        self.metrics = Metrics(registry or CollectorRegistry(), fallback_reasons())
+        self.recorder = StatsRecorder(self.metrics)
+        self.worker = ExecutorWorker()
+        self.lifecycle = Lifecycle(health_aio.HealthServicer(),
+                                   on_change=lambda s: self.recorder.healthy(s is State.READY))
+        self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
+                                         self.limits, __version__)
+        self.port = 0
+        self.exporter: Exporter | None = None
+        self.boot_error: BaseException | None = None
+        self._server: grpc.aio.Server | None = None
+        self._boot_task: asyncio.Task[None] | None = None
+        self._booted = asyncio.Event()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.exporter.port if self.exporter is not None else None
+
+    async def start(self) -> None:
+        """Bind and serve at once (health answers, steps get UNAVAILABLE); boot behind."""
+        await self.lifecycle.publish()
+        server = grpc.aio.server(
+            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal)],
+            options=channel_options(self.limits),
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+        pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
+        if self.config.reflection:
+            reflection.enable_server_reflection(SERVICE_NAMES, server)
+        self.port = server.add_insecure_port(self.config.address)
+        await server.start()
+        self._server = server
+        if self.config.metrics_port is not None:
+            self.exporter = start_exporter(self.metrics.registry, self.config.host,
+                                           self.config.metrics_port)
+        self.metrics.set_build_info(__version__)
+        executor_service = pb.DESCRIPTOR.services_by_name["Executor"]
+        self.metrics.touch_rpcs(executor_service.full_name,
+                                tuple(m.name for m in executor_service.methods))
+        self._boot_task = asyncio.create_task(self._boot(), name="executor-boot")
+
+    async def _boot(self) -> None:
+        try:
+            executor = await self.worker.boot(self._factory)
+            self.recorder.model(executor.model_info)
+            self.servicer.update_status((await self.worker.run(lambda ex: ex.status())).value)
+            log.info("executor_ready", **vars(executor.model_info))
+            capture = self.executor_config.graphs.capture_at_startup
+            phases = executor.startup_phases() if capture else ()
+            if phases:
+                if not await self.lifecycle.set(State.CAPTURING):
+                    return  # draining already
+                await self._capture(phases)
+            await self.lifecycle.set(State.READY)
+        except Exception as exc:
+            self.boot_error = exc
+            log.error("boot_failed", exc_info=exc)
+            await self.lifecycle.set(State.UNHEALTHY, f"start-up failed: {exc}")
+        finally:
+            self._booted.set()
+
+    async def _capture(self, phases: tuple[Phase, ...]) -> None:
+        try:
+            # A progress bar (on stderr) only for a person watching a terminal.
+            progress = sys.stderr.isatty()
+            timed = await self.worker.run(
+                lambda ex: (ex.capture(phases, progress=progress), ex.status()))
+        except GraphsUnavailable as exc:
+            log.warning("startup_capture_unavailable", reason=str(exc))
+            return
+        captures, status = timed.value
+        self.recorder.capture(captures, force=False)
+        self.servicer.update_status(status)
+        for p in captures:
+            failed = [b.size for b in p.buckets if not b.ok]
+            log.info("startup_capture_done", phase=p.phase, backend=p.backend,
+                     buckets=len(p.buckets), failed=failed, total_ms=round(p.total_ms, 1),
+                     memory_bytes=p.memory_bytes)
+
+    async def wait_booted(self) -> bool:
+        """Wait for the boot sequence; True if the server is READY."""
+        await self._booted.wait()
+        return self.lifecycle.state is State.READY
+
+    async def _on_fatal(self, exc: BaseException) -> None:
+        log.error("fatal_device_error", error=str(exc))
+        await self.lifecycle.set(State.UNHEALTHY, f"fatal device error: {exc}"[:300])
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: readiness NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        grace = self.config.grace_period_s if grace is None else grace
+        await self.lifecycle.set(State.DRAINING)
+        log.info("draining", grace_s=grace, drain_delay_s=self.config.drain_delay_s,
+                 pending_calls=self.worker.pending)
+        if self.config.drain_delay_s > 0:
+            await asyncio.sleep(self.config.drain_delay_s)
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._boot_task is not None and not self._boot_task.done():
+            self._boot_task.cancel()  # a construction under way still runs to its end
+        await asyncio.to_thread(self.worker.shutdown)
+        if self.exporter is not None:
+            self.exporter.close()
+        log.info("stopped")
+
+
+async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
+    """Run a server until SIGTERM/SIGINT; the exit code (1 if start-up failed)."""
+    server = ExecutorServer(executor_config, config)
+    await server.start()
+    metrics = (f"http://{config.address.rsplit(':', 1)[0]}:{server.metrics_port}/metrics"
+               if server.metrics_port is not None else None)
+    log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",
+             metrics=metrics, version=__version__)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    booted = asyncio.create_task(server.wait_booted())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if server.boot_error is not None and not stop.is_set():
+        stopping.cancel()
+        await server.stop(0)
+        return 1
+    await stopping
+    log.info("signal_received")
+    await server.stop()
+    booted.cancel()
+    return 0

@@ -1,0 +1,97 @@
+"""Records what the service observes (steps, KV accounting, captures, RPC outcomes) into
+``Metrics``. Callers speak in executor and gRPC terms; this module turns them into
+bounded label values, so nothing unbounded can reach a label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import grpc
+
+from executor.api import GraphStatus, KVStats, ModelInfo, Phase, PhaseCapture, StepInfo
+from executor.errors import OutOfResources
+from service.metrics import ALLOCATION_RESOURCES, Metrics
+
+OTHER = "other"
+
+
+def capture_failure_reason(error: str) -> str:
+    return "oom" if "out of memory" in error.lower() else "error"
+
+
+class StatsRecorder:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._reasons = frozenset(metrics.fallback_reasons)
+
+    def step(self, step: StepInfo, batch_size: int, seconds: float) -> None:
+        m, phase = self.metrics, step.phase
+        m.step_seconds.labels(phase, step.path).observe(seconds)
+        m.tokens.labels(phase).inc(step.num_tokens)
+        m.batch_size.labels(phase).observe(batch_size)
+        m.padded_tokens.labels(phase).inc(step.padded_tokens)
+        if step.path == "graph":
+            m.graph_replays.labels(phase).inc()
+        else:
+            reason = step.fallback_reason if step.fallback_reason in self._reasons else OTHER
+            m.eager_fallbacks.labels(phase, reason).inc()
+
+    def graphs(self, graphs: Sequence[GraphStatus]) -> None:
+        for g in graphs:
+            self.metrics.graph_captured_buckets.labels(g.phase).set(len(g.captured_sizes))
+
+    def replays(self, seconds: Mapping[Phase, Sequence[float]]) -> None:
+        """Replay durations the executor measured with CUDA events (read without a sync,
+        so they trail the steps they belong to by a call or so)."""
+        for phase, durations in seconds.items():
+            histogram = self.metrics.graph_replay_seconds.labels(phase)
+            for duration in durations:
+                histogram.observe(duration)
+
+    def kv(self, kv: KVStats) -> None:
+        m = self.metrics
+        m.kv_tokens.labels("used").set(kv.used_tokens)
+        m.kv_tokens.labels("free").set(kv.free_tokens)
+        m.kv_slots.labels("used").set(kv.total_slots - kv.free_slots)
+        m.kv_slots.labels("free").set(kv.free_slots)
+        m.kv_usage_ratio.set(kv.usage_ratio)
+        m.active_sequences.set(kv.active_sequences)
+
+    def capture(self, phases: Sequence[PhaseCapture], force: bool) -> None:
+        """A capture's cost. Without ``force`` only missing buckets were captured, so the
+        memory it reports adds to what the phase held; with it, it replaces that."""
+        m = self.metrics
+        for p in phases:
+            if not p.buckets:  # everything was captured already
+                continue
+            m.graph_capture_seconds.labels(p.phase).set(p.total_ms / 1e3)
+            memory = m.graph_memory_bytes.labels(p.phase)
+            if force:
+                memory.set(p.memory_bytes)
+            else:
+                memory.inc(p.memory_bytes)
+            for b in p.buckets:
+                if not b.ok:
+                    reason = capture_failure_reason(b.error)
+                    m.graph_capture_failures.labels(p.phase, reason).inc()
+
+    def error(self, exc: BaseException) -> None:
+        if isinstance(exc, OutOfResources) and exc.resource in ALLOCATION_RESOURCES:
+            self.metrics.kv_allocation_failures.labels(exc.resource).inc()
+
+    def healthy(self, healthy: bool) -> None:
+        self.metrics.healthy.set(1 if healthy else 0)
+
+    def model(self, info: ModelInfo) -> None:
+        self.metrics.model_info.labels(info.name, info.architecture, info.dtype,
+                                       info.device).set(1)
+
+    def rpc_started(self, service: str, method: str, rpc_type: str) -> None:
+        self.metrics.grpc_started.labels(service, method, rpc_type).inc()
+
+    def rpc_handled(self, service: str, method: str, rpc_type: str, code: grpc.StatusCode,
+                    seconds: float) -> None:
+        m = self.metrics
+        m.grpc_handled.labels(service, method, rpc_type, code.name).inc()
+        m.grpc_handling_seconds.labels(service, method, rpc_type).observe(seconds)

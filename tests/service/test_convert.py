@@ -1,0 +1,115 @@
+"""Proto -> executor conversion: limits and sampling-parameter ranges become field
+violations with the path the client sent; valid params convert to the executor's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from executor.api import GREEDY, MAX_TOP_LOGPROBS, PhaseCapture, SamplingParams
+from executor.errors import InvalidRequest
+from service import convert
+from service.config import RequestLimits
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from tests.service.harness import tiny_config
+
+LIMITS = RequestLimits.from_executor(tiny_config(max_sequences=4, max_prefill_tokens=64))
+
+
+def violations(fn: object, *args: object) -> dict[str, str]:
+    with pytest.raises(InvalidRequest) as info:
+        fn(*args)  # type: ignore[operator]
+    return {v.field: v.description for v in info.value.violations}
+
+
+def prefill(*items: pb.PrefillItem, request_id: str = "") -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=request_id, items=items)
+
+
+def test_unset_sampling_is_greedy_and_fields_map_one_to_one() -> None:
+    items = convert.prefill_items(prefill(pb.PrefillItem(seq_id="a", token_ids=[1, 2])), LIMITS)
+    assert items[0].sampling == GREEDY and items[0].sample is False
+    msg = pb.SamplingParams(temperature=0.5, top_k=7, top_p=0.25, min_p=0.125, seed=2**64 - 1,
+                            logprobs=True, top_logprobs=3)
+    item = pb.DecodeItem(seq_id="a", token_id=3, sampling=msg)
+    [decoded] = convert.decode_items(pb.DecodeRequest(items=[item]), LIMITS)
+    assert decoded.sampling == SamplingParams(0.5, 7, 0.25, 0.125, 2**64 - 1, True, 3)
+    # top_p unset means off (1.0), not 0
+    [decoded] = convert.decode_items(pb.DecodeRequest(items=[pb.DecodeItem(
+        seq_id="a", sampling=pb.SamplingParams(temperature=1.0))]), LIMITS)
+    assert decoded.sampling.top_p == 1.0 and decoded.sampling.seed is None
+
+
+finite = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@given(temperature=finite, top_k=st.integers(-(2**31), 2**31 - 1),
+       top_p=st.none() | finite, min_p=finite, top_logprobs=st.integers(-5, 40))
+def test_sampling_ranges(temperature: float, top_k: int, top_p: float | None, min_p: float,
+                         top_logprobs: int) -> None:
+    msg = pb.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
+                            top_logprobs=top_logprobs)
+    if top_p is not None:
+        msg.top_p = top_p
+    expected = set()
+    if not (math.isfinite(temperature) and temperature >= 0):
+        expected.add("temperature")
+    if top_k < 0:
+        expected.add("top_k")
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        expected.add("top_p")
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        expected.add("min_p")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        expected.add("top_logprobs")
+    items = [pb.PrefillItem(seq_id=f"s{i}", token_ids=[1]) for i in range(3)]
+    items.append(pb.PrefillItem(seq_id="s3", token_ids=[1], sampling=msg))
+    request = prefill(*items)
+    if not expected:
+        assert convert.prefill_items(request, LIMITS)[3].sampling.top_k == top_k
+    else:
+        got = violations(convert.prefill_items, request, LIMITS)
+        assert set(got) == {f"items[3].sampling.{name}" for name in expected}
+
+
+def test_limits_are_field_violations() -> None:
+    too_many = prefill(*(pb.PrefillItem(seq_id=f"s{i}", token_ids=[1]) for i in range(5)))
+    assert "at most 4" in violations(convert.prefill_items, too_many, LIMITS)["items"]
+    too_long = prefill(pb.PrefillItem(seq_id="a", token_ids=[1] * 65))
+    assert "split" in violations(convert.prefill_items, too_long, LIMITS)["items"]
+    got = violations(convert.prefill_items, prefill(
+        pb.PrefillItem(seq_id="x" * 257, token_ids=[1]), request_id="r" * 129), LIMITS)
+    assert set(got) == {"items[0].seq_id", "request_id"}
+    decode = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=f"s{i}") for i in range(5)])
+    assert set(violations(convert.decode_items, decode, LIMITS)) == {"items"}
+    assert set(violations(convert.release_ids, pb.ReleaseRequest(), LIMITS)) == {"seq_ids"}
+
+
+def test_capture_phases() -> None:
+    assert convert.capture_phases(pb.CaptureRequest()) == ("decode", "prefill")
+    assert convert.capture_phases(pb.CaptureRequest(phases=[pb.PHASE_PREFILL])) == ("prefill",)
+    bad = pb.CaptureRequest(phases=[pb.PHASE_DECODE, pb.PHASE_UNSPECIFIED, pb.PHASE_DECODE])
+    assert set(violations(convert.capture_phases, bad)) == {"phases[1]", "phases[2]"}
+    response = convert.capture_response([PhaseCapture("decode", "full")])
+    assert response.phases[0].phase == pb.PHASE_DECODE
+
+
+def test_message_limits_fit_the_largest_valid_request() -> None:
+    limits = RequestLimits.from_executor(tiny_config())
+    per_item = limits.max_prefill_tokens // limits.max_prefill_items
+    biggest = prefill(*(
+        pb.PrefillItem(seq_id="x" * limits.max_seq_id_bytes, token_ids=[2**31 - 1] * per_item,
+                       sample=True, sampling=pb.SamplingParams(
+                           temperature=1, top_k=1, top_p=0.5, min_p=0.5, seed=2**64 - 1,
+                           logprobs=True, top_logprobs=MAX_TOP_LOGPROBS))
+        for _ in range(limits.max_prefill_items)), request_id="r" * 128)
+    assert biggest.ByteSize() <= limits.max_receive_bytes
+    output = pb.ItemOutput(seq_id="x" * limits.max_seq_id_bytes, token_id=2**31 - 1,
+                           logprob=-1.0, seq_len=2**31 - 1, top_logprobs=[
+                               pb.TokenLogprob(token_id=2**31 - 1, logprob=-1.0)] * 20)
+    response = pb.StepResponse(outputs=[output] * limits.max_decode_items,
+                               step=pb.StepInfo(fallback_reason="x" * 64))
+    assert response.ByteSize() <= limits.max_send_bytes

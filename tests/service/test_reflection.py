@@ -1,0 +1,65 @@
+"""Server reflection, used the way grpcurl uses it: with no generated code on the client.
+List the services, describe a method, build the request from JSON, call it generically."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from tests.service.harness import ServerHarness
+
+
+def call_json(harness: ServerHarness, pool: descriptor_pool.DescriptorPool, service: str,
+              method: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``grpcurl -plaintext -d BODY target SERVICE/METHOD``."""
+    descriptor = pool.FindServiceByName(service).FindMethodByName(method)
+    request_cls = message_factory.GetMessageClass(descriptor.input_type)
+    response_cls = message_factory.GetMessageClass(descriptor.output_type)
+    request = json_format.Parse(json.dumps(body), request_cls())
+    rpc = harness.channel.unary_unary(f"/{service}/{method}",
+                                      request_serializer=request_cls.SerializeToString,
+                                      response_deserializer=response_cls.FromString)
+    response = rpc(request, timeout=10)
+    return json.loads(json_format.MessageToJson(response, preserving_proto_field_name=True))
+
+
+def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
+    database = ProtoReflectionDescriptorDatabase(server.channel)
+    # grpcurl list
+    assert set(database.get_services()) == {
+        "model_executor.v1.Executor", "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection"}
+    pool = descriptor_pool.DescriptorPool(database)
+    # grpcurl describe model_executor.v1.Executor / model_executor.v1.PrefillItem
+    executor = pool.FindServiceByName("model_executor.v1.Executor")
+    assert [m.name for m in executor.methods] == ["Prefill", "Decode", "Release", "Capture",
+                                                  "Health"]
+    assert executor.FindMethodByName("Decode").output_type.full_name == \
+        "model_executor.v1.StepResponse"
+    item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")
+    assert [f.name for f in item.fields] == ["seq_id", "token_ids", "sample", "sampling"]
+
+    # grpcurl -d '{...}' ... model_executor.v1.Executor/Prefill, then Decode and Release
+    step = call_json(server, pool, "model_executor.v1.Executor", "Prefill", {
+        "request_id": "from-json",
+        "items": [{"seq_id": "refl", "token_ids": [1, 2, 3], "sample": True}]})
+    assert step["step"]["phase"] == "PHASE_PREFILL"
+    [output] = step["outputs"]
+    assert output["seq_len"] == 3 and "token_id" in output
+    step = call_json(server, pool, "model_executor.v1.Executor", "Decode", {
+        "items": [{"seq_id": "refl", "token_id": output["token_id"]}]})
+    assert step["outputs"][0]["seq_len"] == 4
+    released = call_json(server, pool, "model_executor.v1.Executor", "Release",
+                         {"seq_ids": ["refl"]})
+    assert released == {"released": 1}
+    health = call_json(server, pool, "model_executor.v1.Executor", "Health", {})
+    assert health["state"] == "SERVER_STATE_READY"
+    # the standard health service, described and called the same way
+    check = call_json(server, pool, "grpc.health.v1.Health", "Check",
+                      {"service": "model_executor.v1.Executor"})
+    assert check == {"status": "SERVING"}
