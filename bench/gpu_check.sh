@@ -11,7 +11,7 @@ if [ -d .whl ]; then  # wheels the GPU machine lacks (structlog, grpc extras), s
     && export PYTHONPATH=.:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -m gpu tests/gpu tests/service -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m bench.run --profile "$profile" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
