@@ -1,17 +1,156 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of a Llama-family decoder, and the two implementations of their ops.
 
-Numerics follow the Hugging Face reference implementations (RMSNorm in float32, RoPE
-tables in float32 cast to the activation dtype) so float32 logits match it tightly.
+The modules (``RMSNorm``, ``RotaryEmbedding``, ``GatedMLP``) hold parameters and tables;
+the arithmetic between the matmuls goes through a ``LayerOps``:
+
+* ``TORCH_OPS``: plain PyTorch, op for op what Hugging Face computes (RMSNorm in float32,
+  RoPE tables in float32 cast to the activation dtype), so float32 logits match it
+  tightly. Used on CPU, for float32, and as the reference of the kernels' tests.
+* ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
+  q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
+  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ.
+
+``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
 from executor.model.spec import RopeSpec
+
+# "auto": the fused Triton kernels on CUDA for fp16/bf16 activations, plain torch
+# otherwise. "torch": always plain torch (e.g. to let a compiler fuse the ops itself).
+# "triton": always the kernels (CPU works only under TRITON_INTERPRET=1; for tests).
+KernelChoice = Literal["auto", "torch", "triton"]
+KERNEL_CHOICES: tuple[KernelChoice, ...] = ("auto", "torch", "triton")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LayerOps(Protocol):
+    """The element-wise and normalization work of a decoder layer.
+
+    Every method returns new tensors and leaves its inputs unchanged. Shapes: rows are
+    tokens ``T``; ``q`` is ``(T, heads, head_dim)``, ``k`` is ``(T, kv_heads, head_dim)``
+    (strided views of the QKV output are fine: only the last dim must be contiguous).
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * normalize(x)`` over the last dim."""
+        ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``, the sum in the activation dtype."""
+        ...
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+             k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE of q and k at ``positions`` from float32 ``(P, head_dim)``
+        tables, after a per-head RMSNorm with weights ``q_norm``/``k_norm`` if given."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``(T, 2 * I)`` -> ``(T, I)``."""
+        ...
+
+
+class TorchOps:
+    """Plain PyTorch, following the Hugging Face modules op for op."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+             k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if q_norm is not None and k_norm is not None:
+            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        c = cos[positions].to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
+        s = sin[positions].to(q.dtype).unsqueeze(1)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TritonOps:
+    """The fused kernels of ``executor.kernels`` (2-D row-major inputs for the norms).
+
+    ``executor.kernels`` (hence Triton) is imported at the first call, never when this
+    module is imported: CPU test runs import the model long before an interpreter test
+    sets ``TRITON_INTERPRET``. ``prepare_kernels`` imports it ahead of any Dynamo trace.
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from executor import kernels
+
+        return kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from executor import kernels
+
+        return kernels.add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+             k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from executor import kernels
+
+        return kernels.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from executor import kernels
+
+        return kernels.silu_and_mul(gate_up)
+
+
+TORCH_OPS = TorchOps()
+TRITON_OPS = TritonOps()
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def prepare_kernels(choice: KernelChoice) -> None:
+    """Import the kernels now if ``choice`` may pick them on this machine, so that a
+    Dynamo trace never runs their first import (which registers custom ops)."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernel choice {choice!r}; valid: {', '.join(KERNEL_CHOICES)}")
+    if choice == "triton" or (choice == "auto" and torch.cuda.is_available()
+                              and triton_available()):
+        import executor.kernels  # noqa: F401
+
+
+def select_ops(choice: KernelChoice, x: torch.Tensor) -> LayerOps:
+    """The ops for activations like ``x``: see ``KernelChoice``."""
+    if choice == "triton":
+        return TRITON_OPS
+    if choice == "auto" and x.is_cuda and x.dtype in _FUSED_DTYPES:
+        return TRITON_OPS
+    return TORCH_OPS
 
 
 class RMSNorm(nn.Module):
@@ -20,11 +159,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + residual), x + residual)``: the pre-norm residual step."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -50,10 +191,11 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table.
+    """Neox-style (rotate-half) RoPE tables: float32 ``cos``/``sin`` ``(P, head_dim)``.
 
-    The table covers ``max_positions`` positions so a forward is one gather, which is
+    The tables cover ``max_positions`` positions so a forward is one gather, which is
     also what makes it capturable in a CUDA graph (positions live in a static buffer).
+    Both halves of each row are equal (``cat(freqs, freqs)``); the kernel reads the first.
     """
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int) -> None:
@@ -76,17 +218,15 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                ops: LayerOps, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, heads, head_dim), k: (T, kv_heads, head_dim), positions: (T,)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """q: (T, heads, head_dim), k: (T, kv_heads, head_dim), positions: (T,); with
+        ``q_norm``/``k_norm`` (same eps), each head is RMS-normed before the rotation."""
+        qw = q_norm.weight if q_norm is not None else None
+        kw = k_norm.weight if k_norm is not None else None
+        eps = q_norm.eps if q_norm is not None else 0.0
+        return ops.rope(positions, q, k, self.cos, self.sin, qw, kw, eps)
 
 
 class GatedMLP(nn.Module):
@@ -98,6 +238,5 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -3,6 +3,16 @@
 Tokens are packed: every tensor is ``(T, ...)`` for the ``T`` new tokens of a batch, with
 no padding and no batch dimension. Attention is delegated to an ``AttentionBackend``; the
 model never sees how sequences are laid out, only the metadata object it passes along.
+
+Layers thread ``(hidden, residual)`` (vLLM-style): each layer returns its MLP output and
+the residual stream *without* adding them; the next layer's input norm (or the final
+norm) does the add and the norm in one step. The sums are the same as Hugging Face's
+``residual + hidden``, in the same dtype, so logits do not change.
+
+The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
+forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
+Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
+add+norm, gate_up GEMM, SiLU-and-mul, down GEMM.
 """
 
 from __future__ import annotations
@@ -11,7 +21,15 @@ import torch
 from torch import nn
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
-from executor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from executor.model.layers import (
+    GatedMLP,
+    KernelChoice,
+    LayerOps,
+    RMSNorm,
+    RotaryEmbedding,
+    prepare_kernels,
+    select_ops,
+)
 from executor.model.spec import ModelSpec
 
 
@@ -31,15 +49,13 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
+        q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -52,19 +68,37 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, backend: AttentionBackend,
+                meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``: the previous layer's MLP output (the embeddings for the first layer,
+        with ``residual=None``); returns ``(mlp_out, residual)``, not yet added."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden, ops), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual, ops)
+        hidden = self.self_attn(positions, hidden, backend, meta, ops)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual, ops)
+        return self.mlp(hidden, ops), residual
 
 
 class CausalLM(nn.Module):
     """Decoder plus LM head. ``forward`` returns final hidden states ``(T, hidden)``;
-    ``compute_logits`` turns selected rows into float32 logits ``(S, vocab)``."""
+    ``compute_logits`` turns selected rows into float32 logits ``(S, vocab)``.
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    ``kernels`` picks the implementation of the element-wise ops (``KernelChoice``):
+    the default ``"auto"`` uses the fused Triton kernels for CUDA fp16/bf16 activations
+    and plain torch otherwise. Both paths are traceable by Dynamo (the kernels are
+    custom ops with fake impls under ``torch.compile``); ``"torch"`` leaves the fusion to
+    the compiler instead. It is read at every forward: set it before capturing graphs.
+    """
+
+    def __init__(self, spec: ModelSpec, max_positions: int, kernels: KernelChoice = "auto"
+                 ) -> None:
         super().__init__()
+        prepare_kernels(kernels)
         self.spec = spec
+        self.kernels: KernelChoice = kernels
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
@@ -77,10 +111,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        ops = select_ops(self.kernels, hidden)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(positions, x, backend, meta)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual, backend, meta, ops)
+        if residual is None:  # no layers
+            return self.norm(hidden, ops)
+        return self.norm.add_forward(hidden, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # In the activation dtype, then float32, as HF does.
         return self.lm_head(hidden).float()

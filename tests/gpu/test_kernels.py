@@ -1,0 +1,231 @@
+"""The fused layer kernels (``executor.kernels``) vs the torch ops on the GPU.
+
+Each kernel against ``TORCH_OPS`` (the HF-parity path it replaces) on fresh random inputs
+(never zeros) over several shapes, bf16 and fp16; then whole tiny models of every
+architecture, fused path vs torch path, eager with Triton attention. The kernels compile
+per dtype and a few constexprs, so the sweeps stay cheap (seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.api import Phase
+from executor.config import CacheConfig, DType, ExecutorConfig, ModelConfig
+from executor.executor import Executor
+from executor.model.layers import (
+    TORCH_OPS,
+    TRITON_OPS,
+    KernelChoice,
+    rope_inv_freq,
+    select_ops,
+)
+from executor.model.spec import RopeSpec
+from tests.conftest import ARCHS
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from executor import kernels  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16]
+EPS = 1e-5
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def _norm_weight(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1.0 + 0.2 * torch.randn(n, device=DEVICE)).to(dtype)
+
+
+def _tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-3 scaled RoPE tables, as ``RotaryEmbedding`` builds them."""
+    rope = RopeSpec(theta=500000.0, rope_type="llama3", factor=32.0)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=DEVICE),
+                        rope_inv_freq(rope, head_dim, DEVICE))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _qk(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as strided views of one fused QKV output, like the model passes them."""
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, scale=2.0)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+# -- norms -------------------------------------------------------------------------------
+NORM_SHAPES = [(1, 2048), (7, 4096), (33, 5120), (256, 896), (1000, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), NORM_SHAPES)
+def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    torch.manual_seed(rows + n)
+    x = _randn(rows, n, dtype=dtype, scale=3.0)
+    w = _norm_weight(n, dtype)
+    _assert_close_norm(kernels.rms_norm(x, w, EPS), TORCH_OPS.rms_norm(x, w, EPS))
+
+
+def _assert_close_norm(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The float32 sum order differs from torch's, so ``x * rstd`` can round one ulp apart
+    (seen: 1 element in 64000, fp16), and the weight multiply's rounding can make it two."""
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got, ref, atol=eps, rtol=3 * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), NORM_SHAPES)
+def test_add_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    torch.manual_seed(rows * n)
+    x, res = _randn(rows, n, dtype=dtype), _randn(rows, n, dtype=dtype, scale=5.0)
+    x_before, res_before = x.clone(), res.clone()
+    w = _norm_weight(n, dtype)
+    out, new_res = kernels.add_rms_norm(x, res, w, EPS)
+    ref_out, ref_res = TORCH_OPS.add_rms_norm(x, res, w, EPS)
+    assert torch.equal(new_res, ref_res), "the residual sum must round exactly like torch"
+    _assert_close_norm(out, ref_out)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before), "inputs were written"
+
+
+# -- RoPE --------------------------------------------------------------------------------
+# (heads, kv_heads, head_dim): Llama-3.2-1B, Llama-3-8B, Qwen2-7B, GQA 1, odd half-dim.
+ROPE_SHAPES = [(32, 8, 64), (32, 8, 128), (28, 4, 128), (16, 16, 64), (12, 4, 80)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROPE_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_rope(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, tokens: int
+              ) -> None:
+    torch.manual_seed(tokens + heads + head_dim)
+    q, k = _qk(tokens, heads, kv_heads, head_dim, dtype)
+    cos, sin = _tables(8192, head_dim)
+    pos = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    got_q, got_k = kernels.rope_qk(q, k, pos, cos, sin)
+    ref_q, ref_k = TORCH_OPS.rope(pos, q, k, cos, sin, None, None, 0.0)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    # Op for op the same roundings as torch, and no FMA contraction (rope.LAUNCH_OPTIONS):
+    # bit-identical (with contraction on, about 20% of elements differed, on an H200).
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+def _assert_close_terms(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """Close to within two ulps of the *terms* (``x * cos``, ``rotate_half(x) * sin``), not
+    of the result: where the two terms cancel, one ulp of a term is far more than one ulp
+    of the result. Prints how many elements differ at all (seen: under 0.004%)."""
+    eps = torch.finfo(got.dtype).eps
+    scale = x.float().abs().amax().item()
+    torch.testing.assert_close(got, ref, atol=2 * eps * scale, rtol=2 * eps)
+    print(f"rope {tuple(got.shape)} {got.dtype}: "
+          f"{(got != ref).float().mean().item():.4%} of elements differ from torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 8, 128), (32, 4, 64)])
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_rope_with_qk_norm(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                           tokens: int) -> None:
+    torch.manual_seed(tokens * heads)
+    q, k = _qk(tokens, heads, kv_heads, head_dim, dtype)
+    cos, sin = _tables(4096, head_dim)
+    pos = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    qw, kw = _norm_weight(head_dim, dtype), _norm_weight(head_dim, dtype)
+    got = kernels.rope_qk(q, k, pos, cos, sin, qw, kw, 1e-6)
+    ref = TORCH_OPS.rope(pos, q, k, cos, sin, qw, kw, 1e-6)
+    for g, e in zip(got, ref, strict=True):
+        _assert_close_terms(g, e, e)  # normed heads: terms of the output's own magnitude
+
+
+# -- activation --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), [(1, 8192), (5, 14336), (64, 11008), (300, 896)])
+def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
+    torch.manual_seed(rows + n)
+    gate_up = _randn(rows, 2 * n, dtype=dtype, scale=3.0)
+    got, ref = kernels.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up)
+    # tl.exp is not torch's expf: SiLU may round one ulp apart, then the product with
+    # ``up`` (up to ~15) turns that into a few ulps of the result.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, ref, atol=2 * eps, rtol=4 * eps)
+    print(f"silu_and_mul {tuple(got.shape)} {dtype}: "
+          f"{(got != ref).float().mean().item():.4%} of elements differ from torch")
+
+
+def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
+    for dtype in DTYPES:
+        assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS
+    assert select_ops("auto", torch.empty(1, device=DEVICE)) is TORCH_OPS  # float32
+    assert select_ops("torch", torch.empty(1, dtype=torch.bfloat16, device=DEVICE)) is TORCH_OPS
+
+
+def test_compiled_ops_match_eager() -> None:
+    """Through AOT autograd (functionalization, the fake impls), as torch.compile runs them."""
+    dt, h, heads, kv_heads, head_dim, t = torch.bfloat16, 2048, 32, 8, 64, 5
+    x, r, w = _randn(t, h, dtype=dt), _randn(t, h, dtype=dt), _norm_weight(h, dt)
+    qkv = _randn(t, (heads + 2 * kv_heads) * head_dim, dtype=dt)
+    cos, sin = _tables(1024, head_dim)
+    pos = torch.randint(0, 1024, (t,), device=DEVICE)
+
+    def block(x: torch.Tensor, r: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ops = select_ops("auto", x)
+        normed, res = ops.add_rms_norm(x, r, w, EPS)
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+        q, k = ops.rope(pos, q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim),
+                        cos, sin, None, None, 0.0)
+        return ops.rms_norm(normed, w, EPS), res, q, k, ops.silu_and_mul(qkv)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    for g, e in zip(compiled(x, r, qkv), block(x, r, qkv), strict=True):
+        assert torch.equal(g, e)
+
+
+# -- whole tiny models: fused path vs torch path -----------------------------------------
+def _step_logits(ex: Executor, phase: Phase, chunks: dict[str, list[int]]) -> torch.Tensor:
+    alloc = ex.kv.allocate([(sid, len(toks)) for sid, toks in chunks.items()])
+    batch = ex.build_batch(phase, [t for toks in chunks.values() for t in toks], alloc, [])
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens,
+                                                                   device=DEVICE))
+    return ex.forward_logits(batch)
+
+
+def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
+    """A packed prefill of three prompts, then four decode steps: logits of each batch."""
+    ex.model.kernels = choice
+    gen = torch.Generator().manual_seed(0)
+    prompts = {f"{tag}{i}": torch.randint(0, 256, (n,), generator=gen).tolist()
+               for i, n in enumerate((37, 5, 120))}
+    out = [_step_logits(ex, "prefill", prompts)]
+    for step in range(4):
+        out.append(_step_logits(ex, "decode", {s: [17 + step] for s in prompts}))
+    ex.release(list(prompts))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_fused_matches_torch_path(arch: str, dtype: DType, model_dirs: dict[str, Path]
+                                        ) -> None:
+    cfg = ExecutorConfig(model=ModelConfig(source=str(model_dirs[arch]), dtype=dtype),
+                         device="cuda",
+                         cache=CacheConfig(kv_tokens=4096, max_sequences=8, max_context=512),
+                         attention_backend="triton")
+    ex = Executor(cfg)
+    assert ex.model.kernels == "auto"
+    ref = _run(ex, "torch", "t")
+    got = _run(ex, "auto", "k")
+    for g, e in zip(got, ref, strict=True):
+        # Logits of magnitude < 64 in bf16: a few ulps of noise from float32 sum order.
+        torch.testing.assert_close(g, e, atol=0.25, rtol=0.02)
+        assert (g.argmax(-1) == e.argmax(-1)).float().mean() > 0.9

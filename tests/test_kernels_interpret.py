@@ -1,0 +1,256 @@
+"""The fused layer kernels (``executor.kernels``) on CPU under Triton's interpreter.
+
+Each kernel against the torch ops it replaces (``TORCH_OPS``, the HF-parity path) on
+random inputs at small shapes, fp16 and fp32 (the interpreter's bf16 is unreliable); the
+custom-op registrations (schema, fake impls) and a Dynamo trace through them; and whole
+tiny models of every architecture, fused path vs torch path. Skipped on CUDA machines,
+where ``tests/gpu/test_kernels.py`` runs the compiled kernels instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
+                allow_module_level=True)
+# Triton decides at import time whether tl.sum & co. are interpreted, so TRITON_INTERPRET
+# must be set before the first ``import triton`` (see tests/test_triton_interpret.py).
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed")
+if type(triton.language.sum).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (set it in the "
+                "environment or run this file in its own process)", allow_module_level=True)
+
+from executor import kernels  # noqa: E402
+from executor.api import Phase  # noqa: E402
+from executor.config import CacheConfig, ExecutorConfig, ModelConfig  # noqa: E402
+from executor.executor import Executor  # noqa: E402
+from executor.model.layers import TORCH_OPS, TRITON_OPS, KernelChoice, select_ops  # noqa: E402
+from tests.conftest import ARCHS  # noqa: E402
+
+DTYPES = [torch.float16, torch.float32]
+EPS = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype)
+
+
+def _norm_weight(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (1.0 + 0.2 * torch.randn(n, generator=_gen(seed))).to(dtype)
+
+
+def _tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (1000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim), like RotaryEmbedding
+    return emb.cos(), emb.sin()
+
+
+def _qk(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as strided views of one fused QKV output, like the model passes them."""
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+# -- norms -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (5, 96), (3, 1000)])
+def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    wide = _randn(rows, n + 8, dtype=dtype, seed=1, scale=3.0)
+    x = wide[:, 4 : 4 + n]  # strided rows
+    w = _norm_weight(n, dtype, seed=2)
+    got = kernels.rms_norm(x, w, EPS)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got, TORCH_OPS.rms_norm(x, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (7, 96)])
+def test_add_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    x = _randn(rows, n, dtype=dtype, seed=3)
+    res = _randn(rows, n, dtype=dtype, seed=4, scale=4.0)
+    x_before, res_before = x.clone(), res.clone()
+    w = _norm_weight(n, dtype, seed=5)
+    out, new_res = kernels.add_rms_norm(x, res, w, EPS)
+    ref_out, ref_res = TORCH_OPS.add_rms_norm(x, res, w, EPS)
+    assert torch.equal(new_res, ref_res), "the residual sum must round exactly like torch"
+    torch.testing.assert_close(out, ref_out)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before), "inputs were written"
+
+
+# -- RoPE --------------------------------------------------------------------------------
+ROPE_SHAPES = [(4, 2, 16), (6, 2, 20), (3, 3, 64), (8, 1, 32)]  # heads, kv_heads, head_dim
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROPE_SHAPES)
+def test_rope_exact(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Without q/k norm the kernel rounds op for op like torch: bit-identical."""
+    q, k = _qk(5, heads, kv_heads, head_dim, dtype, seed=6)
+    cos, sin = _tables(40, head_dim)
+    pos = torch.tensor([0, 39, 7, 1, 7])
+    got_q, got_k = kernels.rope_qk(q, k, pos, cos, sin)
+    ref_q, ref_k = TORCH_OPS.rope(pos, q, k, cos, sin, None, None, 0.0)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROPE_SHAPES[:3])
+def test_rope_with_qk_norm(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+                           ) -> None:
+    q, k = _qk(4, heads, kv_heads, head_dim, dtype, seed=7)
+    cos, sin = _tables(16, head_dim)
+    pos = torch.tensor([3, 0, 15, 9])
+    qw, kw = _norm_weight(head_dim, dtype, seed=8), _norm_weight(head_dim, dtype, seed=9)
+    got = kernels.rope_qk(q, k, pos, cos, sin, qw, kw, EPS)
+    ref = TORCH_OPS.rope(pos, q, k, cos, sin, qw, kw, EPS)
+    torch.testing.assert_close(got, ref)
+
+
+# -- activation --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (3, 1500)])  # 1500: 2 programs, masked
+def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
+    gate_up = _randn(rows, 2 * n, dtype=dtype, seed=10, scale=3.0)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
+
+
+def test_empty_batches() -> None:
+    x = torch.empty(0, 64, dtype=torch.float16)
+    w = torch.ones(64, dtype=torch.float16)
+    assert kernels.rms_norm(x, w, EPS).shape == (0, 64)
+    assert [t.shape for t in kernels.add_rms_norm(x, x, w, EPS)] == [(0, 64), (0, 64)]
+    assert kernels.silu_and_mul(x).shape == (0, 32)
+    q, k = _qk(0, 4, 2, 16, torch.float16, seed=0)
+    cos, sin = _tables(8, 16)
+    got_q, got_k = kernels.rope_qk(q, k, torch.empty(0, dtype=torch.int64), cos, sin)
+    assert got_q.shape == (0, 4, 16) and got_k.shape == (0, 2, 16)
+
+
+# -- torch.compile: custom ops with fake impls -------------------------------------------
+def _op_cases() -> list[tuple[Any, tuple[Any, ...]]]:
+    dt = torch.float16
+    x, r, w = _randn(3, 32, dtype=dt, seed=1), _randn(3, 32, dtype=dt, seed=2), _norm_weight(
+        32, dt, seed=3)
+    q, k = _qk(3, 4, 2, 16, dt, seed=4)
+    cos, sin = _tables(8, 16)
+    pos = torch.tensor([1, 5, 2])
+    qw, kw = _norm_weight(16, dt, seed=5), _norm_weight(16, dt, seed=6)
+    ops = torch.ops.model_executor
+    return [
+        (ops.rms_norm.default, (x, w, EPS)),
+        (ops.add_rms_norm.default, (x, r, w, EPS)),
+        (ops.rope_qk.default, (q, k, pos, cos, sin, None, None, 0.0)),
+        (ops.rope_qk.default, (q, k, pos, cos, sin, qw, kw, EPS)),
+        (ops.silu_and_mul.default, (_randn(2, 64, dtype=dt, seed=7),)),
+    ]
+
+
+def test_custom_ops_schema_and_fake_impls() -> None:
+    for op, args in _op_cases():
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_dynamo_traces_the_fused_ops_as_custom_op_nodes() -> None:
+    dt = torch.float16
+    h, heads, kv_heads, head_dim = 64, 4, 2, 16
+    x, r = _randn(3, h, dtype=dt, seed=1), _randn(3, h, dtype=dt, seed=2)
+    w = _norm_weight(h, dt, seed=3)
+    qkv = _randn(3, (heads + 2 * kv_heads) * head_dim, dtype=dt, seed=4)
+    cos, sin = _tables(8, head_dim)
+    pos = torch.tensor([1, 5, 2])
+
+    def block(x: torch.Tensor, r: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ops = select_ops("triton", x)
+        normed, res = ops.add_rms_norm(x, r, w, EPS)
+        first = ops.rms_norm(normed, w, EPS)
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+        q, k = ops.rope(pos, q.view(3, heads, head_dim), k.view(3, kv_heads, head_dim),
+                        cos, sin, None, None, 0.0)
+        return first, res, q, k, ops.silu_and_mul(torch.cat((normed, res), dim=-1))
+
+    seen: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=recording, fullgraph=True)
+    got, ref = compiled(x, r, qkv), block(x, r, qkv)
+    for g, e in zip(got, ref, strict=True):
+        assert torch.equal(g, e)
+    for name in ("rms_norm", "add_rms_norm", "rope_qk", "silu_and_mul"):
+        assert any(s.startswith(f"model_executor.{name}") for s in seen), (name, seen)
+
+
+# -- whole tiny models: fused path vs torch path -----------------------------------------
+def _step_logits(ex: Executor, phase: Phase, chunks: dict[str, list[int]]) -> torch.Tensor:
+    """One packed batch extending each sequence by its chunk: logits of every new token."""
+    alloc = ex.kv.allocate([(sid, len(toks)) for sid, toks in chunks.items()])
+    batch = ex.build_batch(phase, [t for toks in chunks.values() for t in toks], alloc, [])
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
+    return ex.forward_logits(batch)
+
+
+def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
+    """A packed prefill of two prompts, then two decode steps: the logits of each batch."""
+    ex.model.kernels = choice
+    prompts = {f"{tag}a": [3, 17, 99, 4, 250, 8, 41], f"{tag}b": [5, 6, 7]}
+    out = [_step_logits(ex, "prefill", prompts)]
+    for step in range(2):
+        out.append(_step_logits(ex, "decode", {s: [11 + step] for s in prompts}))
+    ex.release(list(prompts))
+    return out
+
+
+def _counting(fn: Callable[..., Any], name: str, calls: dict[str, int]) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 logits of the fused path equal the torch path's (seen bit-identical here; the
+    tolerance leaves room for float32 sum order)."""
+    cfg = ExecutorConfig(model=ModelConfig(source=str(model_dirs[arch]), dtype="float16"),
+                         device="cpu",
+                         cache=CacheConfig(kv_tokens=256, max_sequences=4, max_context=64))
+    ex = Executor(cfg)
+    assert ex.model.kernels == "auto"
+    assert select_ops("auto", torch.empty(1, dtype=torch.float16)) is TORCH_OPS  # CPU
+    assert select_ops("triton", torch.empty(1)) is TRITON_OPS
+    ref = _run(ex, "torch", "t")
+    calls: dict[str, int] = {}
+    for name in kernels.__all__:
+        monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
+    got = _run(ex, "triton", "k")
+    layers = ex.spec.num_layers
+    # Per forward: 2 norms and 1 RoPE and 1 SiLU-and-mul per layer (the first layer's
+    # input norm has no residual to add; the final norm adds the last one).
+    assert calls == {"rms_norm": 3, "add_rms_norm": 3 * 2 * layers, "rope_qk": 3 * layers,
+                     "silu_and_mul": 3 * layers}, calls
+    for g, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
