@@ -71,6 +71,10 @@ class GraphConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None: default list up to max_prefill_tokens
     capture_at_startup: bool = True
     compiler: Literal["eager", "inductor"] = "eager"  # for prefill_mode == "tc_piecewise"
+    # tc_piecewise: compiled artifacts cached here, keyed by model, code and compiler
+    # (None: no disk cache); the split graph and its pieces as readable Python (None: off).
+    compile_cache_dir: str | None = None
+    compile_debug_dir: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.decode_mode in get_args(DecodeGraphMode),
@@ -79,6 +83,8 @@ class GraphConfig:
         _require(self.prefill_mode in get_args(PrefillGraphMode),
                  f"prefill graph mode must be one of {list(get_args(PrefillGraphMode))}, "
                  f"got {self.prefill_mode!r}")
+        _require(self.compiler in ("eager", "inductor"),
+                 f"tc_piecewise compiler must be 'eager' or 'inductor', got {self.compiler!r}")
         for name, buckets in (("decode", self.decode_buckets), ("prefill", self.prefill_buckets)):
             if buckets is not None:
                 _require(len(buckets) > 0 and all(b > 0 for b in buckets),

@@ -15,6 +15,7 @@ all of its items or to none. The executor is not thread-safe: one thread drives 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path as FsPath
@@ -132,7 +133,7 @@ class Executor:
         mode = self._graph_modes[phase]
         if mode == "disabled" or self.device.type != "cuda":
             return None
-        backend = make_capture_backend(mode, self.device)
+        backend = make_capture_backend(mode, self.device, self.config.graphs, self._model_key())
         if backend.attention_in_graph and phase not in self.attn.capturable:
             raise ConfigError(
                 f"{phase} graph mode {mode!r} captures attention, and attention backend "
@@ -147,6 +148,12 @@ class Executor:
                 self.config.max_prefill_tokens)
         return GraphRunner(phase, self.model, self.attn, backend, normalize_buckets(buckets),
                            self.limits.max_context, self.device)
+
+    def _model_key(self) -> str:
+        """What a compiled forward depends on besides our code: layout, dtype, context
+        (the RoPE table is a graph input) and the kernel choice."""
+        raw = f"{self.spec!r}|{self.dtype}|{self.limits.max_context}|{self.model.kernels}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------------------------
     # Public API
@@ -272,6 +279,10 @@ class Executor:
             logits = self.runners[batch.phase].replay(batch, decision.bucket)
             padded = decision.bucket - (batch.batch_size if batch.phase == "decode"
                                         else batch.num_tokens)
+        elif (runner := self.runners.get(batch.phase)) is not None and runner.runs_uncaptured:
+            # Compiled pieces without graphs: still faster than the plain eager model.
+            logits = runner.run_uncaptured(batch)
+            padded = 0
         else:
             logits = self.forward_logits(batch) if params else self._forward_only(batch)
             padded = 0

@@ -100,3 +100,21 @@ def test_resolve_graph_mode_table(phase: str, requested: str, cuda: bool, expect
             resolve_graph_mode(phase, requested, cuda)  # type: ignore[arg-type]
     else:
         assert resolve_graph_mode(phase, requested, cuda) == expect  # type: ignore[arg-type]
+
+
+def test_capture_backends_by_mode_name() -> None:
+    import torch
+
+    from executor.config import GraphConfig
+    from executor.graphs.registry import make_capture_backend
+
+    cpu = torch.device("cpu")
+    graphs = GraphConfig(compiler="inductor")
+    made = {m: make_capture_backend(m, cpu, graphs, "k") for m in
+            ("full", "breakable", "tc_piecewise")}
+    assert {m: b.name for m, b in made.items()} == {m: m for m in made}
+    assert [b.attention_in_graph for b in made.values()] == [True, False, False]
+    with pytest.raises(ConfigError, match="available: full, breakable, tc_piecewise"):
+        make_capture_backend("turbo", cpu, graphs, "k")
+    with pytest.raises(ConfigError, match="compiler must be 'eager' or 'inductor'"):
+        GraphConfig(compiler="tvm")  # type: ignore[arg-type]

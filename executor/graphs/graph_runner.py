@@ -200,6 +200,17 @@ class GraphRunner:
             return out[: batch.batch_size]
         return self.model.compute_logits(out[batch.logits_indices])
 
+    @property
+    def runs_uncaptured(self) -> bool:
+        # Only a compiling backend's forward serves any shape: breakable's attention buffers
+        # are sized for the largest bucket, and a full graph's forward is the eager model.
+        return self.backend.name == "tc_piecewise" and not self.logits_in_graph
+
+    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+        with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
+            hidden = self._forward(batch.input_ids, batch.positions, SCOPED)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
     def captured_sizes(self) -> tuple[int, ...]:
         return self.backend.captured()
 

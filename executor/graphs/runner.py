@@ -25,6 +25,15 @@ class PhaseRunner(Protocol):
         valid until the runner's next replay."""
         ...
 
+    @property
+    def runs_uncaptured(self) -> bool:
+        """Whether ``run_uncaptured`` beats the plain eager model (compiled pieces)."""
+        ...
+
+    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run a batch that fits no captured bucket without graphs; logits as ``replay``."""
+        ...
+
     def captured_sizes(self) -> tuple[int, ...]: ...
 
     def drain_replay_seconds(self) -> list[float]:

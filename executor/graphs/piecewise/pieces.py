@@ -1,0 +1,154 @@
+"""One CUDA graph per compiled piece per shape, and the mode that tells pieces what to do.
+
+The split graph calls ``GraphedPiece`` modules in place of its compiled pieces. What a call
+does depends on ``GraphMode``, which ``PiecewiseCompileBackend`` (its one owner) sets for
+exactly one capture or replay at a time:
+
+* ``run``: call the compiled piece (first calls compile; shapes never captured run here);
+* ``capture``: capture the piece into a new ``torch.cuda.CUDAGraph`` for the mode's shape,
+  in the backend's shared memory pool, and return the outputs the capture produced;
+* ``replay``: copy inputs whose address moved into the captured static inputs, replay,
+  and return the captured outputs.
+
+Static inputs. A piece's tensor inputs are parameters and the runner's static id/position
+buffers (stable), outputs of the previous piece's graph (stable: a graph writes its outputs
+to the same pool addresses every replay) and attention outputs (``OpAttention.out``,
+stable by construction). So at replay an input is copied only when its ``data_ptr``
+differs from capture; an output of an earlier piece graph that moved is a bug and raises.
+
+Memory. Capture keeps only non-owning references to piece outputs (``weak_view``): once
+the forward that captured them drops its own references, their pool blocks become free
+for later captures (other pieces, smaller shapes). That is safe because replay runs the
+pieces in capture order and a tensor's lifetime in replay is its lifetime in capture:
+a block is only reused after its last reader ran. It is what keeps the pool about the
+size of one forward's activations instead of one per shape.
+NOTE: outputs returned by a replay point into the shared pool: valid until the next
+replay of any shape (the ``CaptureBackend`` contract).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Mode = Literal["run", "capture", "replay"]
+
+
+@dataclass
+class GraphMode:
+    """What ``GraphedPiece`` calls do now (see module doc). One owner: the backend."""
+
+    kind: Mode = "run"
+    shape: int = 0
+    pool: Any = None
+    # Storage addresses of outputs of pieces captured so far in the current capture.
+    produced: set[int] = field(default_factory=set)
+
+    @contextmanager
+    def active(self, kind: Mode, shape: int) -> Iterator[None]:
+        if self.kind != "run":
+            raise RuntimeError(f"tc_piecewise {kind} of shape {shape} inside a {self.kind} "
+                               f"of shape {self.shape}: one at a time")
+        self.kind, self.shape = kind, shape
+        try:
+            yield
+        finally:
+            self.kind, self.shape = "run", 0
+            self.produced.clear()
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                          storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        alias, t.storage_offset(), t.size(), t.stride())
+
+
+def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_tensors(o, fn) for o in out)
+    return out
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    # Per argument: the captured data_ptr (tensors) or value (ints, SymInt values).
+    args: tuple[Any, ...]
+    # Per argument: the tensor to copy a moved input into; None where moving is a bug
+    # (outputs of earlier piece graphs) or for non-tensors.
+    static: tuple[torch.Tensor | None, ...]
+    outputs: Any  # weak views of the outputs, same structure as the piece returns
+
+
+class GraphedPiece(nn.Module):
+    """A compiled piece in the split graph: runs, captures or replays (see ``GraphMode``)."""
+
+    def __init__(self, index: int, fn: Callable[..., Any], mode: GraphMode) -> None:
+        super().__init__()
+        self.index, self.fn, self.mode = index, fn, mode
+        self.graphs: dict[int, _Captured] = {}
+
+    def forward(self, *args: Any) -> Any:
+        kind = self.mode.kind
+        if kind == "run":
+            return self.fn(*args)
+        if kind == "capture":
+            return self._capture(self.mode.shape, args)
+        return self._replay(self.mode.shape, args)
+
+    def _capture(self, shape: int, args: tuple[Any, ...]) -> Any:
+        produced = self.mode.produced
+        keys: list[Any] = []
+        static: list[torch.Tensor | None] = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                keys.append(a.data_ptr())
+                static.append(None if a.untyped_storage().data_ptr() in produced else a)
+            else:
+                keys.append(a)
+                static.append(None)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.mode.pool)
+        try:
+            out = self.fn(*args)
+        finally:
+            graph.capture_end()
+        _map_tensors(out, lambda t: produced.add(t.untyped_storage().data_ptr()))
+        self.graphs[shape] = _Captured(graph, tuple(keys), tuple(static),
+                                       _map_tensors(out, weak_view))
+        return out  # owning references: capture-time lifetimes must be the real ones
+
+    def _replay(self, shape: int, args: tuple[Any, ...]) -> Any:
+        cap = self.graphs.get(shape)
+        if cap is None:
+            raise RuntimeError(f"piece {self.index} has no graph for shape {shape} "
+                               "(recompiled after capture?)")
+        for a, key, static in zip(args, cap.args, cap.static, strict=True):
+            if not isinstance(a, torch.Tensor):
+                if a != key:
+                    raise RuntimeError(f"piece {self.index}: argument {a!r} != {key!r} "
+                                       f"captured for shape {shape}")
+            elif a.data_ptr() != key:
+                if static is None:
+                    raise RuntimeError(f"piece {self.index}: an input produced by an earlier "
+                                       f"piece graph moved (shape {shape})")
+                static.copy_(a)
+        cap.graph.replay()
+        return cap.outputs
+
+    def drop(self, shape: int | None = None) -> None:
+        """Forget one shape's graph, or all of them."""
+        if shape is None:
+            self.graphs.clear()
+        else:
+            self.graphs.pop(shape, None)
