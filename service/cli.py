@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from executor.config import (
     TINY_MODEL,
@@ -17,10 +19,14 @@ from executor.config import (
 )
 from executor.errors import ConfigError
 from service import __version__
+from service.auth import AuthConfig, read_secret
 from service.client import add_client_parser
-from service.config import ServerConfig
+from service.config import MiB, RetryCacheConfig, ServerConfig
+from service.tls import TlsConfig
 
 GRAPH_CHOICES = ("auto", "full", "breakable", "tc_piecewise", "disabled")
+TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
+ADMIN_TOKEN_ENV = "MODEL_EXECUTOR_ADMIN_TOKEN"
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +62,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="full | breakable | disabled | auto (full on CUDA)")
     graphs.add_argument("--prefill-graph", default="auto", metavar="MODE",
                         help="breakable | tc_piecewise | disabled | auto (breakable on CUDA)")
+    graphs.add_argument("--prefill-compiler", choices=("eager", "inductor"), default="eager",
+                        help="how torch.compile compiles the pieces of a tc_piecewise prefill "
+                        "graph (only with --prefill-graph tc_piecewise)")
     graphs.add_argument("--no-capture-at-startup", action="store_true",
                         help="capture only on a Capture call")
     net = p.add_argument_group("network and process")
@@ -72,13 +81,51 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="calls in flight at once; more get RESOURCE_EXHAUSTED")
     net.add_argument("--no-reflection", action="store_true",
                      help="turn gRPC server reflection off")
+    net.add_argument("--health-port", type=int, default=None,
+                     help="also serve grpc.health.v1 alone, in plaintext and without a token, "
+                     "on this port (for probes that cannot do TLS; 0: any free port)")
+    retry = p.add_argument_group("idempotent retries (Prefill/Decode with a request_id)")
+    retry.add_argument("--retry-cache-entries", type=int, default=4096,
+                       help="responses kept for retries (0: retries are not deduplicated)")
+    retry.add_argument("--retry-cache-mib", type=float, default=64.0,
+                       help="size limit of the responses kept, in MiB")
+    retry.add_argument("--retry-cache-per-sequence", type=int, default=4,
+                       help="most recent calls kept per sequence")
+    security = p.add_argument_group(
+        "security", f"Tokens: --token-file / --admin-token-file, else the environment "
+        f"variables {TOKEN_ENV} / {ADMIN_TOKEN_ENV}; clients send 'authorization: Bearer "
+        "<token>'. The health service needs none; Capture needs the admin token if one is "
+        "set.")
+    security.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM)")
+    security.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    security.add_argument("--tls-client-ca", type=Path,
+                          help="CA (PEM) that client certificates must chain to")
+    security.add_argument("--require-client-auth", action="store_true",
+                          help="mTLS: refuse clients without a certificate from --tls-client-ca")
+    security.add_argument("--token-file", help="file holding the token every call needs")
+    security.add_argument("--admin-token-file", help="file holding the token Capture needs")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--log-level", default="INFO",
                      choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
-def build_configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfig]:
-    """Flags -> validated configs; raises ConfigError / ValueError with a readable message."""
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None or args.require_client_auth:
+            raise ValueError("--tls-client-ca and --require-client-auth need --tls-cert and "
+                             "--tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
+                     args.require_client_auth)
+
+
+def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
+                  ) -> tuple[ExecutorConfig, ServerConfig]:
+    """Flags (and the token variables of ``env``, default the process environment) ->
+    validated configs; raises ConfigError / ValueError with a readable message."""
+    env = dict(os.environ if env is None else env)
     device = args.device
     if device is None:
         import torch
@@ -86,13 +133,17 @@ def build_configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfi
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device.startswith("cuda")
     decode_mode, prefill_mode = resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    if args.prefill_compiler != "eager" and prefill_mode != "tc_piecewise":
+        raise ValueError(f"--prefill-compiler {args.prefill_compiler} applies only to "
+                         f"--prefill-graph tc_piecewise (prefill graph mode is {prefill_mode})")
     max_decode_batch = args.max_decode_batch or min(256, args.max_sequences)
     executor_config = ExecutorConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype),
         cache=CacheConfig(kv_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
                           max_sequences=args.max_sequences, max_context=args.max_context),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
-                           capture_at_startup=not args.no_capture_at_startup),
+                           capture_at_startup=not args.no_capture_at_startup,
+                           compiler=args.prefill_compiler),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch)
     server_config = ServerConfig(
@@ -100,7 +151,12 @@ def build_configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfi
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         grace_period_s=args.grace_period, drain_delay_s=args.drain_delay,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
-        reflection=not args.no_reflection)
+        reflection=not args.no_reflection, health_port=args.health_port, tls=_tls(args),
+        auth=AuthConfig(read_secret(args.token_file, env, TOKEN_ENV),
+                        read_secret(args.admin_token_file, env, ADMIN_TOKEN_ENV)),
+        retry_cache=RetryCacheConfig(max_entries=args.retry_cache_entries,
+                                     max_bytes=int(args.retry_cache_mib * MiB),
+                                     per_sequence=args.retry_cache_per_sequence))
     return executor_config, server_config
 
 

@@ -1,14 +1,18 @@
 """``model-executor client``: a small debug client for people without grpcurl.
 
 Each command prints the response as JSON (proto field names) on stdout; an error prints
-its status code, message and google.rpc details on stderr and exits 1.
+its status code, message and google.rpc details on stderr and exits 1. ``--tls-ca`` (and
+``--tls-cert``/``--tls-key`` for mTLS) connect over TLS; ``--token``, ``--token-file`` or
+``$MODEL_EXECUTOR_TOKEN`` send a bearer token with every call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,8 +21,12 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from service.auth import AUTHORIZATION, read_secret
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from service.tls import channel_credentials
+
+TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
 
 
 def _tokens(text: str) -> list[int]:
@@ -69,15 +77,22 @@ def _check(_: pb_grpc.ExecutorStub, channel: grpc.Channel, a: argparse.Namespace
 
 def _generate(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace
               ) -> dict[str, Any]:
-    """Prefill a prompt, decode --max-new-tokens tokens, release; prints all tokens."""
+    """Prefill a prompt, decode --max-new-tokens tokens, release; prints all tokens.
+
+    With --request-id R the calls carry R-prefill, R-decode-1, ...: a request_id names one
+    call (a retry with the same id gets the same response; it is not run twice)."""
     sampling = _sampling(a)
-    first = stub.Prefill(pb.PrefillRequest(request_id=a.request_id, items=[pb.PrefillItem(
+
+    def rid(suffix: str) -> str:
+        return f"{a.request_id}-{suffix}" if a.request_id else ""
+
+    first = stub.Prefill(pb.PrefillRequest(request_id=rid("prefill"), items=[pb.PrefillItem(
         seq_id=a.seq_id, token_ids=_tokens(a.tokens), sample=True, sampling=sampling)]),
         timeout=a.timeout)
     tokens = [first.outputs[0].token_id]
     try:
-        for _step in range(a.max_new_tokens - 1):
-            step = stub.Decode(pb.DecodeRequest(request_id=a.request_id, items=[
+        for step_no in range(1, a.max_new_tokens):
+            step = stub.Decode(pb.DecodeRequest(request_id=rid(f"decode-{step_no}"), items=[
                 pb.DecodeItem(seq_id=a.seq_id, token_id=tokens[-1], sampling=sampling)]),
                 timeout=a.timeout)
             tokens.append(step.outputs[0].token_id)
@@ -115,8 +130,45 @@ def _unpack(detail: Any) -> Message:
     return msg
 
 
+class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call (also on plaintext channels,
+    which grpc's own call credentials refuse; the server warns about that off loopback)."""
+
+    def __init__(self, token: str) -> None:
+        self._header = (AUTHORIZATION, f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), self._header])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to ``args.target`` with the TLS and token options applied."""
+    if args.tls_ca is not None or args.tls_cert is not None:
+        options = ([("grpc.ssl_target_name_override", args.tls_server_name)]
+                   if args.tls_server_name else [])
+        creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        channel = grpc.secure_channel(args.target, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(args.target)
+    secret = read_secret(args.token_file, dict(os.environ), TOKEN_ENV) \
+        if args.token is None else None
+    token = args.token if args.token is not None else (secret.value if secret else None)
+    return grpc.intercept_channel(channel, _TokenAuth(token)) if token else channel
+
+
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        channel = open_channel(args)
+    except ValueError as exc:
+        print(f"model-executor client: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.ExecutorStub(channel)
         try:
             _print(args.func(stub, channel, args))
@@ -142,6 +194,18 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     client.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
     client.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     client.add_argument("--request-id", default="", help="request id to send")
+    tls = client.add_argument_group("TLS and tokens")
+    tls.add_argument("--tls-ca", type=Path, default=None,
+                     help="connect over TLS, trusting this CA (PEM)")
+    tls.add_argument("--tls-cert", type=Path, default=None,
+                     help="client certificate (PEM) for mTLS; implies TLS")
+    tls.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
+    tls.add_argument("--tls-server-name", default=None,
+                     help="name to check the server certificate against (default: the host)")
+    tls.add_argument("--token", default=None,
+                     help=f"bearer token (visible to other users in the process list: prefer "
+                     f"--token-file or ${TOKEN_ENV})")
+    tls.add_argument("--token-file", default=None, help="file holding the bearer token")
     client.set_defaults(run=run)
     cmds = client.add_subparsers(dest="client_command", required=True)
 

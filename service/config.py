@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from executor.config import ExecutorConfig
+from service.auth import AuthConfig
+from service.tls import TlsConfig
 
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RetryCacheConfig:
+    """Bounds of the cache of recent Prefill/Decode responses kept for retries.
+
+    max_entries: responses kept (least recently used dropped first); 0 turns idempotent
+        retries off (a retry then runs again).
+    max_bytes: their serialized size in all; a single response larger than this is not kept.
+    per_sequence: the most recent calls kept per sequence (a call counts for each of its
+        sequences); a scheduler retries the last call, rarely an older one.
+    max_forgotten: ids of responses dropped (evicted, or their sequence released) that are
+        still remembered, so that a late retry of one gets ABORTED instead of running again.
+    """
+
+    max_entries: int = 4096
+    max_bytes: int = 64 * MiB
+    per_sequence: int = 4
+    max_forgotten: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 0 or self.max_bytes < 0 or self.max_forgotten < 0:
+            raise ValueError("retry cache bounds must be >= 0")
+        if self.per_sequence <= 0:
+            raise ValueError(f"retry cache per_sequence must be > 0, got {self.per_sequence}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
 
 
 @dataclass(frozen=True)
@@ -20,6 +51,10 @@ class ServerConfig:
         before the listener closes, so load balancers and the scheduler see the drain.
     max_concurrent_rpcs: calls in flight at once; more get RESOURCE_EXHAUSTED from gRPC.
         Executor calls run one at a time anyway, so a deep queue only adds latency.
+    health_port: an extra plaintext listener with only ``grpc.health.v1`` (no auth), for
+        probes that cannot speak TLS (Kubernetes' native gRPC probe); None: none.
+    tls / auth: transport security and bearer tokens (``service/tls.py``, ``service/auth.py``).
+    retry_cache: the idempotent-retry cache (``service/idempotency.py``).
     """
 
     host: str = "127.0.0.1"
@@ -29,6 +64,10 @@ class ServerConfig:
     drain_delay_s: float = 0.0
     max_concurrent_rpcs: int = 256
     reflection: bool = True
+    health_port: int | None = None
+    tls: TlsConfig | None = None
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    retry_cache: RetryCacheConfig = field(default_factory=RetryCacheConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,11 +80,20 @@ class ServerConfig:
             raise ValueError(f"drain delay must be >= 0, got {self.drain_delay_s}")
         if self.max_concurrent_rpcs <= 0:
             raise ValueError("max_concurrent_rpcs must be > 0")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health port must be in [0, 65535], got {self.health_port}")
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
 
     @property
     def address(self) -> str:
+        return self.address_of(self.port)
+
+    def address_of(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return f"{host}:{port}"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 PHASE_TO_PB: dict[Phase, pb.Phase] = {"prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
 PHASE_FROM_PB: dict[int, Phase] = {v: k for k, v in PHASE_TO_PB.items()}
 PATH_TO_PB: dict[str, pb.Path] = {"graph": pb.PATH_GRAPH, "eager": pb.PATH_EAGER}
+PATH_NAMES: dict[int, str] = {v: k for k, v in PATH_TO_PB.items()}
 ALL_PHASES: tuple[Phase, ...] = ("decode", "prefill")
 
 

@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from executor.errors import (
+    FieldViolation,
     GraphsUnavailable,
     InvalidRequest,
     OutOfResources,
@@ -34,6 +36,27 @@ class Unavailable(Exception):
 
 class DeadlineExpired(Exception):
     """The call's deadline passed while it waited for the executor; it never ran."""
+
+
+class Unauthenticated(Exception):
+    """No valid credentials for the method (``service/auth.py``)."""
+
+
+class PermissionDenied(Exception):
+    """Valid credentials that do not carry the permission the method needs."""
+
+
+class ResponseExpired(Exception):
+    """A retry of a call that succeeded, whose response is no longer kept: it cannot be
+    answered and must not run again. Maps to ABORTED (resynchronise at a higher level)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(
+            f"request_id {request_id!r} already succeeded, and its response was dropped "
+            f"({reason}); it is not run again. Treat the call as applied: release the "
+            "sequences concerned, or query Health, and continue from there")
+        self.request_id = request_id
+        self.reason = reason
 
 
 def _pack(*details: object) -> list[any_pb2.Any]:
@@ -97,6 +120,29 @@ def _deadline(exc: DeadlineExpired) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc))
 
 
+def _undecodable(exc: DecodeError) -> status_pb2.Status:
+    return _invalid(InvalidRequest([FieldViolation("", f"a message could not be parsed: "
+                                                       f"{exc}")]))
+
+
+def _unauthenticated(exc: Unauthenticated) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="UNAUTHENTICATED", domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=str(exc),
+                             details=_pack(info))
+
+
+def _permission_denied(exc: PermissionDenied) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="ADMIN_TOKEN_REQUIRED", domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=str(exc),
+                             details=_pack(info))
+
+
+def _expired(exc: ResponseExpired) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="RESPONSE_EXPIRED", domain=DOMAIN, metadata={
+        "request_id": exc.request_id, "why": exc.reason})
+    return status_pb2.Status(code=code_pb2.ABORTED, message=str(exc), details=_pack(info))
+
+
 # Most specific class first: ``to_status`` takes the first match.
 _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (InvalidRequest, _invalid),  # includes ContextLengthExceeded
@@ -105,6 +151,10 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (GraphsUnavailable, _graphs_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
+    (Unauthenticated, _unauthenticated),
+    (PermissionDenied, _permission_denied),
+    (ResponseExpired, _expired),
+    (DecodeError, _undecodable),  # a streamed request message that is not protobuf
 ]
 
 

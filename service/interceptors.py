@@ -1,9 +1,14 @@
-"""The one server interceptor: error boundary, request context, RPC metrics, summary log.
+"""Server interceptors at the request boundary.
 
-For every call it binds ``request_id`` / ``rpc`` / ``peer`` into structlog's contextvars,
-counts it, and on the way out either records OK or turns the exception into a gRPC status
-with google.rpc details (``service/errors.py``), logging bugs with their traceback. It ends
-with one summary line per RPC. Servicers therefore never catch or abort themselves.
+``ServiceInterceptor`` (outermost): the error boundary. For every call it binds
+``request_id`` / ``rpc`` / ``peer`` into structlog's contextvars, counts it, and on the way
+out either records OK or turns the exception into a gRPC status with google.rpc details
+(``service/errors.py``), logging bugs with their traceback. It ends with one summary line
+per RPC. Servicers therefore never catch or abort themselves.
+
+``ParseInterceptor`` (innermost): a unary request that is not valid protobuf for its method
+reaches the handler as ``Malformed`` and fails with INVALID_ARGUMENT inside the boundary,
+instead of gRPC's own UNKNOWN before any interceptor sees it (not logged, not counted).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
+from executor.errors import FieldViolation, InvalidRequest
 from service import errors
 from service.stats import StatsRecorder
 
@@ -115,7 +121,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def _begin(self, service: str, method: str, rpc_type: str, header_id: str, request: Any,
                context: grpc.aio.ServicerContext) -> _Call:
         body_id = getattr(request, "request_id", "") if rpc_type == "unary" else ""
-        request_id = body_id or header_id or uuid.uuid4().hex[:16]
+        # Bounded: an over-long id is refused by validation, but logged (cut) first.
+        request_id = str(body_id)[:MAX_HEADER_REQUEST_ID] or header_id or uuid.uuid4().hex[:16]
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(
             request_id=request_id, rpc=f"{service.rsplit('.', 1)[-1]}/{method}",
@@ -162,6 +169,63 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             (REQUEST_ID_HEADER, call.request_id),
         ))
         raise AssertionError("context.abort() returned")  # it raises; this keeps mypy sure
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """What a unary request that failed to parse becomes (see ``ParseInterceptor``)."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError and friends: the client's bytes are wrong
+            return Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+class ParseInterceptor(grpc.aio.ServerInterceptor):
+    """Unparseable unary requests fail with INVALID_ARGUMENT (see the module docstring)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler  # a stream's messages parse inside the handler (DecodeError)
+        behavior = handler.unary_unary or handler.unary_stream
+        parse = _tolerant(handler.request_deserializer)
+        wrap = grpc.unary_unary_rpc_method_handler if handler.unary_unary else \
+            grpc.unary_stream_rpc_method_handler
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request: Any, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[Any]:
+                async for response in behavior(_parsed(request), context):
+                    yield response
+
+            return wrap(stream, parse, handler.response_serializer)
+
+        # A unary handler, or a streaming one that writes with context.write().
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(_parsed(request), context)
+
+        return wrap(unary, parse, handler.response_serializer)
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        raise InvalidRequest([FieldViolation("", f"the request could not be parsed: "
+                                                 f"{request.error}")])
+    return request
 
 
 def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

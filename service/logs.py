@@ -5,6 +5,10 @@ Request context (request_id, rpc, peer, ...) is bound with structlog's contextva
 interceptor, so every line logged while a call runs carries it, also lines logged by the
 executor on its worker thread (the worker copies the context). Named ``logs`` and not
 ``logging`` so it never shadows the standard library.
+
+Tracebacks are logged without the frames' local variables: those hold request bodies
+(prompt token ids) and request metadata, which must not reach the logs, and rendering them
+(tensors, modules) takes seconds per error.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ def configure_logging(fmt: LogFormat = "json", level: str | int = "INFO",
     renderer: Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
-        final: list[Processor] = [structlog.processors.dict_tracebacks, renderer]
+        tracebacks = structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+        final: list[Processor] = [tracebacks, renderer]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback)
         final = [renderer]
 
     structlog.configure(

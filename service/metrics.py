@@ -24,6 +24,8 @@ PHASES = ("prefill", "decode")
 PATHS = ("graph", "eager")
 CAPTURE_FAILURE_REASONS = ("oom", "error")
 ALLOCATION_RESOURCES = ("kv_tokens", "sequence_slots")
+STEP_METHODS = ("Prefill", "Decode")
+RETRY_EVICTION_REASONS = ("capacity", "bytes", "sequence", "release", "too_large")
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
                 10.0)
@@ -79,6 +81,16 @@ class Metrics:
         self.kv_allocation_failures = Counter(p + "kv_allocation_failures", "Calls refused "
                                               "for lack of KV tokens or sequence slots",
                                               ["resource"], registry=r)
+        # -- idempotent retries (service/idempotency.py) --------------------------------
+        self.retry_replays = Counter(p + "retry_cache_hits", "Retries answered with the "
+                                     "original call's response (nothing run)", ["method"],
+                                     registry=r)
+        self.retry_entries = Gauge(p + "retry_cache_entries", "Responses kept for retries",
+                                   registry=r)
+        self.retry_bytes = Gauge(p + "retry_cache_bytes", "Size of the responses kept for "
+                                 "retries", registry=r)
+        self.retry_evictions = Counter(p + "retry_cache_evictions", "Responses dropped from "
+                                       "the retry cache, by reason", ["reason"], registry=r)
         # -- process -------------------------------------------------------------------
         self.healthy = Gauge(p + "healthy", "1 when ready to serve steps, else 0", registry=r)
         self.build_info = Gauge(p + "build_info", "Build and runtime versions (always 1)",
@@ -114,6 +126,10 @@ class Metrics:
             self.kv_slots.labels(state)
         for resource in ALLOCATION_RESOURCES:
             self.kv_allocation_failures.labels(resource)
+        for method in STEP_METHODS:
+            self.retry_replays.labels(method)
+        for reason in RETRY_EVICTION_REASONS:
+            self.retry_evictions.labels(reason)
 
     def touch_rpcs(self, service: str, methods: tuple[str, ...], rpc_type: str = "unary"
                    ) -> None:

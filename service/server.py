@@ -32,11 +32,13 @@ from executor.api import Phase
 from executor.config import ExecutorConfig
 from executor.errors import GraphsUnavailable
 from service import __version__
+from service.auth import AuthInterceptor
 from service.config import RequestLimits, ServerConfig, channel_options
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
-from service.interceptors import ServiceInterceptor
+from service.idempotency import ResponseCache
+from service.interceptors import ParseInterceptor, ServiceInterceptor
 from service.metrics import Exporter, Metrics, start_exporter
 from service.servicer import ExecutorServicer
 from service.stats import StatsRecorder
@@ -79,16 +81,20 @@ class ExecutorServer:
         self.limits = RequestLimits.from_executor(executor_config)
         self.metrics = Metrics(registry or CollectorRegistry(), fallback_reasons())
         self.recorder = StatsRecorder(self.metrics)
-        self.worker = ExecutorWorker()
+        self.worker = ExecutorWorker(on_fatal=self._fatal_seen)
         self.lifecycle = Lifecycle(health_aio.HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
+        self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
         self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
-                                         self.limits, __version__)
+                                         self.limits, __version__, self.cache)
         self.port = 0
+        self.health_port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
         self.exporter: Exporter | None = None
         self.boot_error: BaseException | None = None
         self._server: grpc.aio.Server | None = None
         self._boot_task: asyncio.Task[None] | None = None
+        self._fatal_task: asyncio.Future[None] | None = None
         self._booted = asyncio.Event()
 
     @property
@@ -98,17 +104,26 @@ class ExecutorServer:
     async def start(self) -> None:
         """Bind and serve at once (health answers, steps get UNAVAILABLE); boot behind."""
         await self.lifecycle.publish()
+        config = self.config
+        # The service interceptor is outermost: auth refusals are logged and counted too.
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal)],
+            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal),
+                          AuthInterceptor(config.auth), ParseInterceptor()],
             options=channel_options(self.limits),
-            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
-        if self.config.reflection:
+        if config.reflection:
             reflection.enable_server_reflection(SERVICE_NAMES, server)
-        self.port = server.add_insecure_port(self.config.address)
+        if config.tls is not None:
+            self.port = server.add_secure_port(config.address, config.tls.server_credentials())
+        else:
+            self.port = server.add_insecure_port(config.address)
         await server.start()
         self._server = server
+        if config.health_port is not None:
+            self._health_server = await self._start_health_listener(config.health_port)
+        self._warn_if_exposed()
         if self.config.metrics_port is not None:
             self.exporter = start_exporter(self.metrics.registry, self.config.host,
                                            self.config.metrics_port)
@@ -117,6 +132,33 @@ class ExecutorServer:
         self.metrics.touch_rpcs(executor_service.full_name,
                                 tuple(m.name for m in executor_service.methods))
         self._boot_task = asyncio.create_task(self._boot(), name="executor-boot")
+
+    async def _start_health_listener(self, port: int) -> grpc.aio.Server:
+        """Plaintext ``grpc.health.v1`` only, for probes that cannot do TLS or tokens."""
+        server = grpc.aio.server(interceptors=[ServiceInterceptor(self.recorder,
+                                                                  self._on_fatal),
+                                               ParseInterceptor()],
+                                 options=channel_options(self.limits),
+                                 maximum_concurrent_rpcs=16)
+        health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
+        self.health_port = server.add_insecure_port(self.config.address_of(port))
+        await server.start()
+        return server
+
+    def _warn_if_exposed(self) -> None:
+        config = self.config
+        security = {"tls": config.tls.mode if config.tls is not None else "off",
+                    "token": config.auth.token is not None,
+                    "admin_token": config.auth.admin_token is not None}
+        log.info("security", host=config.host, **security)
+        if config.is_loopback:
+            return
+        if config.tls is None and config.auth.enabled:
+            log.warning("tokens_in_cleartext", reason="tokens are sent without TLS on a "
+                        "non-loopback address; add --tls-cert/--tls-key")
+        elif config.tls is None and not config.auth.enabled:
+            log.warning("unprotected_listener", reason="serving without TLS or a token on a "
+                        "non-loopback address; anyone who can reach it can run steps")
 
     async def _boot(self) -> None:
         try:
@@ -162,8 +204,14 @@ class ExecutorServer:
         return self.lifecycle.state is State.READY
 
     async def _on_fatal(self, exc: BaseException) -> None:
+        if self.lifecycle.state is State.UNHEALTHY:
+            return
         log.error("fatal_device_error", error=str(exc))
         await self.lifecycle.set(State.UNHEALTHY, f"fatal device error: {exc}"[:300])
+
+    def _fatal_seen(self, exc: BaseException) -> None:
+        """The worker saw a fatal device error (maybe in a call whose client is gone)."""
+        self._fatal_task = asyncio.ensure_future(self._on_fatal(exc))
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: readiness NOT_SERVING, refuse new calls, let in-flight ones finish."""
@@ -175,6 +223,8 @@ class ExecutorServer:
             await asyncio.sleep(self.config.drain_delay_s)
         if self._server is not None:
             await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()  # a construction under way still runs to its end
         await asyncio.to_thread(self.worker.shutdown)
@@ -190,7 +240,8 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     metrics = (f"http://{config.address.rsplit(':', 1)[0]}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else None)
     log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",
-             metrics=metrics, version=__version__)
+             metrics=metrics, version=__version__,
+             health=config.address_of(server.health_port) if server.health_port else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

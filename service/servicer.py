@@ -3,13 +3,19 @@
 It checks the server is READY, converts the request (``service/convert.py``), runs the
 call on the worker, records step metrics and the KV snapshot, and answers with the step's
 timings. Errors are raised, never caught: the interceptor maps them to status codes.
+
+Prefill and Decode with a ``request_id`` are idempotent (``service/idempotency.py``): the
+job that runs a step first looks for the original response of a retry, and stores its own
+response before it returns, so both stay ordered with the steps and survive a caller that
+gave up while the step ran. The job records the step's metrics for the same reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -18,7 +24,6 @@ from executor.api import (
     DecodeItem,
     ExecutorStatus,
     KVStats,
-    Phase,
     PrefillItem,
     StepResult,
 )
@@ -28,6 +33,7 @@ from service.errors import Unavailable
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
+from service.idempotency import Key, ResponseCache
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -42,6 +48,9 @@ _WHY_NOT_READY: dict[State, str] = {
 }
 
 
+Item = TypeVar("Item", PrefillItem, DecodeItem)
+
+
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -49,11 +58,12 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, lifecycle: Lifecycle, worker: ExecutorWorker, recorder: StatsRecorder,
-                 limits: RequestLimits, version: str) -> None:
+                 limits: RequestLimits, version: str, cache: ResponseCache) -> None:
         self._lifecycle = lifecycle
         self._worker = worker
         self._recorder = recorder
         self._limits = limits
+        self._cache = cache
         self._version = version
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
@@ -84,42 +94,73 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                       context: grpc.aio.ServicerContext) -> pb.StepResponse:
         structlog.contextvars.bind_contextvars(
             items=len(request.items), tokens=sum(len(it.token_ids) for it in request.items))
-        self._require_ready()
-        items = convert.prefill_items(request, self._limits)
-        return await self._step(lambda ex: ex.prefill(items), items, context)
+        return await self._step(
+            "Prefill", self._cache.key("Prefill", request),
+            lambda: convert.prefill_items(request, self._limits),
+            lambda ex, items: ex.prefill(items), context)
 
     async def Decode(self, request: pb.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> pb.StepResponse:
         structlog.contextvars.bind_contextvars(items=len(request.items),
                                                tokens=len(request.items))
-        self._require_ready()
-        items = convert.decode_items(request, self._limits)
-        return await self._step(lambda ex: ex.decode(items), items, context)
+        return await self._step(
+            "Decode", self._cache.key("Decode", request),
+            lambda: convert.decode_items(request, self._limits),
+            lambda ex, items: ex.decode(items), context)
 
-    async def _step(self, call: Callable[[ExecutorLike], StepResult],
-                    items: Sequence[PrefillItem] | Sequence[DecodeItem],
+    async def _step(self, method: str, key: Key | None, items_of: Callable[[], list[Item]],
+                    call: Callable[[ExecutorLike, list[Item]], StepResult],
                     context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        def run(ex: ExecutorLike) -> tuple[StepResult, KVStats, dict[Phase, list[float]]]:
-            return call(ex), ex.kv_stats(), ex.drain_replay_seconds()
+        # A retry whose original finished is answered at once, in any state: it runs nothing.
+        cached = self._cache.get(key) if key is not None else None
+        if cached is not None:
+            return self._replayed(method, cached)
+        self._require_ready()
+        items = items_of()
+        submitted = time.perf_counter()
 
-        timed = await self._worker.run(run, _deadline(context))
-        result, kv, replays = timed.value
-        self._recorder.step(result.step, len(items), timed.execute_ms / 1e3)
-        self._recorder.replays(replays)
-        self._update_kv(kv)
-        structlog.contextvars.bind_contextvars(path=result.step.path)
-        return convert.step_response(result, timed.queue_ms, timed.execute_ms)
+        def run(ex: ExecutorLike) -> tuple[pb.StepResponse, bool]:
+            if key is not None and (original := self._cache.get(key)) is not None:
+                return original, True  # the original ran while this retry waited
+            started = time.perf_counter()
+            result = call(ex, items)
+            kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
+            execute_s = time.perf_counter() - started
+            response = convert.step_response(result, (started - submitted) * 1e3,
+                                             execute_s * 1e3)
+            if key is not None:
+                self._cache.put(key, [it.seq_id for it in items], response)
+            self._recorder.step(result.step, len(items), execute_s)
+            self._recorder.replays(replays)
+            self._recorder.retry_cache(*self._cache.size())
+            self._update_kv(kv)
+            return response, False
+
+        response, replayed = (await self._worker.run(run, _deadline(context))).value
+        if replayed:
+            return self._replayed(method, response)
+        structlog.contextvars.bind_contextvars(path=convert.PATH_NAMES[response.step.path])
+        return response
+
+    def _replayed(self, method: str, response: pb.StepResponse) -> pb.StepResponse:
+        structlog.contextvars.bind_contextvars(replayed=True)
+        self._recorder.retry_replayed(method)
+        return response
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         structlog.contextvars.bind_contextvars(items=len(request.seq_ids))
         self._require_ready()
         seq_ids = convert.release_ids(request, self._limits)
-        timed = await self._worker.run(lambda ex: (ex.release(seq_ids), ex.kv_stats()),
-                                       _deadline(context))
-        result, kv = timed.value
-        self._update_kv(kv)
-        return convert.release_response(result)
+
+        def run(ex: ExecutorLike) -> pb.ReleaseResponse:
+            result = ex.release(seq_ids)
+            self._cache.drop_sequences(seq_ids)  # retries of their calls now get ABORTED
+            self._recorder.retry_cache(*self._cache.size())
+            self._update_kv(ex.kv_stats())
+            return convert.release_response(result)
+
+        return (await self._worker.run(run, _deadline(context))).value
 
     async def Capture(self, request: pb.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> pb.CaptureResponse:

@@ -80,6 +80,16 @@ class StatsRecorder:
         if isinstance(exc, OutOfResources) and exc.resource in ALLOCATION_RESOURCES:
             self.metrics.kv_allocation_failures.labels(exc.resource).inc()
 
+    def retry_cache(self, entries: int, size_bytes: int) -> None:
+        self.metrics.retry_entries.set(entries)
+        self.metrics.retry_bytes.set(size_bytes)
+
+    def retry_replayed(self, method: str) -> None:
+        self.metrics.retry_replays.labels(method).inc()
+
+    def retry_evicted(self, reason: str) -> None:
+        self.metrics.retry_evictions.labels(reason).inc()
+
     def healthy(self, healthy: bool) -> None:
         self.metrics.healthy.set(1 if healthy else 0)
 

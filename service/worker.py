@@ -3,12 +3,20 @@
 The executor is not thread-safe and owns the device stream, so every call into it,
 construction included, runs on a single dedicated thread. The event loop only awaits the
 results, which keeps Health, the health service and metrics answering while a step runs.
+
+Calls run in arrival order. A call is dropped without touching the executor if its deadline
+passed while it waited, if its caller cancelled it while it waited, or if an earlier call hit
+a fatal device error (the device cannot be trusted any more: UNAVAILABLE, nothing applied).
+A call that has started always runs to its end (a step cannot be interrupted); if its caller
+has gone, its result is dropped here, so work that must survive that (keeping a response for
+a retry, metrics) belongs inside the call itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +35,7 @@ from executor.api import (
     StepResult,
 )
 from executor.config import ExecutorConfig
-from service.errors import DeadlineExpired
+from service.errors import DeadlineExpired, Unavailable, is_fatal_device_error
 
 T = TypeVar("T")
 
@@ -59,12 +67,24 @@ class Timed(Generic[T]):
 
 
 class ExecutorWorker:
-    """Runs functions of the executor, one at a time, on one thread."""
+    """Runs functions of the executor, one at a time, on one thread.
 
-    def __init__(self) -> None:
+    ``on_fatal`` is called on the event loop when a call fails with a fatal device error,
+    also when that call's caller is gone.
+    """
+
+    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
         self._executor: ExecutorLike | None = None
-        self.pending = 0  # calls queued or running; read by Health
+        self._on_fatal = on_fatal
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.failure: BaseException | None = None  # the fatal device error, once seen
+
+    @property
+    def pending(self) -> int:
+        """Calls queued or running; read by Health."""
+        return self._pending
 
     @property
     def executor(self) -> ExecutorLike | None:
@@ -95,18 +115,37 @@ class ExecutorWorker:
 
         def job() -> tuple[T, float, float]:
             started = time.perf_counter()
+            if self.failure is not None:
+                raise Unavailable("the device failed during an earlier call and cannot be "
+                                  f"trusted ({self.failure}); nothing was applied")
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExpired("the deadline passed while the call waited for the "
                                       "executor; nothing was applied")
-            value = ctx.run(fn, executor)
+            try:
+                value = ctx.run(fn, executor)
+            except BaseException as exc:
+                if is_fatal_device_error(exc) and self.failure is None:
+                    self.failure = exc
+                    if self._on_fatal is not None:
+                        loop.call_soon_threadsafe(self._on_fatal, exc)
+                raise
             return value, started, time.perf_counter()
 
-        self.pending += 1
+        with self._lock:
+            self._pending += 1
         try:
-            value, started, ended = await loop.run_in_executor(self._pool, job)
-        finally:
-            self.pending -= 1
+            future = self._pool.submit(job)
+        except BaseException:  # the pool is shut down
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)  # also for a call dropped from the queue
+        # Cancelling the await cancels ``future`` only while it is queued (see above).
+        value, started, ended = await asyncio.wrap_future(future, loop=loop)
         return Timed(value, (started - submitted) * 1e3, (ended - started) * 1e3)
+
+    def _finished(self, _: object) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the thread after the running call; queued calls are cancelled."""

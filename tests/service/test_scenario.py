@@ -55,7 +55,9 @@ class Scheduler:
             last = self.fed[seq] == len(self.prompts[seq])
             items.append(pb.PrefillItem(seq_id=seq, token_ids=self.prompts[seq][start:start + n],
                                         sample=last))
-        response = self.stub.Prefill(pb.PrefillRequest(request_id="scenario", items=items),
+        # a request_id names one call (a retry with it gets the same response)
+        request_id = f"scenario-{sum(self.fed.values())}"
+        response = self.stub.Prefill(pb.PrefillRequest(request_id=request_id, items=items),
                                      timeout=30)
         assert response.step.phase == pb.PHASE_PREFILL
         assert response.execute_ms >= response.step.forward_ms > 0 and response.queue_ms >= 0

@@ -1,0 +1,190 @@
+"""Idempotent retries: recent Prefill/Decode responses kept by ``request_id``.
+
+A scheduler whose call timed out cannot tell whether the step ran. It retries with the same
+``request_id``; if the first call succeeded, the retry gets the first call's response and the
+step is not run again, so no token is appended to the KV cache twice (AIP-155). Rules:
+
+* The key is ``request_id`` alone (empty: the call is not idempotent). A retry must carry
+  the same method and body; another body under a used id is INVALID_ARGUMENT
+  (``RequestIdReused``), so a scheduler that reuses ids finds out at once.
+* Only successes are kept. A failed call applied nothing (calls are atomic), so its retry
+  simply runs.
+* The check and the store happen on the executor thread, in the step's own job, so they are
+  ordered with the steps: a retry queued behind its original sees the original's outcome,
+  and a call whose client gave up (deadline, cancel) while it ran still stores its response.
+* Bounded: ``RetryCacheConfig`` caps entries, bytes, and calls kept per sequence; Release
+  drops a sequence's entries. A dropped id is still remembered (just the id and a hash, up
+  to ``max_forgotten``): its retry is ABORTED (``ResponseExpired``), never run twice.
+
+The cache is shared by the event loop (a fast path answers a retry without queueing) and the
+executor thread; one lock guards it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+
+from executor.errors import FieldViolation, InvalidRequest
+from service.config import RetryCacheConfig
+from service.errors import ResponseExpired
+from service.gen.model_executor.v1 import executor_pb2 as pb
+
+# Why an entry was dropped (the keys are the evictions metric's reason labels).
+_WHY = {"capacity": "evicted: the retry cache was full",
+        "bytes": "evicted: the retry cache reached its byte limit",
+        "sequence": "evicted: newer calls of the same sequence replaced it",
+        "release": "its sequence was released",
+        "too_large": "the response was too large to keep"}
+_ENTRY_OVERHEAD_BYTES = 256  # dict slots, the key, the entry object
+
+
+class RequestIdReused(InvalidRequest):
+    """A request_id already used by a different call (method or body)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__([FieldViolation(
+            "request_id", f"{request_id!r} was already used by a different call; a retry must "
+            "repeat the original call exactly, and a new call needs a new request_id")])
+
+
+@dataclass(frozen=True)
+class Key:
+    request_id: str
+    digest: bytes  # of the method and the request without its request_id
+
+
+def digest(method: str, request: Message) -> bytes:
+    body = type(request)()
+    body.CopyFrom(request)
+    body.ClearField("request_id")  # type: ignore[arg-type]
+    h = hashlib.blake2b(method.encode(), digest_size=16)
+    h.update(b"\0")
+    h.update(body.SerializeToString(deterministic=True))
+    return h.digest()
+
+
+@dataclass
+class _Entry:
+    digest: bytes
+    response: pb.StepResponse
+    seq_ids: tuple[str, ...]
+    size: int
+
+
+class ResponseCache:
+    def __init__(self, config: RetryCacheConfig,
+                 on_evict: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._by_seq: dict[str, list[str]] = {}  # seq_id -> request_ids, oldest first
+        self._forgotten: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def key(self, method: str, request: pb.PrefillRequest | pb.DecodeRequest) -> Key | None:
+        """The call's key; None when it has no request_id or the cache is off."""
+        if not self.enabled or not request.request_id:
+            return None
+        return Key(request.request_id, digest(method, request))
+
+    def size(self) -> tuple[int, int]:
+        """(entries, bytes) kept now."""
+        with self._lock:
+            return len(self._entries), self._bytes
+
+    def get(self, key: Key) -> pb.StepResponse | None:
+        """The original response of a retry; None for a call not seen (or not succeeded).
+
+        Raises RequestIdReused for a different call under a used id, ResponseExpired for a
+        retry whose response was dropped."""
+        with self._lock:
+            entry = self._entries.get(key.request_id)
+            if entry is not None:
+                if entry.digest != key.digest:
+                    raise RequestIdReused(key.request_id)
+                self._entries.move_to_end(key.request_id)
+                return entry.response
+            forgotten = self._forgotten.get(key.request_id)
+        if forgotten is None:
+            return None
+        if forgotten[0] != key.digest:
+            raise RequestIdReused(key.request_id)
+        raise ResponseExpired(key.request_id, _WHY[forgotten[1]])
+
+    def put(self, key: Key, seq_ids: Iterable[str], response: pb.StepResponse) -> None:
+        """Keep the response of a call that succeeded, then enforce the bounds."""
+        size = response.ByteSize() + len(key.request_id) + _ENTRY_OVERHEAD_BYTES
+        evicted: list[str] = []
+        with self._lock:
+            if key.request_id in self._entries:  # only after a lost race; keep the first
+                return
+            if size > self.config.max_bytes:
+                self._forget(key.request_id, key.digest, "too_large")
+                evicted.append("too_large")
+            else:
+                entry = _Entry(key.digest, response, tuple(dict.fromkeys(seq_ids)), size)
+                self._entries[key.request_id] = entry
+                self._bytes += size
+                for seq_id in entry.seq_ids:
+                    self._by_seq.setdefault(seq_id, []).append(key.request_id)
+                evicted = self._enforce(entry.seq_ids)
+        self._notify(evicted)
+
+    def drop_sequences(self, seq_ids: Iterable[str]) -> int:
+        """Drop every entry of the sequences (they were released); how many."""
+        evicted: list[str] = []
+        with self._lock:
+            for seq_id in seq_ids:
+                for request_id in list(self._by_seq.get(seq_id, ())):
+                    self._evict(request_id, "release")
+                    evicted.append("release")
+        self._notify(evicted)
+        return len(evicted)
+
+    # -- internals (lock held) -----------------------------------------------------------
+    def _enforce(self, seq_ids: tuple[str, ...]) -> list[str]:
+        evicted = []
+        for seq_id in seq_ids:
+            ids = self._by_seq.get(seq_id, [])
+            while len(ids) > self.config.per_sequence:
+                self._evict(ids[0], "sequence")
+                evicted.append("sequence")
+        while len(self._entries) > self.config.max_entries:
+            self._evict(next(iter(self._entries)), "capacity")
+            evicted.append("capacity")
+        while self._bytes > self.config.max_bytes:
+            self._evict(next(iter(self._entries)), "bytes")
+            evicted.append("bytes")
+        return evicted
+
+    def _evict(self, request_id: str, reason: str) -> None:
+        entry = self._entries.pop(request_id)
+        self._bytes -= entry.size
+        for seq_id in entry.seq_ids:
+            ids = self._by_seq[seq_id]
+            ids.remove(request_id)
+            if not ids:
+                del self._by_seq[seq_id]
+        self._forget(request_id, entry.digest, reason)
+
+    def _forget(self, request_id: str, key_digest: bytes, reason: str) -> None:
+        self._forgotten[request_id] = (key_digest, reason)
+        self._forgotten.move_to_end(request_id)
+        while len(self._forgotten) > self.config.max_forgotten:
+            self._forgotten.popitem(last=False)
+
+    def _notify(self, reasons: list[str]) -> None:
+        if self._on_evict is not None:
+            for reason in reasons:
+                self._on_evict(reason)

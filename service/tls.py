@@ -1,0 +1,75 @@
+"""Transport security: TLS and mutual TLS for the gRPC listener, and the client side of it.
+
+Modes, from the flags (``model-executor serve``):
+
+| flags                                           | mode                                 |
+|-------------------------------------------------|--------------------------------------|
+| none                                            | plaintext (fine on 127.0.0.1)        |
+| ``--tls-cert --tls-key``                        | TLS: the client checks the server    |
+| ... ``--tls-client-ca``                         | TLS; a client certificate is optional |
+|                                                 | (checked against the CA when sent)   |
+| ... ``--tls-client-ca --require-client-auth``   | mTLS: every client needs one         |
+
+Files are read once, at start-up, so a bad path is a start-up error, not a failed call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} {str(path)!r}: {exc.strerror}") from exc
+    if not data.strip():
+        raise ValueError(f"the {what} {str(path)!r} is empty")
+    return data
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM files of the server's certificate chain and key, and of the CA that signs client
+    certificates (``client_ca``); ``require_client_auth`` makes client certificates
+    mandatory (mTLS). The contents are read in ``__post_init__`` (and checked to exist)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+    require_client_auth: bool = False
+
+    def __post_init__(self) -> None:
+        if self.require_client_auth and self.client_ca is None:
+            raise ValueError("--require-client-auth needs --tls-client-ca (the CA that signs "
+                             "client certificates)")
+        for path, what in ((self.cert, "TLS certificate"), (self.key, "TLS key"),
+                           (self.client_ca, "client CA")):
+            if path is not None:
+                _read(path, what)
+
+    @property
+    def mode(self) -> str:
+        return "mtls" if self.require_client_auth else "tls"
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        key, cert = _read(self.key, "TLS key"), _read(self.cert, "TLS certificate")
+        ca = _read(self.client_ca, "client CA") if self.client_ca is not None else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=self.require_client_auth)
+
+
+def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None
+                        ) -> grpc.ChannelCredentials:
+    """Client credentials: trust ``ca`` (None: the system roots); present ``cert``/``key``
+    for mTLS (both or neither)."""
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate needs its key and a key its certificate "
+                         "(--tls-cert and --tls-key together)")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca, "CA certificate") if ca is not None else None,
+        private_key=_read(key, "TLS key") if key is not None else None,
+        certificate_chain=_read(cert, "TLS certificate") if cert is not None else None)
