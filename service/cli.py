@@ -65,6 +65,13 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     graphs.add_argument("--prefill-compiler", choices=("eager", "inductor"), default="eager",
                         help="how torch.compile compiles the pieces of a tc_piecewise prefill "
                         "graph (only with --prefill-graph tc_piecewise)")
+    graphs.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                        help="where tc_piecewise keeps compiled artifacts, keyed by model, "
+                        "code and compiler (default: <model-executor cache>/torch-compile; "
+                        "'none' turns the cache off)")
+    graphs.add_argument("--compile-debug-dir", default=None, metavar="DIR",
+                        help="write the tc_piecewise split graph and its pieces as readable "
+                        "Python here")
     graphs.add_argument("--no-capture-at-startup", action="store_true",
                         help="capture only on a Capture call")
     net = p.add_argument_group("network and process")
@@ -121,6 +128,16 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
                      args.require_client_auth)
 
 
+def _compile_cache_dir(flag: str | None) -> str | None:
+    if flag == "none":
+        return None
+    if flag is not None:
+        return flag
+    from executor.model.tiny import default_cache_dir
+
+    return str(default_cache_dir() / "torch-compile")
+
+
 def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                   ) -> tuple[ExecutorConfig, ServerConfig]:
     """Flags (and the token variables of ``env``, default the process environment) ->
@@ -143,7 +160,9 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                           max_sequences=args.max_sequences, max_context=args.max_context),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
                            capture_at_startup=not args.no_capture_at_startup,
-                           compiler=args.prefill_compiler),
+                           compiler=args.prefill_compiler,
+                           compile_cache_dir=_compile_cache_dir(args.compile_cache_dir),
+                           compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch)
     server_config = ServerConfig(
