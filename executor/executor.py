@@ -233,8 +233,7 @@ class Executor:
         request-slot table (part of the same transfer). ``logits_rows`` index the
         sequences whose last new token needs logits."""
         batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device)
-        self.table.write_device(batch.req_pool_indices, batch.extend_lens, batch.positions,
-                                batch.out_cache_loc)
+        self.table.write_device(batch.token_slots, batch.positions, batch.out_cache_loc)
         return batch
 
     def kv_stats(self) -> KVStats:

@@ -33,6 +33,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # (B,) int64
     extend_start: torch.Tensor  # (B,) int64: offset of each sequence in the packed tokens
     logits_indices: torch.Tensor  # (S,) int64: packed rows whose logits are needed
+    token_slots: torch.Tensor  # (T,) int64: request-slot row of each packed token
     req_pool_indices_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
     prefix_lens_host: tuple[int, ...]
@@ -87,12 +88,14 @@ class ForwardBatch:
 
         # All integer metadata travels in one host-to-device copy, then is split into views.
         locs = alloc.out_cache_loc.tolist()
-        parts = [token_ids, positions, locs, slots, seq_lens, prefix, ext_lens, starts, last_rows]
+        token_slots = [e.slot for e in exts for _ in range(e.new_len)]
+        parts = [token_ids, positions, locs, slots, seq_lens, prefix, ext_lens, starts, last_rows,
+                 token_slots]
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
         if device.type == "cuda":
             flat = flat.pin_memory()
         views = torch.split(flat.to(device, non_blocking=True), [len(p) for p in parts])
-        ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d = views
+        ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d, tok_d = views
         return ForwardBatch(
             phase=phase,
             input_ids=ids_d,
@@ -104,6 +107,7 @@ class ForwardBatch:
             extend_lens=ext_d,
             extend_start=starts_d,
             logits_indices=rows_d,
+            token_slots=tok_d,
             req_pool_indices_host=tuple(slots),
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
@@ -140,6 +144,7 @@ def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.d
         extend_lens=dev(lens),
         extend_start=dev(starts),
         logits_indices=dev([s + n - 1 for s, n in zip(starts, lens, strict=True)]),
+        token_slots=dev([0] * num_tokens),
         req_pool_indices_host=tuple(zeros),
         seq_lens_host=tuple(lens),
         prefix_lens_host=tuple(zeros),

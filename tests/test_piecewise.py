@@ -50,8 +50,7 @@ class Rig:
         tokens = torch.randint(0, self.spec.vocab_size, (alloc.num_tokens,), generator=gen)
         batch = ForwardBatch.build("prefill", tokens.tolist(), alloc, [], CPU)
         # Publish the new locations to the table attention reads (as Executor.build_batch).
-        self.table.write_device(batch.req_pool_indices, batch.extend_lens, batch.positions,
-                                batch.out_cache_loc)
+        self.table.write_device(batch.token_slots, batch.positions, batch.out_cache_loc)
         return batch
 
 

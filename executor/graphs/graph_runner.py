@@ -59,15 +59,18 @@ class GraphInputs:
 class ReplayTimer:
     """CUDA events around replays, read later without adding a host sync to the step."""
 
-    def __init__(self, maxlen: int = 4096) -> None:
+    def __init__(self, device: torch.device, maxlen: int = 4096) -> None:
         self.pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=maxlen)
+        # Replays run on the device's default stream; resolving the current stream on every
+        # record costs more host time than the record itself.
+        self._stream = torch.cuda.current_stream(device)
 
     @contextmanager
     def time(self) -> Iterator[None]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(self._stream)
         yield
-        end.record()
+        end.record(self._stream)
         self.pending.append((start, end))
 
     def drain(self) -> list[float]:
@@ -106,7 +109,7 @@ class GraphRunner:
         self._meta: dict[int, AttentionMetadata] = {}
         self._static_meta_ready = False
         self.failed: dict[int, str] = {}
-        self.timer = ReplayTimer()
+        self.timer = ReplayTimer(device)
         # Test hook: called with each bucket before it is captured (fault injection).
         self.before_capture: Callable[[int], None] | None = None
 

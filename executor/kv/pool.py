@@ -71,14 +71,12 @@ class ReqToTokenTable:
         """Set ``host_table[rows[j], cols[j]] = locs[j]`` (allocation time)."""
         self.host_table[torch.tensor(rows), torch.tensor(cols)] = locs.to(torch.int32)
 
-    def write_device(self, req_pool_indices: torch.Tensor, extend_lens: torch.Tensor,
-                     positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """Publish a packed batch's new locations to the device table, from tensors that are
-        already on the device (one index_put, no host sync): token ``j`` of sequence ``i``
-        lands at ``table[req_pool_indices[i], positions[j]]``."""
-        rows = torch.repeat_interleave(req_pool_indices, extend_lens,
-                                       output_size=positions.shape[0])
-        self.device_table[rows, positions] = out_cache_loc.to(torch.int32)
+    def write_device(self, token_slots: torch.Tensor, positions: torch.Tensor,
+                     out_cache_loc: torch.Tensor) -> None:
+        """Publish a packed batch's new locations to the device table from tensors already
+        on the device (one index_put, no host sync): token ``j`` lands at
+        ``table[token_slots[j], positions[j]]``."""
+        self.device_table[token_slots, positions] = out_cache_loc.to(torch.int32)
 
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""
