@@ -26,7 +26,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
 from executor.config import ExecutorConfig
@@ -71,6 +71,14 @@ def fallback_reasons() -> tuple[str, ...]:
     return (*(r.value for r in FallbackReason), "other")
 
 
+def _process_registry() -> CollectorRegistry:
+    """A fresh registry with the standard process metrics (``process_start_time_seconds``
+    lets alert rules tell a restart from a counter that stopped moving)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
+
+
 class ExecutorServer:
     def __init__(self, executor_config: ExecutorConfig, config: ServerConfig | None = None,
                  executor_factory: ExecutorFactory | None = None,
@@ -79,7 +87,7 @@ class ExecutorServer:
         self.config = config or ServerConfig()
         self._factory = executor_factory or real_executor_factory(executor_config)
         self.limits = RequestLimits.from_executor(executor_config)
-        self.metrics = Metrics(registry or CollectorRegistry(), fallback_reasons())
+        self.metrics = Metrics(registry or _process_registry(), fallback_reasons())
         self.recorder = StatsRecorder(self.metrics)
         self.worker = ExecutorWorker(on_fatal=self._fatal_seen)
         self.lifecycle = Lifecycle(health_aio.HealthServicer(),
