@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TARGETS_MS = {"decode_bs1": 0.80, "prefill_128": 1.2, "prefill_2048": 8.0}
+TARGETS_MS = {"decode_bs1": 0.80, "decode_8b_bs1": 4.2, "prefill_128": 1.2, "prefill_2048": 8.0}
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -75,6 +75,16 @@ def markdown(result: dict[str, Any]) -> str:
                                     for m in pmodes)
                        + f" | {_ratio(sel.get('eager', {}).get('ms_median'), best)} |")
         out.append("\n`*` the call ran eagerly (no captured bucket; see the JSON's reasons).")
+    big = result.get("decode_8b_table", [])
+    if big:
+        out += ["", f"## Decode, {big[0]['shape']} shape (ms per step, ctx 512)", "",
+                "| batch | floor | eager | full | full/floor |", "|---:|---:|---:|---:|---:|"]
+        for bs in sorted({r["batch"] for r in big}):
+            sel = {r["mode"]: r for r in big if r["batch"] == bs}
+            full = sel.get("full", {}).get("step_ms_median")
+            floor = next(iter(sel.values()))["floor_ms"]
+            out.append(f"| {bs} | {_f(floor)} | {_f(sel.get('eager', {}).get('step_ms_median'))}"
+                       f" | {_f(full)} | {_ratio(full, floor)} |")
     out += ["", *_key_figures(result)]
     if result.get("plots"):
         out += ["", *[f"![{p}]({p})" for p in result["plots"]]]
@@ -103,6 +113,9 @@ def _key_figures(result: dict[str, Any]) -> list[str]:
         return (min(graph) if graph else None), floor
 
     d1, d1_floor = best_decode(1)
+    big = [r for r in result.get("decode_8b_table", []) if r["batch"] == 1]
+    d8 = min((r["step_ms_median"] for r in big if r["mode"] != "eager"), default=None)
+    d8_floor = big[0]["floor_ms"] if big else None
     p128, p128_floor = best_prefill(128)
     p2048, p2048_floor = best_prefill(2048)
     hf_pre = peer.get("prefill_eager_ms", {})
@@ -112,6 +125,7 @@ def _key_figures(result: dict[str, Any]) -> list[str]:
     for name, ours, floor, hf, hfc, target in (
         ("1B decode bs1 (ctx 512)", d1, d1_floor, peer.get("decode_bs1_eager_ms"),
          peer.get("decode_bs1_static_compile_ms"), TARGETS_MS["decode_bs1"]),
+        ("8B decode bs1 (ctx 512)", d8, d8_floor, None, None, TARGETS_MS["decode_8b_bs1"]),
         ("1B prefill 128 tok", p128, p128_floor, hf_pre.get("128"), None,
          TARGETS_MS["prefill_128"]),
         ("1B prefill 2048 tok", p2048, p2048_floor, hf_pre.get("2048"), None,

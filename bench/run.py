@@ -41,7 +41,9 @@ PROFILES: dict[str, dict[str, Any]] = {
              "prefill_tokens": [16, 64, 128, 256, 512, 1024, 2048, 4096],
              "prefill_seqs": [1, 8], "decode_modes": ["full", "breakable"],
              "prefill_modes": ["breakable", "tc_piecewise:eager", "tc_piecewise:inductor"],
-             "peer_compile": True, "repeats": 10},
+             "peer_compile": True, "repeats": 10,
+             # The 8B shape: decode only (full graph vs eager), written like the 1B.
+             "big_shape": "llama-3.1-8b", "big_batches": [1, 8, 64]},
 }
 
 
@@ -103,6 +105,27 @@ def build(model_dir: Path, decode_mode: str, prefill_mode: str, prof: dict[str, 
             "failed": [b.size for b in cap.buckets if not b.ok],
             "first_error": next((b.error for b in cap.buckets if not b.ok), "")}
     return ex, info
+
+
+def decode_big_shape(prof: dict[str, Any], models: Path, bw_gbs: float) -> list[dict[str, Any]]:
+    """Decode on the large shape at ``big_batches``, context 512: full graph vs eager."""
+    name = prof["big_shape"]
+    model_dir = shapes.write_shape(name, models)
+    big = {**prof, "batches": prof["big_batches"], "contexts": [512]}
+    ex, info = build(model_dir, "full", "disabled", big)
+    spec = shapes.spec(name)
+    kv_per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    rows = []
+    for bs in prof["big_batches"]:
+        floor_ms = (shapes.weight_bytes(name) + bs * 512 * kv_per_tok) / (bw_gbs * 1e9) * 1e3
+        for use_graph in (False, True):
+            row = decode.measure(ex, bs, 512, prof["steps"], use_graph=use_graph)
+            rows.append({**row, "mode": "full" if use_graph else "eager", "shape": name,
+                         "floor_ms": floor_ms, "load_s": info["load_s"]})
+            print(f"decode {name} {rows[-1]['mode']} bs={bs}: {row}", flush=True)
+    del ex
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)
         del ex
         torch.cuda.empty_cache()
+        save()
+
+    # -- the 8B shape: decode -----------------------------------------------------------
+    if prof.get("big_shape"):
+        result["decode_8b_table"] = decode_big_shape(prof, args.models, bw)
         save()
 
     # -- the peer ------------------------------------------------------------------------

@@ -34,6 +34,9 @@ def result() -> dict[str, Any]:
                     {"prefill_mode": "tc_piecewise", "error": "not built"}],
         "decode_table": dec, "prefill_table": pre,
         "peer": {"decode_bs1_eager_ms": 15.0, "prefill_eager_ms": {"128": 18.0}},
+        "decode_8b_table": [
+            {"batch": 1, "context": 512, "mode": m, "shape": "llama-3.1-8b", "floor_ms": 3.9,
+             "step_ms_median": t} for m, t in (("eager", 30.0), ("full", 5.0))],
     }
 
 
@@ -44,6 +47,8 @@ def test_markdown_has_ratios_and_key_figures() -> None:
     key = md[md.index("## Key figures"):]
     assert "| 1B decode bs1 (ctx 512) | 2.000 | ≤ 0.8 | 0.600 | 3.33 | 15.00 | 7.50 | — |" in key
     assert "not built" in md
+    assert "| 1 | 3.900 | 30.000 | 5.000 | 1.28 |" in md
+    assert "| 8B decode bs1 (ctx 512) | 5.000 | ≤ 4.2 | 3.900 | 1.28 |" in key
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
