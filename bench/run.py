@@ -32,6 +32,10 @@ from executor.errors import ConfigError
 from executor.executor import Executor
 
 PROFILES: dict[str, dict[str, Any]] = {
+    # Only the 8B decode figures (a short GPU lease).
+    "8b": {"batches": [1, 8], "contexts": [512], "steps": 20, "prefill_tokens": [],
+           "prefill_seqs": [1], "decode_modes": [], "prefill_modes": [], "peer_compile": False,
+           "repeats": 10, "big_shape": "llama-3.1-8b", "big_batches": [1, 8]},
     "quick": {"batches": [1, 8, 64], "contexts": [512], "steps": 30,
               "prefill_tokens": [16, 128, 512, 2048], "prefill_seqs": [1],
               "decode_modes": ["full", "breakable"],
