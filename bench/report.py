@@ -21,8 +21,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Benchmark — {env['device']}, {env['date']} (commit {env['git_commit']})", "",
         f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, transformers "
         f"{env['transformers']}, driver {env['driver']}; profile `{result['profile']}`. "
-        "Llama-3.2-1B shape, bf16, random weights loaded through our loader. Medians; "
-        "`step` = one Executor call, host work included.", "",
+        "Llama-3.2-1B shape (and Llama-3.1-8B where a table says so), bf16, random weights "
+        "loaded through our loader. Medians; `step` = one Executor call, host work "
+        "included.", "",
         f"Measured read bandwidth {hw['read_gbs']:.0f} GB/s, bf16 matmul "
         f"{hw['matmul_tflops']:.0f} TFLOP/s.", "",
         "## Start-up and capture", "",
