@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ from service.stats import StatsRecorder
 log = structlog.get_logger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+
+
+def _metadata_value(text: str) -> str:
+    """``text`` as a valid ASCII metadata value: a request id from the body may hold any
+    Unicode or control characters, which gRPC would refuse (failing the whole call)."""
+    if text.isascii() and text.isprintable():
+        return text
+    return urllib.parse.quote(text, safe="")
 MAX_HEADER_REQUEST_ID = 128
 # Probes and tools call these every few seconds; their summary lines go to DEBUG.
 QUIET_RPCS = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
@@ -132,7 +141,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
     def _finish(self, call: _Call, code: grpc.StatusCode,
                 context: grpc.aio.ServicerContext) -> None:
-        context.set_trailing_metadata(((REQUEST_ID_HEADER, call.request_id),))
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, _metadata_value(call.request_id)),))
         self._end(call, code)
 
     def _end(self, call: _Call, code: grpc.StatusCode,
@@ -166,7 +175,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._end(call, code, None if errors.is_expected(exc) else exc)
         await context.abort(code, status.message, trailing_metadata=(
             ("grpc-status-details-bin", status.SerializeToString()),
-            (REQUEST_ID_HEADER, call.request_id),
+            (REQUEST_ID_HEADER, _metadata_value(call.request_id)),
         ))
         raise AssertionError("context.abort() returned")  # it raises; this keeps mypy sure
 

@@ -191,3 +191,18 @@ def test_deadline_passed_in_the_queue_never_runs(server: ServerHarness,
     assert server.kv().active_sequences == baseline.active_sequences + 1  # "late" never ran
     server.stub.Release(pb.ReleaseRequest(seq_ids=["blocker", "late"]), timeout=10)
     assert server.kv() == baseline
+
+
+@pytest.mark.parametrize("request_id", ["line\nbreak", "café-1", "tab\there"])
+def test_any_request_id_is_echoed_as_valid_metadata(server: ServerHarness,
+                                                    request_id: str) -> None:
+    """A request id with characters metadata cannot carry does not fail the call: the
+    ``x-request-id`` trailer carries it percent-encoded."""
+    response, call = server.stub.Release.with_call(
+        pb.ReleaseRequest(request_id=request_id, seq_ids=["nobody"]))
+    assert list(response.unknown_seq_ids) == ["nobody"]
+    echoed = dict(call.trailing_metadata())["x-request-id"]
+    assert echoed.isascii() and echoed.isprintable()
+    from urllib.parse import unquote
+
+    assert unquote(echoed) == request_id
