@@ -33,7 +33,7 @@ def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
     if p.top_k < 0:
         bad("top_k", f"must be >= 0 (0 = off), got {p.top_k}")
     if not (0.0 < p.top_p <= 1.0):
-        bad("top_p", f"must be in (0, 1] (1 = off), got {p.top_p}")
+        bad("top_p", f"must be in (0, 1] (1 or unset = off), got {p.top_p}")
     if not (0.0 <= p.min_p <= 1.0):
         bad("min_p", f"must be in [0, 1] (0 = off), got {p.min_p}")
     if not (0 <= p.top_logprobs <= MAX_TOP_LOGPROBS):

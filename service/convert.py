@@ -7,12 +7,10 @@ duplicate and unknown seq_ids and context lengths are the executor's to check.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from executor.api import (
     GREEDY,
-    MAX_TOP_LOGPROBS,
     DecodeItem,
     ExecutorStatus,
     ItemOutput,
@@ -24,6 +22,7 @@ from executor.api import (
     StepResult,
 )
 from executor.errors import FieldViolation, InvalidRequest
+from executor.validation import sampling_violations
 from service.config import RequestLimits
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
@@ -74,25 +73,14 @@ def sampling_params(msg: pb.SamplingParams | None, field: str, out: _Violations
     """``msg`` as executor params (unset fields mean off); range errors go to ``out``."""
     if msg is None:
         return GREEDY
-    top_p = msg.top_p if msg.HasField("top_p") else 1.0
-    checks = (
-        ("temperature", math.isfinite(msg.temperature) and msg.temperature >= 0,
-         f"must be a finite number >= 0 (0 = greedy), got {msg.temperature}"),
-        ("top_k", msg.top_k >= 0, f"must be >= 0 (0 = off), got {msg.top_k}"),
-        ("top_p", math.isfinite(top_p) and 0.0 < top_p <= 1.0,
-         f"must be in (0, 1] (unset = off), got {top_p}"),
-        ("min_p", math.isfinite(msg.min_p) and 0.0 <= msg.min_p <= 1.0,
-         f"must be in [0, 1] (0 = off), got {msg.min_p}"),
-        ("top_logprobs", 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS,
-         f"must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}"),
-    )
-    for name, ok, why in checks:
-        if not ok:
-            out.add(f"{field}.{name}", why)
-    return SamplingParams(
-        temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, min_p=msg.min_p,
+    params = SamplingParams(
+        temperature=msg.temperature, top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0, min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs)
+    # The ranges are the executor's: one definition, the same messages for every client.
+    out.items.extend(sampling_violations(params, field))
+    return params
 
 
 def _sampling_of(item: pb.PrefillItem | pb.DecodeItem, field: str, out: _Violations
