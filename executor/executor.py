@@ -52,7 +52,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
-from executor.model.loader import load_model
+from executor.model.loader import load_hf_config, load_model
 from executor.model.tiny import ensure_tiny_model
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import Limits, validate_decode, validate_prefill
@@ -74,11 +74,10 @@ class Executor:
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
         model_dir = ensure_tiny_model() if source == TINY_MODEL else FsPath(source)
-        from executor.model.loader import load_hf_config
-
         spec = load_hf_config(model_dir)
         max_context = config.cache.max_context or spec.max_position
-        self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context)
+        self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
+                                           spec)
         self.model_info = ModelInfo(
             name=source if source == TINY_MODEL else model_dir.name,
             architecture=spec.architecture,

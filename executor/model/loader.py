@@ -96,10 +96,10 @@ def _expected_sources(model: CausalLM, spec: ModelSpec) -> set[tuple[str, int | 
     return out
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int
-               ) -> tuple[CausalLM, ModelSpec]:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int,
+               spec: ModelSpec | None = None) -> tuple[CausalLM, ModelSpec]:
     """Build our model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors."""
-    spec = load_hf_config(path)
+    spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
     files = _weight_files(path)
     with torch.device("meta"):
