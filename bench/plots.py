@@ -2,59 +2,61 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    device = result["environment"]["device"]
+    written = []
+    rows = result.get("decode_table", [])
+    if rows:
+        def decode_lines(ax: Any) -> None:
+            for ctx in sorted({r["context"] for r in rows}):
+                for mode in dict.fromkeys(r["mode"] for r in rows):
+                    sel = [r for r in rows if r["context"] == ctx and r["mode"] == mode]
+                    ax.plot([r["batch"] for r in sel], [r["step_ms_median"] for r in sel],
+                            "o--" if mode == "eager" else "o-", label=f"{mode}, ctx {ctx}")
+                sel = [r for r in rows if r["context"] == ctx and r["mode"] == rows[0]["mode"]]
+                ax.plot([r["batch"] for r in sel], [r["floor_ms"] for r in sel], ":",
+                        color="gray", label=f"floor, ctx {ctx}")
+
+        written.append(_plot(out / "decode.png", decode_lines, "batch size", "ms / decode step",
+                             f"Decode, Llama-3.2-1B shape — {device}"))
+    prefill = result.get("prefill_table", [])
+    if prefill:
+        def prefill_lines(ax: Any) -> None:
+            for mode in sorted({r["mode"] for r in prefill}):
+                for seqs in sorted({r["sequences"] for r in prefill}):
+                    sel = [r for r in prefill if r["mode"] == mode and r["sequences"] == seqs]
+                    if sel:
+                        ax.plot([r["tokens"] for r in sel], [r["ms_median"] for r in sel], "o-",
+                                label=f"{mode}, {seqs} seq")
+
+        written.append(_plot(out / "prefill.png", prefill_lines, "prefill tokens",
+                             "ms / prefill call", f"Prefill, Llama-3.2-1B shape — {device}"))
+    return written
+
+
+def _plot(path: Path, draw: Callable[[Any], None], xlabel: str, ylabel: str, title: str
+          ) -> Path:
+    """One log-log figure: ``draw`` adds the lines, this adds axes, legend, file."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    rows = result.get("decode_table", [])
-    if rows:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for ctx in sorted({r["context"] for r in rows}):
-            for mode in dict.fromkeys(r["mode"] for r in rows):
-                sel = [r for r in rows if r["context"] == ctx and r["mode"] == mode]
-                ax.plot([r["batch"] for r in sel], [r["step_ms_median"] for r in sel],
-                        "o--" if mode == "eager" else "o-", label=f"{mode}, ctx {ctx}")
-            sel = [r for r in rows if r["context"] == ctx and r["mode"] == rows[0]["mode"]]
-            ax.plot([r["batch"] for r in sel], [r["floor_ms"] for r in sel], ":", color="gray",
-                    label=f"floor, ctx {ctx}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("ms / decode step")
-        ax.set_title(f"Decode, Llama-3.2-1B shape — {result['environment']['device']}")
-        ax.legend(fontsize=8)
-        ax.grid(True, alpha=0.3)
-        path = out / "decode.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    prefill = result.get("prefill_table", [])
-    if prefill:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode in sorted({r["mode"] for r in prefill}):
-            for seqs in sorted({r["sequences"] for r in prefill}):
-                sel = [r for r in prefill if r["mode"] == mode and r["sequences"] == seqs]
-                if sel:
-                    ax.plot([r["tokens"] for r in sel], [r["ms_median"] for r in sel], "o-",
-                            label=f"{mode}, {seqs} seq")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prefill tokens")
-        ax.set_ylabel("ms / prefill call")
-        ax.set_title(f"Prefill, Llama-3.2-1B shape — {result['environment']['device']}")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
-        path = out / "prefill.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
