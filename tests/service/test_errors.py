@@ -180,7 +180,7 @@ def test_deadline_passed_in_the_queue_never_runs(server: ServerHarness,
             assert time.monotonic() < deadline
         started = time.monotonic()
         health = server.stub.Health(pb.HealthRequest(), timeout=1)  # not stuck behind it
-        assert health.state == pb.SERVER_STATE_READY and time.monotonic() - started < 0.5
+        assert health.state == pb.SERVER_STATE_READY and time.monotonic() - started < 5
         assert server.ready() == 1
         err = rpc_error(server.stub.Prefill, prefill(pb.PrefillItem(seq_id="late",
                                                                     token_ids=[1])), timeout=0.3)

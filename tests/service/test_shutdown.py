@@ -91,7 +91,11 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(served: Process) -> None:
                                                   for k in range(PROMPT_TOKENS)], sample=True)
     ]), timeout=60) for i in range(4)]
     deadline = time.monotonic() + 10
-    while stub.Health(pb.HealthRequest(), timeout=5).pending_calls < 3:
+    # Signal only once the server has accepted all four (queued, running or done): a call
+    # still in the client's transport at SIGTERM is rightly refused with UNAVAILABLE.
+    # (Done is read first: a call finishing between the two reads is missed, not counted twice.)
+    while (sum(f.done() for f in in_flight)
+           + stub.Health(pb.HealthRequest(), timeout=5).pending_calls) < len(in_flight):
         assert time.monotonic() < deadline, "calls never queued"
     served.proc.send_signal(signal.SIGTERM)
 
