@@ -65,8 +65,11 @@ def test_sigterm_drain_with_tls_and_token(served: tuple[Process, Authority],
     # Signal only once the server has accepted all four (queued, running or done): a call
     # still in the client's transport at SIGTERM is rightly refused with UNAVAILABLE.
     # (Done is read first: a call finishing between the two reads is missed, not counted twice.)
-    while (sum(f.done() for f in in_flight)
-           + stub.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).pending_calls) < len(in_flight):
+    def accepted() -> int:
+        done = sum(f.done() for f in in_flight)
+        return done + stub.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).pending_calls
+
+    while accepted() < len(in_flight):
         assert time.monotonic() < deadline, "calls never queued"
 
     signalled = time.monotonic()
