@@ -157,6 +157,7 @@ class ModelInfo:
     device: str
     vocab_size: int
     max_context: int
+    attention_backend: str  # what --attention-backend (often ``auto``) resolved to
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Start-up reads top to bottom as a boot sequence:
 
     1. resolve device and dtype
-    2. load weights                     (HF directory -> our modules)
+    2. read the config, settle the attention backend (before anything big is allocated),
+       load weights                     (HF directory -> our modules)
     3. size and allocate the KV cache   (pools + request-slot table)
     4. attention backend and sampler
     5. graph runners                    (capture happens on ``capture``)
@@ -76,6 +77,10 @@ class Executor:
         model_dir = ensure_tiny_model() if source == TINY_MODEL else FsPath(source)
         spec = load_hf_config(model_dir)
         max_context = config.cache.max_context or spec.max_position
+        # Settled before the weights load: a backend that cannot serve here fails fast.
+        shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
+        backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype,
+                                            shape)
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
                                            spec)
         self.model_info = ModelInfo(
@@ -85,6 +90,7 @@ class Executor:
             device=str(self.device),
             vocab_size=spec.vocab_size,
             max_context=max_context,
+            attention_backend=backend_name,
         )
 
         # -- 3. KV cache ---------------------------------------------------------------
@@ -95,8 +101,6 @@ class Executor:
         self.kv = KVCacheManager(self.table, num_tokens)
 
         # -- 4. attention and sampling -------------------------------------------------
-        backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
         self.sampler = Sampler()
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,

@@ -2,7 +2,7 @@
 
 Checks the kernels' indexing and masking logic at tiny shapes (fp16 only: the
 interpreter's bf16 ``tl.dot`` returns garbage as of Triton 3.9). Skipped when Triton is not
-installed, and on CUDA machines, where ``tests/gpu/test_triton_attention.py`` runs the
+installed, and on CUDA machines, where ``tests/gpu/test_attention_kernels.py`` runs the
 compiled kernels instead.
 """
 
@@ -27,13 +27,10 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (set it in the "
                 "environment or run this file in its own process)", allow_module_level=True)
 
-from executor.api import Phase  # noqa: E402
 from executor.attention.base import AttentionShape  # noqa: E402
 from executor.attention.torch_native import TorchNativeBackend  # noqa: E402
 from executor.attention.triton_backend import TritonBackend  # noqa: E402
-from executor.forward_batch import ForwardBatch  # noqa: E402
-from executor.kv.manager import Allocation, Extension  # noqa: E402
-from executor.kv.pool import KVPool, ReqToTokenTable  # noqa: E402
+from tests.attention_cases import paged_case  # noqa: E402
 
 DTYPE = torch.float16
 
@@ -41,38 +38,9 @@ DTYPE = torch.float16
 LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 
 
-def _setup(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-           head_dim: int, seed: int) -> tuple[KVPool, ReqToTokenTable, ForwardBatch]:
-    """A pool full of random K/V, sequences at scattered locations in scattered slots."""
-    gen = torch.Generator().manual_seed(seed)
-    batch, total = len(prefix_lens), sum(prefix_lens) + sum(new_lens)
-    num_locations = total + 5
-    max_context = max(p + n for p, n in zip(prefix_lens, new_lens, strict=True)) + 3
-    pool = KVPool(2, num_locations, kv_heads, head_dim, DTYPE, torch.device("cpu"))
-    pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen))
-    pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=gen))
-    table = ReqToTokenTable(batch + 2, max_context, torch.device("cpu"))
-    # Stale entries everywhere: a read past a sequence's length would change the result.
-    table.device_table.copy_(torch.randint(0, num_locations + 1, table.device_table.shape,
-                                           generator=gen, dtype=torch.int32))
-    slots = torch.randperm(batch + 2, generator=gen)[:batch].tolist()
-    locs = (torch.randperm(num_locations, generator=gen)[:total] + 1).tolist()
-    exts, new_locs = [], []
-    for i, (slot, p, n) in enumerate(zip(slots, prefix_lens, new_lens, strict=True)):
-        seq_locs, locs = locs[: p + n], locs[p + n :]
-        table.device_table[slot, : p + n] = torch.tensor(seq_locs, dtype=torch.int32)
-        new_locs.extend(seq_locs[p:])
-        exts.append(Extension(f"s{i}", slot, p, n, p == 0))
-    out_loc = torch.tensor(new_locs, dtype=torch.int64)
-    phase: Phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
-    fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc),
-                            [], torch.device("cpu"))
-    return pool, table, fb
-
-
 def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
            head_dim: int, seed: int = 0, num_sms: int | None = None) -> None:
-    pool, table, batch = _setup(prefix_lens, new_lens, heads, kv_heads, head_dim, seed)
+    pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed)
     shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(seed + 1)
     # q/k/v as views of one fused QKV projection, like the model passes them.
@@ -119,7 +87,7 @@ def test_extend_interpreted(prefix_lens: list[int], new_lens: list[int], heads: 
 
 def test_decode_graph_hooks_interpreted() -> None:
     """capture_metadata pads; refresh_metadata rewrites the same buffers in place."""
-    pool, table, batch = _setup([33, 6], [1, 1], 4, 2, 16, seed=3)
+    pool, table, batch = paged_case([33, 6], [1, 1], 4, 2, 16, seed=3)
     shape = AttentionShape(4, 2, 16, 0.25)
     tri = TritonBackend(shape, pool, table)
     tri.init_graph_buffers(max_batch=4, max_tokens=4)

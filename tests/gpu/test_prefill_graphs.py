@@ -18,13 +18,15 @@ pytestmark = pytest.mark.gpu
 PREFILL_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def make(path: Path, prefill: str = "breakable", decode: str = "full") -> Executor:
+def make(path: Path, prefill: str = "breakable", decode: str = "full",
+         attention: str = "triton") -> Executor:
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=32, max_context=2048),
         graphs=GraphConfig(decode_mode=decode, prefill_mode=prefill,  # type: ignore[arg-type]
                            decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=PREFILL_BUCKETS),
-        attention_backend="triton", max_decode_batch=16, max_prefill_tokens=512)
+        attention_backend=attention,  # type: ignore[arg-type]
+        max_decode_batch=16, max_prefill_tokens=512)
     return Executor(cfg)
 
 
@@ -79,7 +81,12 @@ def test_multi_sequence_new_and_continuing(ex: Executor) -> None:
 def test_greedy_tokens_equal_eager_executor(ex: Executor, model_path: Path) -> None:
     """Public API: graph prefill (new + continuing) then decode, against an all-eager
     executor fed the same tokens; greedy choices agree wherever they are clear."""
-    eager = make(model_path, prefill="disabled", decode="disabled")
+    greedy_agrees(ex, make(model_path, prefill="disabled", decode="disabled"))
+
+
+def greedy_agrees(ex: Executor, eager: Executor) -> None:
+    """``ex`` (graphs) and ``eager`` fed the same prompts and tokens agree on every clear
+    greedy choice through prefill, a continuing prefill and ten decode steps."""
     params = SamplingParams(logprobs=True, top_logprobs=2)
 
     def check(g: StepResult, e: StepResult) -> dict[str, int]:

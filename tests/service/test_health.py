@@ -110,6 +110,7 @@ def test_lifecycle_through_every_state() -> None:
         assert (harness.check(), harness.ready()) == (SERVING, SERVING)
         health = harness.stub.Health(pb.HealthRequest(), timeout=5)
         assert health.model.name == "tiny" and health.model.vocab_size == 512
+        assert health.model.attention_backend == "torch_native"  # what auto chose on CPU
         assert health.kv.total_tokens == 4096 and health.version
         assert healthy_gauge(harness) == 1
         with pytest.raises(grpc.RpcError) as info:

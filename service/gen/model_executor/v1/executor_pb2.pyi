@@ -226,20 +226,22 @@ class HealthResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv: _Optional[_Union[KVCacheStats, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[GraphStatus, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pending_calls: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context")
+    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context", "attention_backend")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     dtype: str
     device: str
     vocab_size: int
     max_context: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
     __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences")

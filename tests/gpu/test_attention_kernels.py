@@ -1,17 +1,20 @@
-"""Triton attention backend vs the torch_native reference on the GPU.
+"""Triton and FlashInfer attention backends vs the torch_native reference on the GPU.
 
-Every case runs both backends on the same KV pool with fresh random K/V (never zeros):
-Triton first, checking that it stored exactly the new K/V, then torch_native (which
-stores the same values again). Sequences sit in scattered request slots at scattered
-locations, and every table entry past a sequence's length points at some other valid
-location, so a read past the end changes the result instead of reading zeros.
+Every test runs once per kernel backend (the ``backend`` fixture; FlashInfer's runs are
+skipped with a reason where it is not installed). Every case runs the kernel backend and
+the reference on the same KV pool with fresh random K/V (never zeros): the kernel backend
+first, checking that it stored exactly the new K/V, then torch_native (which stores the
+same values again). Sequences sit in scattered request slots at scattered locations, and
+every table entry past a sequence's length points at some other valid location, so a read
+past the end changes the result instead of reading zeros.
 
 Kernels compile per (dtype, head_dim) and a few flags, not per shape, so the shape
-sweeps stay cheap; the whole file runs in well under a minute on an H100.
+sweeps stay cheap; the Triton half runs in well under a minute on an H100.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import pytest
@@ -30,7 +33,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor.attention.triton_backend import TritonBackend  # noqa: E402
 
 DEVICE = torch.device("cuda")
 LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
@@ -38,6 +40,14 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LLAMA_1B = (32, 8, 64)  # heads, kv_heads, head_dim
 # (heads, kv_heads): GQA ratios 1, 4 and 8.
 GQA_SHAPES = [(8, 8), (32, 8), (32, 4)]
+
+
+@pytest.fixture(params=["triton", "flashinfer"])
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    if name == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed (see docs/flashinfer.md)")
+    return name
 
 
 @dataclass
@@ -85,14 +95,14 @@ class Setup:
         return q.view(-1, h, d), k.view(-1, kvh, d), v.view(-1, kvh, d)
 
 
-def _check(setup: Setup, batch: ForwardBatch) -> None:
+def _check(setup: Setup, batch: ForwardBatch, backend: str = "triton") -> None:
     q, k, v = setup.qkv(batch.num_tokens)
     pool = setup.pool
     expect_k, expect_v = pool.k[LAYER].clone(), pool.v[LAYER].clone()
     expect_k[batch.out_cache_loc], expect_v[batch.out_cache_loc] = k, v
 
-    tri = create_backend("triton", setup.shape, pool, setup.table)
-    assert isinstance(tri, TritonBackend)
+    tri = create_backend(backend, setup.shape, pool, setup.table)
+    assert tri.name == backend
     out = tri.forward(q, k, v, LAYER, tri.build_metadata(batch))
     assert torch.equal(pool.k[LAYER], expect_k) and torch.equal(pool.v[LAYER], expect_v), (
         "the new K/V were not stored exactly at out_cache_loc")
@@ -109,19 +119,21 @@ def _random_lens(n: int, low: int, high: int, seed: int) -> list[int]:
 
 
 # -- decode ----------------------------------------------------------------------------------
-def _check_decode(context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, seed: int = 0) -> None:
+def _check_decode(backend: str, context_lens: list[int], heads: int, kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, seed: int = 0) -> None:
     """``context_lens`` include the new token (1 = the new token alone)."""
     setup = Setup.make(len(context_lens), max(context_lens), heads, kv_heads, head_dim, dtype,
                        seed)
-    _check(setup, setup.batch("decode", [n - 1 for n in context_lens], [1] * len(context_lens)))
+    _check(setup, setup.batch("decode", [n - 1 for n in context_lens], [1] * len(context_lens)),
+           backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA_SHAPES)
-def test_decode_configs(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> None:
-    _check_decode([1, 7, 64, 500, 2048], heads, kv_heads, head_dim, dtype)
+def test_decode_configs(backend: str, dtype: torch.dtype, head_dim: int, heads: int,
+                       kv_heads: int) -> None:
+    _check_decode(backend, [1, 7, 64, 500, 2048], heads, kv_heads, head_dim, dtype)
 
 
 @pytest.mark.parametrize("context_lens", [
@@ -131,24 +143,26 @@ def test_decode_configs(dtype: torch.dtype, head_dim: int, heads: int, kv_heads:
     _random_lens(64, 1, 2048, seed=2),  # one split per sequence: no reduction
     _random_lens(256, 1, 1024, seed=3),
 ], ids=lambda lens: f"bs{len(lens)}-max{max(lens)}")
-def test_decode_lengths(context_lens: list[int]) -> None:
-    _check_decode(context_lens, *LLAMA_1B, torch.bfloat16)
+def test_decode_lengths(backend: str, context_lens: list[int]) -> None:
+    _check_decode(backend, context_lens, *LLAMA_1B, torch.bfloat16)
 
 
 # -- extend / prefill ------------------------------------------------------------------------
-def _check_extend(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-                  head_dim: int, dtype: torch.dtype, seed: int = 0) -> None:
+def _check_extend(backend: str, prefix_lens: list[int], new_lens: list[int], heads: int,
+                  kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0) -> None:
     max_context = max(p + n for p, n in zip(prefix_lens, new_lens, strict=True))
     setup = Setup.make(len(prefix_lens), max_context, heads, kv_heads, head_dim, dtype, seed)
-    _check(setup, setup.batch("prefill", prefix_lens, new_lens))
+    _check(setup, setup.batch("prefill", prefix_lens, new_lens), backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA_SHAPES)
-def test_extend_configs(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> None:
+def test_extend_configs(backend: str, dtype: torch.dtype, head_dim: int, heads: int,
+                       kv_heads: int) -> None:
     # Pure prefills, chunked prefills (with a cached prefix) and a decode-like row.
-    _check_extend([0, 0, 64, 500, 37], [1, 130, 7, 200, 64], heads, kv_heads, head_dim, dtype)
+    _check_extend(backend, [0, 0, 64, 500, 37], [1, 130, 7, 200, 64], heads, kv_heads,
+                  head_dim, dtype)
 
 
 @pytest.mark.parametrize(("prefix_lens", "new_lens"), [
@@ -158,8 +172,8 @@ def test_extend_configs(dtype: torch.dtype, head_dim: int, heads: int, kv_heads:
     ([0, 1, 8000, 300], [8192, 1, 192, 64]),
     (_random_lens(64, 0, 1000, seed=4), _random_lens(64, 1, 300, seed=5)),
 ], ids=lambda lens: f"bs{len(lens)}-max{max(lens)}")
-def test_extend_lengths(prefix_lens: list[int], new_lens: list[int]) -> None:
-    _check_extend(prefix_lens, new_lens, *LLAMA_1B, torch.bfloat16)
+def test_extend_lengths(backend: str, prefix_lens: list[int], new_lens: list[int]) -> None:
+    _check_extend(backend, prefix_lens, new_lens, *LLAMA_1B, torch.bfloat16)
 
 
 # -- CUDA graph ------------------------------------------------------------------------------
@@ -168,10 +182,11 @@ def test_extend_lengths(prefix_lens: list[int], new_lens: list[int]) -> None:
     (1, [[10], [8192], [1]]),
     (8, [[5, 900, 1, 8192, 77], [300] * 8, [8192, 2, 4096]]),
 ])
-def test_decode_graph_replay_matches_eager(bucket: int, replays: list[list[int]]) -> None:
+def test_decode_graph_replay_matches_eager(backend: str, bucket: int,
+                                           replays: list[list[int]]) -> None:
     heads, kv_heads, head_dim = LLAMA_1B
     setup = Setup.make(8, 8192, heads, kv_heads, head_dim, torch.bfloat16)
-    tri = TritonBackend(setup.shape, setup.pool, setup.table)
+    tri = create_backend(backend, setup.shape, setup.pool, setup.table)
     tri.init_graph_buffers(max_batch=8, max_tokens=8)
     meta = tri.capture_metadata("decode", bucket, bucket)
 
@@ -212,9 +227,9 @@ def test_decode_graph_replay_matches_eager(bucket: int, replays: list[list[int]]
         torch.testing.assert_close(graph_out, ref, atol=2e-2, rtol=2e-2)
 
 
-def test_capture_metadata_rejects_prefill() -> None:
+def test_capture_metadata_rejects_prefill(backend: str) -> None:
     setup = Setup.make(1, 16, *LLAMA_1B, torch.bfloat16)
-    tri = TritonBackend(setup.shape, setup.pool, setup.table)
+    tri = create_backend(backend, setup.shape, setup.pool, setup.table)
     tri.init_graph_buffers(4, 4)
     with pytest.raises(NotImplementedError):
         tri.capture_metadata("prefill", 4, 64)
