@@ -17,7 +17,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                 for mode in dict.fromkeys(r["mode"] for r in rows):
                     sel = [r for r in rows if r["context"] == ctx and r["mode"] == mode]
                     ax.plot([r["batch"] for r in sel], [r["step_ms_median"] for r in sel],
-                            "o--" if mode == "eager" else "o-", label=f"{mode}, ctx {ctx}")
+                            "o--" if mode.startswith("eager") else "o-", label=f"{mode}, ctx {ctx}")
                 sel = [r for r in rows if r["context"] == ctx and r["mode"] == rows[0]["mode"]]
                 ax.plot([r["batch"] for r in sel], [r["floor_ms"] for r in sel], ":",
                         color="gray", label=f"floor, ctx {ctx}")

@@ -15,6 +15,11 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
 
+def _graph(mode: str) -> bool:
+    """Graph rows: every mode but ``eager`` and ``eager@<attention backend>``."""
+    return mode.partition("@")[0] != "eager"
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, hw = result["environment"], result["hardware"]
     out = [
@@ -27,22 +32,28 @@ def markdown(result: dict[str, Any]) -> str:
         f"Measured read bandwidth {hw['read_gbs']:.0f} GB/s, bf16 matmul "
         f"{hw['matmul_tflops']:.0f} TFLOP/s.", "",
         "## Start-up and capture", "",
-        "| decode | prefill | load s | ready s | phase | backend | capture s | graph MiB | "
-        "buckets | failed |", "|---|---|---:|---:|---|---|---:|---:|---:|---|",
+        "| decode | prefill | attention | load s | ready s | phase | backend | capture s | "
+        "graph MiB | buckets | failed |", "|---|---|---|---:|---:|---|---|---:|---:|---:|---|",
     ]
     for s in result["startup"]:
         if "error" in s:
-            out.append(f"| — | {s['prefill_mode']} | — | — | — | — | — | — | — | {s['error']} |")
+            out.append(f"| {s.get('decode_mode', '—')} | {s.get('prefill_mode', '—')} | — | — "
+                       f"| — | — | — | — | — | — | {s['error']} |")
             continue
+        attention = s.get("attention", "triton")
+        if "attention" in s.get("boot_s", {}):
+            attention += f" ({s['boot_s']['attention']:.1f} s)"
         for phase, p in s["phases"].items():
             pm = s["prefill_mode"] + (f" ({s['compiler']})" if s["prefill_mode"] ==
                                       "tc_piecewise" else "")
-            out.append(f"| {s['decode_mode']} | {pm} | {s['load_s']:.1f} | {s['ready_s']:.1f} "
+            out.append(f"| {s['decode_mode']} | {pm} | {attention} | {s['load_s']:.1f} | "
+                       f"{s['ready_s']:.1f} "
                        f"| {phase} | {p['backend']} | {p['capture_s']:.1f} | "
                        f"{p['graph_memory_bytes'] / 2**20:.0f} | {p['buckets']} | "
                        f"{p['failed'] or ''} |")
     rows = result["decode_table"]
-    modes = [m for m in ("eager", "full", "breakable") if any(r["mode"] == m for r in rows)]
+    modes = list(dict.fromkeys(["eager", *(r["mode"] for r in rows)]))
+    modes = [m for m in modes if any(r["mode"] == m for r in rows)]
     if rows:
         out += ["", "## Decode (ms per step)", "",
                 "| batch | ctx | floor | " + " | ".join(modes) + " | full fwd | full/floor "
@@ -67,12 +78,12 @@ def markdown(result: dict[str, Any]) -> str:
         for key in sorted({(r["tokens"], r["sequences"]) for r in pre},
                           key=lambda k: (k[1], k[0])):
             sel = {r["mode"]: r for r in pre if (r["tokens"], r["sequences"]) == key}
-            graphs = [sel[m]["ms_median"] for m in pmodes if m != "eager" and m in sel
+            graphs = [sel[m]["ms_median"] for m in pmodes if _graph(m) and m in sel
                       and sel[m]["paths"] == ["graph"]]
             best = min(graphs) if graphs else None
             out.append(f"| {key[0]} | {key[1]} | {_f(next(iter(sel.values()))['floor_ms'])} | "
                        + " | ".join(_f(sel[m]["ms_median"]) + ("" if sel[m]["paths"] ==
-                                    ["graph"] or m == "eager" else "*") if m in sel else "—"
+                                    ["graph"] or not _graph(m) else "*") if m in sel else "—"
                                     for m in pmodes)
                        + f" | {_ratio(sel.get('eager', {}).get('ms_median'), best)} |")
         out.append("\n`*` the call ran eagerly (no captured bucket; see the JSON's reasons).")
@@ -103,19 +114,19 @@ def _key_figures(result: dict[str, Any]) -> list[str]:
 
     def best_decode(bs: int) -> tuple[float | None, float | None]:
         rows = [r for r in result["decode_table"] if r["batch"] == bs and r["context"] == 512]
-        graph = [r["step_ms_median"] for r in rows if r["mode"] != "eager"]
+        graph = [r["step_ms_median"] for r in rows if _graph(r["mode"])]
         floor = rows[0]["floor_ms"] if rows else None
         return (min(graph) if graph else None), floor
 
     def best_prefill(n: int) -> tuple[float | None, float | None]:
         rows = [r for r in result["prefill_table"] if r["tokens"] == n and r["sequences"] == 1]
-        graph = [r["ms_median"] for r in rows if r["mode"] != "eager"]
+        graph = [r["ms_median"] for r in rows if _graph(r["mode"])]
         floor = rows[0]["floor_ms"] if rows else None
         return (min(graph) if graph else None), floor
 
     d1, d1_floor = best_decode(1)
     big = [r for r in result.get("decode_8b_table", []) if r["batch"] == 1]
-    d8 = min((r["step_ms_median"] for r in big if r["mode"] != "eager"), default=None)
+    d8 = min((r["step_ms_median"] for r in big if _graph(r["mode"])), default=None)
     d8_floor = big[0]["floor_ms"] if big else None
     p128, p128_floor = best_prefill(128)
     p2048, p2048_floor = best_prefill(2048)

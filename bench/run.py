@@ -38,13 +38,15 @@ PROFILES: dict[str, dict[str, Any]] = {
            "repeats": 10, "big_shape": "llama-3.1-8b", "big_batches": [1, 8]},
     "quick": {"batches": [1, 8, 64], "contexts": [512], "steps": 30,
               "prefill_tokens": [16, 128, 512, 2048], "prefill_seqs": [1],
-              "decode_modes": ["full", "breakable"],
-              "prefill_modes": ["breakable", "tc_piecewise:eager"],
+              "decode_modes": ["full", "breakable", "full@flashinfer"],
+              "prefill_modes": ["breakable", "tc_piecewise:eager", "breakable@flashinfer"],
               "peer_compile": False, "repeats": 10},
     "full": {"batches": [1, 8, 32, 64, 128, 256], "contexts": [512, 2048], "steps": 30,
              "prefill_tokens": [16, 64, 128, 256, 512, 1024, 2048, 4096],
-             "prefill_seqs": [1, 8], "decode_modes": ["full", "breakable"],
-             "prefill_modes": ["breakable", "tc_piecewise:eager", "tc_piecewise:inductor"],
+             "prefill_seqs": [1, 8],
+             "decode_modes": ["full", "breakable", "full@flashinfer", "breakable@flashinfer"],
+             "prefill_modes": ["breakable", "tc_piecewise:eager", "tc_piecewise:inductor",
+                               "breakable@flashinfer"],
              "peer_compile": True, "repeats": 10,
              # The 8B shape: decode only (full graph vs eager), written like the 1B.
              "big_shape": "llama-3.1-8b", "big_batches": [1, 8, 64]},
@@ -81,13 +83,23 @@ def _driver() -> str:
         return "unknown"
 
 
-def build(model_dir: Path, decode_mode: str, prefill_mode: str, prof: dict[str, Any]
+def parse_mode(label: str) -> tuple[str, str, str]:
+    """``graph_mode[:compiler][@attention]`` -> (graph mode, compiler, attention backend);
+    e.g. ``tc_piecewise:inductor``, ``full@flashinfer``. Attention defaults to triton."""
+    label, _, attention = label.partition("@")
+    mode, _, compiler = label.partition(":")
+    return mode, compiler or "eager", attention or "triton"
+
+
+def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str, Any]
           ) -> tuple[Executor, dict[str, Any]]:
-    """An executor with the given graph modes, captured; start-up figures alongside."""
+    """An executor with the given graph modes (labels as in ``parse_mode``; the attention
+    backend comes from the label of the phase being measured), captured; start-up figures
+    alongside."""
     max_batch, max_ctx = max(prof["batches"]), max(prof["contexts"])
-    compiler = "eager"
-    if ":" in prefill_mode:
-        prefill_mode, compiler = prefill_mode.split(":")
+    decode_mode, _, decode_attn = parse_mode(decode_label)
+    prefill_mode, compiler, prefill_attn = parse_mode(prefill_label)
+    attention = decode_attn if decode_mode != "disabled" else prefill_attn
     t0 = time.perf_counter()
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(model_dir), dtype="bfloat16"), device="cuda",
@@ -95,13 +107,15 @@ def build(model_dir: Path, decode_mode: str, prefill_mode: str, prof: dict[str, 
                           max_sequences=max(max_batch, 16), max_context=max(max_ctx, 4096) + 256),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
                            compiler=compiler),  # type: ignore[arg-type]
-        attention_backend="triton", max_decode_batch=max_batch, max_prefill_tokens=4096)
+        attention_backend=attention,  # type: ignore[arg-type]
+        max_decode_batch=max_batch, max_prefill_tokens=4096)
     ex = Executor(cfg)
     load_s = time.perf_counter() - t0
     caps = ex.capture(ex.startup_phases(), progress=True)
     info: dict[str, Any] = {"load_s": load_s, "ready_s": time.perf_counter() - t0,
-                            "decode_mode": decode_mode, "prefill_mode": prefill_mode,
-                            "compiler": compiler, "phases": {}}
+                            "decode_mode": decode_label, "prefill_mode": prefill_mode,
+                            "compiler": compiler, "attention": ex.model_info.attention_backend,
+                            "boot_s": ex.boot_seconds, "phases": {}}
     for cap in caps:
         info["phases"][cap.phase] = {
             "backend": cap.backend, "capture_s": cap.total_ms / 1e3,
@@ -158,18 +172,29 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "bench.json").write_text(json.dumps(result, indent=2))
 
     # -- decode: eager vs each graph mode ------------------------------------------------
+    # Eager rows once per attention backend (labelled ``eager`` for triton's, else
+    # ``eager@<backend>``); a backend that cannot serve here is recorded, not fatal.
+    eager_done: set[str] = set()
     for i, mode in enumerate(prof["decode_modes"]):
-        ex, info = build(model_dir, mode, "disabled", prof)
+        try:
+            ex, info = build(model_dir, mode, "disabled", prof)
+        except (ConfigError, NotImplementedError) as exc:
+            result["startup"].append({"decode_mode": mode, "error": str(exc)})
+            continue
         result["startup"].append(info)
+        attention = parse_mode(mode)[2]
+        eager_label = "eager" if attention == "triton" else f"eager@{attention}"
         for ctx in prof["contexts"]:
             for bs in prof["batches"]:
                 floor_ms = (wbytes + bs * ctx * kv_per_tok) / (bw * 1e9) * 1e3
-                if i == 0:
+                if attention not in eager_done:
                     row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=False)
-                    result["decode_table"].append({**row, "mode": "eager", "floor_ms": floor_ms})
+                    result["decode_table"].append({**row, "mode": eager_label,
+                                                   "floor_ms": floor_ms})
                 row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=True)
                 result["decode_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
                 print(f"decode {mode} bs={bs} ctx={ctx}: {row}", flush=True)
+        eager_done.add(attention)
         if i == 0:
             result["kernel_profile"] = decode.kernel_profile(ex, 1, prof["contexts"][0])
         del ex
@@ -177,28 +202,32 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     # -- prefill: eager vs each graph mode -----------------------------------------------
-    for i, mode in enumerate(prof["prefill_modes"]):
+    prefill_eager_done: set[str] = set()
+    for mode in prof["prefill_modes"]:
         try:
             ex, info = build(model_dir, "disabled", mode, prof)
         except (ConfigError, NotImplementedError) as exc:
             result["startup"].append({"prefill_mode": mode, "error": str(exc)})
             continue
         result["startup"].append(info)
+        attention = parse_mode(mode)[2]
         for seqs in prof["prefill_seqs"]:
             for n in prof["prefill_tokens"]:
                 if n < seqs:
                     continue
                 flops_ms = 2 * spec.num_params() * n / (flops * 1e12) * 1e3
                 floor_ms = max(flops_ms, wbytes / (bw * 1e9) * 1e3)
-                if i == 0:
+                if attention not in prefill_eager_done:
                     runners = dict(ex.runners)
                     ex.runners.clear()
                     row = prefill.measure(ex, n, seqs, prof["repeats"])
                     ex.runners.update(runners)
-                    result["prefill_table"].append({**row, "mode": "eager", "floor_ms": floor_ms})
+                    label = "eager" if attention == "triton" else f"eager@{attention}"
+                    result["prefill_table"].append({**row, "mode": label, "floor_ms": floor_ms})
                 row = prefill.measure(ex, n, seqs, prof["repeats"])
                 result["prefill_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
                 print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)
+        prefill_eager_done.add(attention)
         del ex
         torch.cuda.empty_cache()
         save()

@@ -79,8 +79,12 @@ class Executor:
         max_context = config.cache.max_context or spec.max_position
         # Settled before the weights load: a backend that cannot serve here fails fast.
         shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
+        started = time.perf_counter()
         backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype,
                                             shape)
+        #: Seconds per boot step (FlashInfer's probe JIT-compiles its kernels in "attention").
+        self.boot_seconds = {"attention": time.perf_counter() - started}
+        started = time.perf_counter()
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
                                            spec)
         self.model_info = ModelInfo(
@@ -92,6 +96,7 @@ class Executor:
             max_context=max_context,
             attention_backend=backend_name,
         )
+        self.boot_seconds["weights"] = time.perf_counter() - started
 
         # -- 3. KV cache ---------------------------------------------------------------
         num_tokens = self._kv_tokens(max_context)

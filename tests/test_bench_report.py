@@ -56,3 +56,39 @@ def test_plots_are_written(tmp_path: Path) -> None:
     paths = write_plots(result(), tmp_path)
     assert [p.name for p in paths] == ["decode.png", "prefill.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_attention_backends_get_their_own_columns() -> None:
+    """``full@flashinfer`` and ``eager@flashinfer`` rows become columns; an eager row of
+    another backend never counts as the best graph figure."""
+    res = result()
+    for bs in (1, 8):
+        res["decode_table"] += [
+            {"batch": bs, "context": 512, "mode": "eager@flashinfer", "step_ms_median": 0.5,
+             "forward_ms_median": None, "floor_ms": 0.6, "paths": ["eager"]},
+            {"batch": bs, "context": 512, "mode": "full@flashinfer", "step_ms_median": 1.5 + bs,
+             "forward_ms_median": 1.2, "floor_ms": 0.6, "paths": ["graph"]}]
+    res["startup"].append({"decode_mode": "full@flashinfer", "prefill_mode": "disabled",
+                           "compiler": "eager", "attention": "flashinfer",
+                           "boot_s": {"attention": 41.25, "weights": 0.5}, "load_s": 42.0,
+                           "ready_s": 44.0, "phases": {}})
+    res["startup"].append({"decode_mode": "breakable@flashinfer",
+                           "error": "attention backend 'flashinfer' cannot serve here"})
+    md = markdown(res)
+    assert "| batch | ctx | floor | eager | full | eager@flashinfer | full@flashinfer |" in md
+    assert "| 1 | 512 | 0.600 | 11.000 | 2.000 | 0.500 | 2.500 |" in md
+    key = md[md.index("## Key figures"):]
+    assert "| 1B decode bs1 (ctx 512) | 2.000 |" in key  # not the 0.5 eager@flashinfer
+    assert "| breakable@flashinfer | — | — |" in md and "cannot serve here" in md
+
+
+@pytest.mark.parametrize(("label", "parsed"), [
+    ("full", ("full", "eager", "triton")),
+    ("tc_piecewise:inductor", ("tc_piecewise", "inductor", "triton")),
+    ("breakable@flashinfer", ("breakable", "eager", "flashinfer")),
+    ("tc_piecewise:inductor@flashinfer", ("tc_piecewise", "inductor", "flashinfer")),
+])
+def test_mode_labels(label: str, parsed: tuple[str, str, str]) -> None:
+    from bench.run import parse_mode
+
+    assert parse_mode(label) == parsed
