@@ -6,6 +6,13 @@ server as a subprocess (``model-executor serve``) on a free loopback port, waits
 readiness, and for each batch size admits sequences, runs ``--steps`` Decode calls one
 after the other (as a scheduler's step loop does), and releases them. Runs on a CPU-only
 machine with the tiny model too.
+
+Two figures split the overhead: *outside executor* is each call's latency minus the
+executor time the server reports in it (``execute_ms``), so it holds transport, protobuf,
+the servicer, interceptors, logging, metrics and the hop to the executor thread; *bare
+gRPC* is the same client loop against a bare ``grpc.aio`` server in its own process that
+answers the same messages without any of our code (``--echo-server PORT``). Their
+difference is what our service layer costs.
 """
 
 from __future__ import annotations
@@ -61,17 +68,24 @@ async def _rpc_run(target: str, batches: list[int], steps: int, vocab: int
                 pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CTX, vocab), sample=True)
                 for i, s in enumerate(ids)]))
             toks = [o.token_id for o in res.outputs]
-            times = []
+            times, outside, queued = [], [], []
             for step in range(steps + 10):
                 req = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s, token_id=t)
                                               for s, t in zip(ids, toks, strict=True)])
                 t0 = time.perf_counter()
                 res = await stub.Decode(req)
                 if step >= 10:
-                    times.append((time.perf_counter() - t0) * 1e3)
+                    ms = (time.perf_counter() - t0) * 1e3
+                    times.append(ms)
+                    # Everything but the executor call itself, per call (the server says how
+                    # long that took): free of the noise of two separate runs.
+                    outside.append(ms - res.execute_ms)
+                    queued.append(res.queue_ms)
                 toks = [o.token_id for o in res.outputs]
             await stub.Release(pb.ReleaseRequest(seq_ids=ids))
-            out[str(bs)] = {**_percentiles(times), "path": pb.Path.Name(res.step.path)}
+            out[str(bs)] = {**_percentiles(times), "path": pb.Path.Name(res.step.path),
+                            "outside_executor_p50_ms": statistics.median(outside),
+                            "queue_p50_ms": statistics.median(queued)}
     return out
 
 
@@ -93,6 +107,60 @@ def _direct_run(ex: Executor, batches: list[int], steps: int) -> dict[str, Any]:
         ex.release(ids)
         out[str(bs)] = {**_percentiles(times), "path": step_res.step.path}
     return out
+
+
+async def _echo_serve(port: int) -> None:
+    """A bare ``grpc.aio`` server answering Prefill/Decode/Release with well-formed replies
+    of the same size as ours (one output per item) and nothing else: the transport floor."""
+    from grpc_health.v1 import health
+    from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
+
+    def step(items: Any) -> pb.StepResponse:
+        return pb.StepResponse(
+            outputs=[pb.ItemOutput(seq_id=i.seq_id, token_id=1, seq_len=CTX) for i in items],
+            step=pb.StepInfo(phase=pb.PHASE_DECODE, path=pb.PATH_EAGER, num_tokens=len(items)))
+
+    async def prefill(req: pb.PrefillRequest, _: Any) -> pb.StepResponse:
+        return step(req.items)
+
+    async def decode(req: pb.DecodeRequest, _: Any) -> pb.StepResponse:
+        return step(req.items)
+
+    async def release(req: pb.ReleaseRequest, _: Any) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=len(req.seq_ids))
+
+    def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "model_executor.v1.Executor", {
+            "Prefill": unary(prefill, pb.PrefillRequest, pb.StepResponse),
+            "Decode": unary(decode, pb.DecodeRequest, pb.StepResponse),
+            "Release": unary(release, pb.ReleaseRequest, pb.ReleaseResponse)}),))
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("model_executor.v1.Executor",
+                              health_pb2.HealthCheckResponse.SERVING)
+    add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _served(args: list[str], target: str, batches: list[int], steps: int, vocab: int
+            ) -> dict[str, Any]:
+    """Start ``args`` as a server process, run the client loop against it, stop it."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_ready(target, proc, 600)
+        return asyncio.run(_rpc_run(target, batches, steps, vocab))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _wait_ready(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -139,22 +207,19 @@ def measure(model: str, device: str, batches: list[int], steps: int) -> dict[str
         import torch
 
         torch.cuda.empty_cache()
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _wait_ready(target, proc, 600)
-        rpc = asyncio.run(_rpc_run(target, batches, steps, vocab))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    rpc = _served(args, target, batches, steps, vocab)
+    port = _free_port()
+    bare = _served([sys.executable, "-m", "bench.grpc_overhead", "--echo-server", str(port)],
+                   f"127.0.0.1:{port}", batches, steps, vocab)
     table = []
     for bs in batches:
-        r, d = rpc[str(bs)], direct[str(bs)]
+        r, d, b = rpc[str(bs)], direct[str(bs)], bare[str(bs)]
         table.append({"batch": bs, "rpc_p50_ms": r["p50_ms"], "rpc_p99_ms": r["p99_ms"],
                       "direct_p50_ms": d["p50_ms"], "direct_p99_ms": d["p99_ms"],
                       "overhead_p50_us": (r["p50_ms"] - d["p50_ms"]) * 1e3,
+                      "outside_executor_p50_us": r["outside_executor_p50_ms"] * 1e3,
+                      "queue_p50_us": r["queue_p50_ms"] * 1e3,
+                      "bare_grpc_p50_us": b["p50_ms"] * 1e3,
                       "rpc_path": r["path"], "direct_path": d["path"], "steps": steps})
     return {"model": model, "device": device, "context": CTX, "table": table}
 
@@ -166,15 +231,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--echo-server", type=int, metavar="PORT",
+                    help="serve the bare baseline on PORT (used by the benchmark itself)")
     args = ap.parse_args(argv)
+    if args.echo_server:
+        asyncio.run(_echo_serve(args.echo_server))
+        return 0
     result = measure(args.model, args.device, [int(b) for b in args.batches.split(",")],
                      args.steps)
     lines = ["| batch | RPC p50 ms | RPC p99 ms | in-process p50 ms | in-process p99 ms | "
-             "overhead p50 µs |", "|---:|---:|---:|---:|---:|---:|"]
+             "overhead p50 µs | outside executor p50 µs | of it queued µs | bare gRPC p50 µs |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["table"]:
         lines.append(f"| {r['batch']} | {r['rpc_p50_ms']:.3f} | {r['rpc_p99_ms']:.3f} | "
                      f"{r['direct_p50_ms']:.3f} | {r['direct_p99_ms']:.3f} | "
-                     f"{r['overhead_p50_us']:.0f} |")
+                     f"{r['overhead_p50_us']:.0f} | {r['outside_executor_p50_us']:.0f} | "
+                     f"{r['queue_p50_us']:.0f} | {r['bare_grpc_p50_us']:.0f} |")
     md = f"gRPC Decode overhead ({args.model} on {args.device}):\n\n" + "\n".join(lines) + "\n"
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
