@@ -59,11 +59,35 @@ class _Call:
     started: float
 
 
+class _HandlerCache:
+    """Wrapped handlers by method, reused while the inner handler is the same object.
+
+    Wrapping depends only on the method and the inner handler, so building it once per
+    method (not once per call) takes that work off every RPC. A handler that differs from
+    the cached one (an auth refusal is built per call) is wrapped for that call only.
+    """
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, inner: grpc.RpcMethodHandler,
+            wrap: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+            ) -> grpc.RpcMethodHandler:
+        cached = self._by_method.get(method)
+        if cached is not None and cached[0] is inner:
+            return cached[1]
+        wrapped = wrap(inner)
+        if cached is None:
+            self._by_method[method] = (inner, wrapped)
+        return wrapped
+
+
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, recorder: StatsRecorder,
                  on_fatal: Callable[[BaseException], Awaitable[None]]) -> None:
         self._recorder = recorder
         self._on_fatal = on_fatal
+        self._handlers = _HandlerCache()
 
     async def intercept_service(
         self,
@@ -74,15 +98,16 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; not counted
             return None
         full = handler_call_details.method  # "/pkg.Service/Method"
+        return self._handlers.get(full, handler, lambda inner: self._wrap(full, inner))
+
+    def _wrap(self, full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         service, _, method = full.lstrip("/").partition("/")
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        header_id = str(metadata.get(REQUEST_ID_HEADER, ""))[:MAX_HEADER_REQUEST_ID]
         args = (handler.request_deserializer, handler.response_serializer)
 
         def wrap(behavior: Behavior, rpc_type: str) -> Behavior:
             if inspect.isasyncgenfunction(behavior):
-                return self._stream(behavior, service, method, rpc_type, header_id)
-            return self._unary(behavior, service, method, rpc_type, header_id)
+                return self._stream(behavior, service, method, rpc_type)
+            return self._unary(behavior, service, method, rpc_type)
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, "unary"), *args)
@@ -96,10 +121,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             wrap(handler.stream_stream, "bidi_stream"), *args)
 
     # -- wrappers -----------------------------------------------------------------------
-    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str,
-               header_id: str) -> Behavior:
+    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str
+               ) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = self._begin(service, method, rpc_type, header_id, request, context)
+            call = self._begin(service, method, rpc_type, request, context)
             try:
                 response = await behavior(request, context)
             except BaseException as exc:
@@ -109,11 +134,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str,
-                header_id: str) -> Behavior:
+    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str
+                ) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Any]:
-            call = self._begin(service, method, rpc_type, header_id, request, context)
+            call = self._begin(service, method, rpc_type, request, context)
             try:
                 async for response in behavior(request, context):
                     yield response
@@ -127,11 +152,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return handle
 
     # -- bookkeeping --------------------------------------------------------------------
-    def _begin(self, service: str, method: str, rpc_type: str, header_id: str, request: Any,
+    def _begin(self, service: str, method: str, rpc_type: str, request: Any,
                context: grpc.aio.ServicerContext) -> _Call:
         body_id = getattr(request, "request_id", "") if rpc_type == "unary" else ""
         # Bounded: an over-long id is refused by validation, but logged (cut) first.
-        request_id = str(body_id)[:MAX_HEADER_REQUEST_ID] or header_id or uuid.uuid4().hex[:16]
+        request_id = (str(body_id)[:MAX_HEADER_REQUEST_ID] or _header_id(context)
+                      or uuid.uuid4().hex[:16])
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(
             request_id=request_id, rpc=f"{service.rsplit('.', 1)[-1]}/{method}",
@@ -180,6 +206,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         raise AssertionError("context.abort() returned")  # it raises; this keeps mypy sure
 
 
+def _header_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            return str(value)[:MAX_HEADER_REQUEST_ID]
+    return ""
+
+
 @dataclass(frozen=True)
 class Malformed:
     """What a unary request that failed to parse becomes (see ``ParseInterceptor``)."""
@@ -203,6 +236,9 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 class ParseInterceptor(grpc.aio.ServerInterceptor):
     """Unparseable unary requests fail with INVALID_ARGUMENT (see the module docstring)."""
 
+    def __init__(self) -> None:
+        self._handlers = _HandlerCache()
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -211,23 +247,28 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler  # a stream's messages parse inside the handler (DecodeError)
-        behavior = handler.unary_unary or handler.unary_stream
-        parse = _tolerant(handler.request_deserializer)
-        wrap = grpc.unary_unary_rpc_method_handler if handler.unary_unary else \
-            grpc.unary_stream_rpc_method_handler
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request: Any, context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[Any]:
-                async for response in behavior(_parsed(request), context):
-                    yield response
+        return self._handlers.get(handler_call_details.method, handler, _tolerant_handler)
 
-            return wrap(stream, parse, handler.response_serializer)
 
-        # A unary handler, or a streaming one that writes with context.write().
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await behavior(_parsed(request), context)
+def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` with a parser that turns bad bytes into ``Malformed``."""
+    behavior = handler.unary_unary or handler.unary_stream
+    parse = _tolerant(handler.request_deserializer)
+    wrap = grpc.unary_unary_rpc_method_handler if handler.unary_unary else \
+        grpc.unary_stream_rpc_method_handler
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[Any]:
+            async for response in behavior(_parsed(request), context):
+                yield response
 
-        return wrap(unary, parse, handler.response_serializer)
+        return wrap(stream, parse, handler.response_serializer)
+
+    # A unary handler, or a streaming one that writes with context.write().
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(_parsed(request), context)
+
+    return wrap(unary, parse, handler.response_serializer)
 
 
 def _parsed(request: Any) -> Any:
