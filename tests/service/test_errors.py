@@ -206,3 +206,17 @@ def test_any_request_id_is_echoed_as_valid_metadata(server: ServerHarness,
     from urllib.parse import unquote
 
     assert unquote(echoed) == request_id
+
+
+def test_header_request_id_is_per_call(server: ServerHarness) -> None:
+    """Without a body request_id the x-request-id header names the call; handlers are
+    wrapped once per method, so a later call must not inherit an earlier call's header."""
+    _, first = server.stub.Health.with_call(pb.HealthRequest(), timeout=5,
+                                            metadata=[("x-request-id", "hdr-7")])
+    assert dict(first.trailing_metadata())["x-request-id"] == "hdr-7"  # type: ignore[attr-defined]
+    _, second = server.stub.Health.with_call(pb.HealthRequest(), timeout=5)
+    generated = dict(second.trailing_metadata())["x-request-id"]  # type: ignore[attr-defined]
+    assert generated and generated != "hdr-7"
+    _, third = server.stub.Health.with_call(pb.HealthRequest(), timeout=5,
+                                            metadata=[("x-request-id", "hdr-8")])
+    assert dict(third.trailing_metadata())["x-request-id"] == "hdr-8"  # type: ignore[attr-defined]
