@@ -221,7 +221,21 @@ def measure(model: str, device: str, batches: list[int], steps: int) -> dict[str
                       "queue_p50_us": r["queue_p50_ms"] * 1e3,
                       "bare_grpc_p50_us": b["p50_ms"] * 1e3,
                       "rpc_path": r["path"], "direct_path": d["path"], "steps": steps})
-    return {"model": model, "device": device, "context": CTX, "table": table}
+    return {"model": model, "device": device, "context": CTX, "table": table,
+            "environment": _environment()}
+
+
+def _environment() -> dict[str, Any]:
+    import datetime as dt
+    import os
+    import platform
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    return {"date": dt.date.today().isoformat(), "cpu": platform.processor() or
+            platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "git_commit": commit or os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['direct_p50_ms']:.3f} | {r['direct_p99_ms']:.3f} | "
                      f"{r['overhead_p50_us']:.0f} | {r['outside_executor_p50_us']:.0f} | "
                      f"{r['queue_p50_us']:.0f} | {r['bare_grpc_p50_us']:.0f} |")
-    md = f"gRPC Decode overhead ({args.model} on {args.device}):\n\n" + "\n".join(lines) + "\n"
+    env = result["environment"]
+    md = (f"gRPC Decode overhead ({args.model} on {args.device}; {env['date']}, "
+          f"{env['cpus']} CPUs, grpcio {env['grpcio']}, commit {env['git_commit']}):\n\n"
+          + "\n".join(lines) + "\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "grpc_overhead.json").write_text(json.dumps(result, indent=2))
