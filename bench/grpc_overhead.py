@@ -222,7 +222,25 @@ def measure(model: str, device: str, batches: list[int], steps: int) -> dict[str
                       "bare_grpc_p50_us": b["p50_ms"] * 1e3,
                       "rpc_path": r["path"], "direct_path": d["path"], "steps": steps})
     return {"model": model, "device": device, "context": CTX, "table": table,
-            "environment": _environment()}
+            "thread_hop_p50_us": thread_hop_us(), "environment": _environment()}
+
+
+def thread_hop_us(n: int = 3000) -> float:
+    """Median round trip of a no-op through a one-thread pool from the event loop: what
+    the hop to the executor thread and back costs on this host, with nothing else."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        times = []
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await loop.run_in_executor(pool, int)
+                times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times[n // 10:])
+
+    return asyncio.run(run())
 
 
 def _environment() -> dict[str, Any]:
@@ -264,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     env = result["environment"]
     md = (f"gRPC Decode overhead ({args.model} on {args.device}; {env['date']}, "
           f"{env['cpus']} CPUs, grpcio {env['grpcio']}, commit {env['git_commit']}):\n\n"
-          + "\n".join(lines) + "\n")
+          + "\n".join(lines) + "\n\n"
+          f"A no-op round trip to a worker thread and back: {result['thread_hop_p50_us']:.0f} µs"
+          " p50 (part of every step RPC).\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "grpc_overhead.json").write_text(json.dumps(result, indent=2))
