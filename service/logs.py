@@ -48,7 +48,9 @@ def configure_logging(fmt: LogFormat = "json", level: str | int = "INFO",
         final = [renderer]
 
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # Dropped first when below the level: a probe's DEBUG summary line costs nothing.
+        processors=[structlog.stdlib.filter_by_level, *shared,
+                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
