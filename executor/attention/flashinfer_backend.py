@@ -22,6 +22,7 @@ the reserved location 0 only and writes its K/V there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -99,6 +100,10 @@ class FlashInferBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, _LAYOUT, backend=KERNELS)
         self._decode = self._decode_wrapper()
+        # New K/V go in with the Triton store kernel on CUDA (one graph-safe launch for K
+        # and V, already checked by the Triton backend's tests); index_put elsewhere.
+        self._store: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] = \
+            self._store_triton if self.device.type == "cuda" else pool.store
         # Page-size-1 views of the pools: (locations + 1, 1, kv_heads, head_dim), no copy.
         self._pages = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in zip(pool.k, pool.v,
                                                                          strict=True)]
@@ -125,7 +130,7 @@ class FlashInferBackend(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         if not isinstance(meta, FlashInferMetadata):
             raise TypeError(f"flashinfer backend got {type(meta).__name__}")
-        self.pool.store(layer_id, meta.out_cache_loc, k, v)
+        self._store(layer_id, meta.out_cache_loc, k, v)
         out = meta.wrapper.run(q.contiguous(), self._pages[layer_id])
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
@@ -185,6 +190,15 @@ class FlashInferBackend(AttentionBackend):
         bufs.out_cache_loc[real:size].fill_(RESERVED_LOCATION)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _store_triton(self, layer: int, loc: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        from executor.attention.triton_kernels import store_kv
+
+        def inner(x: torch.Tensor) -> torch.Tensor:  # head vectors contiguous
+            return x if x.stride(-1) == 1 else x.contiguous()
+
+        store_kv(self.pool.k[layer], self.pool.v[layer], loc, inner(k), inner(v))
+
     def _decode_wrapper(self, bufs: DecodeGraphBuffers | None = None,
                         batch_size: int = 0) -> Any:
         if bufs is None:
