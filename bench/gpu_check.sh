@@ -10,6 +10,13 @@ if [ -d .whl ]; then  # wheels the GPU machine lacks (structlog, grpc extras), s
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=.:/tmp/site
 fi
+if [ -f .fi_bundle.tar.gz ]; then  # FlashInfer without a package index: docs/flashinfer.md
+  mkdir -p /tmp/fib && tar -xzf .fi_bundle.tar.gz -C /tmp/fib \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/fib CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
+       FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} \
+       FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws} MAX_JOBS=${MAX_JOBS:-16}
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" | tee "$OUT/flashinfer.txt"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pytest -q -m gpu tests/gpu tests/service -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
