@@ -91,6 +91,11 @@ def parse_mode(label: str) -> tuple[str, str, str]:
     return mode, compiler or "eager", attention or "triton"
 
 
+def eager_label(attention: str) -> str:
+    """The label of eager rows: ``eager`` for triton (the default), else ``eager@<name>``."""
+    return "eager" if attention == "triton" else f"eager@{attention}"
+
+
 def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str, Any]
           ) -> tuple[Executor, dict[str, Any]]:
     """An executor with the given graph modes (labels as in ``parse_mode``; the attention
@@ -183,13 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         result["startup"].append(info)
         attention = parse_mode(mode)[2]
-        eager_label = "eager" if attention == "triton" else f"eager@{attention}"
         for ctx in prof["contexts"]:
             for bs in prof["batches"]:
                 floor_ms = (wbytes + bs * ctx * kv_per_tok) / (bw * 1e9) * 1e3
                 if attention not in eager_done:
                     row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=False)
-                    result["decode_table"].append({**row, "mode": eager_label,
+                    result["decode_table"].append({**row, "mode": eager_label(attention),
                                                    "floor_ms": floor_ms})
                 row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=True)
                 result["decode_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
@@ -222,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                     ex.runners.clear()
                     row = prefill.measure(ex, n, seqs, prof["repeats"])
                     ex.runners.update(runners)
-                    label = "eager" if attention == "triton" else f"eager@{attention}"
-                    result["prefill_table"].append({**row, "mode": label, "floor_ms": floor_ms})
+                    result["prefill_table"].append({**row, "mode": eager_label(attention),
+                                                    "floor_ms": floor_ms})
                 row = prefill.measure(ex, n, seqs, prof["repeats"])
                 result["prefill_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
                 print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)

@@ -59,24 +59,26 @@ class _Call:
     started: float
 
 
+Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+
+
 class _HandlerCache:
-    """Wrapped handlers by method, reused while the inner handler is the same object.
+    """``wrap(method, inner)`` by method, reused while the inner handler is the same object.
 
     Wrapping depends only on the method and the inner handler, so building it once per
     method (not once per call) takes that work off every RPC. A handler that differs from
     the cached one (an auth refusal is built per call) is wrapped for that call only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wrap: Wrap) -> None:
+        self._wrap = wrap
         self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def get(self, method: str, inner: grpc.RpcMethodHandler,
-            wrap: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler]
-            ) -> grpc.RpcMethodHandler:
+    def get(self, method: str, inner: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         cached = self._by_method.get(method)
         if cached is not None and cached[0] is inner:
             return cached[1]
-        wrapped = wrap(inner)
+        wrapped = self._wrap(method, inner)
         if cached is None:
             self._by_method[method] = (inner, wrapped)
         return wrapped
@@ -87,7 +89,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                  on_fatal: Callable[[BaseException], Awaitable[None]]) -> None:
         self._recorder = recorder
         self._on_fatal = on_fatal
-        self._handlers = _HandlerCache()
+        self._handlers = _HandlerCache(self._wrap)
 
     async def intercept_service(
         self,
@@ -97,10 +99,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; not counted
             return None
-        full = handler_call_details.method  # "/pkg.Service/Method"
-        return self._handlers.get(full, handler, lambda inner: self._wrap(full, inner))
+        return self._handlers.get(handler_call_details.method, handler)
 
     def _wrap(self, full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` inside the error boundary; ``full`` is "/pkg.Service/Method"."""
         service, _, method = full.lstrip("/").partition("/")
         args = (handler.request_deserializer, handler.response_serializer)
 
@@ -237,7 +239,7 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
     """Unparseable unary requests fail with INVALID_ARGUMENT (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._handlers = _HandlerCache()
+        self._handlers = _HandlerCache(_tolerant_handler)
 
     async def intercept_service(
         self,
@@ -247,10 +249,10 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler  # a stream's messages parse inside the handler (DecodeError)
-        return self._handlers.get(handler_call_details.method, handler, _tolerant_handler)
+        return self._handlers.get(handler_call_details.method, handler)
 
 
-def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _tolerant_handler(_: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """``handler`` with a parser that turns bad bytes into ``Malformed``."""
     behavior = handler.unary_unary or handler.unary_stream
     parse = _tolerant(handler.request_deserializer)

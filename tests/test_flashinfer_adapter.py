@@ -159,12 +159,14 @@ def test_cuda_store_path_stores_exactly() -> None:
     """On CUDA the backend stores new K/V with the Triton store kernel; here it runs under
     Triton's interpreter (as ``scripts/test.sh`` sets it up) on strided q/k/v views."""
     triton = pytest.importorskip("triton", reason="triton is not installed")
+    from executor.attention.flashinfer_backend import kv_store
+
     if type(triton.language.sum).__name__ != "InterpretedFunction":
         pytest.skip("needs TRITON_INTERPRET=1 set before triton is imported")
     pool, table, batch = paged_case([0, 20], [7, 5], 4, 2, 16, seed=6, dtype=torch.float16)
     shape = AttentionShape(4, 2, 16, 0.25)
     fi = create_backend("flashinfer", shape, pool, table)
-    fi._store = fi._store_triton  # type: ignore[attr-defined]
+    fi._store = kv_store(pool, triton=True)  # type: ignore[attr-defined]
     q, k, v = _qkv(batch.num_tokens, 4, 2, 16, seed=7)
     expect_k, expect_v = pool.k_buffer.clone(), pool.v_buffer.clone()
     expect_k[LAYER, batch.out_cache_loc] = k.to(torch.float16)

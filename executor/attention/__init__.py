@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 import torch
 
-from executor.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from executor.attention.base import (
+    KERNEL_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionShape,
+)
 from executor.attention.torch_native import TorchNativeBackend
 from executor.errors import ConfigError
 from executor.kv.pool import KVPool, ReqToTokenTable
@@ -37,8 +42,6 @@ _REGISTRY: dict[str, BackendFactory] = {
     "flashinfer": _flashinfer,
 }
 
-# KV dtypes the Triton and FlashInfer kernels support.
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # Head sizes FlashInfer compiles attention for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_INSTALL = ("install it with `pip install 'model-executor[flashinfer]'`, or on a "
@@ -66,7 +69,7 @@ def flashinfer_unusable(device: torch.device, dtype: torch.dtype, shape: Attenti
     needs, which would happen on the first request anyway)."""
     if device.type != "cuda":
         return f"FlashInfer needs a CUDA device, not {device.type}"
-    if dtype not in _KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return f"FlashInfer attention here supports float16 and bfloat16, not {dtype}"
     if shape.head_dim not in FLASHINFER_HEAD_DIMS:
         return (f"FlashInfer supports head_dim {list(FLASHINFER_HEAD_DIMS)}, "
@@ -86,7 +89,7 @@ def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtyp
     device, else triton on CUDA for fp16/bf16, else torch_native. A named backend is
     checked against the device, and a start-up error says why it cannot serve."""
     if requested == "auto":
-        if device.type != "cuda" or dtype not in _KERNEL_DTYPES:
+        if device.type != "cuda" or dtype not in KERNEL_DTYPES:
             return "torch_native"
         why = flashinfer_unusable(device, dtype, shape, probe)
         if why is None:
@@ -102,7 +105,7 @@ def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtyp
     if requested != "torch_native" and device.type != "cuda":
         raise ConfigError(f"attention backend {requested!r} needs a CUDA device; use "
                           f"torch_native (or auto) on {device.type}")
-    if requested == "triton" and dtype not in _KERNEL_DTYPES:
+    if requested == "triton" and dtype not in KERNEL_DTYPES:
         raise ConfigError(f"attention backend 'triton' supports float16 and bfloat16, not "
                           f"{dtype}; use torch_native (or auto) for it")
     if requested == "flashinfer":

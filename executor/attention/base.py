@@ -94,3 +94,32 @@ class AttentionBackend(ABC):
         """Rewrite ``meta``'s static buffers in place from ``batch`` (rows past
         ``batch.batch_size`` become padding); called outside the graph before replay."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
+
+
+# -- shared by the kernel backends (triton, flashinfer) -----------------------------------
+#: KV dtypes the Triton and FlashInfer kernels support.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_kernel_pool(name: str, shape: AttentionShape, pool: KVPool) -> None:
+    """Raise ``ValueError`` unless a kernel backend can serve ``shape`` over ``pool``."""
+    if pool.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name} attention supports fp16 and bf16 KV, not {pool.dtype}")
+    if (pool.num_kv_heads, pool.head_dim) != (shape.num_kv_heads, shape.head_dim):
+        raise ValueError(f"KV pool is ({pool.num_kv_heads} heads, dim {pool.head_dim}), "
+                         f"attention wants ({shape.num_kv_heads}, {shape.head_dim})")
+    if shape.num_heads % shape.num_kv_heads:
+        raise ValueError(f"{shape.num_heads} query heads are not a multiple of "
+                         f"{shape.num_kv_heads} KV heads")
+
+
+def check_decode_batch(name: str, batch: ForwardBatch) -> None:
+    """Raise ``ValueError`` unless ``batch`` is a decode batch (one token per row)."""
+    if batch.phase != "decode" or any(n != 1 for n in batch.extend_lens_host):
+        raise ValueError(f"{name} decode metadata needs a decode batch (one token per row)")
+
+
+def inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each head's vector contiguous: kernels take any token/head strides (q/k/v
+    are views of one fused QKV output) but not a strided head_dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -30,12 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from executor.api import Phase
-from executor.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from executor.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionShape,
+    check_decode_batch,
+    check_kernel_pool,
+    inner_contiguous,
+)
 from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # FlashInfer's float workspace (split-KV partial results); one serves every wrapper, since
 # the forwards that use them run one after another on one stream.
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -83,14 +89,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         super().__init__(shape, pool, table)
-        if pool.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"flashinfer attention supports fp16 and bf16 KV, not {pool.dtype}")
-        if (pool.num_kv_heads, pool.head_dim) != (shape.num_kv_heads, shape.head_dim):
-            raise ValueError(f"KV pool is ({pool.num_kv_heads} heads, dim {pool.head_dim}), "
-                             f"attention wants ({shape.num_kv_heads}, {shape.head_dim})")
-        if shape.num_heads % shape.num_kv_heads:
-            raise ValueError(f"{shape.num_heads} query heads are not a multiple of "
-                             f"{shape.num_kv_heads} KV heads")
+        check_kernel_pool(self.name, shape, pool)
         import flashinfer  # the optional extra; selection checked that it imports
 
         self._fi = flashinfer
@@ -100,10 +99,7 @@ class FlashInferBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, _LAYOUT, backend=KERNELS)
         self._decode = self._decode_wrapper()
-        # New K/V go in with the Triton store kernel on CUDA (one graph-safe launch for K
-        # and V, already checked by the Triton backend's tests); index_put elsewhere.
-        self._store: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] = \
-            self._store_triton if self.device.type == "cuda" else pool.store
+        self._store = kv_store(pool, triton=self.device.type == "cuda")
         # Page-size-1 views of the pools: (locations + 1, 1, kv_heads, head_dim), no copy.
         self._pages = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in zip(pool.k, pool.v,
                                                                          strict=True)]
@@ -114,7 +110,7 @@ class FlashInferBackend(AttentionBackend):
         indptr, indices = self._page_table(batch, pad_rows=0)
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
         if batch.phase == "decode":
-            _check_decode(batch)
+            check_decode_batch(self.name, batch)
             self._plan_decode(self._decode, indptr, indices, last_page_len)
             return FlashInferMetadata(self._decode, batch.out_cache_loc, batch.batch_size)
         qo_indptr = _indptr(batch.extend_lens_host)
@@ -180,7 +176,7 @@ class FlashInferBackend(AttentionBackend):
         size = meta.batch_size
         bufs = self._buffers(size)
         assert bufs.wrappers.get(size) is meta.wrapper, "not capture metadata"
-        _check_decode(batch)
+        check_decode_batch(self.name, batch)
         real = batch.batch_size
         if real > size:
             raise ValueError(f"batch of {real} does not fit a bucket of {size}")
@@ -190,15 +186,6 @@ class FlashInferBackend(AttentionBackend):
         bufs.out_cache_loc[real:size].fill_(RESERVED_LOCATION)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _store_triton(self, layer: int, loc: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> None:
-        from executor.attention.triton_kernels import store_kv
-
-        def inner(x: torch.Tensor) -> torch.Tensor:  # head vectors contiguous
-            return x if x.stride(-1) == 1 else x.contiguous()
-
-        store_kv(self.pool.k[layer], self.pool.v[layer], loc, inner(k), inner(v))
-
     def _decode_wrapper(self, bufs: DecodeGraphBuffers | None = None,
                         batch_size: int = 0) -> Any:
         if bufs is None:
@@ -250,17 +237,29 @@ class FlashInferBackend(AttentionBackend):
         return self.graph_buffers
 
 
+KVStore = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def kv_store(pool: KVPool, triton: bool) -> KVStore:
+    """``store(layer, loc, k, v)`` writing new K/V into ``pool``: the Triton store kernel
+    (one graph-safe launch for K and V, the Triton backend's tested kernel), or index_put
+    where Triton does not run."""
+    if not triton:
+        return pool.store
+    from executor.attention.triton_kernels import store_kv
+
+    def store(layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store_kv(pool.k[layer], pool.v[layer], loc, inner_contiguous(k), inner_contiguous(v))
+
+    return store
+
+
 def _indptr(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
     """Host int32 offsets ``[0, l0, l0 + l1, ...]`` (FlashInfer plans on the host)."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     return out
-
-
-def _check_decode(batch: ForwardBatch) -> None:
-    if batch.phase != "decode" or any(n != 1 for n in batch.extend_lens_host):
-        raise ValueError("flashinfer decode metadata needs a decode batch (one token per row)")
 
 
 def probe(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> str | None:

@@ -26,7 +26,14 @@ from typing import ClassVar
 import torch
 
 from executor.api import Phase
-from executor.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from executor.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionShape,
+    check_decode_batch,
+    check_kernel_pool,
+    inner_contiguous,
+)
 from executor.attention.triton_kernels import (
     decode_attention,
     extend_attention,
@@ -37,7 +44,6 @@ from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
 # A padded decode row: (request slot, seq_len, out_cache_loc). seq_len 1 means the row
@@ -95,14 +101,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         super().__init__(shape, pool, table)
-        if pool.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"triton attention supports fp16 and bf16 KV, not {pool.dtype}")
-        if (pool.num_kv_heads, pool.head_dim) != (shape.num_kv_heads, shape.head_dim):
-            raise ValueError(f"KV pool is ({pool.num_kv_heads} heads, dim {pool.head_dim}), "
-                             f"attention wants ({shape.num_kv_heads}, {shape.head_dim})")
-        if shape.num_heads % shape.num_kv_heads:
-            raise ValueError(f"{shape.num_heads} query heads are not a multiple of "
-                             f"{shape.num_kv_heads} KV heads")
+        check_kernel_pool(self.name, shape, pool)
         device = pool.k_buffer.device
         self.device = device
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -117,7 +116,7 @@ class TritonBackend(AttentionBackend):
     # -- eager ---------------------------------------------------------------------------
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.phase == "decode":
-            _check_decode(batch)
+            check_decode_batch(self.name, batch)
             partial_out, partial_lse = self._alloc_scratch(batch.batch_size)
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
                                         batch.out_cache_loc, partial_out, partial_lse)
@@ -132,7 +131,7 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = _inner_contiguous(q), _inner_contiguous(k), _inner_contiguous(v)
+        q, k, v = inner_contiguous(q), inner_contiguous(k), inner_contiguous(v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, heads, head_dim)
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         table = self.table.device_table
@@ -202,7 +201,7 @@ class TritonBackend(AttentionBackend):
         size = meta.batch_size
         bufs = self._buffers(size)
         assert meta.seq_lens.data_ptr() == bufs.rows[1].data_ptr(), "not capture metadata"
-        _check_decode(batch)
+        check_decode_batch(self.name, batch)
         real = batch.batch_size
         if real > size:
             raise ValueError(f"batch of {real} does not fit a bucket of {size}")
@@ -229,14 +228,3 @@ class TritonBackend(AttentionBackend):
                           device=self.device)
         lse = torch.empty((batch_size, heads, splits), dtype=torch.float32, device=self.device)
         return out, lse
-
-
-def _check_decode(batch: ForwardBatch) -> None:
-    if batch.phase != "decode" or any(n != 1 for n in batch.extend_lens_host):
-        raise ValueError("triton decode metadata needs a decode batch (one token per row)")
-
-
-def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # Kernels take any token/head strides (e.g. q/k/v as views of one fused QKV output)
-    # but need each head's vector contiguous.
-    return x if x.stride(-1) == 1 else x.contiguous()

@@ -16,18 +16,12 @@ import torch
 from executor.attention import flashinfer_unusable
 from executor.attention.base import AttentionShape
 from executor.executor import Executor
-from tests.gpu.test_decode_graphs import gpu_model
 from tests.gpu.test_prefill_graphs import compare, greedy_agrees, make, rand_tokens
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer is not installed (see docs/flashinfer.md)")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gpu_model(tmp_path_factory.mktemp("m"))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from executor.executor import Executor
 from executor.graphs.buckets import bucket_for
 from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.piecewise import PiecewiseCompileBackend
-from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy, gpu_model
+from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -67,11 +67,6 @@ class Rig:
     def backend(self) -> PiecewiseCompileBackend:
         assert isinstance(self.runner.backend, PiecewiseCompileBackend)
         return self.runner.backend
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gpu_model(tmp_path_factory.mktemp("m"))
 
 
 @pytest.fixture(scope="module", params=COMPILERS)

@@ -11,7 +11,7 @@ import torch
 from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
-from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy, gpu_model
+from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -28,11 +28,6 @@ def make(path: Path, prefill: str = "breakable", decode: str = "full",
         attention_backend=attention,  # type: ignore[arg-type]
         max_decode_batch=16, max_prefill_tokens=512)
     return Executor(cfg)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gpu_model(tmp_path_factory.mktemp("m"))
 
 
 @pytest.fixture(scope="module")

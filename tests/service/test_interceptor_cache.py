@@ -19,20 +19,22 @@ def _handler() -> grpc.RpcMethodHandler:
 
 
 def test_wraps_once_per_method_and_inner_handler() -> None:
-    cache, wraps = _HandlerCache(), []
+    wraps: list[grpc.RpcMethodHandler] = []
 
-    def wrap(inner: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(method: str, inner: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         wraps.append(inner)
         return _handler()
 
+    cache = _HandlerCache(wrap)
+
     decode, health = _handler(), _handler()
-    first = cache.get("/x.S/Decode", decode, wrap)
-    assert cache.get("/x.S/Decode", decode, wrap) is first
-    assert cache.get("/x.S/Health", health, wrap) is not first
+    first = cache.get("/x.S/Decode", decode)
+    assert cache.get("/x.S/Decode", decode) is first
+    assert cache.get("/x.S/Health", health) is not first
     assert wraps == [decode, health]
 
     refusal = _handler()  # built per call: wrapped, not cached, the cached one kept
-    once = cache.get("/x.S/Decode", refusal, wrap)
+    once = cache.get("/x.S/Decode", refusal)
     assert once is not first and wraps[-1] is refusal
-    assert cache.get("/x.S/Decode", decode, wrap) is first
+    assert cache.get("/x.S/Decode", decode) is first
     assert len(wraps) == 3
