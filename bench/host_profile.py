@@ -1,63 +1,137 @@
-"""Where the host time of a graph decode step goes: ``python -m bench.host_profile``.
+"""Where the host time of a graph step goes: ``python -m bench.host_profile``.
 
-Uses the embedded tiny model on CUDA, so the graph replay itself is short and the step
-time is mostly host work; prints the step and replay medians and a cProfile of the
-executor's own functions over many steps.
+For each case (a phase, a graph mode, a size) on a model: the median wall time of one
+``Executor`` call, the GPU time of the same call (the sum of its kernels' durations from
+the torch profiler), and the executor's own Python functions by cumulative time (cProfile
+over many calls). A step whose wall time is well above its GPU time is host-bound: the
+cProfile lines say where that host time goes.
+
+    python -m bench.host_profile                          # tiny: decode bs 1 and 64
+    python -m bench.host_profile --model llama-3.2-1b --case prefill:breakable:128 \\
+        --case decode:full:1
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import io
 import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
+from executor.executor import Executor
 
 
-def main() -> int:
-    from executor.executor import Executor
+def _executor(source: str, phase: str, mode: str, size: int) -> Executor:
+    graphs = GraphConfig(decode_mode=mode if phase == "decode" else "disabled",  # type: ignore[arg-type]
+                         prefill_mode=mode if phase == "prefill" else "disabled")  # type: ignore[arg-type]
+    ex = Executor(ExecutorConfig(
+        model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
+        cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=max(64, size),
+                          max_context=4096),
+        graphs=graphs, max_decode_batch=max(64, size), max_prefill_tokens=max(2048, size)))
+    ex.capture(ex.startup_phases())
+    return ex
 
-    for bs in (1, 64):
-        ex = Executor(ExecutorConfig(
-            model=ModelConfig(source="tiny", dtype="bfloat16"), device="cuda",
-            cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=64, max_context=2048),
-            graphs=GraphConfig(decode_mode="full", prefill_mode="disabled"),
-            max_decode_batch=64))
-        ex.capture(["decode"])
-        toks = {}
-        for start in range(0, bs, 16):
-            res = ex.prefill([PrefillItem(f"s{i}", list(range(1, 200)))
-                              for i in range(start, min(bs, start + 16))])
-            toks.update({o.seq_id: int(o.token_id) for o in res.outputs})  # type: ignore[arg-type]
 
-        def run(n: int, ex: Executor = ex) -> list[float]:
-            nonlocal toks
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                r = ex.decode([DecodeItem(s, t) for s, t in toks.items()])
-                times.append((time.perf_counter() - t0) * 1e3)
-                toks = {o.seq_id: int(o.token_id) for o in r.outputs}  # type: ignore[arg-type]
-            return times
+def _step_fn(ex: Executor, phase: str, size: int) -> Callable[[], None]:
+    """One call of the case; decode keeps ``size`` sequences going, prefill admits and
+    releases one sequence of ``size`` tokens."""
+    vocab = ex.model_info.vocab_size
+    if phase == "prefill":
+        tokens = torch.randint(0, vocab, (size,), generator=torch.Generator().manual_seed(0))
+        ids = tokens.tolist()
+        counter = [0]
 
-        run(50)
-        ex.drain_replay_seconds()
-        times = run(300)
+        def prefill() -> None:
+            counter[0] += 1
+            sid = f"p{counter[0]}"
+            ex.prefill([PrefillItem(sid, ids)])
+            ex.release([sid])
+
+        return prefill
+    toks: dict[str, int] = {}
+    for start in range(0, size, 16):
+        res = ex.prefill([PrefillItem(f"s{i}", list(range(1, 200)))
+                          for i in range(start, min(size, start + 16))])
+        toks.update({o.seq_id: int(o.token_id) for o in res.outputs})  # type: ignore[arg-type]
+
+    def decode() -> None:
+        r = ex.decode([DecodeItem(s, t) for s, t in toks.items()])
+        toks.update({o.seq_id: int(o.token_id) for o in r.outputs})  # type: ignore[arg-type]
+
+    return decode
+
+
+def _gpu_ms(step: Callable[[], None], calls: int = 20) -> float:
+    """Median per call of the summed kernel time (device busy time, if kernels never
+    overlap, which holds on one stream)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
         torch.cuda.synchronize()
-        replays = ex.drain_replay_seconds()["decode"]
-        print(f"bs={bs}: step median {statistics.median(times):.3f} ms, replay median "
-              f"{statistics.median(replays) * 1e3:.3f} ms")
-        prof = cProfile.Profile()
-        prof.enable()
-        run(300)
-        prof.disable()
-        stats = pstats.Stats(prof)
-        stats.sort_stats("cumtime").print_stats(r"executor/|torch/cuda|{method|{built-in", 28)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / calls / 1e3
+
+
+def profile_case(source: str, case: str, calls: int) -> str:
+    phase, mode, size_s = case.split(":")
+    size = int(size_s)
+    ex = _executor(source, phase, mode, size)
+    step = _step_fn(ex, phase, size)
+    for _ in range(20):
+        step()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    gpu = _gpu_ms(step)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(r"executor/|bench/|torch/|triton/|flashinfer/|{", 30)
+    head = (f"{case} on {source}: call median {statistics.median(times):.3f} ms, GPU kernel "
+            f"time {gpu:.3f} ms/call, {calls} calls profiled (release included for prefill)")
+    del ex
+    torch.cuda.empty_cache()
+    return head + "\n" + buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", default="tiny", help="tiny, or a bench shape name")
+    ap.add_argument("--case", action="append", help="phase:mode:size (repeatable)")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
+    args = ap.parse_args(argv)
+    source = args.model
+    if source != "tiny":
+        from bench import shapes
+
+        source = str(shapes.write_shape(source, args.models))
+    cases = args.case or ["decode:full:1", "decode:full:64"]
+    heads = []
+    for case in cases:
+        report = profile_case(source, case, args.calls)
+        heads.append(report.splitlines()[0])
+        print(report, flush=True)
+    print("\n".join(heads))
     return 0
 
 

@@ -81,8 +81,8 @@ class _Paged:
         self.scale = sm_scale if sm_scale is not None else head_dim**-0.5
         PLANS.append({"wrapper": self, "batch": batch})
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
-            ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = paged_kv_cache
         assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
         assert self.indptr is not None and self.indices is not None and self.last is not None
@@ -90,7 +90,10 @@ class _Paged:
         batch = len(last)
         qo = self.qo_indptr.tolist() if self.qo_indptr is not None else list(range(batch + 1))
         assert qo[-1] == q.shape[0], f"planned for {qo[-1]} query rows, got {q.shape[0]}"
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        # As FlashInfer's check_shape_dtype_device: a given ``out`` must match ``q`` exactly.
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
         group = q.shape[1] // k_cache.shape[2]
         page_size = k_cache.shape[1]
         for b in range(batch):

@@ -64,6 +64,10 @@ def test_eager_equals_torch_native(prefix_lens: list[int], new_lens: list[int], 
     assert fake_flashinfer.PLANS[-1]["batch"] == batch.batch_size  # one plan per forward
     out = fi.forward(q, k, v, LAYER, meta)
     assert torch.equal(pool.k_buffer, expect_k), "new K not stored exactly at out_cache_loc"
+    n = batch.num_tokens
+    into = torch.full((n + 2, heads, dim), float("nan"), dtype=DTYPE)
+    fi.forward_into(q, k, v, into[:n], LAYER, meta)  # FlashInfer's out=: same values
+    assert torch.equal(into[:n], out) and into[n:].isnan().all()
     assert len(fake_flashinfer.PLANS) == 1
 
     ref = TorchNativeBackend(shape, pool, table)

@@ -55,8 +55,15 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     tri = TritonBackend(shape, pool, table)
     if num_sms is not None:
         tri.num_sms = num_sms  # steers the split count
-    out = tri.forward(q, k, v, LAYER, tri.build_metadata(batch))
+    meta = tri.build_metadata(batch)
+    out = tri.forward(q, k, v, LAYER, meta)
     assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
+    # Into rows of a larger static buffer, as graph pieces call it: the same values, and
+    # nothing written past the batch's rows.
+    n = batch.num_tokens
+    into = torch.full((n + 3, heads, head_dim), float("nan"), dtype=DTYPE)
+    tri.forward_into(q, k, v, into[:n], LAYER, meta)
+    assert torch.equal(into[:n], out) and into[n:].isnan().all()
 
     ref_backend = TorchNativeBackend(shape, pool, table)
     ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))

@@ -7,6 +7,7 @@ Eager use, once per forward pass::
 
     meta = backend.build_metadata(batch)            # host work, may allocate
     out = backend.forward(q, k, v, layer_id, meta)  # per layer, inside the model
+    backend.forward_into(q, k, v, out, layer_id, meta)  # the same, into a given buffer
 
 Graph use adds three hooks (the contract of every capturable backend)::
 
@@ -80,6 +81,14 @@ class AttentionBackend(ABC):
 
         ``meta`` comes from ``build_metadata`` or ``capture_metadata``; it is ``SCOPED``
         only for wrappers that read the batch from a ``BatchScope`` (graph pieces)."""
+
+    def forward_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, layer_id: int, meta: AttentionMetadata) -> None:
+        """``forward`` writing its output into ``out`` ``(T, num_heads, head_dim)``, ``q``'s
+        dtype, contiguous. Graph pieces, whose attention output lives in one static buffer,
+        call this once per layer; kernel backends write there directly (no copy), the
+        default copies."""
+        out.copy_(self.forward(q, k, v, layer_id, meta))
 
     # -- graph hooks -------------------------------------------------------------------
     def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:

@@ -130,6 +130,17 @@ class FlashInferBackend(AttentionBackend):
         out = meta.wrapper.run(q.contiguous(), self._pages[layer_id])
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
+    def forward_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, layer_id: int, meta: AttentionMetadata) -> None:
+        """FlashInfer writes ``out`` itself (its ``out=``), so graph pieces copy nothing."""
+        if not isinstance(meta, FlashInferMetadata):
+            raise TypeError(f"flashinfer backend got {type(meta).__name__}")
+        if out.dtype != q.dtype or not out.is_contiguous():
+            super().forward_into(q, k, v, out, layer_id, meta)
+            return
+        self._store(layer_id, meta.out_cache_loc, k, v)
+        meta.wrapper.run(q.contiguous(), self._pages[layer_id], out=out)
+
     # -- graph hooks -----------------------------------------------------------------------
     def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:
         """Fixed decode buffers for buckets of up to ``max_batch`` rows; idempotent while

@@ -4,8 +4,8 @@ Decode (one new token per sequence) is one split-KV kernel, which also stores th
 K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
 launch shape depends on the batch size only, so one capture per batch bucket serves any
 lengths up to the table's max context. Extend (prefill, chunked prefill, mixed batches)
-stores the new K/V with ``store_kv`` and runs ``extend_attention``, whose grid uses the
-host-side max extend length: it runs eagerly.
+is one ``extend_attention`` launch that also stores the new K/V; its grid uses the
+host-side max extend length, so it runs eagerly.
 
 Graph use (decode only; see ``AttentionBackend``):
 
@@ -38,7 +38,6 @@ from executor.attention.triton_kernels import (
     decode_attention,
     extend_attention,
     num_kv_splits,
-    store_kv,
 )
 from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
@@ -131,24 +130,28 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = inner_contiguous(q), inner_contiguous(k), inner_contiguous(v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, heads, head_dim)
+        self.forward_into(q, k, v, out, layer_id, meta)
+        return out
+
+    def forward_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, layer_id: int, meta: AttentionMetadata) -> None:
+        """One kernel launch per layer in either phase, each also storing the new K/V."""
+        q, k, v = inner_contiguous(q), inner_contiguous(k), inner_contiguous(v)
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         table = self.table.device_table
         if isinstance(meta, TritonDecodeMetadata):
             assert q.shape[0] == meta.batch_size, "decode takes exactly one token per row"
-            # Also stores k/v at meta.out_cache_loc (fused into the split kernel).
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
                              meta.partial_lse, self.shape.scale)
         elif isinstance(meta, TritonExtendMetadata):
-            store_kv(k_pool, v_pool, meta.out_cache_loc, k, v)
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
-                             meta.max_extend_len, self.shape.scale)
+                             meta.max_extend_len, self.shape.scale,
+                             out_cache_loc=meta.out_cache_loc)
         else:
             raise TypeError(f"triton backend got {type(meta).__name__}")
-        return out
 
     # -- graph hooks -----------------------------------------------------------------------
     def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:

@@ -166,6 +166,14 @@ class AttentionIO:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
+    _rows: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())
+
+    def rows(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Views ``(q, k, v, out)[:n]``, made once per token count: every layer of a
+        replay asks for the same ``n``, and slicing costs host time at each call."""
+        if self._rows[0] != n:
+            self._rows = (n, (self.q[:n], self.k[:n], self.v[:n], self.out[:n]))
+        return self._rows[1]
 
     @staticmethod
     def allocate(max_tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -194,19 +202,20 @@ class BreakingAttention(AttentionBackend):
         """``meta`` is ignored: the batch bound to the scope (dummy while capturing, the
         real one while replaying) is what attention reads."""
         t = q.shape[0]
-        qs, ks, vs, out = self.io.q[:t], self.io.k[:t], self.io.v[:t], self.io.out[:t]
-        qs.copy_(q)
-        ks.copy_(k)
-        vs.copy_(v)
+        io = self.io
+        io.q[:t].copy_(q)
+        io.k[:t].copy_(k)
+        io.v[:t].copy_(v)
 
         def run() -> None:
             # Real tokens only: padded rows neither store K/V nor attend.
-            n, bound = self.scope.num_tokens, self.scope.meta
+            bound = self.scope.meta
             assert bound is not None, "breakable attention without a bound batch"
-            out[:n].copy_(self.inner.forward(qs[:n], ks[:n], vs[:n], layer_id, bound))
+            qs, ks, vs, out = io.rows(self.scope.num_tokens)
+            self.inner.forward_into(qs, ks, vs, out, layer_id, bound)
 
         if self.graphs.capturing:
             self.graphs.graph_break(run)
         else:
             run()
-        return out
+        return io.out[:t]

@@ -109,14 +109,18 @@ class GraphRunner:
         self._meta: dict[int, AttentionMetadata] = {}
         self._static_meta_ready = False
         self.failed: dict[int, str] = {}
+        self._state: RunnerState | None = None
         self.timer = ReplayTimer(device)
         # Test hook: called with each bucket before it is captured (fault injection).
         self.before_capture: Callable[[int], None] | None = None
 
     def state(self) -> RunnerState:
-        return RunnerState(cuda=True, enabled=True, buckets=self.buckets,
-                           captured=frozenset(self.backend.captured()),
-                           failed=frozenset(self.failed))
+        # Asked at every step; it changes only when capturing or releasing.
+        if self._state is None:
+            self._state = RunnerState(cuda=True, enabled=True, buckets=self.buckets,
+                                      captured=frozenset(self.backend.captured()),
+                                      failed=frozenset(self.failed))
+        return self._state
 
     # -- capture -------------------------------------------------------------------------
     def capture_all(self, force: bool = False, progress: bool = True) -> PhaseCapture:
@@ -127,6 +131,7 @@ class GraphRunner:
         if force:
             self.release()
         self.failed.clear()
+        self._state = None
         if self.attention_in_graph and not self._static_meta_ready:
             largest = max(self.buckets)
             self.attn.init_graph_buffers(largest, largest)
@@ -145,6 +150,7 @@ class GraphRunner:
                 free = torch.cuda.mem_get_info(self.device)[0]
                 bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
         bar.close()
+        self._state = None
         used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         return PhaseCapture(self.phase, self.backend.name,
                             tuple(sorted(results, key=lambda r: r.size)),
@@ -223,3 +229,4 @@ class GraphRunner:
     def release(self) -> None:
         self.backend.release()
         self._meta.clear()
+        self._state = None

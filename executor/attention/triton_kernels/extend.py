@@ -50,6 +50,7 @@ def _extend_kernel(
     k_pool_ptr, v_pool_ptr,  # (locations + 1, kv_heads, head_dim), same strides
     table_ptr,  # (max_sequences, max_context) int32 locations
     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (B,) int64 each
+    loc_ptr,  # (T,) int64 pool location of each new token (read only when STORE_KV)
     sm_scale_log2,  # softmax scale * log2(e)
     group,  # query heads per KV head
     stride_q_t, stride_q_h,
@@ -62,6 +63,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -130,6 +132,21 @@ def _extend_kernel(
             qk = tl.where(visible, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
 
+        if STORE_KV:  # noqa: SIM102 (compile-time; the inner test is a runtime one)
+            # The first query head of each KV head also writes that head's new K/V rows of
+            # this block to the pool: every new token is stored exactly once, by the same
+            # launch. Nothing in this launch reads those locations (the prefix loop reads
+            # older ones; the new keys come from the packed K/V), so there is no race.
+            if h % group == 0:
+                mask_md = mask_m[:, None] & mask_d[None, :]
+                rows = start + offs_m[:, None]
+                k_new = tl.load(k_rows + rows * stride_k_t, mask=mask_md, other=0.0)
+                v_new = tl.load(v_rows + rows * stride_v_t, mask=mask_md, other=0.0)
+                locs = tl.load(loc_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+                dst = locs[:, None] * stride_pool_n + head_off
+                tl.store(k_pool_ptr + dst, k_new.to(pool_dtype), mask=mask_md)
+                tl.store(v_pool_ptr + dst, v_new.to(pool_dtype), mask=mask_md)
+
         out = acc / l_i[:, None]
         tl.store(out_ptr + (start + offs_m[:, None]) * stride_o_t + h * stride_o_h
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -150,10 +167,12 @@ def extend_attention(
     extend_start: torch.Tensor,  # (B,) int64
     max_extend_len: int,  # host-side max of extend_lens: sizes the grid
     sm_scale: float,
+    out_cache_loc: torch.Tensor | None = None,  # (T,) int64
 ) -> None:
     """Causal attention of packed new tokens over their cached prefix and each other.
 
-    Reads the prefix from the pool; does not store ``k``/``v`` (see ``store_kv``).
+    Reads the prefix from the pool. With ``out_cache_loc``, the same launch also stores
+    ``k``/``v`` at those locations (what ``store_kv`` does, without a second launch).
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = req_pool_indices.shape[0]
@@ -165,10 +184,12 @@ def extend_attention(
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert BLOCK_M % BLOCK_N == 0, "the unmasked causal loop steps BLOCK_N up to a BLOCK_M edge"
+    store = out_cache_loc is not None
     grid = (triton.cdiv(max_extend_len, BLOCK_M), batch, num_heads)
     _extend_kernel[grid](
         q, k, v, out, k_pool, v_pool, table,
         req_pool_indices, prefix_lens, extend_lens, extend_start,
+        out_cache_loc if store else extend_start,
         sm_scale * math.log2(math.e), group,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -180,6 +201,7 @@ def extend_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
+        STORE_KV=store,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

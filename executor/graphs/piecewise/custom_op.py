@@ -180,7 +180,7 @@ class OpAttention(AttentionBackend):
             out = self.out[:t]
         else:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        out[:n].copy_(self.inner.forward(q[:n], k[:n], v[:n], layer_id, meta))
+        self.inner.forward_into(q[:n], k[:n], v[:n], out[:n], layer_id, meta)
         if n < t:
             out[n:].zero_()  # padded rows: finite, never stored, never attended
         return out
