@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: GPU tests, then the benchmark. Logs and JSON go to ${OUT:-results-local}.
 # Usage on the GPU machine, from the repo root:  bash bench/gpu_check.sh [quick|full]
-# TESTS=0 skips the GPU tests, HOST_PROFILE=0 the host-time profile.
+# TESTS=0 skips the GPU tests, HOST_PROFILE=0 the host-time profile, GRPC=0 the gRPC overhead.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-results-local}
@@ -27,11 +27,15 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${HOST_PROFILE:-1}" = 1 ]; then  # where a step's host time goes (1B shape)
   python3 -m bench.host_profile --model llama-3.2-1b --calls 100 --case prefill:breakable:128 \
-    --case prefill:breakable:2048 --case decode:full:1 > "$OUT/host_profile.txt" 2>&1
+    --case prefill:breakable:2048 --case decode:full:1 --case decode:breakable:1 \
+    > "$OUT/host_profile.txt" 2>&1
   tail -n 3 "$OUT/host_profile.txt"
 fi
 python3 -m bench.run --profile "$profile" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
+if [ "${GRPC:-1}" = 1 ]; then  # gRPC Decode overhead over an in-process call (tiny on CUDA)
+  python3 -m bench.grpc_overhead --device cuda --out "$OUT" 2>&1 | tail -n 12
+fi
 echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
 [ -f "$OUT/gpu_tests.log" ] && tail -n 3 "$OUT/gpu_tests.log"
 exit $(( tests_rc || bench_rc ))

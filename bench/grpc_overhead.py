@@ -248,12 +248,12 @@ def _environment() -> dict[str, Any]:
     import os
     import platform
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    from bench.run import git_commit
+
     return {"date": dt.date.today().isoformat(), "cpu": platform.processor() or
             platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "grpcio": grpc.__version__,
-            "git_commit": commit or os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown")}
+            "git_commit": git_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:

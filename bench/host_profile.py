@@ -30,14 +30,15 @@ from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfi
 from executor.executor import Executor
 
 
-def _executor(source: str, phase: str, mode: str, size: int) -> Executor:
+def _executor(source: str, phase: str, mode: str, size: int, attention: str) -> Executor:
     graphs = GraphConfig(decode_mode=mode if phase == "decode" else "disabled",  # type: ignore[arg-type]
                          prefill_mode=mode if phase == "prefill" else "disabled")  # type: ignore[arg-type]
     ex = Executor(ExecutorConfig(
         model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=max(64, size),
                           max_context=4096),
-        graphs=graphs, max_decode_batch=max(64, size), max_prefill_tokens=max(2048, size)))
+        graphs=graphs, attention_backend=attention,  # type: ignore[arg-type]
+        max_decode_batch=max(64, size), max_prefill_tokens=max(2048, size)))
     ex.capture(ex.startup_phases())
     return ex
 
@@ -85,10 +86,10 @@ def _gpu_ms(step: Callable[[], None], calls: int = 20) -> float:
     return total_us / calls / 1e3
 
 
-def profile_case(source: str, case: str, calls: int) -> str:
+def profile_case(source: str, case: str, calls: int, attention: str) -> str:
     phase, mode, size_s = case.split(":")
     size = int(size_s)
-    ex = _executor(source, phase, mode, size)
+    ex = _executor(source, phase, mode, size, attention)
     step = _step_fn(ex, phase, size)
     for _ in range(20):
         step()
@@ -106,8 +107,9 @@ def profile_case(source: str, case: str, calls: int) -> str:
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(r"executor/|bench/|torch/|triton/|flashinfer/|{", 30)
-    head = (f"{case} on {source}: call median {statistics.median(times):.3f} ms, GPU kernel "
-            f"time {gpu:.3f} ms/call, {calls} calls profiled (release included for prefill)")
+    head = (f"{case} ({ex.model_info.attention_backend}) on {source}: call median "
+            f"{statistics.median(times):.3f} ms, GPU kernel time {gpu:.3f} ms/call, "
+            f"{calls} calls profiled (release included for prefill)")
     del ex
     torch.cuda.empty_cache()
     return head + "\n" + buf.getvalue()
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", help="tiny, or a bench shape name")
     ap.add_argument("--case", action="append", help="phase:mode:size (repeatable)")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--attention", default="triton", help="attention backend (or auto)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     args = ap.parse_args(argv)
     source = args.model
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.case or ["decode:full:1", "decode:full:64"]
     heads = []
     for case in cases:
-        report = profile_case(source, case, args.calls)
+        report = profile_case(source, case, args.calls, args.attention)
         heads.append(report.splitlines()[0])
         print(report, flush=True)
     print("\n".join(heads))

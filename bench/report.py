@@ -46,6 +46,10 @@ def markdown(result: dict[str, Any]) -> str:
         for phase, p in s["phases"].items():
             pm = s["prefill_mode"] + (f" ({s['compiler']})" if s["prefill_mode"] ==
                                       "tc_piecewise" else "")
+            if "start" in s:  # cold: compiled; warm: the same start-up again, from the cache
+                pm += f", {s['start']}"
+                if "compile" in s:
+                    pm += f": compile {s['compile'].get('compile_s', 0):.1f} s"
             out.append(f"| {s['decode_mode']} | {pm} | {attention} | {s['load_s']:.1f} | "
                        f"{s['ready_s']:.1f} "
                        f"| {phase} | {p['backend']} | {p['capture_s']:.1f} | "
@@ -111,6 +115,7 @@ def markdown(result: dict[str, Any]) -> str:
 def _key_figures(result: dict[str, Any]) -> list[str]:
     """The short table, last: our best graph figure per target, floor, peer, ratios."""
     peer = result.get("peer", {})
+    peer_8b = result.get("peer_8b", {})
 
     def best_decode(bs: int) -> tuple[float | None, float | None]:
         rows = [r for r in result["decode_table"] if r["batch"] == bs and r["context"] == 512]
@@ -137,7 +142,8 @@ def _key_figures(result: dict[str, Any]) -> list[str]:
     for name, ours, floor, hf, hfc, target in (
         ("1B decode bs1 (ctx 512)", d1, d1_floor, peer.get("decode_bs1_eager_ms"),
          peer.get("decode_bs1_static_compile_ms"), TARGETS_MS["decode_bs1"]),
-        ("8B decode bs1 (ctx 512)", d8, d8_floor, None, None, TARGETS_MS["decode_8b_bs1"]),
+        ("8B decode bs1 (ctx 512)", d8, d8_floor, peer_8b.get("decode_bs1_eager_ms"),
+         peer_8b.get("decode_bs1_static_compile_ms"), TARGETS_MS["decode_8b_bs1"]),
         ("1B prefill 128 tok", p128, p128_floor, hf_pre.get("128"), None,
          TARGETS_MS["prefill_128"]),
         ("1B prefill 2048 tok", p2048, p2048_floor, hf_pre.get("2048"), None,

@@ -57,13 +57,7 @@ def environment() -> dict[str, Any]:
     import transformers
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    # The GPU machine gets a copy of the tree without .git: the caller passes the commit.
-    commit = commit or os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown")
+    commit = git_commit()
     props = torch.cuda.get_device_properties(0)
     return {
         "date": dt.date.today().isoformat(),
@@ -72,6 +66,19 @@ def environment() -> dict[str, Any]:
         "triton": triton.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "git_commit": commit,
     }
+
+
+def git_commit() -> str:
+    """The commit measured. The GPU machine gets a copy of the working tree whose .git (if
+    any) may be stale, so the caller's ``MODEL_EXECUTOR_COMMIT`` wins over git there."""
+    commit = os.environ.get("MODEL_EXECUTOR_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            commit = ""
+    return commit or "unknown"
 
 
 def _driver() -> str:
@@ -96,11 +103,11 @@ def eager_label(attention: str) -> str:
     return "eager" if attention == "triton" else f"eager@{attention}"
 
 
-def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str, Any]
-          ) -> tuple[Executor, dict[str, Any]]:
+def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str, Any],
+          compile_cache: Path | None = None) -> tuple[Executor, dict[str, Any]]:
     """An executor with the given graph modes (labels as in ``parse_mode``; the attention
     backend comes from the label of the phase being measured), captured; start-up figures
-    alongside."""
+    alongside. ``compile_cache``: tc_piecewise's on-disk artifact cache (cold vs warm)."""
     max_batch, max_ctx = max(prof["batches"]), max(prof["contexts"])
     decode_mode, _, decode_attn = parse_mode(decode_label)
     prefill_mode, compiler, prefill_attn = parse_mode(prefill_label)
@@ -111,7 +118,8 @@ def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str
         cache=CacheConfig(kv_tokens=max_batch * (max_ctx + 128) + 16384,
                           max_sequences=max(max_batch, 16), max_context=max(max_ctx, 4096) + 256),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
-                           compiler=compiler),  # type: ignore[arg-type]
+                           compiler=compiler,  # type: ignore[arg-type]
+                           compile_cache_dir=str(compile_cache) if compile_cache else None),
         attention_backend=attention,  # type: ignore[arg-type]
         max_decode_batch=max_batch, max_prefill_tokens=4096)
     ex = Executor(cfg)
@@ -121,6 +129,11 @@ def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str
                             "decode_mode": decode_label, "prefill_mode": prefill_mode,
                             "compiler": compiler, "attention": ex.model_info.attention_backend,
                             "boot_s": ex.boot_seconds, "phases": {}}
+    for runner in ex.runners.values():
+        stats = getattr(getattr(runner, "backend", None), "stats", None)
+        if stats is not None:  # tc_piecewise: compile time, disk-cache hits
+            info["compile"] = {k: v for k, v in vars(stats).items()
+                               if isinstance(v, (int, float, str, bool))}
     for cap in caps:
         info["phases"][cap.phase] = {
             "backend": cap.backend, "capture_s": cap.total_ms / 1e3,
@@ -130,10 +143,10 @@ def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str
     return ex, info
 
 
-def decode_big_shape(prof: dict[str, Any], models: Path, bw_gbs: float) -> list[dict[str, Any]]:
+def decode_big_shape(prof: dict[str, Any], model_dir: Path, bw_gbs: float
+                     ) -> list[dict[str, Any]]:
     """Decode on the large shape at ``big_batches``, context 512: full graph vs eager."""
     name = prof["big_shape"]
-    model_dir = shapes.write_shape(name, models)
     big = {**prof, "batches": prof["big_batches"], "contexts": [512]}
     ex, info = build(model_dir, "full", "disabled", big)
     spec = shapes.spec(name)
@@ -207,12 +220,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- prefill: eager vs each graph mode -----------------------------------------------
     prefill_eager_done: set[str] = set()
+    # A fresh artifact cache: the first tc_piecewise start-up compiles (cold), a restart of
+    # the same configuration loads (warm); both go in the start-up table.
+    compile_cache = args.models / f"compile-cache-{os.getpid()}"
     for mode in prof["prefill_modes"]:
         try:
-            ex, info = build(model_dir, "disabled", mode, prof)
+            ex, info = build(model_dir, "disabled", mode, prof, compile_cache)
         except (ConfigError, NotImplementedError) as exc:
             result["startup"].append({"prefill_mode": mode, "error": str(exc)})
             continue
+        if parse_mode(mode)[1] == "inductor":
+            info["start"] = "cold"
         result["startup"].append(info)
         attention = parse_mode(mode)[2]
         for seqs in prof["prefill_seqs"]:
@@ -234,12 +252,22 @@ def main(argv: list[str] | None = None) -> int:
         prefill_eager_done.add(attention)
         del ex
         torch.cuda.empty_cache()
+        if parse_mode(mode)[1] == "inductor":  # the restart: warm start-up only
+            ex, info = build(model_dir, "disabled", mode, prof, compile_cache)
+            result["startup"].append({**info, "start": "warm"})
+            del ex
+            torch.cuda.empty_cache()
         save()
 
     # -- the 8B shape: decode -----------------------------------------------------------
     if prof.get("big_shape"):
-        result["decode_8b_table"] = decode_big_shape(prof, args.models, bw)
+        big_dir = shapes.write_shape(prof["big_shape"], args.models)
+        result["decode_8b_table"] = decode_big_shape(prof, big_dir, bw)
         save()
+        if not args.no_peer:  # the peer on the same 8B weights: decode only
+            result["peer_8b"] = peer.measure(big_dir, 512, [], prof["peer_compile"])
+            print(f"peer 8b: {result['peer_8b']}", flush=True)
+            save()
 
     # -- the peer ------------------------------------------------------------------------
     if not args.no_peer:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from executor.api import Phase
 from executor.kv.manager import Allocation
+
+# Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
+# decode step); above it, tensor ops (cheapest for long prompts: 2048 tokens took 1.3 ms
+# as lists, 0.3 ms as tensors, on a slow 2-vCPU machine).
+_LIST_BUILD_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -75,26 +81,37 @@ class ForwardBatch:
         exts = alloc.extensions
         prefix = [e.prefix_len for e in exts]
         ext_lens = [e.new_len for e in exts]
-        starts: list[int] = []
-        positions: list[int] = []
-        acc = 0
-        for e in exts:
-            starts.append(acc)
-            positions.extend(range(e.prefix_len, e.prefix_len + e.new_len))
-            acc += e.new_len
-        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
         slots = [e.slot for e in exts]
         seq_lens = [e.seq_len for e in exts]
+        starts: list[int] = []
+        acc = 0
+        for n in ext_lens:
+            starts.append(acc)
+            acc += n
+        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
 
         # All integer metadata travels in one host-to-device copy, then is split into views.
-        locs = alloc.out_cache_loc.tolist()
-        token_slots = [e.slot for e in exts for _ in range(e.new_len)]
-        parts = [token_ids, positions, locs, slots, seq_lens, prefix, ext_lens, starts, last_rows,
-                 token_slots]
-        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        per_seq = slots + seq_lens + prefix + ext_lens + starts + last_rows
+        b = len(exts)
+        if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
+            positions = [p for e in exts for p in range(e.prefix_len, e.prefix_len + e.new_len)]
+            token_slots = [e.slot for e in exts for _ in range(e.new_len)]
+            flat = torch.tensor(token_ids + positions + alloc.out_cache_loc.tolist() + per_seq
+                                + token_slots, dtype=torch.int64)
+        else:  # long prompts: per-token parts as tensor ops, not Python loops over tokens
+            seq_t = torch.tensor(per_seq, dtype=torch.int64)
+            lens_t = seq_t[3 * b : 4 * b]
+            slots_t = seq_t[:b].repeat_interleave(lens_t, output_size=acc)
+            # Token j of sequence i sits at prefix_i + (j - start_i).
+            shift = (seq_t[2 * b : 3 * b] - seq_t[4 * b : 5 * b]).repeat_interleave(
+                lens_t, output_size=acc)
+            flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64),
+                              torch.arange(acc, dtype=torch.int64) + shift,
+                              alloc.out_cache_loc, seq_t, slots_t))
         if device.type == "cuda":
             flat = flat.pin_memory()
-        views = torch.split(flat.to(device, non_blocking=True), [len(p) for p in parts])
+        sizes = [acc, acc, acc, b, b, b, b, b, len(last_rows), acc]
+        views = torch.split(flat.to(device, non_blocking=True), sizes)
         ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d, tok_d = views
         return ForwardBatch(
             phase=phase,

@@ -92,3 +92,20 @@ def test_mode_labels(label: str, parsed: tuple[str, str, str]) -> None:
     from bench.run import parse_mode
 
     assert parse_mode(label) == parsed
+
+
+def test_8b_peer_and_cold_warm_start_rows() -> None:
+    res = result()
+    res["peer_8b"] = {"decode_bs1_eager_ms": 33.0, "decode_bs1_static_compile_ms": 6.6}
+    phases = {"prefill": {"backend": "tc_piecewise", "capture_s": 2.0,
+                          "graph_memory_bytes": 2**20, "buckets": 3, "failed": []}}
+    for start, compile_s, ready in (("cold", 40.0, 50.0), ("warm", 0.5, 6.0)):
+        res["startup"].append({"decode_mode": "disabled", "prefill_mode": "tc_piecewise",
+                               "compiler": "inductor", "load_s": 1.0, "ready_s": ready,
+                               "start": start, "compile": {"compile_s": compile_s},
+                               "phases": phases})
+    md = markdown(res)
+    key = md[md.index("## Key figures"):]
+    assert "| 8B decode bs1 (ctx 512) | 5.000 | ≤ 4.2 | 3.900 | 1.28 | 33.00 | 6.60 | 6.60 |" in key
+    assert "| tc_piecewise (inductor), cold: compile 40.0 s | triton | 1.0 | 50.0 |" in md
+    assert "| tc_piecewise (inductor), warm: compile 0.5 s | triton | 1.0 | 6.0 |" in md

@@ -101,8 +101,7 @@ class KVCacheManager:
         new_slots = iter(self.slots.alloc(len(new_ids)))
         locs = self.tokens.alloc(needed_tokens)
         extensions: list[Extension] = []
-        rows: list[int] = []
-        cols: list[int] = []
+        spans: list[tuple[int, int, int]] = []
         for seq_id, n in requests:
             state = self._seqs.get(seq_id)
             if state is None:
@@ -112,10 +111,9 @@ class KVCacheManager:
             else:
                 is_new = False
             extensions.append(Extension(seq_id, state.slot, state.length, n, is_new))
-            rows.extend([state.slot] * n)
-            cols.extend(range(state.length, state.length + n))
+            spans.append((state.slot, state.length, n))
             state.length += n
-        self.table.write_host(rows, cols, locs)
+        self.table.write_host(spans, locs)
         return Allocation(tuple(extensions), locs)
 
     def rollback(self, alloc: Allocation) -> None:

@@ -67,9 +67,14 @@ class ReqToTokenTable:
                                         device=device)
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
 
-    def write_host(self, rows: list[int], cols: list[int], locs: torch.Tensor) -> None:
-        """Set ``host_table[rows[j], cols[j]] = locs[j]`` (allocation time)."""
-        self.host_table[torch.tensor(rows), torch.tensor(cols)] = locs.to(torch.int32)
+    def write_host(self, spans: list[tuple[int, int, int]], locs: torch.Tensor) -> None:
+        """For each ``(slot, start, n)`` in order, set ``host_table[slot, start:start + n]``
+        to the next ``n`` of ``locs`` (allocation time; one slice copy per sequence)."""
+        locs32 = locs.to(torch.int32)
+        offset = 0
+        for slot, start, n in spans:
+            self.host_table[slot, start : start + n] = locs32[offset : offset + n]
+            offset += n
 
     def write_device(self, token_slots: torch.Tensor, positions: torch.Tensor,
                      out_cache_loc: torch.Tensor) -> None:
