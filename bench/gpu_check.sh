@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run: GPU tests, then the benchmark. Logs and JSON go to ${OUT:-results-local}.
 # Usage on the GPU machine, from the repo root:  bash bench/gpu_check.sh [quick|full]
-# TESTS=0 skips the GPU tests, HOST_PROFILE=0 the host-time profile, GRPC=0 the gRPC overhead.
+# TESTS=0 skips the GPU tests, HOST_PROFILE=0 the host-time profile, BENCH=0 the benchmark,
+# GRPC=0 the gRPC overhead.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-results-local}
@@ -31,8 +32,11 @@ if [ "${HOST_PROFILE:-1}" = 1 ]; then  # where a step's host time goes (1B shape
     > "$OUT/host_profile.txt" 2>&1
   tail -n 3 "$OUT/host_profile.txt"
 fi
-python3 -m bench.run --profile "$profile" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if [ "${BENCH:-1}" = 1 ]; then
+  python3 -m bench.run --profile "$profile" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
 if [ "${GRPC:-1}" = 1 ]; then  # gRPC Decode overhead over an in-process call (tiny on CUDA)
   python3 -m bench.grpc_overhead --device cuda --out "$OUT" 2>&1 | tail -n 12
 fi

@@ -31,32 +31,35 @@ from executor.executor import Executor
 
 
 def _executor(source: str, phase: str, mode: str, size: int, attention: str) -> Executor:
+    mode, _, compiler = mode.partition("/")
     graphs = GraphConfig(decode_mode=mode if phase == "decode" else "disabled",  # type: ignore[arg-type]
-                         prefill_mode=mode if phase == "prefill" else "disabled")  # type: ignore[arg-type]
+                         prefill_mode=mode if phase == "prefill" else "disabled",  # type: ignore[arg-type]
+                         compiler=compiler or "eager")  # type: ignore[arg-type]
     ex = Executor(ExecutorConfig(
         model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=max(64, size),
                           max_context=4096),
         graphs=graphs, attention_backend=attention,  # type: ignore[arg-type]
-        max_decode_batch=max(64, size), max_prefill_tokens=max(2048, size)))
-    ex.capture(ex.startup_phases())
+        max_decode_batch=max(64, size), max_prefill_tokens=max(4096, size)))
     return ex
 
 
-def _step_fn(ex: Executor, phase: str, size: int) -> Callable[[], None]:
+def _step_fn(ex: Executor, phase: str, size: int, seqs: int) -> Callable[[], None]:
     """One call of the case; decode keeps ``size`` sequences going, prefill admits and
-    releases one sequence of ``size`` tokens."""
+    releases ``seqs`` sequences sharing ``size`` tokens."""
     vocab = ex.model_info.vocab_size
     if phase == "prefill":
         tokens = torch.randint(0, vocab, (size,), generator=torch.Generator().manual_seed(0))
         ids = tokens.tolist()
+        per = [size // seqs + (1 if i < size % seqs else 0) for i in range(seqs)]
+        parts = [ids[sum(per[:i]) : sum(per[: i + 1])] for i in range(seqs)]
         counter = [0]
 
         def prefill() -> None:
             counter[0] += 1
-            sid = f"p{counter[0]}"
-            ex.prefill([PrefillItem(sid, ids)])
-            ex.release([sid])
+            items = [PrefillItem(f"p{counter[0]}-{i}", part) for i, part in enumerate(parts)]
+            ex.prefill(items)
+            ex.release([it.seq_id for it in items])
 
         return prefill
     toks: dict[str, int] = {}
@@ -88,9 +91,11 @@ def _gpu_ms(step: Callable[[], None], calls: int = 20) -> float:
 
 def profile_case(source: str, case: str, calls: int, attention: str) -> str:
     phase, mode, size_s = case.split(":")
-    size = int(size_s)
+    size_part, _, seqs_part = size_s.partition("x")
+    size, seqs = int(size_part), int(seqs_part or 1)
     ex = _executor(source, phase, mode, size, attention)
-    step = _step_fn(ex, phase, size)
+    caps = ex.capture(ex.startup_phases())
+    step = _step_fn(ex, phase, size, seqs)
     for _ in range(20):
         step()
     times = []
@@ -109,7 +114,14 @@ def profile_case(source: str, case: str, calls: int, attention: str) -> str:
     stats.sort_stats("tottime").print_stats(r"executor/|bench/|torch/|triton/|flashinfer/|{", 30)
     head = (f"{case} ({ex.model_info.attention_backend}) on {source}: call median "
             f"{statistics.median(times):.3f} ms, GPU kernel time {gpu:.3f} ms/call, "
-            f"{calls} calls profiled (release included for prefill)")
+            f"{calls} calls profiled (release included for prefill); capture "
+            + ", ".join(f"{c.phase} {len(c.buckets)} buckets {c.memory_bytes / 2**20:.0f} MiB "
+                        f"{c.total_ms / 1e3:.1f} s" for c in caps))
+    for runner in ex.runners.values():  # tc_piecewise: did anything recompile?
+        backend = getattr(runner, "backend", None)
+        if hasattr(backend, "stats"):
+            head += (f"\n  compile stats: {vars(backend.stats)}; direct replays "  # type: ignore[union-attr]
+                     f"{len(backend.direct_replays())} of {len(backend.captured())}")  # type: ignore[union-attr]
     del ex
     torch.cuda.empty_cache()
     return head + "\n" + buf.getvalue()
@@ -118,7 +130,9 @@ def profile_case(source: str, case: str, calls: int, attention: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--model", default="tiny", help="tiny, or a bench shape name")
-    ap.add_argument("--case", action="append", help="phase:mode:size (repeatable)")
+    ap.add_argument("--case", action="append",
+                    help="phase:mode[/compiler]:size[xSEQS] (repeatable), e.g. "
+                         "prefill:tc_piecewise/inductor:512x8")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--attention", default="triton", help="attention backend (or auto)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
@@ -132,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     heads = []
     for case in cases:
         report = profile_case(source, case, args.calls, args.attention)
-        heads.append(report.splitlines()[0])
+        heads.append("\n".join(line for line in report.splitlines()[:2]
+                               if not line.startswith(" ") or "compile stats" in line))
         print(report, flush=True)
     print("\n".join(heads))
     return 0

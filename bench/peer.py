@@ -41,8 +41,10 @@ def hf_decode_ms(model: Any, ctx: int, static_compile: bool, n1: int = 16, n2: i
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), device="cuda")
     kw: dict[str, Any] = {}
     if static_compile:
+        # With a static cache, generate compiles the forward itself (its CompileConfig:
+        # CUDA graphs through "reduce-overhead"); compiling model.forward by hand on top of
+        # that fails (CUDA-graph outputs overwritten between the two compiled layers).
         kw["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         _generate_s(model, ids, n2, 2, **kw)  # compile + warm-up outside the timing
     else:
         _generate_s(model, ids, n1, 1)
@@ -72,3 +74,37 @@ def measure(model_dir: Path, ctx: int, prefill_tokens: list[int], with_compile: 
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.peer --shape NAME --out FILE``: the peer alone on one shape."""
+    import argparse
+    import json
+
+    from bench import shapes
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
+    ap.add_argument("--prefill", default="128,2048", help="prefill token counts ('' for none)")
+    ap.add_argument("--static-only", action="store_true",
+                    help="only static-cache + torch.compile decode (a follow-up run)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    model_dir = shapes.write_shape(args.shape, args.models)
+    tokens = [int(t) for t in args.prefill.split(",") if t]
+    result: dict[str, Any] = {"shape": args.shape}
+    if args.static_only:
+        try:
+            result["decode_bs1_static_compile_ms"] = hf_decode_ms(_load(model_dir), 512, True)
+        except Exception as exc:  # report it like measure() does
+            result["decode_bs1_static_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        result.update(measure(model_dir, 512, tokens, True))
+    args.out.write_text(json.dumps(result, indent=2))
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +13,13 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     rows = result.get("decode_table", [])
     if rows:
         def decode_lines(ax: Any) -> None:
-            for ctx in sorted({r["context"] for r in rows}):
+            color = _colors(r["mode"] for r in rows)
+            for i, ctx in enumerate(sorted({r["context"] for r in rows})):
                 for mode in dict.fromkeys(r["mode"] for r in rows):
                     sel = [r for r in rows if r["context"] == ctx and r["mode"] == mode]
                     ax.plot([r["batch"] for r in sel], [r["step_ms_median"] for r in sel],
-                            "o--" if mode.startswith("eager") else "o-", label=f"{mode}, ctx {ctx}")
+                            _STYLES[i % len(_STYLES)], color=color[mode],
+                            label=f"{mode}, ctx {ctx}")
                 sel = [r for r in rows if r["context"] == ctx and r["mode"] == rows[0]["mode"]]
                 ax.plot([r["batch"] for r in sel], [r["floor_ms"] for r in sel], ":",
                         color="gray", label=f"floor, ctx {ctx}")
@@ -27,16 +29,29 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     prefill = result.get("prefill_table", [])
     if prefill:
         def prefill_lines(ax: Any) -> None:
+            color = _colors(r["mode"] for r in prefill)
             for mode in sorted({r["mode"] for r in prefill}):
-                for seqs in sorted({r["sequences"] for r in prefill}):
+                for i, seqs in enumerate(sorted({r["sequences"] for r in prefill})):
                     sel = [r for r in prefill if r["mode"] == mode and r["sequences"] == seqs]
                     if sel:
-                        ax.plot([r["tokens"] for r in sel], [r["ms_median"] for r in sel], "o-",
+                        ax.plot([r["tokens"] for r in sel], [r["ms_median"] for r in sel],
+                                _STYLES[i % len(_STYLES)], color=color[mode],
                                 label=f"{mode}, {seqs} seq")
 
         written.append(_plot(out / "prefill.png", prefill_lines, "prefill tokens",
                              "ms / prefill call", f"Prefill, Llama-3.2-1B shape — {device}"))
     return written
+
+
+# One color per mode; the line style tells the second variable (context, sequences) apart.
+_STYLES = ("o-", "s--", "^:")
+
+
+def _colors(modes: Iterable[str]) -> dict[str, Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {m: cmap(i % 10) for i, m in enumerate(sorted(set(modes)))}
 
 
 def _plot(path: Path, draw: Callable[[Any], None], xlabel: str, ylabel: str, title: str

@@ -102,6 +102,9 @@ def markdown(result: dict[str, Any]) -> str:
             out.append(f"| {bs} | {_f(floor)} | {_f(sel.get('eager', {}).get('step_ms_median'))}"
                        f" | {_f(full)} | {_ratio(full, floor)} |")
     out += ["", *_key_figures(result)]
+    for f in result.get("followups", []):
+        out.append(f"\n`{', '.join(f['keys']) or 'nothing'}` for {f['shape']} come from a "
+                   f"follow-up run of `python -m bench.peer` (`{f['file']}`), same device type.")
     if result.get("plots"):
         out += ["", *[f"![{p}]({p})" for p in result["plots"]]]
     prof = result.get("kernel_profile")

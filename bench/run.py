@@ -164,13 +164,37 @@ def decode_big_shape(prof: dict[str, Any], model_dir: Path, bw_gbs: float
     return rows
 
 
+def render(folder: Path) -> int:
+    """Re-render a committed run's report and plots (see ``--render``)."""
+    result = json.loads((folder / "bench.json").read_text())
+    for path in sorted(folder.glob("peer-*.json")):
+        extra = json.loads(path.read_text())
+        key = "peer_8b" if extra.get("shape") == "llama-3.1-8b" else "peer"
+        figures = {k: v for k, v in extra.items() if k.startswith("decode_bs1_static_compile")}
+        result[key] = {**result.get(key, {}), **figures}
+        result.setdefault("followups", []).append(
+            {"file": path.name, "shape": extra.get("shape"), "keys": sorted(figures)})
+    result["plots"] = [p.name for p in write_plots(result, folder)]
+    (folder / "bench.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="results folder (required unless --render)")
+    ap.add_argument("--render", type=Path, metavar="DIR",
+                    help="only re-render DIR/bench.md and the plots from DIR/bench.json, "
+                         "adding HF static+compile figures from DIR/peer-*.json (follow-up "
+                         "runs of python -m bench.peer); measures nothing")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--no-peer", action="store_true", help="skip HF transformers")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
+    if args.out is None:
+        ap.error("--out is required")
     prof = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(), "profile": args.profile,

@@ -120,6 +120,14 @@ class CausalLM(nn.Module):
             return self.norm(hidden, ops)
         return self.norm.add_forward(hidden, residual, ops)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # In the activation dtype, then float32, as HF does.
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """float32 logits ``(S, vocab)`` of ``hidden`` ``(S, hidden)``: in the activation
+        dtype, then float32, as HF does; into ``out`` (rows ``:S`` of a float32 buffer)
+        when given, the cast being the copy."""
+        logits = self.lm_head(hidden)
+        if out is None:
+            return logits.float()
+        dst = out[: hidden.shape[0]]
+        dst.copy_(logits)
+        return dst
