@@ -11,8 +11,8 @@ from executor.api import Phase
 from executor.kv.manager import Allocation
 
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
-# decode step); above it, tensor ops (cheapest for long prompts: 2048 tokens took 1.3 ms
-# as lists, 0.3 ms as tensors, on a slow 2-vCPU machine).
+# decode step); above it, tensor ops (2048 tokens: 1.3 ms as lists, 0.3 ms as tensors, on
+# a slow 2-vCPU machine).
 _LIST_BUILD_MAX_TOKENS = 256
 
 
@@ -91,23 +91,32 @@ class ForwardBatch:
         last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
 
         # All integer metadata travels in one host-to-device copy, then is split into views.
-        per_seq = slots + seq_lens + prefix + ext_lens + starts + last_rows
         b = len(exts)
         if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
             positions = [p for e in exts for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             token_slots = [e.slot for e in exts for _ in range(e.new_len)]
-            flat = torch.tensor(token_ids + positions + alloc.out_cache_loc.tolist() + per_seq
+            flat = torch.tensor(token_ids + positions + alloc.out_cache_loc.tolist() + slots
+                                + seq_lens + prefix + ext_lens + starts + last_rows
                                 + token_slots, dtype=torch.int64)
-        else:  # long prompts: per-token parts as tensor ops, not Python loops over tokens
-            seq_t = torch.tensor(per_seq, dtype=torch.int64)
-            lens_t = seq_t[3 * b : 4 * b]
-            slots_t = seq_t[:b].repeat_interleave(lens_t, output_size=acc)
+        else:  # long prompts: no Python loop over tokens (~1 ms per 2048 of them)
+            seq_t = torch.tensor(slots + seq_lens + prefix + ext_lens + starts + last_rows,
+                                 dtype=torch.int64)
+            starts_t = seq_t[4 * b : 5 * b]
+            # Per-token values that are constant within a sequence, as a cumulative sum of
+            # their changes at each sequence's first token (serial CPU ops: the CPU
+            # repeat_interleave runs a parallel loop per call, which stalled for
+            # milliseconds while compiler worker threads were busy).
+            def per_token(values: torch.Tensor) -> torch.Tensor:
+                steps = torch.zeros(acc, dtype=torch.int64)
+                steps[starts_t] = torch.diff(values, prepend=values.new_zeros(1))
+                return steps.cumsum(0)
+
             # Token j of sequence i sits at prefix_i + (j - start_i).
-            shift = (seq_t[2 * b : 3 * b] - seq_t[4 * b : 5 * b]).repeat_interleave(
-                lens_t, output_size=acc)
+            positions_t = torch.arange(acc, dtype=torch.int64) + per_token(
+                seq_t[2 * b : 3 * b] - starts_t)
             flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64),
-                              torch.arange(acc, dtype=torch.int64) + shift,
-                              alloc.out_cache_loc, seq_t, slots_t))
+                              positions_t, alloc.out_cache_loc.to(torch.int64), seq_t,
+                              per_token(seq_t[:b])))
         if device.type == "cuda":
             flat = flat.pin_memory()
         sizes = [acc, acc, acc, b, b, b, b, b, len(last_rows), acc]
