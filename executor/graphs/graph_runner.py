@@ -144,6 +144,11 @@ class GraphRunner:
             self.attn.init_graph_buffers(largest, largest)
             self._static_meta_ready = True
         start = time.perf_counter()
+        # Cached blocks are returned before and after, so the difference in free memory is
+        # what the graphs hold. After: warm-up runs on the capture stream leave activations
+        # cached for that stream alone (nothing else can reuse them); empty_cache gives
+        # them back. It does not touch the graphs' pool.
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         if self.shared_output and self._out is None:  # counted as graph memory
             self._out = self._allocate_output(max(self.buckets))
@@ -160,6 +165,7 @@ class GraphRunner:
                 bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
         bar.close()
         self._state = None
+        torch.cuda.empty_cache()
         used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         return PhaseCapture(self.phase, self.backend.name,
                             tuple(sorted(results, key=lambda r: r.size)),
