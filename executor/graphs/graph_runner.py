@@ -144,10 +144,12 @@ class GraphRunner:
             self.attn.init_graph_buffers(largest, largest)
             self._static_meta_ready = True
         start = time.perf_counter()
-        # Cached blocks are returned before and after, so the difference in free memory is
-        # what the graphs hold. After: warm-up runs on the capture stream leave activations
-        # cached for that stream alone (nothing else can reuse them); empty_cache gives
-        # them back. It does not touch the graphs' pool.
+        # Garbage collected and cached blocks returned before and after, so the difference
+        # in free memory is what the graphs hold (not a dropped executor's memory freed
+        # meanwhile). After: warm-up runs on the capture stream leave activations cached
+        # for that stream alone (nothing else can reuse them); empty_cache gives them
+        # back. It does not touch the graphs' pool.
+        gc.collect()
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         if self.shared_output and self._out is None:  # counted as graph memory
