@@ -8,7 +8,10 @@ from typing import Any
 
 
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    from bench.shapes import title
+
     device = result["environment"]["device"]
+    shape = title(result.get("shape", "llama-3.2-1b"))
     written = []
     rows = result.get("decode_table", [])
     if rows:
@@ -25,7 +28,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                         color="gray", label=f"floor, ctx {ctx}")
 
         written.append(_plot(out / "decode.png", decode_lines, "batch size", "ms / decode step",
-                             f"Decode, Llama-3.2-1B shape — {device}"))
+                             f"Decode, {shape} — {device}"))
     prefill = result.get("prefill_table", [])
     if prefill:
         def prefill_lines(ax: Any) -> None:
@@ -39,7 +42,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                                 label=f"{mode}, {seqs} seq")
 
         written.append(_plot(out / "prefill.png", prefill_lines, "prefill tokens",
-                             "ms / prefill call", f"Prefill, Llama-3.2-1B shape — {device}"))
+                             "ms / prefill call", f"Prefill, {shape} — {device}"))
     return written
 
 

@@ -1,11 +1,12 @@
-"""Benchmark entry point: ``python -m bench.run [--profile quick|full] --out DIR``.
+"""Benchmark entry point: ``python -m bench.run [--profile smoke|quick|full|8b] --out DIR``.
 
 In one run on a CUDA machine: the device (read bandwidth, bf16 matmul rate) and from it
 the floor per step; our decode (eager, full graph, breakable) and prefill (eager,
 breakable, tc_piecewise with the eager and inductor compilers) on the Llama-3.2-1B shape
 (random bf16 weights written in HF format and loaded through the real loader); capture
 time and graph memory per phase and backend; start-up time to ready; and the peer (HF
-transformers on the same weights). Writes ``bench.json``, ``bench.md`` and PNG plots to
+transformers on the same weights). ``smoke`` runs the same on the embedded tiny model.
+Writes ``bench.json``, ``bench.md`` and PNG plots to
 ``--out`` and prints the short table last.
 """
 
@@ -32,6 +33,12 @@ from executor.errors import ConfigError
 from executor.executor import Executor
 
 PROFILES: dict[str, dict[str, Any]] = {
+    # The embedded tiny model: a smoke run of every code path in about a minute.
+    "smoke": {"shape": "tiny", "batches": [1, 8], "contexts": [128], "steps": 10,
+              "prefill_tokens": [16, 128], "prefill_seqs": [1, 2],
+              "decode_modes": ["full", "breakable"],
+              "prefill_modes": ["breakable", "tc_piecewise:eager"],
+              "peer_compile": False, "peer_prefill": [16, 128], "repeats": 5},
     # Only the 8B decode figures (a short GPU lease).
     "8b": {"batches": [1, 8], "contexts": [512], "steps": 20, "prefill_tokens": [],
            "prefill_seqs": [1], "decode_modes": [], "prefill_modes": [], "peer_compile": False,
@@ -204,10 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     result["hardware"] = {"read_gbs": bw, "matmul_tflops": flops}
     print(f"hardware: {result['hardware']}", flush=True)
     t0 = time.perf_counter()
-    model_dir = shapes.write_shape("llama-3.2-1b", args.models)
+    shape = prof.get("shape", "llama-3.2-1b")
+    model_dir, spec = shapes.model(shape, args.models)
     result["write_model_s"] = time.perf_counter() - t0
-    wbytes = shapes.weight_bytes("llama-3.2-1b")
-    spec = shapes.spec("llama-3.2-1b")
+    result["shape"], result["key_context"] = shape, min(prof["contexts"])
+    wbytes = shapes.spec_weight_bytes(spec)
     kv_per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
 
     def save() -> None:
@@ -295,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- the peer ------------------------------------------------------------------------
     if not args.no_peer:
-        result["peer"] = peer.measure(model_dir, prof["contexts"][0], [128, 2048],
+        result["peer"] = peer.measure(model_dir, prof["contexts"][0],
+                                      prof.get("peer_prefill", [128, 2048]),
                                       prof["peer_compile"])
         print(f"peer: {result['peer']}", flush=True)
     save()

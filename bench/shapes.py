@@ -47,9 +47,11 @@ def write_shape(name: str, root: Path) -> Path:
 
 def weight_bytes(name: str) -> int:
     """Bytes of bf16 weights read per decode step (embedding rows excluded but lm_head in)."""
-    from executor.model.spec import spec_from_hf_config
+    return spec_weight_bytes(spec(name))
 
-    spec = spec_from_hf_config(hf_config(name))
+
+def spec_weight_bytes(spec: Any) -> int:
+    """``weight_bytes`` of a ``ModelSpec``."""
     n = spec.num_params()
     if spec.tie_word_embeddings:  # embedding table is read once as lm_head; lookups are tiny
         return 2 * n
@@ -60,3 +62,25 @@ def spec(name: str) -> Any:
     from executor.model.spec import spec_from_hf_config
 
     return spec_from_hf_config(hf_config(name))
+
+
+def model(name: str, root: Path) -> tuple[Path, Any]:
+    """``(directory, ModelSpec)`` of a bench shape written under ``root``, or of the
+    embedded ``tiny`` model (the smoke profile), loaded through the real loader."""
+    if name == "tiny":
+        from executor.model.loader import load_hf_config
+        from executor.model.tiny import ensure_tiny_model
+
+        path = ensure_tiny_model()
+        return path, load_hf_config(path)
+    return write_shape(name, root), spec(name)
+
+
+def label(name: str) -> str:
+    """Short name in tables: ``1B``, ``8B``, ``tiny``."""
+    return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B"}.get(name, name)
+
+
+def title(name: str) -> str:
+    return {"llama-3.2-1b": "Llama-3.2-1B shape", "llama-3.1-8b": "Llama-3.1-8B shape",
+            "tiny": "embedded tiny model"}.get(name, name)

@@ -109,3 +109,29 @@ def test_8b_peer_and_cold_warm_start_rows() -> None:
     assert "| 8B decode bs1 (ctx 512) | 5.000 | ≤ 4.2 | 3.900 | 1.28 | 33.00 | 6.60 | 6.60 |" in key
     assert "| tc_piecewise (inductor), cold: compile 40.0 s | triton | 1.0 | 50.0 |" in md
     assert "| tc_piecewise (inductor), warm: compile 0.5 s | triton | 1.0 | 6.0 |" in md
+
+
+def test_smoke_profile_names_its_model_and_has_no_1b_targets() -> None:
+    res = result()
+    res["shape"], res["key_context"] = "tiny", 128
+    for row in res["decode_table"]:
+        row["context"] = 128
+    md = markdown(res)
+    assert "embedded tiny model" in md and "Llama-3.2-1B shape" not in md
+    key = md[md.index("## Key figures"):]
+    assert "| tiny decode bs1 (ctx 128) | 2.000 | — | 0.600 | 3.33 |" in key
+    assert "| tiny prefill 128 tok | 1.500 | — |" in key
+    assert "| 8B decode bs1 (ctx 512) | 5.000 | ≤ 4.2 |" in key
+
+
+def test_smoke_profile_runs_the_tiny_model_through_the_loader(tmp_path: Path) -> None:
+    from bench import shapes
+    from bench.run import PROFILES
+    from executor.config import TINY_MODEL
+
+    prof = PROFILES["smoke"]
+    assert prof["shape"] == TINY_MODEL
+    model_dir, spec = shapes.model(prof["shape"], tmp_path)
+    assert (model_dir / "config.json").is_file() and not any(tmp_path.iterdir())
+    assert max(prof["prefill_tokens"]) <= spec.max_position
+    assert shapes.spec_weight_bytes(spec) > 0 and spec.num_layers > 0
