@@ -46,7 +46,8 @@ def measure(ex: Executor, bs: int, ctx: int, steps: int, use_graph: bool) -> dic
                 times.append(dt)
             paths.add(res.step.path)
             toks = {o.seq_id: int(o.token_id) for o in res.outputs}  # type: ignore[arg-type]
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         replays = ex.drain_replay_seconds().get("decode", [])[5:] if use_graph else []
         ex.release(list(toks))
     finally:

@@ -18,19 +18,31 @@ def _load(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     load: Any = AutoModelForCausalLM.from_pretrained
-    model = load(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.cuda().eval()
+    # bf16 on the GPU, as ours; float32 on a CPU-only machine (the smoke profile).
+    cuda = torch.cuda.is_available()
+    model = load(str(model_dir), dtype=torch.bfloat16 if cuda else torch.float32,
+                 attn_implementation="sdpa")
+    return model.to(_device()).eval()
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _generate_s(model: Any, ids: torch.Tensor, n: int, repeats: int, **kw: Any) -> float:
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                        min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
                        **kw)
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -38,7 +50,7 @@ def _generate_s(model: Any, ids: torch.Tensor, n: int, repeats: int, **kw: Any) 
 @torch.inference_mode()
 def hf_decode_ms(model: Any, ctx: int, static_compile: bool, n1: int = 16, n2: int = 80,
                  repeats: int = 3) -> float:
-    ids = torch.randint(0, model.config.vocab_size, (1, ctx), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=_device())
     kw: dict[str, Any] = {}
     if static_compile:
         # With a static cache, generate compiles the forward itself (its CompileConfig:
@@ -57,7 +69,7 @@ def hf_decode_ms(model: Any, ctx: int, static_compile: bool, n1: int = 16, n2: i
 def hf_prefill_ms(model: Any, tokens: int, repeats: int = 10) -> float:
     from bench.hardware import time_ms
 
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=_device())
     return time_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), repeats=repeats)
 
 

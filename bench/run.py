@@ -5,9 +5,10 @@ the floor per step; our decode (eager, full graph, breakable) and prefill (eager
 breakable, tc_piecewise with the eager and inductor compilers) on the Llama-3.2-1B shape
 (random bf16 weights written in HF format and loaded through the real loader); capture
 time and graph memory per phase and backend; start-up time to ready; and the peer (HF
-transformers on the same weights). ``smoke`` runs the same on the embedded tiny model.
-Writes ``bench.json``, ``bench.md`` and PNG plots to
-``--out`` and prints the short table last.
+transformers on the same weights). ``smoke`` runs the same on the embedded tiny model;
+it is the one profile that also runs without CUDA (eager steps with torch_native attention,
+HF eager as the peer), so the CPU suite exercises the whole pipeline. Writes
+``bench.json``, ``bench.md`` and PNG plots to ``--out`` and prints the short table last.
 """
 
 from __future__ import annotations
@@ -60,16 +61,25 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
+#: The one mode a CPU-only machine measures: no graphs, torch_native attention (its rows
+#: are labelled ``eager@torch_native``).
+CPU_MODE = "disabled@torch_native"
+
+
 def environment() -> dict[str, Any]:
     import transformers
     import triton
 
     commit = git_commit()
-    props = torch.cuda.get_device_properties(0)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device, sms, driver = props.name, props.multi_processor_count, _driver()
+    else:  # the smoke profile on a CPU-only machine
+        device, sms, driver = f"CPU ({platform.processor() or platform.machine()})", None, "—"
     return {
         "date": dt.date.today().isoformat(),
-        "device": props.name, "sm_count": props.multi_processor_count,
-        "driver": _driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": device, "sm_count": sms,
+        "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": triton.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "git_commit": commit,
     }
@@ -118,10 +128,12 @@ def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str
     max_batch, max_ctx = max(prof["batches"]), max(prof["contexts"])
     decode_mode, _, decode_attn = parse_mode(decode_label)
     prefill_mode, compiler, prefill_attn = parse_mode(prefill_label)
-    attention = decode_attn if decode_mode != "disabled" else prefill_attn
+    attention = decode_attn if decode_label != "disabled" else prefill_attn
+    cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
     cfg = ExecutorConfig(
-        model=ModelConfig(source=str(model_dir), dtype="bfloat16"), device="cuda",
+        model=ModelConfig(source=str(model_dir), dtype="bfloat16" if cuda else "float32"),
+        device="cuda" if cuda else "cpu",
         cache=CacheConfig(kv_tokens=max_batch * (max_ctx + 128) + 16384,
                           max_sequences=max(max_batch, 16), max_context=max(max_ctx, 4096) + 256),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
@@ -131,7 +143,8 @@ def build(model_dir: Path, decode_label: str, prefill_label: str, prof: dict[str
         max_decode_batch=max_batch, max_prefill_tokens=4096)
     ex = Executor(cfg)
     load_s = time.perf_counter() - t0
-    caps = ex.capture(ex.startup_phases(), progress=True)
+    phases = ex.startup_phases()
+    caps = ex.capture(phases, progress=True) if phases else ()
     info: dict[str, Any] = {"load_s": load_s, "ready_s": time.perf_counter() - t0,
                             "decode_mode": decode_label, "prefill_mode": prefill_mode,
                             "compiler": compiler, "attention": ex.model_info.attention_backend,
@@ -203,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required")
     prof = PROFILES[args.profile]
+    if not torch.cuda.is_available():
+        if args.profile != "smoke":
+            ap.error(f"profile {args.profile!r} needs a CUDA device; without one, only "
+                     "'smoke' runs (eager, torch_native attention)")
+        # No graphs and no kernel backends on a CPU: eager rows only, HF eager as the peer.
+        prof = {**prof, "decode_modes": [CPU_MODE], "prefill_modes": [CPU_MODE],
+                "peer_compile": False}
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(), "profile": args.profile,
                               "startup": [], "decode_table": [], "prefill_table": []}
@@ -240,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                     row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=False)
                     result["decode_table"].append({**row, "mode": eager_label(attention),
                                                    "floor_ms": floor_ms})
+                if mode == CPU_MODE:
+                    continue
                 row = decode.measure(ex, bs, ctx, prof["steps"], use_graph=True)
                 result["decode_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
                 print(f"decode {mode} bs={bs} ctx={ctx}: {row}", flush=True)
         eager_done.add(attention)
-        if i == 0:
+        if i == 0 and torch.cuda.is_available():
             result["kernel_profile"] = decode.kernel_profile(ex, 1, prof["contexts"][0])
         del ex
         torch.cuda.empty_cache()
@@ -278,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                     ex.runners.update(runners)
                     result["prefill_table"].append({**row, "mode": eager_label(attention),
                                                     "floor_ms": floor_ms})
+                if mode == CPU_MODE:
+                    continue
                 row = prefill.measure(ex, n, seqs, prof["repeats"])
                 result["prefill_table"].append({**row, "mode": mode, "floor_ms": floor_ms})
                 print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)

@@ -1,0 +1,49 @@
+"""The benchmark end to end on a CPU-only machine: ``python -m bench.run --profile smoke``.
+
+Without CUDA the smoke profile measures what a CPU can run (eager steps with torch_native
+attention, HF transformers eager on the same weights) through the same entry point, tables
+and plots as the GPU profiles, so the benchmark pipeline is exercised by the CPU suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.run import CPU_MODE, main
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="with CUDA the smoke profile measures graphs: "
+                                       "bench/gpu_check.sh smoke")
+
+
+def test_smoke_profile_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["--profile", "smoke", "--out", str(out), "--models", str(tmp_path / "m")]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["shape"] == "tiny" and result["environment"]["device"].startswith("CPU")
+    assert result["hardware"]["read_gbs"] > 0 and result["hardware"]["matmul_tflops"] > 0
+    decode = result["decode_table"]
+    assert sorted((r["batch"], r["context"]) for r in decode) == [(1, 128), (8, 128)]
+    assert all(r["mode"] == "eager@torch_native" and r["paths"] == ["eager"]
+               and r["step_ms_median"] > 0 for r in decode)
+    pre = result["prefill_table"]
+    assert sorted((r["tokens"], r["sequences"]) for r in pre) == [
+        (16, 1), (16, 2), (128, 1), (128, 2)]
+    assert all(r["ms_median"] > 0 and r["paths"] == ["eager"] for r in pre)
+    assert [s["decode_mode"] for s in result["startup"]][:1] == [CPU_MODE]
+    peer = result["peer"]
+    assert peer["decode_bs1_eager_ms"] > 0 and set(peer["prefill_eager_ms"]) == {"16", "128"}
+    md = (out / "bench.md").read_text()
+    assert "embedded tiny model" in md and "| tiny decode bs1 (ctx 128) |" in md
+    assert all((out / name).stat().st_size > 1000 for name in result["plots"])
+
+
+def test_gpu_profiles_refuse_to_run_without_cuda(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--profile", "quick", "--out", str(tmp_path)])
+    assert "needs a CUDA device" in capsys.readouterr().err
