@@ -166,7 +166,8 @@ class AttentionIO:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
-    _rows: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())
+    _rows: tuple[int, tuple[torch.Tensor, ...]] = field(default=(-1, ()), init=False,
+                                                        repr=False)
 
     def rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """Views ``(q, k, v, out)[:n]``, made once per token count: every layer of a
