@@ -114,6 +114,7 @@ def test_capture_backends_by_mode_name() -> None:
             ("full", "breakable", "tc_piecewise")}
     assert {m: b.name for m, b in made.items()} == {m: m for m in made}
     assert [b.attention_in_graph for b in made.values()] == [True, False, False]
+    assert [b.whole_forward_in_graph for b in made.values()] == [True, True, False]
     with pytest.raises(ConfigError, match="available: full, breakable, tc_piecewise"):
         make_capture_backend("turbo", cpu, graphs, "k")
     with pytest.raises(ConfigError, match="compiler must be 'eager' or 'inductor'"):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -132,3 +132,21 @@ def inner_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x`` with each head's vector contiguous: kernels take any token/head strides (q/k/v
     are views of one fused QKV output) but not a strided head_dim."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _BucketBuffers(Protocol):
+    @property
+    def max_batch(self) -> int: ...
+
+
+BuffersT = TypeVar("BuffersT", bound=_BucketBuffers)
+
+
+def bucket_buffers(buffers: BuffersT | None, batch_size: int) -> BuffersT:
+    """A backend's static decode buffers, checked to hold a bucket of ``batch_size`` rows."""
+    if buffers is None:
+        raise RuntimeError("init_graph_buffers must run before capture_metadata")
+    if batch_size > buffers.max_batch:
+        raise ValueError(f"bucket {batch_size} exceeds the graph buffers' max batch "
+                         f"{buffers.max_batch}")
+    return buffers

@@ -34,6 +34,7 @@ from executor.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionShape,
+    bucket_buffers,
     check_decode_batch,
     check_kernel_pool,
     inner_contiguous,
@@ -167,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
                                       "extend attention runs eagerly between graph pieces")
         if num_tokens != batch_size:
             raise ValueError(f"decode has one token per row: {num_tokens} != {batch_size}")
-        bufs = self._buffers(batch_size)
+        bufs = bucket_buffers(self.graph_buffers, batch_size)
         wrapper = bufs.wrappers.get(batch_size)
         if wrapper is None:
             wrapper = self._decode_wrapper(bufs, batch_size)
@@ -185,7 +186,7 @@ class FlashInferBackend(AttentionBackend):
         ``out_cache_loc`` into the fixed buffer; runs outside the graph, no host sync."""
         assert isinstance(meta, FlashInferMetadata), type(meta).__name__
         size = meta.batch_size
-        bufs = self._buffers(size)
+        bufs = bucket_buffers(self.graph_buffers, size)
         assert bufs.wrappers.get(size) is meta.wrapper, "not capture metadata"
         check_decode_batch(self.name, batch)
         real = batch.batch_size
@@ -239,13 +240,6 @@ class FlashInferBackend(AttentionBackend):
             indices = torch.cat((indices, pad))
         return _indptr(list(lens_host) + [1] * pad_rows), indices
 
-    def _buffers(self, batch_size: int) -> DecodeGraphBuffers:
-        if self.graph_buffers is None:
-            raise RuntimeError("init_graph_buffers must run before capture_metadata")
-        if batch_size > self.graph_buffers.max_batch:
-            raise ValueError(f"bucket {batch_size} exceeds the graph buffers' max batch "
-                             f"{self.graph_buffers.max_batch}")
-        return self.graph_buffers
 
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]

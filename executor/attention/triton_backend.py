@@ -30,6 +30,7 @@ from executor.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionShape,
+    bucket_buffers,
     check_decode_batch,
     check_kernel_pool,
     inner_contiguous,
@@ -183,7 +184,7 @@ class TritonBackend(AttentionBackend):
         if phase != "decode":
             raise NotImplementedError(f"triton attention captures decode only, not {phase}: "
                                       "extend attention runs eagerly between graph pieces")
-        bufs = self._buffers(batch_size)
+        bufs = bucket_buffers(self.graph_buffers, batch_size)
         if num_tokens != batch_size:
             raise ValueError(f"decode has one token per row: {num_tokens} != {batch_size}")
         bufs.rows[:, :batch_size].copy_(bufs.pad_rows[:, :batch_size])
@@ -202,7 +203,7 @@ class TritonBackend(AttentionBackend):
         device copies, no host sync, issued on the current stream before the replay."""
         assert isinstance(meta, TritonDecodeMetadata), type(meta).__name__
         size = meta.batch_size
-        bufs = self._buffers(size)
+        bufs = bucket_buffers(self.graph_buffers, size)
         assert meta.seq_lens.data_ptr() == bufs.rows[1].data_ptr(), "not capture metadata"
         check_decode_batch(self.name, batch)
         real = batch.batch_size
@@ -214,13 +215,6 @@ class TritonBackend(AttentionBackend):
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
 
     # -- helpers ---------------------------------------------------------------------------
-    def _buffers(self, batch_size: int) -> DecodeGraphBuffers:
-        if self.graph_buffers is None:
-            raise RuntimeError("init_graph_buffers must run before capture_metadata")
-        if batch_size > self.graph_buffers.max_batch:
-            raise ValueError(f"bucket {batch_size} exceeds the graph buffers' max batch "
-                             f"{self.graph_buffers.max_batch}")
-        return self.graph_buffers
 
     def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         splits = self.num_splits(batch_size)

@@ -36,6 +36,10 @@ class CaptureBackend(Protocol):
     #: True when attention is captured inside the graphs (it needs static metadata);
     #: False when it runs eagerly between graph pieces.
     attention_in_graph: bool
+    #: True when the graphs run the runner's whole forward, so it can end by writing into
+    #: a runner-owned output buffer that every bucket shares; False when the forward is
+    #: compiled into pieces that return their own output.
+    whole_forward_in_graph: bool
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
@@ -63,6 +67,7 @@ class FullGraphBackend:
 
     name = "full"
     attention_in_graph = True
+    whole_forward_in_graph = True
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

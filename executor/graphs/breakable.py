@@ -40,6 +40,7 @@ class BreakableGraphBackend:
     name = "breakable"
     #: Attention runs eagerly between segments, so it needs no static metadata buffers.
     attention_in_graph = False
+    whole_forward_in_graph = True
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

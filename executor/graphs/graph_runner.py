@@ -113,9 +113,8 @@ class GraphRunner:
         # Every bucket's graph writes its result (decode: float32 logits; prefill: hidden
         # states) into rows of this one buffer, so each graph's own output goes back to
         # the shared pool after capture instead of staying alive per bucket (the decode
-        # logits of 35 buckets up to batch 256 alone held 1.5 GiB). Only for backends
-        # whose graphs hold the whole forward; compiled pieces return their own output.
-        self.shared_output = backend.name in ("full", "breakable")
+        # logits of 35 buckets up to batch 256 alone held 1.5 GiB). Allocated at the first
+        # capture, when the backend's graphs run the whole forward.
         self._out: torch.Tensor | None = None
         self.timer = ReplayTimer(device)
         # Test hook: called with each bucket before it is captured (fault injection).
@@ -144,27 +143,27 @@ class GraphRunner:
             self.attn.init_graph_buffers(largest, largest)
             self._static_meta_ready = True
         start = time.perf_counter()
-        # Garbage collected and cached blocks returned before and after, so the difference
-        # in free memory is what the graphs hold (not a dropped executor's memory freed
-        # meanwhile). After: warm-up runs on the capture stream leave activations cached
-        # for that stream alone (nothing else can reuse them); empty_cache gives them
-        # back. It does not touch the graphs' pool.
-        gc.collect()
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        if self.shared_output and self._out is None:  # counted as graph memory
-            self._out = self._allocate_output(max(self.buckets))
         # Largest first: the shared pool is sized by the biggest bucket, and each smaller
         # one is captured into blocks the pool already holds instead of growing it.
         todo = [b for b in sorted(self.buckets, reverse=True) if not self.backend.has(b)]
         results = []
         bar = tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})", unit="bucket",
                    disable=not progress)
-        with frozen_gc(), torch.inference_mode():
-            for bucket in bar:
-                results.append(self._capture_one(bucket))
-                free = torch.cuda.mem_get_info(self.device)[0]
-                bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
+        # frozen_gc collects garbage first and empty_cache returns cached blocks, before
+        # and after, so the difference in free memory is what the graphs hold (not a
+        # dropped executor's memory freed meanwhile). After: warm-up runs on the capture
+        # stream leave activations cached for that stream alone (nothing else can reuse
+        # them); empty_cache gives them back. It does not touch the graphs' pool.
+        with frozen_gc():
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            if self.backend.whole_forward_in_graph and self._out is None:  # graph memory
+                self._out = self._allocate_output(max(self.buckets))
+            with torch.inference_mode():
+                for bucket in bar:
+                    results.append(self._capture_one(bucket))
+                    free = torch.cuda.mem_get_info(self.device)[0]
+                    bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
         bar.close()
         self._state = None
         torch.cuda.empty_cache()

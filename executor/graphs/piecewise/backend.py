@@ -98,6 +98,8 @@ class PiecewiseCompileBackend:
     name = "tc_piecewise"
     #: Attention runs eagerly between piece graphs; it needs no static metadata.
     attention_in_graph = False
+    #: The compiled forward returns its last piece's output: no shared output buffer.
+    whole_forward_in_graph = False
 
     def __init__(self, device: torch.device, compiler: CompilerName = "eager",
                  cache_dir: Path | None = None, cache_key: str = "",
