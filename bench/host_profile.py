@@ -1,14 +1,22 @@
-"""Where the host time of a graph step goes: ``python -m bench.host_profile``.
+"""Where the time of a graph step goes: ``python -m bench.host_profile``.
 
-For each case (a phase, a graph mode, a size) on a model: the median wall time of one
-``Executor`` call, the GPU time of the same call (the sum of its kernels' durations from
-the torch profiler), and the executor's own Python functions by cumulative time (cProfile
-over many calls). A step whose wall time is well above its GPU time is host-bound: the
+For each case (a phase, a graph mode, a size) on a model:
+
+* the median wall time of one ``Executor`` call, and its GPU time: the sum of its kernels'
+  durations (torch profiler) and the idle gaps between them;
+* ``--kernels N``: the N kernels with the most GPU time per call;
+* host time per stage of a call (validate, allocate, build_batch, metadata, fill, replay,
+  logits, sample, release): what the host does before the GPU can start and after it ends;
+* capture memory: the phase's free-memory drop, per bucket, and what each allocator pool
+  holds after capture (the graphs' shared pool vs the default one);
+* the executor's own Python functions by time (cProfile over many calls).
+
+A step whose wall time is well above its GPU time is host-bound: the stages and the
 cProfile lines say where that host time goes.
 
     python -m bench.host_profile                          # tiny: decode bs 1 and 64
     python -m bench.host_profile --model llama-3.2-1b --case prefill:breakable:128 \\
-        --case decode:full:1
+        --case decode:full:1 --kernels 15 --warm-first
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,9 +86,23 @@ def _step_fn(ex: Executor, phase: str, size: int, seqs: int) -> Callable[[], Non
     return decode
 
 
-def _gpu_ms(step: Callable[[], None], calls: int = 20) -> float:
-    """Median per call of the summed kernel time (device busy time, if kernels never
-    overlap, which holds on one stream)."""
+@dataclass
+class GpuTime:
+    """Device time of one call: kernels' summed durations, the idle time between kernels
+    of the same call (gaps under ``_CALL_GAP_US``) and the top kernels by time."""
+
+    busy_ms: float
+    idle_ms: float
+    kernels: list[tuple[str, float, float]]  # (name, launches per call, µs per call)
+
+
+_CALL_GAP_US = 100.0  # a longer device gap is taken as the space between two calls
+
+
+def _gpu_time(step: Callable[[], None], calls: int = 20) -> GpuTime:
+    """Per call: kernel time (device busy time, if kernels never overlap, which holds on
+    one stream), idle gaps between its kernels (host not keeping ahead), top kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -85,16 +110,84 @@ def _gpu_ms(step: Callable[[], None], calls: int = 20) -> float:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / calls / 1e3
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps = (b.time_range.start - a.time_range.end for a, b in itertools.pairwise(kernels))
+    idle_us = sum(g for g in gaps if 0 < g < _CALL_GAP_US)
+    top = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    table = [(e.key, e.count / calls, e.self_device_time_total / calls)
+             for e in top if e.self_device_time_total > 0]
+    busy_us = sum(us for _, _, us in table)  # per call
+    return GpuTime(busy_us / 1e3, idle_us / calls / 1e3, table)
 
 
-def profile_case(source: str, case: str, calls: int, attention: str) -> str:
+def _kernel_table(gpu: GpuTime, rows: int) -> str:
+    lines = [f"  {'us/call':>8} {'n/call':>6}  kernel"]
+    lines += [f"  {us:8.1f} {n:6.1f}  {name[:110]}" for name, n, us in gpu.kernels[:rows]]
+    return "\n".join(lines) + "\n"
+
+
+class StageClock:
+    """Host time per stage of a step, by wrapping the executor's own calls in place.
+
+    Launches return before the GPU finishes, so each stage's time is host work, except
+    ``sample``, whose device-to-host copy waits for the forward: a stage list whose sum
+    before ``sample`` is well below the GPU time is GPU-bound."""
+
+    def __init__(self, ex: Executor) -> None:
+        import executor.executor as ex_module
+
+        self.times: dict[str, list[float]] = {}
+        runner: Any = ex.runners.get("prefill") or ex.runners.get("decode")  # a GraphRunner
+        targets: list[tuple[Any, str, str]] = [
+            (ex_module, "validate_prefill", "validate"), (ex_module, "validate_decode", "validate"),
+            (ex.kv, "allocate", "allocate"), (ex, "build_batch", "build_batch"),
+            (ex.attn, "build_metadata", "metadata"), (ex.attn, "refresh_metadata", "metadata"),
+            (ex.model, "compute_logits", "logits"), (ex, "sampler", "sample"),
+            (ex, "release", "release")]
+        if runner is not None:
+            targets += [(runner.inputs, "fill", "fill"), (runner.backend, "replay", "replay")]
+        for obj, attr, stage in targets:
+            setattr(obj, attr, self._timed(getattr(obj, attr), stage))
+
+    def _timed(self, fn: Callable[..., Any], stage: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times.setdefault(stage, []).append(time.perf_counter() - t0)
+        return timed
+
+    def report(self, calls: int, call_s: list[float]) -> str:
+        per_call = {k: sum(v) / calls * 1e6 for k, v in self.times.items()}
+        other = statistics.median(call_s) * 1e6 - sum(per_call.values())
+        return "  host stages (us per call): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in per_call.items()) + f", other {other:.0f}"
+
+
+def _reserved_by_pool() -> dict[str, int]:
+    """Bytes the caching allocator holds per memory pool: ``default`` and one entry per
+    CUDA-graph pool (what the captured graphs keep reserved)."""
+    pools: dict[str, int] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        key = "default" if pool == (0, 0) else f"graph pool {pool}"
+        pools[key] = pools.get(key, 0) + seg["total_size"]
+    return pools
+
+
+def profile_case(source: str, case: str, calls: int, attention: str, kernels: int = 0,
+                 warm_first: bool = False) -> str:
     phase, mode, size_s = case.split(":")
     size_part, _, seqs_part = size_s.partition("x")
     size, seqs = int(size_part), int(seqs_part or 1)
     ex = _executor(source, phase, mode, size, attention)
+    if warm_first:  # one eager step first: lazy kernel loads are not counted as graphs'
+        _step_fn(ex, phase, size, seqs)()
+        torch.cuda.empty_cache()
     caps = ex.capture(ex.startup_phases())
+    pools = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in _reserved_by_pool().items())
     step = _step_fn(ex, phase, size, seqs)
     for _ in range(20):
         step()
@@ -103,7 +196,14 @@ def profile_case(source: str, case: str, calls: int, attention: str) -> str:
         t0 = time.perf_counter()
         step()
         times.append((time.perf_counter() - t0) * 1e3)
-    gpu = _gpu_ms(step)
+    gpu = _gpu_time(step)
+    clock = StageClock(ex)
+    stage_times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        step()
+        stage_times.append(time.perf_counter() - t0)
+    stages = clock.report(calls, stage_times)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -113,10 +213,15 @@ def profile_case(source: str, case: str, calls: int, attention: str) -> str:
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(r"executor/|bench/|torch/|triton/|flashinfer/|{", 30)
     head = (f"{case} ({ex.model_info.attention_backend}) on {source}: call median "
-            f"{statistics.median(times):.3f} ms, GPU kernel time {gpu:.3f} ms/call, "
+            f"{statistics.median(times):.3f} ms, GPU kernel time {gpu.busy_ms:.3f} ms/call "
+            f"(idle between its kernels {gpu.idle_ms:.3f} ms), "
             f"{calls} calls profiled (release included for prefill); capture "
             + ", ".join(f"{c.phase} {len(c.buckets)} buckets {c.memory_bytes / 2**20:.0f} MiB "
-                        f"{c.total_ms / 1e3:.1f} s" for c in caps))
+                        f"{c.total_ms / 1e3:.1f} s" for c in caps)
+            + f"\n{stages}\n  reserved after capture: {pools}"
+            + "".join(f"\n  {c.phase} MiB per bucket: " + " ".join(
+                f"{b.size}:{b.memory_bytes / 2**20:.1f}" for b in reversed(c.buckets))
+                for c in caps))
     for runner in ex.runners.values():  # tc_piecewise: did anything recompile?
         backend = getattr(runner, "backend", None)
         if hasattr(backend, "stats"):
@@ -124,7 +229,8 @@ def profile_case(source: str, case: str, calls: int, attention: str) -> str:
                      f"{len(backend.direct_replays())} of {len(backend.captured())}")  # type: ignore[union-attr]
     del ex
     torch.cuda.empty_cache()
-    return head + "\n" + buf.getvalue()
+    table = _kernel_table(gpu, kernels) if kernels else ""
+    return head + "\n" + table + buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="phase:mode[/compiler]:size[xSEQS] (repeatable), e.g. "
                          "prefill:tc_piecewise/inductor:512x8")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also list the N kernels with the most GPU time per call")
+    ap.add_argument("--warm-first", action="store_true",
+                    help="run one eager step before capturing (as a warmed-up server)")
     ap.add_argument("--attention", default="triton", help="attention backend (or auto)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     args = ap.parse_args(argv)
@@ -145,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.case or ["decode:full:1", "decode:full:64"]
     heads = []
     for case in cases:
-        report = profile_case(source, case, args.calls, args.attention)
-        heads.append("\n".join(line for line in report.splitlines()[:2]
-                               if not line.startswith(" ") or "compile stats" in line))
+        report = profile_case(source, case, args.calls, args.attention, args.kernels,
+                              args.warm_first)
+        heads.append("\n".join(line for line in report.splitlines()[:4]
+                               if not line.startswith(" ") or "compile stats" in line
+                               or "reserved after" in line or "host stages" in line))
         print(report, flush=True)
     print("\n".join(heads))
     return 0

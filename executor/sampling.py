@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from executor.api import SamplingParams
+from executor.model.layers import triton_available
 
 _MASK31 = 0x7FFFFFFF
+_HAS_TRITON = triton_available()  # looked up once: argmax_rows runs every step
 # Odd 31-bit multipliers for the integer mixer (products stay below 2**62: no overflow).
 _MIX_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995 & _MASK31)
 
@@ -82,6 +84,16 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return x
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of float32 ``(B, V)`` logits; on CUDA the vocabulary is split
+    across the GPU (``executor.kernels.argmax``) instead of one thread block per row."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and _HAS_TRITON:
+        from executor.kernels.argmax import argmax_rows as split_argmax
+
+        return split_argmax(x)
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row. Holds only a host RNG for unseeded rows."""
 
@@ -92,7 +104,7 @@ class Sampler:
                  positions: Sequence[int]) -> SampleOutput:
         """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
         in its sequence (it keys the seeded noise)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         if not sampled_rows and not want_logprobs:  # the common greedy step: one D2H copy
@@ -107,7 +119,7 @@ class Sampler:
                 device=logits.device, dtype=torch.int64,
             )
             noise = exponential_noise(keys, logits.shape[-1])
-            drawn = (filtered.softmax(-1) / noise).argmax(dim=-1)
+            drawn = argmax_rows(filtered.softmax(-1) / noise)
             tokens = tokens.index_copy(0, rows, drawn)
         if not want_logprobs:
             return SampleOutput(tokens.tolist(), [0.0] * len(params), [()] * len(params))

@@ -47,3 +47,21 @@ def test_gpu_profiles_refuse_to_run_without_cuda(tmp_path: Path,
     with pytest.raises(SystemExit):
         main(["--profile", "quick", "--out", str(tmp_path)])
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_host_profile_stage_clock_times_every_stage_of_a_step() -> None:
+    from bench.host_profile import StageClock, _step_fn
+    from executor.config import ExecutorConfig, ModelConfig
+    from executor.executor import Executor
+
+    ex = Executor(ExecutorConfig(model=ModelConfig(source="tiny"), device="cpu"))
+    step = _step_fn(ex, "prefill", 24, 2)
+    clock = StageClock(ex)
+    for _ in range(3):
+        step()
+    assert {"validate", "allocate", "build_batch", "metadata", "logits", "sample",
+            "release"} <= set(clock.times)
+    assert len(clock.times["sample"]) == 3 and all(t > 0 for t in clock.times["build_batch"])
+    stats = ex.kv_stats()  # the wrapped release still frees every sequence
+    assert stats.free_tokens == stats.total_tokens and stats.active_sequences == 0
+    assert clock.report(3, [1.0] * 3).startswith("  host stages (us per call): validate ")

@@ -133,6 +133,24 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
 
 
+# -- argmax ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("rows", "cols", "block"), [(1, 1000, 128), (3, 5000, 256), (2, 7, 8),
+                                                     (4, 300, 64), (2, 64, 64)])
+def test_argmax_rows_is_torch_argmax_first_index_of_the_max(rows: int, cols: int, block: int
+                                                           ) -> None:
+    from executor.kernels.argmax import argmax_rows
+
+    x = _randn(rows, cols, dtype=torch.float32, seed=11)
+    x[:, [cols // 3, cols // 2, cols - 1]] = 10.0  # ties across chunks: the first one wins
+    torch.testing.assert_close(argmax_rows(x, block), x.argmax(-1), rtol=0, atol=0)
+    few = torch.randint(0, 3, (rows, cols), generator=_gen(12)).float()  # ties everywhere
+    torch.testing.assert_close(argmax_rows(few, block), few.argmax(-1), rtol=0, atol=0)
+    flat = torch.full((rows, cols), float("-inf"))  # masked lanes must not win a tie
+    assert argmax_rows(flat, block).tolist() == [0] * rows
+    view = x[:, 1:]  # rows with a stride above their length
+    torch.testing.assert_close(argmax_rows(view, block), view.argmax(-1), rtol=0, atol=0)
+
+
 def test_empty_batches() -> None:
     x = torch.empty(0, 64, dtype=torch.float16)
     w = torch.ones(64, dtype=torch.float16)
@@ -143,6 +161,9 @@ def test_empty_batches() -> None:
     cos, sin = _tables(8, 16)
     got_q, got_k = kernels.rope_qk(q, k, torch.empty(0, dtype=torch.int64), cos, sin)
     assert got_q.shape == (0, 4, 16) and got_k.shape == (0, 2, 16)
+    from executor.kernels.argmax import argmax_rows
+
+    assert argmax_rows(torch.empty(0, 10)).shape == (0,)
 
 
 # -- torch.compile: custom ops with fake impls -------------------------------------------

@@ -162,6 +162,22 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
           f"{(got != ref).float().mean().item():.4%} of elements differ from torch")
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(1, 128256), (8, 151936), (64, 32000), (3, 5)])
+def test_argmax_rows_equals_torch_argmax(rows: int, cols: int) -> None:
+    from executor.api import SamplingParams
+    from executor.sampling import Sampler, argmax_rows
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    x = torch.randn(rows, cols, generator=g, device=DEVICE)
+    top = x.max() + 1
+    x[:, cols // 2] = top  # a tie across chunks: the first index wins, as in torch
+    x[:, cols - 1] = top
+    x[0, cols // 3] = top
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    greedy = Sampler()(x, [SamplingParams()] * rows, [0] * rows)
+    assert greedy.token_ids == x.argmax(-1).tolist()
+
+
 def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
     for dtype in DTYPES:
         assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS

@@ -1,0 +1,62 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Row-wise argmax over a vocabulary, spread across the GPU: greedy sampling's one kernel.
+
+``torch.argmax(dim=-1)`` reduces a row in one thread block, so a batch of a few rows keeps
+a handful of SMs busy: on an H200 it took 28 us per call for one 128256-wide float32 row,
+the largest kernel of a decode step after the GEMMs. Here each row is cut into chunks of
+``block`` columns, one program per (row, chunk) finds the chunk's maximum and the first
+column holding it, and a second launch picks the first chunk holding the row's maximum:
+the result is torch's (the first index of the maximum), for rows without NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # columns per program of the first pass: 16 float32 per thread with 4 warps
+
+
+@triton.jit
+def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, n_chunks,
+                         BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    x = x.to(tl.float32)
+    # Masked lanes sit after every real column, so ties resolve to a real one.
+    best_val, best = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * n_chunks + chunk, best_val)
+    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK_N + best)
+
+
+@triton.jit
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNKS)
+    mask = offs < n_chunks
+    vals = tl.load(val_ptr + row * n_chunks + offs, mask=mask, other=float("-inf"))
+    _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be (rows, cols) with contiguous rows"
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    if cols == 0:
+        raise ValueError("argmax of an empty row")
+    n_chunks = triton.cdiv(cols, block)
+    vals = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
+    _chunk_argmax_kernel[(rows, n_chunks)](x, vals, idx, cols, x.stride(0), n_chunks,
+                                           BLOCK_N=block, num_warps=4)
+    _pick_chunk_kernel[(rows,)](vals, idx, out, n_chunks,
+                                CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)
+    return out
