@@ -126,6 +126,9 @@ class KVStats:
 
 @dataclass(frozen=True)
 class BucketCapture:
+    """One bucket's capture. ``memory_bytes``: the device memory its capture took (after
+    its warm-up, so kernels loaded on first use and warm-up activations are not in it)."""
+
     size: int
     capture_ms: float
     ok: bool
@@ -135,6 +138,9 @@ class BucketCapture:
 
 @dataclass(frozen=True)
 class PhaseCapture:
+    """One phase's capture. ``memory_bytes``: device memory the phase's graphs hold, i.e.
+    the static buffers they share plus every bucket's ``memory_bytes``."""
+
     phase: Phase
     backend: str
     buckets: tuple[BucketCapture, ...] = ()

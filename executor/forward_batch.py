@@ -32,6 +32,7 @@ class ForwardBatch:
     phase: Phase
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
+    ids_positions: torch.Tensor  # (2, T) int64: input_ids over positions (one copy for both)
     out_cache_loc: torch.Tensor  # (T,) int64: KV location each new token writes
     req_pool_indices: torch.Tensor  # (B,) int64: request-slot row of each sequence
     seq_lens: torch.Tensor  # (B,) int64: length after this step (prefix + new)
@@ -92,12 +93,13 @@ class ForwardBatch:
 
         # All integer metadata travels in one host-to-device copy, then is split into views.
         b = len(exts)
+        pin = device.type == "cuda"  # pinned: the host-to-device copy is asynchronous
         if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
             positions = [p for e in exts for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             token_slots = [e.slot for e in exts for _ in range(e.new_len)]
             flat = torch.tensor(token_ids + positions + alloc.out_cache_loc.tolist() + slots
                                 + seq_lens + prefix + ext_lens + starts + last_rows
-                                + token_slots, dtype=torch.int64)
+                                + token_slots, dtype=torch.int64, pin_memory=pin)
         else:  # long prompts: no Python loop over tokens (~1 ms per 2048 of them)
             seq_t = torch.tensor(slots + seq_lens + prefix + ext_lens + starts + last_rows,
                                  dtype=torch.int64)
@@ -117,15 +119,17 @@ class ForwardBatch:
             flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64),
                               positions_t, alloc.out_cache_loc.to(torch.int64), seq_t,
                               per_token(seq_t[:b])))
-        if device.type == "cuda":
-            flat = flat.pin_memory()
+            if pin:
+                flat = flat.pin_memory()
+        flat_d = flat.to(device, non_blocking=True)
         sizes = [acc, acc, acc, b, b, b, b, b, len(last_rows), acc]
-        views = torch.split(flat.to(device, non_blocking=True), sizes)
+        views = torch.split(flat_d, sizes)
         ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d, tok_d = views
         return ForwardBatch(
             phase=phase,
             input_ids=ids_d,
             positions=pos_d,
+            ids_positions=flat_d[: 2 * acc].view(2, acc),
             out_cache_loc=locs_d,
             req_pool_indices=slots_d,
             seq_lens=seq_lens_d,
@@ -159,10 +163,12 @@ def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.d
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     zeros = [0] * len(lens)
+    ids_positions = dev([0] * num_tokens + positions).view(2, num_tokens)
     return ForwardBatch(
         phase=phase,
-        input_ids=dev([0] * num_tokens),
-        positions=dev(positions),
+        input_ids=ids_positions[0],
+        positions=ids_positions[1],
+        ids_positions=ids_positions,
         out_cache_loc=dev([0] * num_tokens),
         req_pool_indices=dev(zeros),
         seq_lens=dev(lens),

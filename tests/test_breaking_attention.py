@@ -13,12 +13,7 @@ import torch
 from executor.attention.base import SCOPED, AttentionShape
 from executor.attention.torch_native import TorchNativeBackend
 from executor.forward_batch import ForwardBatch
-from executor.graphs.breakable import (
-    AttentionIO,
-    BatchScope,
-    BreakableGraphBackend,
-    BreakingAttention,
-)
+from executor.graphs.breakable import BatchScope, BreakableGraphBackend, BreakingAttention
 from tests.attention_cases import paged_case
 
 HEADS, KV_HEADS, DIM, LAYER = 4, 2, 16, 1
@@ -32,9 +27,10 @@ def _setup(prefix_lens: list[int], new_lens: list[int], max_tokens: int
     shape = AttentionShape(HEADS, KV_HEADS, DIM, DIM**-0.5)
     inner = TorchNativeBackend(shape, pool, table)
     scope = BatchScope()
-    io = AttentionIO.allocate(max_tokens, HEADS, KV_HEADS, DIM, DTYPE, torch.device("cpu"))
     graphs = BreakableGraphBackend(torch.device("cpu"))
-    return BreakingAttention(inner, graphs, scope, io), inner, scope, batch
+    breaking = graphs.wrap_attention(inner, scope, max_tokens)
+    assert isinstance(breaking, BreakingAttention)
+    return breaking, inner, scope, batch
 
 
 def _qkv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,17 +59,19 @@ def test_padded_forward_attends_real_tokens_only() -> None:
     torch.testing.assert_close(out[:n], ref)
 
 
-def test_views_follow_the_bound_token_count() -> None:
-    """The per-token-count views are reused while the count stays, rebuilt when it changes
-    (a stale view would attend the wrong number of rows)."""
+def test_each_call_attends_the_token_count_bound_for_it() -> None:
+    """The same op bound to fewer tokens attends only those (a stale row count would
+    attend or store the wrong rows); the metadata argument plays no part."""
     breaking, inner, scope, batch = _setup([2], [6], max_tokens=16)
-    io = breaking.io
-    assert io.rows(6) is io.rows(6)
-    q6 = io.rows(6)[0]
-    assert q6.shape[0] == 6 and io.rows(3)[0].shape[0] == 3 and io.rows(6)[0] is not q6
     q, k, v = _qkv(8, seed=5)
     with scope.bind(inner.build_metadata(batch), batch.num_tokens):
-        out_a = breaking.forward(q, k, v, LAYER, meta=object()).clone()  # type: ignore[arg-type]
+        out_a = breaking.forward(q, k, v, LAYER, meta=object())  # type: ignore[arg-type]
     with scope.bind(inner.build_metadata(batch), batch.num_tokens):
         out_b = breaking.forward(q, k, v, LAYER, meta=SCOPED)
     assert torch.equal(out_a[:6], out_b[:6])
+    short, short_inner, short_scope, short_batch = _setup([2], [3], max_tokens=16)
+    with short_scope.bind(short.build_metadata(short_batch), 3):
+        out_c = short.forward(q, k, v, LAYER, meta=SCOPED)  # 8 rows in, 3 real
+    ref = short_inner.forward(q[:3], k[:3], v[:3], LAYER,
+                              short_inner.build_metadata(short_batch))
+    torch.testing.assert_close(out_c[:3], ref)

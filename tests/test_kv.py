@@ -114,3 +114,22 @@ def test_random_admit_extend_decode_release_keep_accounting(seq: list[tuple[str,
         m.check_invariants()
         s = m.stats()
         assert s.free_tokens + sum(x.length for x in m._seqs.values()) == s.total_tokens
+
+
+@pytest.mark.parametrize("lens", [[2, 1, 3], [1] * 40, [300, 5], [7]])
+def test_each_sequence_finds_its_new_locations_in_the_host_table(lens: list[int]) -> None:
+    """Whichever way ``write_host`` takes (one slice, one scatter for short spans, a slice
+    per long span), every sequence's row holds exactly the locations handed to it."""
+    m = manager(tokens=2048, slots=64, ctx=512)
+    m.allocate([("old", 4)])
+    ids = [f"s{i}" for i in range(len(lens))]
+    first = m.allocate([(sid, n) for sid, n in zip(ids, lens, strict=True)] + [("old", 2)])
+    second = m.allocate([(sid, 1) for sid in ids])
+    for alloc in (first, second):
+        offset = 0
+        for ext in alloc.extensions:
+            want = alloc.out_cache_loc[offset : offset + ext.new_len]
+            got = m.table.locations(ext.slot, ext.prefix_len, ext.seq_len)
+            assert torch.equal(got, want), (ext, got, want)
+            offset += ext.new_len
+    m.check_invariants()

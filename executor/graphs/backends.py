@@ -2,8 +2,12 @@
 
 A backend knows nothing about models, phases or batches. The contract:
 
-* ``capture(shape, fn)`` runs ``fn`` under capture and returns its static output tensor;
-  ``fn`` must read its inputs from static buffers the caller refreshes before replay.
+* ``warm_up(shape, fn)`` runs ``fn`` uncaptured where capture will run it, as often as the
+  backend needs: compilation, lazily loaded kernels, library workspaces and first
+  allocations happen there, so the memory a capture then takes is the graph's own.
+* ``capture(shape, fn)`` runs ``fn`` under capture (after ``warm_up``) and returns its
+  static output tensor; ``fn`` must read its inputs from static buffers the caller
+  refreshes before replay.
 * ``replay(shape)`` re-runs the captured work and returns the same static output tensor.
   NOTE: the output's memory is reused by the next replay of *any* shape of this backend
   (they share one pool), so the caller must copy or consume it before replaying again.
@@ -16,7 +20,8 @@ pool already holds instead of growing it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -29,6 +34,53 @@ if TYPE_CHECKING:
 CapturedFn = Callable[[], torch.Tensor]
 # forward(input_ids (T,), positions (T,), meta) -> logits or hidden states (T, ...)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated.
+
+    Graph code holds these to read or write, at every replay, a tensor that lived only
+    during capture: its pool block is free for later captures once the capturing code
+    drops its own references, and replay, running in capture order, reaches the block
+    before anything captured later reuses it."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                          storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        alias, t.storage_offset(), t.size(), t.stride())
+
+
+class CaptureStream:
+    """The side stream a backend warms up and captures on, and the memory pool its graphs
+    share; both made at first use, the pool dropped by ``reset``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @contextmanager
+    def active(self) -> Iterator[torch.cuda.Stream]:
+        """Make the side stream current (ordered after, then before, the current one)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield self._stream
+        finally:
+            current.wait_stream(self._stream)
+
+    def warm_up(self, fn: CapturedFn, runs: int) -> None:
+        with self.active():
+            for _ in range(runs):
+                fn()
+
+    def reset(self) -> None:
+        self.pool = None
 
 
 class CaptureBackend(Protocol):
@@ -50,6 +102,8 @@ class CaptureBackend(Protocol):
         """Return the callable that captures and replays will run (a backend that compiles
         returns the compiled one); called once per runner."""
         ...
+
+    def warm_up(self, shape: int, fn: CapturedFn) -> None: ...
 
     def capture(self, shape: int, fn: CapturedFn) -> torch.Tensor: ...
 
@@ -79,25 +133,17 @@ class FullGraphBackend:
     def __init__(self, device: torch.device, warmup_runs: int = 2) -> None:
         self.device = device
         self.warmup_runs = warmup_runs
-        self._pool: Any = None
+        self.streams = CaptureStream(device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._stream: torch.cuda.Stream | None = None
+
+    def warm_up(self, shape: int, fn: CapturedFn) -> None:
+        self.streams.warm_up(fn, self.warmup_runs)
 
     def capture(self, shape: int, fn: CapturedFn) -> torch.Tensor:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
-        # Warm-up runs on the capture stream: JIT compilation, cuBLAS workspaces and the
-        # allocator's first blocks happen here, not inside the graph.
-        assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            for _ in range(self.warmup_runs):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        with self.streams.active() as stream, \
+                torch.cuda.graph(graph, pool=self.streams.pool, stream=stream):
             out = fn()
         self._graphs[shape] = graph
         self._outputs[shape] = out
@@ -116,4 +162,4 @@ class FullGraphBackend:
     def release(self) -> None:
         self._graphs.clear()
         self._outputs.clear()
-        self._pool = None
+        self.streams.reset()

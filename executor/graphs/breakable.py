@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
-from executor.graphs.backends import CapturedFn, ForwardFn
+from executor.graphs.backends import CapturedFn, CaptureStream, ForwardFn, weak_view
 
 EagerOp = Callable[[], None]
 
@@ -45,10 +45,7 @@ class BreakableGraphBackend:
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
         """The attention the model calls under this backend: marked graph-hostile."""
-        s = attn.shape
-        io = AttentionIO.allocate(max_tokens, s.num_heads, s.num_kv_heads, s.head_dim,
-                                  attn.pool.dtype, self.device)
-        return BreakingAttention(attn, self, scope, io)
+        return BreakingAttention(attn, self, scope)
 
     def prepare_forward(self, forward: ForwardFn) -> ForwardFn:
         return forward
@@ -56,8 +53,7 @@ class BreakableGraphBackend:
     def __init__(self, device: torch.device, warmup_runs: int = 1) -> None:
         self.device = device
         self.warmup_runs = warmup_runs
-        self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
+        self.streams = CaptureStream(device)
         self._captures: dict[int, _Capture] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._active: _Capture | None = None
@@ -79,15 +75,11 @@ class BreakableGraphBackend:
         cap.current = self._begin_segment()
 
     # -- capture backend contract ----------------------------------------------------------
+    def warm_up(self, shape: int, fn: CapturedFn) -> None:
+        self.streams.warm_up(fn, self.warmup_runs)  # not capturing: ops run inline
+
     def capture(self, shape: int, fn: CapturedFn) -> torch.Tensor:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
-        assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            for _ in range(self.warmup_runs):
-                fn()  # not capturing: graph_break is not called, ops run inline
+        with self.streams.active():
             cap = _Capture()
             self._active = cap
             try:
@@ -97,14 +89,13 @@ class BreakableGraphBackend:
                 cap.segments.append(cap.current)
             finally:
                 self._active = None
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._captures[shape] = cap
         self._outputs[shape] = out
         return out
 
     def _begin_segment(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self._pool)
+        graph.capture_begin(pool=self.streams.pool)
         return graph
 
     def replay(self, shape: int) -> torch.Tensor:
@@ -127,7 +118,7 @@ class BreakableGraphBackend:
     def release(self) -> None:
         self._captures.clear()
         self._outputs.clear()
-        self._pool = None
+        self.streams.reset()
 
 
 class BatchScope:
@@ -151,50 +142,37 @@ class BatchScope:
             self.meta, self.num_tokens = None, 0
 
 
-@dataclass
-class AttentionIO:
-    """Static attention inputs and output ``(max_tokens, heads, head_dim)``, shared by every
-    layer and every shape of a runner.
+class _RowViews:
+    """The op's tensors cut to the bound batch's real tokens, cut once per token count:
+    every layer of a replay asks for the same count, and slicing costs host time."""
 
-    The segment before layer ``i``'s attention copies q/k/v in; the eager op reads them and
-    writes ``out``; the segment after consumes ``out`` before layer ``i + 1`` writes any of
-    them again, so one set is enough. Copying q/k/v into static buffers (instead of keeping
-    the segment's own tensors alive) lets the pool reuse those activations across layers,
-    as a single graph would.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    _rows: tuple[int, tuple[torch.Tensor, ...]] = field(default=(-1, ()), init=False,
-                                                        repr=False)
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors
+        self._rows: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())
 
     def rows(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Views ``(q, k, v, out)[:n]``, made once per token count: every layer of a
-        replay asks for the same ``n``, and slicing costs host time at each call."""
         if self._rows[0] != n:
-            self._rows = (n, (self.q[:n], self.k[:n], self.v[:n], self.out[:n]))
+            self._rows = (n, tuple(t[:n] for t in self.tensors))
         return self._rows[1]
-
-    @staticmethod
-    def allocate(max_tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> AttentionIO:
-        def buf(h: int) -> torch.Tensor:
-            return torch.zeros(max_tokens, h, head_dim, dtype=dtype, device=device)
-
-        return AttentionIO(buf(heads), buf(kv_heads), buf(kv_heads), buf(heads))
 
 
 class BreakingAttention(AttentionBackend):
-    """Attention marked graph-hostile: under capture it breaks the graph and runs eagerly."""
+    """Attention marked graph-hostile: under capture it breaks the graph and runs eagerly.
+
+    The eager op reads q/k/v where the segment before it wrote them and writes its output
+    into a tensor that segment allocated, for the segment after it to read: all in the
+    graphs' shared pool, held through ``weak_view`` (no static copies, no extra kernels).
+    Like the pieces of ``tc_piecewise``, that keeps the pool about one forward's
+    activations: a layer's q/k/v/out blocks are reused by later layers and smaller
+    buckets, which replay only after this op has run.
+    """
 
     name = "breaking"
 
-    def __init__(self, inner: AttentionBackend, graphs: BreakableGraphBackend, scope: BatchScope,
-                 io: AttentionIO) -> None:
+    def __init__(self, inner: AttentionBackend, graphs: BreakableGraphBackend, scope: BatchScope
+                 ) -> None:
         super().__init__(inner.shape, inner.pool, inner.table)
-        self.inner, self.graphs, self.scope, self.io = inner, graphs, scope, io
+        self.inner, self.graphs, self.scope = inner, graphs, scope
 
     def build_metadata(self, batch: Any) -> AttentionMetadata:
         return self.inner.build_metadata(batch)
@@ -202,22 +180,18 @@ class BreakingAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``meta`` is ignored: the batch bound to the scope (dummy while capturing, the
-        real one while replaying) is what attention reads."""
-        t = q.shape[0]
-        io = self.io
-        io.q[:t].copy_(q)
-        io.k[:t].copy_(k)
-        io.v[:t].copy_(v)
+        real one while replaying) is what attention reads. Rows past its token count
+        (bucket padding) neither store K/V nor attend; their output is left unwritten."""
+        out = q.new_empty(q.shape)  # while capturing: a block of the graphs' pool
+        if not self.graphs.capturing:
+            self._attend(_RowViews((q, k, v, out)), layer_id)
+            return out
+        views = _RowViews(tuple(weak_view(t) for t in (q, k, v, out)))
+        self.graphs.graph_break(lambda: self._attend(views, layer_id))
+        return out
 
-        def run() -> None:
-            # Real tokens only: padded rows neither store K/V nor attend.
-            bound = self.scope.meta
-            assert bound is not None, "breakable attention without a bound batch"
-            qs, ks, vs, out = io.rows(self.scope.num_tokens)
-            self.inner.forward_into(qs, ks, vs, out, layer_id, bound)
-
-        if self.graphs.capturing:
-            self.graphs.graph_break(run)
-        else:
-            run()
-        return io.out[:t]
+    def _attend(self, views: _RowViews, layer_id: int) -> None:
+        bound = self.scope.meta
+        assert bound is not None, "breakable attention without a bound batch"
+        q, k, v, out = views.rows(self.scope.num_tokens)
+        self.inner.forward_into(q, k, v, out, layer_id, bound)

@@ -36,24 +36,29 @@ from executor.model.llama import CausalLM
 
 @dataclass
 class GraphInputs:
-    """Static token inputs the graphs read, sized for the largest bucket."""
+    """Static token inputs the graphs read, sized for the largest bucket: token ids over
+    positions in one ``(2, max_tokens)`` buffer, filled by one copy per step."""
 
-    input_ids: torch.Tensor  # (max_tokens,) int64
-    positions: torch.Tensor  # (max_tokens,) int64
+    ids_positions: torch.Tensor  # (2, max_tokens) int64
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.ids_positions[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ids_positions[1]
 
     @staticmethod
     def allocate(max_tokens: int, device: torch.device) -> GraphInputs:
-        return GraphInputs(torch.zeros(max_tokens, dtype=torch.int64, device=device),
-                           torch.zeros(max_tokens, dtype=torch.int64, device=device))
+        return GraphInputs(torch.zeros(2, max_tokens, dtype=torch.int64, device=device))
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy the batch in; padded tokens ``T..bucket`` are token 0 at position 0."""
         t = batch.num_tokens
-        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:t].copy_(batch.positions, non_blocking=True)
+        self.ids_positions[:, :t].copy_(batch.ids_positions, non_blocking=True)
         if bucket > t:
-            self.input_ids[t:bucket].zero_()
-            self.positions[t:bucket].zero_()
+            self.ids_positions[:, t:bucket].zero_()
 
 
 class ReplayTimer:
@@ -138,10 +143,6 @@ class GraphRunner:
             self.release()
         self.failed.clear()
         self._state = None
-        if self.attention_in_graph and not self._static_meta_ready:
-            largest = max(self.buckets)
-            self.attn.init_graph_buffers(largest, largest)
-            self._static_meta_ready = True
         start = time.perf_counter()
         # Largest first: the shared pool is sized by the biggest bucket, and each smaller
         # one is captured into blocks the pool already holds instead of growing it.
@@ -149,16 +150,19 @@ class GraphRunner:
         results = []
         bar = tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})", unit="bucket",
                    disable=not progress)
-        # frozen_gc collects garbage first and empty_cache returns cached blocks, before
-        # and after, so the difference in free memory is what the graphs hold (not a
-        # dropped executor's memory freed meanwhile). After: warm-up runs on the capture
-        # stream leave activations cached for that stream alone (nothing else can reuse
-        # them); empty_cache gives them back. It does not touch the graphs' pool.
+        # Graph memory is what the graphs hold: their static buffers (attention metadata,
+        # the shared output) and, per bucket, the free-memory drop of the capture alone.
+        # Each bucket warms up before its first reading, so kernels loaded at their first
+        # use, library workspaces and warm-up activations are not counted (a first
+        # capture in a process would otherwise report a few hundred MiB that are not the
+        # graphs'). frozen_gc collects garbage first, so no dropped object is freed
+        # meanwhile. After: warm-up activations stay cached for the capture stream alone;
+        # empty_cache gives them back (it does not touch the graphs' pool).
         with frozen_gc():
             torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info(self.device)[0]
-            if self.backend.whole_forward_in_graph and self._out is None:  # graph memory
-                self._out = self._allocate_output(max(self.buckets))
+            self._allocate_static_buffers()
+            static_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
             with torch.inference_mode():
                 for bucket in bar:
                     results.append(self._capture_one(bucket))
@@ -167,31 +171,23 @@ class GraphRunner:
         bar.close()
         self._state = None
         torch.cuda.empty_cache()
-        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        used = static_bytes + sum(r.memory_bytes for r in results)
         return PhaseCapture(self.phase, self.backend.name,
                             tuple(sorted(results, key=lambda r: r.size)),
                             (time.perf_counter() - start) * 1e3, used)
 
     def _capture_one(self, bucket: int) -> BucketCapture:
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         try:
             if self.before_capture is not None:
                 self.before_capture(bucket)
-            self.inputs.input_ids[:bucket].zero_()
-            self.inputs.positions[:bucket].zero_()
-            if self.attention_in_graph:
-                meta = self.attn.capture_metadata(self.phase, bucket, bucket)
-                self.backend.capture(bucket, self._forward_fn(bucket, meta))
-                self._meta[bucket] = meta
-            else:
-                # Attention reads the batch bound to the scope, not an argument: the
-                # forward gets ``SCOPED`` (one compiled function serves every bucket).
-                dummy = dummy_batch(self.phase, bucket, self.max_context, self.device)
-                with self.scope.bind(self.attn.build_metadata(dummy), bucket):
-                    self.backend.capture(bucket, self._forward_fn(bucket, SCOPED))
-            torch.cuda.synchronize(self.device)
+            self.inputs.ids_positions[:, :bucket].zero_()
+            with self._capture_forward(bucket) as fn:
+                self.backend.warm_up(bucket, fn)
+                torch.cuda.synchronize(self.device)
+                free_before = torch.cuda.mem_get_info(self.device)[0]
+                self.backend.capture(bucket, fn)
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # one bucket failing must not stop the others
             self.failed[bucket] = f"{type(exc).__name__}: {exc}"
             torch.cuda.synchronize(self.device)
@@ -199,6 +195,31 @@ class GraphRunner:
                                  self.failed[bucket])
         used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
+
+    @contextmanager
+    def _capture_forward(self, bucket: int) -> Iterator[Callable[[], torch.Tensor]]:
+        """The forward to warm up and capture for ``bucket``, with its attention inputs:
+        static metadata (kept for replay once captured) or a dummy batch bound to the
+        scope (attention reads the scope, not an argument: the forward gets ``SCOPED``,
+        so one compiled function serves every bucket)."""
+        if self.attention_in_graph:
+            meta = self.attn.capture_metadata(self.phase, bucket, bucket)
+            yield self._forward_fn(bucket, meta)
+            self._meta[bucket] = meta
+        else:
+            dummy = dummy_batch(self.phase, bucket, self.max_context, self.device)
+            with self.scope.bind(self.attn.build_metadata(dummy), bucket):
+                yield self._forward_fn(bucket, SCOPED)
+
+    def _allocate_static_buffers(self) -> None:
+        """Buffers every bucket's graphs share, made at the first capture: attention's
+        static metadata (when captured inside the graphs) and the shared output."""
+        largest = max(self.buckets)
+        if self.attention_in_graph and not self._static_meta_ready:
+            self.attn.init_graph_buffers(largest, largest)
+            self._static_meta_ready = True
+        if self.backend.whole_forward_in_graph and self._out is None:
+            self._out = self._allocate_output(largest)
 
     def _allocate_output(self, rows: int) -> torch.Tensor:
         spec = self.model.spec

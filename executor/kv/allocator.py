@@ -23,28 +23,32 @@ class TokenAllocator:
         if size <= 0:
             raise ValueError(f"KV pool needs at least one token location, got {size}")
         self.size = size
-        # The top of the stack is at the end; allocating from the end hands out low
-        # locations first, which keeps a lightly used pool compact.
-        self._free = torch.arange(size, 0, -1, dtype=torch.int64)
-        self._num_free = size
+        # Free locations are ``_free[_head:]``: allocating takes the next ``n`` from the
+        # head (one slice and a copy; ascending at first, which keeps a lightly used pool
+        # compact), freeing puts locations back just before it.
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._head = 0
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return self.size - self._head
 
     @property
     def num_used(self) -> int:
-        return self.size - self._num_free
+        return self._head
+
+    def free_locations(self) -> torch.Tensor:
+        """The free locations (a view: for checks, not to keep)."""
+        return self._free[self._head :]
 
     def alloc(self, n: int) -> torch.Tensor:
         """Return ``n`` distinct free locations (a CPU int64 tensor) or raise OutOfResources."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} locations")
-        if n > self._num_free:
-            raise OutOfResources("kv_tokens", needed=n, free=self._num_free)
-        start = self._num_free - n
-        out = self._free[start : self._num_free].flip(0).clone()
-        self._num_free = start
+        if n > self.num_free:
+            raise OutOfResources("kv_tokens", needed=n, free=self.num_free)
+        out = self._free[self._head : self._head + n].clone()
+        self._head += n
         return out
 
     def free(self, locations: torch.Tensor) -> None:
@@ -52,10 +56,10 @@ class TokenAllocator:
         n = int(locations.numel())
         if n == 0:
             return
-        if self._num_free + n > self.size:
+        if n > self._head:
             raise RuntimeError("KV accounting broken: freeing more locations than are in use")
-        self._free[self._num_free : self._num_free + n] = locations.flip(0).to(torch.int64)
-        self._num_free += n
+        self._head -= n
+        self._free[self._head : self._head + n] = locations
 
 
 class SlotAllocator:

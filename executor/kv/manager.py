@@ -148,7 +148,7 @@ class KVCacheManager:
             all_locs = torch.cat(owned)
             assert int(all_locs.unique().numel()) == int(all_locs.numel()), "location owned twice"
             assert int(all_locs.min()) >= 1, "reserved location handed out"
-            free = self.tokens._free[: self.tokens.num_free]
+            free = self.tokens.free_locations()
             assert not bool(torch.isin(all_locs, free).any()), "owned location is also free"
         slots = [s.slot for s in self._seqs.values()]
         assert len(set(slots)) == len(slots), "slot owned twice"

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# Up to this many new tokens, ``write_host`` scatters them with one index list built in
+# Python; above it, one slice copy per sequence is cheaper than the list.
+_SCATTER_MAX_TOKENS = 256
+
 
 class KVPool:
     """Per-layer K and V buffers indexed by token location.
@@ -66,11 +70,23 @@ class ReqToTokenTable:
         self.device_table = torch.zeros((max_sequences, max_context), dtype=torch.int32,
                                         device=device)
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
+        self._host_flat = self.host_table.view(-1)
 
     def write_host(self, spans: list[tuple[int, int, int]], locs: torch.Tensor) -> None:
         """For each ``(slot, start, n)`` in order, set ``host_table[slot, start:start + n]``
-        to the next ``n`` of ``locs`` (allocation time; one slice copy per sequence)."""
+        to the next ``n`` of ``locs`` (allocation time). One slice copy for one sequence;
+        one scatter for many short spans (a decode batch: one host op, not one per
+        sequence); a slice copy per sequence when the spans are long."""
         locs32 = locs.to(torch.int32)
+        if len(spans) == 1:
+            slot, start, n = spans[0]
+            self.host_table[slot, start : start + n] = locs32
+            return
+        width = self.max_context
+        if len(locs32) <= _SCATTER_MAX_TOKENS:
+            flat = [slot * width + start + j for slot, start, n in spans for j in range(n)]
+            self._host_flat[torch.tensor(flat, dtype=torch.int64)] = locs32
+            return
         offset = 0
         for slot, start, n in spans:
             self.host_table[slot, start : start + n] = locs32[offset : offset + n]

@@ -10,7 +10,8 @@ How a forward becomes graphs:
    ``compile.py``) and installed as ``GraphedPiece`` modules (``pieces.py``); attention
    submodules call the op's impl directly (``custom_op.direct_call``). The token
    dimension is marked dynamic, so one compilation serves every bucket.
-3. ``capture(shape, fn)`` warms ``fn`` up, then runs it once in capture mode: each piece
+3. ``warm_up(shape, fn)`` runs ``fn`` (compiling at the first call), then
+   ``capture(shape, fn)`` runs it once in capture mode: each piece
    captures one ``torch.cuda.CUDAGraph`` for ``shape`` (one pool for all pieces and shapes)
    while attention runs eagerly between them. ``replay(shape)`` runs the same split graph
    in replay mode (skipping Dynamo's guards, see ``replay``): pieces replay their graphs,
@@ -36,7 +37,7 @@ import torch
 from torch.fx import GraphModule
 
 from executor.attention.base import AttentionBackend
-from executor.graphs.backends import CapturedFn, ForwardFn
+from executor.graphs.backends import CapturedFn, CaptureStream, ForwardFn
 from executor.graphs.breakable import BatchScope
 from executor.graphs.piecewise.cache import CompileCache, compile_key
 from executor.graphs.piecewise.compile import (
@@ -119,7 +120,7 @@ class PiecewiseCompileBackend:
         self.pieces: list[GraphedPiece] = []  # of every compilation, in call order
         self.split: SplitGraph | None = None  # the last compilation's split graph
         self._fns: dict[int, CapturedFn] = {}
-        self._stream: torch.cuda.Stream | None = None
+        self.streams = CaptureStream(device)
         self._compiled_in_call = False
         self._traced_inference: bool | None = None  # kind of the first forward's inputs
         # Per captured shape: the split graph and the exact arguments Dynamo called it with
@@ -238,19 +239,16 @@ class PiecewiseCompileBackend:
             (out / f"{order:03d}_{sub.kind}_{sub.index}.py").write_text(text)
 
     # -- capture backend contract: graphs -----------------------------------------------------
+    def warm_up(self, shape: int, fn: CapturedFn) -> None:
+        """Run mode on the capture stream: the first call compiles; Triton autotuning,
+        cuBLAS workspaces and first allocations happen here, not inside a graph."""
+        self._require_cuda()
+        self.streams.warm_up(fn, self.warmup_runs)
+
     def capture(self, shape: int, fn: CapturedFn) -> torch.Tensor:
-        if self.device.type != "cuda":
-            raise RuntimeError(f"tc_piecewise captures CUDA graphs; on {self.device.type} "
-                               "call the compiled forward directly")
-        if self._stream is None:
-            self.mode.pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            # Warm-up in run mode: the first call compiles; Triton autotuning, cuBLAS
-            # workspaces and first allocations happen here, not inside a graph.
-            for _ in range(self.warmup_runs):
-                fn()
+        self._require_cuda()
+        with self.streams.active():
+            self.mode.pool = self.streams.pool
             self._recording = None
             try:
                 with self.mode.active("capture", shape):
@@ -263,11 +261,15 @@ class PiecewiseCompileBackend:
                 raise
             finally:
                 call, self._recording = self._recording, None
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._fns[shape] = fn
         if call is not None and call.returns(out):
             self._direct[shape] = call.without_output()
         return out
+
+    def _require_cuda(self) -> None:
+        if self.device.type != "cuda":
+            raise RuntimeError(f"tc_piecewise captures CUDA graphs; on {self.device.type} "
+                               "call the compiled forward directly")
 
     def replay(self, shape: int) -> torch.Tensor:
         """Replay ``shape``: pieces replay their graphs, attention runs eagerly between.
@@ -304,4 +306,4 @@ class PiecewiseCompileBackend:
         self._fns.clear()
         self._direct.clear()
         self.mode.pool = None
-        self._stream = None
+        self.streams.reset()

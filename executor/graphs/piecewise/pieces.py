@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from executor.graphs.backends import weak_view
+
 Mode = Literal["run", "capture", "replay"]
 
 
@@ -60,15 +62,6 @@ class GraphMode:
         finally:
             self.kind, self.shape = "run", 0
             self.produced.clear()
-
-
-def weak_view(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not keep that memory allocated."""
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
-                                                          storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        alias, t.storage_offset(), t.size(), t.stride())
 
 
 def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
