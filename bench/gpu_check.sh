@@ -27,7 +27,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 if [ "${HOST_PROFILE:-1}" = 1 ]; then  # where a step's host time goes (1B shape)
-  python3 -m bench.host_profile --model llama-3.2-1b --calls 100 --case prefill:breakable:128 \
+  python3 -m bench.host_profile --model llama-3.2-1b --calls 100 --kernels 12 \
+    --case prefill:breakable:128 --case prefill:tc_piecewise/inductor:128 \
     --case prefill:breakable:2048 --case decode:full:1 --case decode:breakable:1 \
     > "$OUT/host_profile.txt" 2>&1
   tail -n 3 "$OUT/host_profile.txt"
