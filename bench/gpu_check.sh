@@ -31,7 +31,7 @@ if [ "${HOST_PROFILE:-1}" = 1 ]; then  # where a step's host time goes (1B shape
     --case prefill:breakable:128 --case prefill:tc_piecewise/inductor:128 \
     --case prefill:breakable:2048 --case decode:full:1 --case decode:breakable:1 \
     > "$OUT/host_profile.txt" 2>&1
-  tail -n 3 "$OUT/host_profile.txt"
+  tail -n 24 "$OUT/host_profile.txt"
 fi
 bench_rc=0
 if [ "${BENCH:-1}" = 1 ]; then
