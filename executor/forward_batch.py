@@ -32,7 +32,6 @@ class ForwardBatch:
     phase: Phase
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
-    ids_positions: torch.Tensor  # (2, T) int64: input_ids over positions (one copy for both)
     out_cache_loc: torch.Tensor  # (T,) int64: KV location each new token writes
     req_pool_indices: torch.Tensor  # (B,) int64: request-slot row of each sequence
     seq_lens: torch.Tensor  # (B,) int64: length after this step (prefix + new)
@@ -121,15 +120,13 @@ class ForwardBatch:
                               per_token(seq_t[:b])))
             if pin:
                 flat = flat.pin_memory()
-        flat_d = flat.to(device, non_blocking=True)
         sizes = [acc, acc, acc, b, b, b, b, b, len(last_rows), acc]
-        views = torch.split(flat_d, sizes)
+        views = torch.split(flat.to(device, non_blocking=True), sizes)
         ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d, tok_d = views
         return ForwardBatch(
             phase=phase,
             input_ids=ids_d,
             positions=pos_d,
-            ids_positions=flat_d[: 2 * acc].view(2, acc),
             out_cache_loc=locs_d,
             req_pool_indices=slots_d,
             seq_lens=seq_lens_d,
@@ -163,12 +160,10 @@ def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.d
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     zeros = [0] * len(lens)
-    ids_positions = dev([0] * num_tokens + positions).view(2, num_tokens)
     return ForwardBatch(
         phase=phase,
-        input_ids=ids_positions[0],
-        positions=ids_positions[1],
-        ids_positions=ids_positions,
+        input_ids=dev([0] * num_tokens),
+        positions=dev(positions),
         out_cache_loc=dev([0] * num_tokens),
         req_pool_indices=dev(zeros),
         seq_lens=dev(lens),

@@ -36,29 +36,26 @@ from executor.model.llama import CausalLM
 
 @dataclass
 class GraphInputs:
-    """Static token inputs the graphs read, sized for the largest bucket: token ids over
-    positions in one ``(2, max_tokens)`` buffer, filled by one copy per step."""
+    """Static token inputs the graphs read, sized for the largest bucket. Two tensors,
+    not views of one: a compiled forward (``tc_piecewise``) must not see its inputs
+    alias each other."""
 
-    ids_positions: torch.Tensor  # (2, max_tokens) int64
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.ids_positions[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.ids_positions[1]
+    input_ids: torch.Tensor  # (max_tokens,) int64
+    positions: torch.Tensor  # (max_tokens,) int64
 
     @staticmethod
     def allocate(max_tokens: int, device: torch.device) -> GraphInputs:
-        return GraphInputs(torch.zeros(2, max_tokens, dtype=torch.int64, device=device))
+        return GraphInputs(torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                           torch.zeros(max_tokens, dtype=torch.int64, device=device))
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy the batch in; padded tokens ``T..bucket`` are token 0 at position 0."""
         t = batch.num_tokens
-        self.ids_positions[:, :t].copy_(batch.ids_positions, non_blocking=True)
+        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:t].copy_(batch.positions, non_blocking=True)
         if bucket > t:
-            self.ids_positions[:, t:bucket].zero_()
+            self.input_ids[t:bucket].zero_()
+            self.positions[t:bucket].zero_()
 
 
 class ReplayTimer:
@@ -181,7 +178,8 @@ class GraphRunner:
         try:
             if self.before_capture is not None:
                 self.before_capture(bucket)
-            self.inputs.ids_positions[:, :bucket].zero_()
+            self.inputs.input_ids[:bucket].zero_()
+            self.inputs.positions[:bucket].zero_()
             with self._capture_forward(bucket) as fn:
                 self.backend.warm_up(bucket, fn)
                 torch.cuda.synchronize(self.device)
