@@ -7,11 +7,21 @@ enough to compute a floor, not a hardware characterization.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+
+
+def release_memory() -> None:
+    """Give back the device memory of executors the caller has dropped: their reference
+    cycles are collected first, so the next capture's memory figure does not see them
+    freed in the middle of it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from bench import hardware
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
@@ -228,7 +229,7 @@ def profile_case(source: str, case: str, calls: int, attention: str, kernels: in
             head += (f"\n  compile stats: {vars(backend.stats)}; direct replays "  # type: ignore[union-attr]
                      f"{len(backend.direct_replays())} of {len(backend.captured())}")  # type: ignore[union-attr]
     del ex
-    torch.cuda.empty_cache()
+    hardware.release_memory()
     table = _kernel_table(gpu, kernels) if kernels else ""
     return head + "\n" + table + buf.getvalue()
 

@@ -180,7 +180,7 @@ def decode_big_shape(prof: dict[str, Any], model_dir: Path, bw_gbs: float
                          "floor_ms": floor_ms, "load_s": info["load_s"]})
             print(f"decode {name} {rows[-1]['mode']} bs={bs}: {row}", flush=True)
     del ex
-    torch.cuda.empty_cache()
+    hardware.release_memory()
     return rows
 
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if i == 0 and torch.cuda.is_available():
             result["kernel_profile"] = decode.kernel_profile(ex, 1, prof["contexts"][0])
         del ex
-        torch.cuda.empty_cache()
+        hardware.release_memory()
         save()
 
     # -- prefill: eager vs each graph mode -----------------------------------------------
@@ -307,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefill {mode} tokens={n} seqs={seqs}: {row}", flush=True)
         prefill_eager_done.add(attention)
         del ex
-        torch.cuda.empty_cache()
+        hardware.release_memory()
         if parse_mode(mode)[1] == "inductor":  # the restart: warm start-up only
             ex, info = build(model_dir, "disabled", mode, prof, compile_cache)
             result["startup"].append({**info, "start": "warm"})
             del ex
-            torch.cuda.empty_cache()
+            hardware.release_memory()
         save()
 
     # -- the 8B shape: decode -----------------------------------------------------------
