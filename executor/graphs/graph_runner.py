@@ -148,7 +148,8 @@ class GraphRunner:
         bar = tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})", unit="bucket",
                    disable=not progress)
         # Graph memory is what the graphs hold: their static buffers (attention metadata,
-        # the shared output) and, per bucket, the free-memory drop of the capture alone.
+        # the shared output) and, per bucket, the free-memory drop of the capture alone
+        # (a private pool's segments are its own, so they show in free memory).
         # Each bucket warms up before its first reading, so kernels loaded at their first
         # use, library workspaces and warm-up activations are not counted (a first
         # capture in a process would otherwise report a few hundred MiB that are not the
@@ -157,9 +158,11 @@ class GraphRunner:
         # empty_cache gives them back (it does not touch the graphs' pool).
         with frozen_gc():
             torch.cuda.empty_cache()
-            free_before = torch.cuda.mem_get_info(self.device)[0]
+            # Allocated bytes, not free memory: the caching allocator may carve these
+            # buffers out of a segment it already holds.
+            allocated_before = torch.cuda.memory_allocated(self.device)
             self._allocate_static_buffers()
-            static_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+            static_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
             with torch.inference_mode():
                 for bucket in bar:
                     results.append(self._capture_one(bucket))
