@@ -185,17 +185,24 @@ class GraphRunner:
             self.inputs.positions[:bucket].zero_()
             with self._capture_forward(bucket) as fn:
                 self.backend.warm_up(bucket, fn)
-                torch.cuda.synchronize(self.device)
-                free_before = torch.cuda.mem_get_info(self.device)[0]
+                free_before = self._free_memory()
                 self.backend.capture(bucket, fn)
-                torch.cuda.synchronize(self.device)
+                free_after = self._free_memory()
         except Exception as exc:  # one bucket failing must not stop the others
             self.failed[bucket] = f"{type(exc).__name__}: {exc}"
             torch.cuda.synchronize(self.device)
             return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, False,
                                  self.failed[bucket])
-        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        used = max(0, free_before - free_after)
         return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
+
+    def _free_memory(self) -> int:
+        """Free device memory once cached blocks are given back: between two readings,
+        what a capture keeps (its pool segments, the graphs), not what the eager ops
+        between breakable segments left cached (they reuse it, and it is given back)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
 
     @contextmanager
     def _capture_forward(self, bucket: int) -> Iterator[Callable[[], torch.Tensor]]:
