@@ -90,11 +90,13 @@ def _step_fn(ex: Executor, phase: str, size: int, seqs: int) -> Callable[[], Non
 @dataclass
 class GpuTime:
     """Device time of one call: kernels' summed durations, the idle time between kernels
-    of the same call (gaps under ``_CALL_GAP_US``) and the top kernels by time."""
+    of the same call (gaps under ``_CALL_GAP_US``), the top kernels by time and where the
+    idle time sits (which kernel ends and which begins around each gap)."""
 
     busy_ms: float
     idle_ms: float
     kernels: list[tuple[str, float, float]]  # (name, launches per call, µs per call)
+    gaps: list[tuple[str, float, float]]  # ("before -> after", gaps per call, µs per call)
 
 
 _CALL_GAP_US = 100.0  # a longer device gap is taken as the space between two calls
@@ -113,18 +115,34 @@ def _gpu_time(step: Callable[[], None], calls: int = 20) -> GpuTime:
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    gaps = (b.time_range.start - a.time_range.end for a, b in itertools.pairwise(kernels))
-    idle_us = sum(g for g in gaps if 0 < g < _CALL_GAP_US)
+    idle_us = 0.0
+    by_pair: dict[str, list[float]] = {}
+    for a, b in itertools.pairwise(kernels):
+        gap = b.time_range.start - a.time_range.end
+        if 0 < gap < _CALL_GAP_US:
+            idle_us += gap
+            by_pair.setdefault(f"{_short(a.name)} -> {_short(b.name)}", []).append(gap)
+    gaps = sorted(((pair, len(g) / calls, sum(g) / calls) for pair, g in by_pair.items()),
+                  key=lambda row: row[2], reverse=True)
     top = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
     table = [(e.key, e.count / calls, e.self_device_time_total / calls)
              for e in top if e.self_device_time_total > 0]
     busy_us = sum(us for _, _, us in table)  # per call
-    return GpuTime(busy_us / 1e3, idle_us / calls / 1e3, table)
+    return GpuTime(busy_us / 1e3, idle_us / calls / 1e3, table, gaps)
+
+
+def _short(kernel: str) -> str:
+    """A kernel name without its template arguments: ``nvjet_sm90_tst_...``, ``_rope_kernel``,
+    ``elementwise_kernel``."""
+    name = kernel.split("<", 1)[0].split("(", 1)[0]
+    return name.rsplit("::", 1)[-1][:40]
 
 
 def _kernel_table(gpu: GpuTime, rows: int) -> str:
     lines = [f"  {'us/call':>8} {'n/call':>6}  kernel"]
     lines += [f"  {us:8.1f} {n:6.1f}  {name[:110]}" for name, n, us in gpu.kernels[:rows]]
+    lines += [f"  {'idle us':>8} {'n/call':>6}  between (kernel that ends -> kernel that starts)"]
+    lines += [f"  {us:8.1f} {n:6.1f}  {pair}" for pair, n, us in gpu.gaps[:rows]]
     return "\n".join(lines) + "\n"
 
 
@@ -200,11 +218,19 @@ def profile_case(source: str, case: str, calls: int, attention: str, kernels: in
     gpu = _gpu_time(step)
     clock = StageClock(ex)
     stage_times = []
+    torch.cuda.synchronize()
+    ex.drain_replay_seconds()
     for _ in range(calls):
         t0 = time.perf_counter()
         step()
         stage_times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
     stages = clock.report(calls, stage_times)
+    # A replay whose host issue time reaches its GPU span kept the GPU waiting on the host.
+    spans = [s for runs in ex.drain_replay_seconds().values() for s in runs]
+    if spans and "replay" in clock.times:
+        stages += (f"\n  replay: host issue {statistics.median(clock.times['replay']) * 1e6:.0f} "
+                   f"us, GPU span {statistics.median(spans) * 1e6:.0f} us (CUDA events)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -258,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         report = profile_case(source, case, args.calls, args.attention, args.kernels,
                               args.warm_first)
-        heads.append("\n".join(line for line in report.splitlines()[:4]
+        heads.append("\n".join(line for line in report.splitlines()[:6]
                                if not line.startswith(" ") or "compile stats" in line
-                               or "reserved after" in line or "host stages" in line))
+                               or "reserved after" in line or "host stages" in line
+                               or "replay: host" in line))
         print(report, flush=True)
     print("\n".join(heads))
     return 0

@@ -80,7 +80,7 @@ class Rig:
         out_loc = self.table.device_table[:bs, CONTEXT - 1].to(torch.int64).cpu()
         ids = torch.randint(0, spec.vocab_size, (bs,)).tolist()
         self.batch = ForwardBatch.build("decode", ids, Allocation(exts, out_loc),
-                                        list(range(bs)), DEVICE)
+                                        list(range(bs)), DEVICE, MAX_CONTEXT)
         self.meta = self.attn.build_metadata(self.batch)
 
 

@@ -42,7 +42,7 @@ from executor.api import (
 from executor.attention import AttentionShape, create_backend, resolve_backend_name
 from executor.config import TINY_MODEL, ExecutorConfig
 from executor.errors import ConfigError, GraphsUnavailable
-from executor.forward_batch import ForwardBatch
+from executor.forward_batch import ForwardBatch, PinnedStaging
 from executor.graphs.buckets import (
     default_decode_buckets,
     default_prefill_buckets,
@@ -108,6 +108,8 @@ class Executor:
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
         self.sampler = Sampler()
+        # Every batch's metadata goes to the device through one reused pinned buffer.
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
                              config.decode_batch_limit)
 
@@ -240,8 +242,9 @@ class Executor:
         """Pack a batch for ``alloc`` and publish its new KV locations to the device
         request-slot table (part of the same transfer). ``logits_rows`` index the
         sequences whose last new token needs logits."""
-        batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device)
-        self.table.write_device(batch.token_slots, batch.positions, batch.out_cache_loc)
+        batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
+                                   self.table.max_context, self.staging)
+        self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
 
     def kv_stats(self) -> KVStats:

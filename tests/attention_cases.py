@@ -39,5 +39,5 @@ def paged_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads
     out_loc = torch.tensor(new_locs, dtype=torch.int64)
     phase: Phase = "decode" if all(n == 1 for n in new_lens) and all(prefix_lens) else "prefill"
     fb = ForwardBatch.build(phase, [0] * len(new_locs), Allocation(tuple(exts), out_loc),
-                            [], torch.device("cpu"))
+                            [], torch.device("cpu"), table.max_context)
     return pool, table, fb

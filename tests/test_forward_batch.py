@@ -16,6 +16,7 @@ from executor import forward_batch
 from executor.forward_batch import ForwardBatch
 from executor.kv.manager import Allocation, Extension
 
+_WIDTH = 97  # request-slot table row length: not a power of two, so a wrong stride shows
 seqs = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6)
 
 
@@ -38,17 +39,17 @@ def test_both_build_paths_match_a_per_token_reference(
         monkeypatch: pytest.MonkeyPatch, list_max: int, spec: list[tuple[int, int]]) -> None:
     monkeypatch.setattr(forward_batch, "_LIST_BUILD_MAX_TOKENS", list_max)
     tokens, alloc, rows = _case(spec)
-    fb = ForwardBatch.build("prefill", tokens, alloc, rows, torch.device("cpu"))
+    fb = ForwardBatch.build("prefill", tokens, alloc, rows, torch.device("cpu"), _WIDTH)
     positions, slots, starts, acc = [], [], [], 0
     for e in alloc.extensions:
         starts.append(acc)
         acc += e.new_len
         for j in range(e.new_len):
             positions.append(e.prefix_len + j)
-            slots.append(e.slot)
+            slots.append(e.slot * _WIDTH + e.prefix_len + j)
     assert fb.input_ids.tolist() == tokens
     assert fb.positions.tolist() == positions
-    assert fb.token_slots.tolist() == slots
+    assert fb.table_index.tolist() == slots
     assert fb.out_cache_loc.tolist() == alloc.out_cache_loc.tolist()
     assert fb.extend_start.tolist() == starts
     assert fb.prefix_lens.tolist() == [e.prefix_len for e in alloc.extensions]
@@ -56,4 +57,4 @@ def test_both_build_paths_match_a_per_token_reference(
     assert fb.seq_lens.tolist() == [e.prefix_len + e.new_len for e in alloc.extensions]
     assert fb.req_pool_indices.tolist() == [e.slot for e in alloc.extensions]
     assert fb.logits_indices.tolist() == [starts[i] + spec[i][1] - 1 for i in rows]
-    assert all(t.dtype == torch.int64 for t in (fb.input_ids, fb.positions, fb.token_slots))
+    assert all(t.dtype == torch.int64 for t in (fb.input_ids, fb.positions, fb.table_index))

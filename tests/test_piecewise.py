@@ -48,9 +48,10 @@ class Rig:
         alloc = self.kv.allocate(list(chunks.items()))
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, self.spec.vocab_size, (alloc.num_tokens,), generator=gen)
-        batch = ForwardBatch.build("prefill", tokens.tolist(), alloc, [], CPU)
+        batch = ForwardBatch.build("prefill", tokens.tolist(), alloc, [], CPU,
+                                   self.table.max_context)
         # Publish the new locations to the table attention reads (as Executor.build_batch).
-        self.table.write_device(batch.token_slots, batch.positions, batch.out_cache_loc)
+        self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels.launch import FastLauncher, aligned16
+
 BLOCK = 2048  # columns per program of the first pass: 16 float32 per thread with 4 warps
 
 
@@ -55,8 +57,16 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     n_chunks = triton.cdiv(cols, block)
     vals = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
-    _chunk_argmax_kernel[(rows, n_chunks)](x, vals, idx, cols, x.stride(0), n_chunks,
-                                           BLOCK_N=block, num_warps=4)
-    _pick_chunk_kernel[(rows,)](vals, idx, out, n_chunks,
-                                CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)
+    # Keys: what the JIT specializes on (dtypes, alignment, integer arguments); see
+    # executor.kernels.launch. A decode step calls this once per step.
+    _CHUNK.launch((rows, n_chunks, 1),
+                  (x.dtype, aligned16(x, vals, idx), cols, x.stride(0), n_chunks, block),
+                  (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
+    chunks = triton.next_power_of_2(n_chunks)
+    _PICK.launch((rows, 1, 1), (aligned16(vals, idx, out), n_chunks),
+                 (vals, idx, out, n_chunks), {"CHUNKS": chunks})
     return out
+
+
+_CHUNK = FastLauncher(_chunk_argmax_kernel, num_warps=4)
+_PICK = FastLauncher(_pick_chunk_kernel, num_warps=1)

@@ -85,7 +85,8 @@ class Setup:
             locs.append(self.table.device_table[slot, p : p + n])
         out_loc = torch.cat(locs).to(torch.int64)
         alloc = Allocation(tuple(exts), out_loc.cpu())
-        return ForwardBatch.build(phase, [0] * int(out_loc.numel()), alloc, [], DEVICE)
+        return ForwardBatch.build(phase, [0] * int(out_loc.numel()), alloc, [], DEVICE,
+                                  self.table.max_context)
 
     def qkv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Random q, k, v as views of one fused QKV projection, as the model passes them."""

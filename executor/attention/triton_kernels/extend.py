@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels.launch import FastLauncher, aligned16
+
 # Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,
 # 4/8 warps, 2/3 stages: best or near-best for prefill 128..2048, a 512-token chunk after
 # 2048 cached, and 64 decode-like rows; BLOCK_M 128 lost on every case but tiny prefills.
@@ -27,6 +29,7 @@ BLOCK_M = 64  # new queries per program; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 3
+_LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -42,7 +45,10 @@ def _online_softmax_step(qk, v, m_i, l_i, acc):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["group"])
+# The per-batch metadata pointers are views at batch-dependent offsets of one packed
+# transfer: not specialized on alignment, so no batch shape ever compiles a new variant.
+@triton.jit(do_not_specialize=["group", "req_idx_ptr", "prefix_lens_ptr", "extend_lens_ptr",
+                               "extend_start_ptr", "loc_ptr"])
 def _extend_kernel(
     q_ptr,  # (T, heads, head_dim) packed new queries
     k_ptr, v_ptr,  # (T, kv_heads, head_dim) packed new keys/values
@@ -184,24 +190,24 @@ def extend_attention(
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert BLOCK_M % BLOCK_N == 0, "the unmasked causal loop steps BLOCK_N up to a BLOCK_M edge"
-    store = out_cache_loc is not None
+    loc = out_cache_loc if out_cache_loc is not None else extend_start
     grid = (triton.cdiv(max_extend_len, BLOCK_M), batch, num_heads)
-    _extend_kernel[grid](
-        q, k, v, out, k_pool, v_pool, table,
-        req_pool_indices, prefix_lens, extend_lens, extend_start,
-        out_cache_loc if store else extend_start,
-        sm_scale * math.log2(math.e), group,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1),
-        table.stride(0),
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        STORE_KV=store,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
+               table.stride(0))
+    pointers = (q, k, v, out, k_pool, v_pool, table, req_pool_indices, prefix_lens,
+                extend_lens, extend_start, loc)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+                  "STORE_KV": out_cache_loc is not None}
+    # Everything the JIT specializes on (see executor.kernels.launch): dtypes, alignment of
+    # the pointers not in ``do_not_specialize``, the integer arguments (strides) and the
+    # constexprs, which follow from head_dim and the store flag.
+    key = (tuple(t.dtype for t in pointers), aligned16(*pointers[:7]), strides, head_dim,
+           out_cache_loc is not None)
+    _LAUNCHER.launch(grid, key, (*pointers, sm_scale * _LOG2E, group, *strides), constexprs)
+
+
+# One per process: the kernel is compiled per specialization, and every executor's
+# launches share those compilations (as the JIT's own cache would).
+_LAUNCHER = FastLauncher(_extend_kernel, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
