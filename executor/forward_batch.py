@@ -84,6 +84,9 @@ class ForwardBatch:
     seq_lens_host: tuple[int, ...]
     prefix_lens_host: tuple[int, ...]
     extend_lens_host: tuple[int, ...]
+    # A decode batch's (3, B) rows (out_cache_loc, req_pool_indices, seq_lens): one view
+    # of the packed transfer, so graph metadata refreshes with one copy; None otherwise.
+    decode_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -193,6 +196,9 @@ class ForwardBatch:
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
+            # [.. out_cache_loc (T) | slots (B) | seq_lens (B) ..] with T == B
+            decode_rows=on_device[2 * acc : 2 * acc + 3 * b].view(3, b)
+            if phase == "decode" and acc == b else None,
         )
 
 

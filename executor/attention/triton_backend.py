@@ -46,9 +46,10 @@ from executor.kv.pool import KVPool, ReqToTokenTable
 
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
-# A padded decode row: (request slot, seq_len, out_cache_loc). seq_len 1 means the row
-# attends to its own new token only, so slot 0's table row is never read.
-_PAD_ROW = (0, 1, RESERVED_LOCATION)
+# A padded decode row: (out_cache_loc, request slot, seq_len), the order of
+# ``ForwardBatch.decode_rows``. seq_len 1 means the row attends to its own new token only,
+# so slot 0's table row is never read.
+_PAD_ROW = (RESERVED_LOCATION, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class DecodeGraphBuffers:
     """Static decode metadata for the largest bucket; a bucket of ``bs`` rows uses the
     leading ``bs`` columns. Addresses never change after allocation (graphs record them)."""
 
-    rows: torch.Tensor  # (3, max_batch) int64: req_pool_indices, seq_lens, out_cache_loc
+    rows: torch.Tensor  # (3, max_batch) int64: out_cache_loc, req_pool_indices, seq_lens
     pad_rows: torch.Tensor  # (3, max_batch) int64: _PAD_ROW in every column
     partial_out: torch.Tensor  # (max over buckets of bs * splits * heads * head_dim,) fp32
     partial_lse: torch.Tensor  # (max over buckets of bs * splits * heads,) fp32
@@ -195,22 +196,25 @@ class TritonBackend(AttentionBackend):
             n = batch_size * heads * splits
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
-        req, seq_lens, loc = bufs.rows[:, :batch_size]
+        loc, req, seq_lens = bufs.rows[:, :batch_size]
         return TritonDecodeMetadata(req, seq_lens, loc, partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
-        """Copy ``batch`` into the static rows of ``meta`` (padding after it): 2-3 small
-        device copies, no host sync, issued on the current stream before the replay."""
+        """Copy ``batch`` into the static rows of ``meta`` (padding after it): one or two
+        small device copies, no host sync, issued on the current stream before the
+        replay."""
         assert isinstance(meta, TritonDecodeMetadata), type(meta).__name__
         size = meta.batch_size
         bufs = bucket_buffers(self.graph_buffers, size)
-        assert meta.seq_lens.data_ptr() == bufs.rows[1].data_ptr(), "not capture metadata"
+        assert meta.seq_lens.data_ptr() == bufs.rows[2].data_ptr(), "not capture metadata"
         check_decode_batch(self.name, batch)
         real = batch.batch_size
         if real > size:
             raise ValueError(f"batch of {real} does not fit a bucket of {size}")
-        bufs.rows[:, :real].copy_(
-            torch.stack((batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc)))
+        rows = batch.decode_rows
+        if rows is None:  # a batch not packed by ForwardBatch.build
+            rows = torch.stack((batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
+        bufs.rows[:, :real].copy_(rows)
         if real < size:
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
 
