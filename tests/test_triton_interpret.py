@@ -65,6 +65,18 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     into = torch.full((n + 3, heads, head_dim), float("nan"), dtype=DTYPE)
     tri.forward_into(q, k, v, into[:n], LAYER, meta)
     assert torch.equal(into[:n], out) and into[n:].isnan().all()
+    # padded_rows_ok: q/k/v/out with padding rows after the batch's (as graph pieces
+    # padded to a bucket pass them): real rows as before, padding neither read into
+    # real rows, nor written, nor stored.
+    assert tri.padded_rows_ok
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x, 100 * torch.randn((3, *x.shape[1:]), generator=gen).to(DTYPE)))
+
+    padded_out = torch.full((n + 3, heads, head_dim), float("nan"), dtype=DTYPE)
+    tri.forward_into(pad(q), pad(k), pad(v), padded_out, LAYER, meta)
+    assert torch.equal(padded_out[:n], out) and padded_out[n:].isnan().all()
+    assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
 
     ref_backend = TorchNativeBackend(shape, pool, table)
     ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))

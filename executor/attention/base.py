@@ -57,6 +57,11 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     #: Phases whose forward can be captured in a single CUDA graph with this backend.
     capturable: ClassVar[frozenset[Phase]] = frozenset()
+    #: True when ``forward_into`` reads and writes only the batch's rows, located by its
+    #: metadata: callers may pass q/k/v/out with padding rows after them (graph pieces
+    #: padded to a bucket), which it leaves untouched, instead of cutting each tensor to
+    #: the batch's tokens on every layer.
+    padded_rows_ok: ClassVar[bool] = False
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         self.shape = shape

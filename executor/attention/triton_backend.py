@@ -99,6 +99,9 @@ class DecodeGraphBuffers:
 class TritonBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     capturable: ClassVar[frozenset[Phase]] = frozenset({"decode"})
+    # Extend programs cover the rows metadata names (extend_start + extend_lens), decode
+    # programs the first B rows: padding rows after them are never read or written.
+    padded_rows_ok: ClassVar[bool] = True
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         super().__init__(shape, pool, table)
@@ -143,7 +146,10 @@ class TritonBackend(AttentionBackend):
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         table = self.table.device_table
         if isinstance(meta, TritonDecodeMetadata):
-            assert q.shape[0] == meta.batch_size, "decode takes exactly one token per row"
+            b = meta.batch_size
+            assert q.shape[0] >= b, "decode takes exactly one token per row"
+            if q.shape[0] > b:  # padding rows (padded_rows_ok): the launch covers B rows
+                q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
                              meta.partial_lse, self.shape.scale)

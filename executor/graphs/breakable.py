@@ -193,5 +193,8 @@ class BreakingAttention(AttentionBackend):
     def _attend(self, views: _RowViews, layer_id: int) -> None:
         bound = self.scope.meta
         assert bound is not None, "breakable attention without a bound batch"
-        q, k, v, out = views.rows(self.scope.num_tokens)
+        if self.inner.padded_rows_ok:  # the kernel finds the real rows from metadata
+            q, k, v, out = views.tensors
+        else:
+            q, k, v, out = views.rows(self.scope.num_tokens)
         self.inner.forward_into(q, k, v, out, layer_id, bound)

@@ -91,8 +91,7 @@ class FastLauncher:
         names = [p.name for p in params]
         runtime_names, constexpr_names = names[: len(args)], names[len(args):]
         tensor_idx = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        devices = {args[i].device for i in tensor_idx}
-        index = next(iter(devices)).index if len(devices) == 1 else None
+        index = _cuda_index([args[i] for i in tensor_idx])
         if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             self._disable(f"compiled kernel {type(compiled).__name__} has no launcher")
         elif (sorted(constexpr_names) != sorted(constexprs)
@@ -100,14 +99,15 @@ class FastLauncher:
               or any(p.is_constexpr for p in params[: len(args)])):
             self._disable(f"parameters {runtime_names} + {constexpr_names} do not match "
                           f"{len(args)} runtime arguments and constexprs {sorted(constexprs)}")
-        elif len(devices) != 1 or next(iter(devices)).type != "cuda" or _raw_stream is None:
-            self._disable(f"tensor arguments on {sorted(map(str, devices))}, not one CUDA device")
+        elif index is None or _raw_stream is None:
+            devices = sorted({str(args[i].device) for i in tensor_idx})
+            self._disable(f"tensor arguments on {devices}, not one CUDA device")
         elif self._device not in (-1, index):
             # one device per launcher: the stream is looked up by its index
             self._disable(f"launches on CUDA devices {self._device} and {index}")
-        if not self.enabled:
+        if not self.enabled or index is None:
             return
-        self._device = index if index is not None else torch.cuda.current_device()
+        self._device = index
         self._compiled[key] = (compiled, tensor_idx,
                                tuple(constexprs[name] for name in constexpr_names))
 
@@ -119,6 +119,17 @@ class FastLauncher:
 
 
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _cuda_index(tensors: Sequence[torch.Tensor]) -> int | None:
+    """The CUDA device index all ``tensors`` share, or None (none, several, or not CUDA)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return None
+    device = next(iter(devices))
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def aligned16(*tensors: torch.Tensor) -> tuple[bool, ...]:

@@ -137,7 +137,7 @@ class OpAttention(AttentionBackend):
 
     ``forward`` ignores ``meta`` (the runner passes ``SCOPED``); the op reads the batch
     bound to ``scope``. Only the ``scope.num_tokens`` real tokens store K/V and attend;
-    padded rows of the output are zeros.
+    padded rows of the output are finite but otherwise unspecified.
 
     Output buffer. Every call writes into rows ``:T`` of one static ``out`` buffer
     ``(max_tokens, heads, head_dim)`` shared by all layers and shapes, so the piece after
@@ -178,9 +178,13 @@ class OpAttention(AttentionBackend):
             raise RuntimeError(f"bound batch has {n} tokens but the forward has only {t}")
         if t <= self.out.shape[0] and q.dtype == self.out.dtype:
             out = self.out[:t]
+        else:  # padded rows must be finite too
+            out = (torch.empty if n == t else torch.zeros)(q.shape, dtype=q.dtype,
+                                                           device=q.device)
+        if n == t or self.inner.padded_rows_ok:  # no per-layer slicing (host time)
+            self.inner.forward_into(q, k, v, out, layer_id, meta)
         else:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.inner.forward_into(q[:n], k[:n], v[:n], out[:n], layer_id, meta)
-        if n < t:
-            out[n:].zero_()  # padded rows: finite, never stored, never attended
+            self.inner.forward_into(q[:n], k[:n], v[:n], out[:n], layer_id, meta)
+        # Padded rows ``n:`` keep what the buffer held (zeros or earlier attention
+        # outputs): finite, never stored, never attended, and dropped with the padding.
         return out

@@ -81,6 +81,10 @@ class _Captured:
     # (outputs of earlier piece graphs) or for non-tensors.
     static: tuple[torch.Tensor | None, ...]
     outputs: Any  # weak views of the outputs, same structure as the piece returns
+    # What replay checks, split once at capture: (index, data_ptr, static) of each tensor
+    # argument and (index, value) of each other one.
+    tensors: tuple[tuple[int, int, torch.Tensor | None], ...] = ()
+    scalars: tuple[tuple[int, Any], ...] = ()
 
 
 class GraphedPiece(nn.Module):
@@ -117,8 +121,11 @@ class GraphedPiece(nn.Module):
         finally:
             graph.capture_end()
         _map_tensors(out, lambda t: produced.add(t.untyped_storage().data_ptr()))
-        self.graphs[shape] = _Captured(graph, tuple(keys), tuple(static),
-                                       _map_tensors(out, weak_view))
+        kinds = [isinstance(a, torch.Tensor) for a in args]
+        self.graphs[shape] = _Captured(
+            graph, tuple(keys), tuple(static), _map_tensors(out, weak_view),
+            tuple((i, keys[i], static[i]) for i, t in enumerate(kinds) if t),
+            tuple((i, keys[i]) for i, t in enumerate(kinds) if not t))
         return out  # owning references: capture-time lifetimes must be the real ones
 
     def _replay(self, shape: int, args: tuple[Any, ...]) -> Any:
@@ -126,12 +133,16 @@ class GraphedPiece(nn.Module):
         if cap is None:
             raise RuntimeError(f"piece {self.index} has no graph for shape {shape} "
                                "(recompiled after capture?)")
-        for a, key, static in zip(args, cap.args, cap.static, strict=True):
-            if not isinstance(a, torch.Tensor):
-                if a != key:
-                    raise RuntimeError(f"piece {self.index}: argument {a!r} != {key!r} "
-                                       f"captured for shape {shape}")
-            elif a.data_ptr() != key:
+        if len(args) != len(cap.args):
+            raise RuntimeError(f"piece {self.index}: {len(args)} arguments, captured with "
+                               f"{len(cap.args)} (shape {shape})")
+        for i, key in cap.scalars:
+            if args[i] != key:
+                raise RuntimeError(f"piece {self.index}: argument {args[i]!r} != {key!r} "
+                                   f"captured for shape {shape}")
+        for i, ptr, static in cap.tensors:
+            a = args[i]
+            if a.data_ptr() != ptr:
                 if static is None:
                     raise RuntimeError(f"piece {self.index}: an input produced by an earlier "
                                        f"piece graph moved (shape {shape})")
