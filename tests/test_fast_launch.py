@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from executor.kernels import launch
-from executor.kernels.launch import FastLauncher, aligned16
+from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 
 @dataclass
@@ -37,8 +37,9 @@ class FakeCompiled:
 class FakeJit:
     """``fn[grid](*args, **kwargs)`` records the call and returns one compiled kernel."""
 
-    def __init__(self, params: list[Param]) -> None:
+    def __init__(self, params: list[Param], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.params = params
+        self.do_not_specialize = list(do_not_specialize)
         self.compiled = FakeCompiled()
         self.jit_calls: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
 
@@ -67,8 +68,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return streams
 
 
-def make(params: list[Param] = PARAMS) -> tuple[FakeJit, FastLauncher]:
-    fn = FakeJit(params)
+def make(params: list[Param] = PARAMS, do_not_specialize: tuple[str, ...] = ()
+         ) -> tuple[FakeJit, FastLauncher]:
+    fn = FakeJit(params, do_not_specialize)
     launcher = FastLauncher(fn, num_warps=4)
     launcher.enabled, launcher.disabled_reason = True, ""  # also under TRITON_INTERPRET
     return fn, launcher
@@ -151,6 +153,29 @@ def test_interpreter_runs_everything_through_the_jit(monkeypatch: pytest.MonkeyP
     assert not launcher.enabled and launcher.disabled_reason == "Triton interpreter"
 
 
-def test_aligned16_reads_each_pointer() -> None:
-    x = torch.zeros(16, dtype=torch.int64)
-    assert aligned16(x, x[2:], x[1:]) == (True, True, False)
+def test_pointer_alignment_is_part_of_the_specialization(fake_cuda: list[int]) -> None:
+    """A pointer that is not 16-byte aligned (an int64 view at an odd offset) is another
+    specialization for the JIT: launched through it once, then fast."""
+    fn, launcher = make()
+    base = torch.zeros(64, dtype=torch.int64)
+    aligned, odd = base[2:], base[1:]
+    for x in (aligned, aligned, odd, odd, aligned):
+        launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    assert [call[1][0].data_ptr() for call in fn.jit_calls] == [aligned.data_ptr(),
+                                                                 odd.data_ptr()]
+    assert launcher.fast_launches == 3
+
+
+def test_exempt_pointers_do_not_specialize_on_alignment(fake_cuda: list[int]) -> None:
+    fn, launcher = make(do_not_specialize=("x_ptr",))
+    base = torch.zeros(64, dtype=torch.int64)
+    for x in (base[2:], base[1:], base[3:]):
+        launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    assert len(fn.jit_calls) == 1 and launcher.fast_launches == 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 63, 64, 65, 1000, 4096])
+def test_integer_helpers_match_their_definitions(n: int) -> None:
+    assert cdiv(n, 64) == -(-n // 64) == (n + 63) // 64
+    p = next_power_of_2(n)
+    assert p >= max(n, 1) and p & (p - 1) == 0 and (p == 1 or p // 2 < n)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.launch import FastLauncher, aligned16
+from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 BLOCK = 2048  # columns per program of the first pass: 16 float32 per thread with 4 warps
 
@@ -54,17 +54,15 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
         return out
     if cols == 0:
         raise ValueError("argmax of an empty row")
-    n_chunks = triton.cdiv(cols, block)
+    n_chunks = cdiv(cols, block)
     vals = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
-    # Keys: what the JIT specializes on (dtypes, alignment, integer arguments); see
-    # executor.kernels.launch. A decode step calls this once per step.
-    _CHUNK.launch((rows, n_chunks, 1),
-                  (x.dtype, aligned16(x, vals, idx), cols, x.stride(0), n_chunks, block),
+    # Keys: what the JIT specializes on besides pointer alignment (dtypes, integer
+    # arguments); see executor.kernels.launch. A decode step calls this once per step.
+    _CHUNK.launch((rows, n_chunks, 1), (x.dtype, cols, x.stride(0), n_chunks, block),
                   (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
-    chunks = triton.next_power_of_2(n_chunks)
-    _PICK.launch((rows, 1, 1), (aligned16(vals, idx, out), n_chunks),
-                 (vals, idx, out, n_chunks), {"CHUNKS": chunks})
+    _PICK.launch((rows, 1, 1), n_chunks, (vals, idx, out, n_chunks),
+                 {"CHUNKS": next_power_of_2(n_chunks)})
     return out
 
 

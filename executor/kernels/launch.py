@@ -8,14 +8,16 @@ on the lent H100/H200 hosts, once per layer, between graph segments that take th
 about 75 us: the prefill forward waited on the host (2026-11-25 profile, H100: replay
 host issue 1.80 ms, GPU span 1.88 ms, 30 us idle after each attention kernel).
 
-``FastLauncher`` does the binding once per *specialization key*, a tuple the caller builds
-from everything the JIT specializes on (dtypes, pointer alignment, integer arguments,
-constexprs), launching through the JIT that first time; later calls with the same key go
-straight to the compiled kernel's launcher with raw device pointers.
+``FastLauncher`` binds once per specialization and launches through the JIT that first
+time; later calls of the same specialization go straight to the compiled kernel's
+launcher with raw device pointers. A specialization is the caller's *key* plus the
+16-byte alignment of every pointer argument the kernel does not exempt
+(``do_not_specialize``), which the launcher reads itself from the pointers it passes.
 
-NOTE: a key that misses something the JIT specializes on would launch a kernel compiled
-for other arguments. Callers put in it every dtype, every pointer's 16-byte alignment and
-every integer argument the kernel is not told ``do_not_specialize``.
+NOTE: the caller's key must hold everything else the JIT specializes on: every tensor's
+dtype and every integer argument that is not in ``do_not_specialize`` (the JIT treats 1
+and multiples of 16 specially). A key that misses one would launch a kernel compiled for
+other arguments.
 
 The fast path needs Triton's launch interface of 3.3 and later (``CompiledKernel.run``
 taking every parameter, constexprs included, in signature order); anything unexpected,
@@ -27,9 +29,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``triton.cdiv`` costs about 1.5 us a call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), like ``triton.next_power_of_2``
+    without its call overhead."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _launch_hooks_set() -> bool:
@@ -48,8 +62,19 @@ def _active(hook: Any) -> bool:
     return hook is not None and (not isinstance(calls, list) or bool(calls))
 
 
+@dataclass
+class _Binding:
+    """One caller key: where its tensors sit, which of them specialize on alignment, the
+    constexpr values in signature order, and a compiled kernel per alignment pattern."""
+
+    tensor_idx: tuple[int, ...]
+    align_idx: tuple[int, ...]
+    tail: tuple[Any, ...]
+    kernels: dict[tuple[bool, ...], Any] = field(default_factory=dict)
+
+
 class FastLauncher:
-    """Launches of one ``@triton.jit`` function, by specialization key.
+    """Launches of one ``@triton.jit`` function, by specialization.
 
     ``launch(grid, key, args, constexprs)``: ``args`` are the kernel's runtime parameters
     in signature order (tensors, ints, floats), ``constexprs`` its constexpr parameters
@@ -60,31 +85,34 @@ class FastLauncher:
         self.fn = fn
         self.options = options
         self.enabled = os.environ.get("TRITON_INTERPRET", "0") != "1"
-        # key -> (compiled kernel, indices of tensor arguments, constexpr values in order)
-        self._compiled: dict[Hashable, tuple[Any, tuple[int, ...], tuple[Any, ...]]] = {}
+        self._bindings: dict[Hashable, _Binding] = {}
         self.fast_launches = 0  # for tests and profiles: how often the fast path ran
         self.disabled_reason = "" if self.enabled else "Triton interpreter"
-        self._device = -1  # CUDA device index of the first compiled launch
+        self._device = -1  # CUDA device index of the first bound launch
 
     def launch(self, grid: tuple[int, int, int], key: Hashable, args: Sequence[Any],
                constexprs: dict[str, Any]) -> None:
-        entry = self._compiled.get(key) if self.enabled else None
-        if entry is None or _launch_hooks_set():
+        binding = self._bindings.get(key) if self.enabled else None
+        if binding is None or _launch_hooks_set():
             compiled = self.fn[grid](*args, **constexprs, **self.options)
-            if self.enabled and entry is None:
-                self._remember(key, compiled, args, constexprs)
+            if self.enabled and binding is None:
+                self._bind(key, compiled, args, constexprs)
             return
-        compiled, tensor_idx, tail = entry
         values = list(args)
-        for i in tensor_idx:
+        for i in binding.tensor_idx:
             values[i] = values[i].data_ptr()
+        aligned = tuple(values[i] % 16 == 0 for i in binding.align_idx)
+        compiled = binding.kernels.get(aligned)
+        if compiled is None:  # this alignment pattern: the JIT picks (or compiles) it once
+            binding.kernels[aligned] = self.fn[grid](*args, **constexprs, **self.options)
+            return
         stream = _raw_stream(self._device)  # the current stream, as the JIT would take
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *values, *tail)
+                     compiled.packed_metadata, None, None, None, *values, *binding.tail)
         self.fast_launches += 1
 
-    def _remember(self, key: Hashable, compiled: Any, args: Sequence[Any],
-                  constexprs: dict[str, Any]) -> None:
+    def _bind(self, key: Hashable, compiled: Any, args: Sequence[Any],
+              constexprs: dict[str, Any]) -> None:
         """Keep ``compiled`` for ``key`` if its launcher takes what we would pass: every
         parameter in signature order, runtime ones first (so constexprs come last)."""
         params = list(getattr(self.fn, "params", ()))
@@ -108,14 +136,19 @@ class FastLauncher:
         if not self.enabled or index is None:
             return
         self._device = index
-        self._compiled[key] = (compiled, tensor_idx,
-                               tuple(constexprs[name] for name in constexpr_names))
+        exempt = set(getattr(self.fn, "do_not_specialize", None) or ())
+        exempt |= set(getattr(self.fn, "do_not_specialize_on_alignment", None) or ())
+        align_idx = tuple(i for i in tensor_idx if i not in exempt and names[i] not in exempt)
+        binding = _Binding(tensor_idx, align_idx,
+                           tuple(constexprs[name] for name in constexpr_names))
+        binding.kernels[tuple(args[i].data_ptr() % 16 == 0 for i in align_idx)] = compiled
+        self._bindings[key] = binding
 
     def _disable(self, reason: str) -> None:
         """Send every later launch through the JIT (this Triton or these arguments do not
         fit the fast path)."""
         self.enabled, self.disabled_reason = False, reason
-        self._compiled.clear()
+        self._bindings.clear()
 
 
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -130,9 +163,3 @@ def _cuda_index(tensors: Sequence[torch.Tensor]) -> int | None:
     if device.type != "cuda":
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def aligned16(*tensors: torch.Tensor) -> tuple[bool, ...]:
-    """Whether each tensor's data pointer is 16-byte aligned (what Triton specializes a
-    pointer argument on)."""
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.launch import FastLauncher, aligned16
+from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 # Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,
 # 4/8 warps, 2/3 stages: best or near-best for prefill 128..2048, a 512-token chunk after
@@ -191,20 +191,19 @@ def extend_attention(
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert BLOCK_M % BLOCK_N == 0, "the unmasked causal loop steps BLOCK_N up to a BLOCK_M edge"
     loc = out_cache_loc if out_cache_loc is not None else extend_start
-    grid = (triton.cdiv(max_extend_len, BLOCK_M), batch, num_heads)
+    grid = (cdiv(max_extend_len, BLOCK_M), batch, num_heads)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
                table.stride(0))
     pointers = (q, k, v, out, k_pool, v_pool, table, req_pool_indices, prefix_lens,
                 extend_lens, extend_start, loc)
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-                  "STORE_KV": out_cache_loc is not None}
-    # Everything the JIT specializes on (see executor.kernels.launch): dtypes, alignment of
-    # the pointers not in ``do_not_specialize``, the integer arguments (strides) and the
+    store = out_cache_loc is not None
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STORE_KV": store}
+    # What the JIT specializes on besides pointer alignment (the launcher adds that):
+    # dtypes, the integer arguments (strides; ``group`` is not specialized) and the
     # constexprs, which follow from head_dim and the store flag.
-    key = (tuple(t.dtype for t in pointers), aligned16(*pointers[:7]), strides, head_dim,
-           out_cache_loc is not None)
+    key = (tuple(t.dtype for t in pointers), strides, head_dim, store)
     _LAUNCHER.launch(grid, key, (*pointers, sm_scale * _LOG2E, group, *strides), constexprs)
 
 
