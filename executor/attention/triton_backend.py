@@ -147,7 +147,7 @@ class TritonBackend(AttentionBackend):
         table = self.table.device_table
         if isinstance(meta, TritonDecodeMetadata):
             b = meta.batch_size
-            assert q.shape[0] >= b, "decode takes exactly one token per row"
+            assert q.shape[0] >= b, f"decode takes one token per row: {q.shape[0]} rows < {b}"
             if q.shape[0] > b:  # padding rows (padded_rows_ok): the launch covers B rows
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,

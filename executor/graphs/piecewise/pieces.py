@@ -75,16 +75,13 @@ def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    # Per argument: the captured data_ptr (tensors) or value (ints, SymInt values).
-    args: tuple[Any, ...]
-    # Per argument: the tensor to copy a moved input into; None where moving is a bug
-    # (outputs of earlier piece graphs) or for non-tensors.
-    static: tuple[torch.Tensor | None, ...]
+    num_args: int
+    # Per tensor argument: (index, captured data_ptr, the tensor to copy a moved input
+    # into, or None where moving is a bug: an output of an earlier piece graph).
+    tensors: tuple[tuple[int, int, torch.Tensor | None], ...]
+    # Per other argument (ints, SymInt values): (index, captured value).
+    scalars: tuple[tuple[int, Any], ...]
     outputs: Any  # weak views of the outputs, same structure as the piece returns
-    # What replay checks, split once at capture: (index, data_ptr, static) of each tensor
-    # argument and (index, value) of each other one.
-    tensors: tuple[tuple[int, int, torch.Tensor | None], ...] = ()
-    scalars: tuple[tuple[int, Any], ...] = ()
 
 
 class GraphedPiece(nn.Module):
@@ -105,15 +102,14 @@ class GraphedPiece(nn.Module):
 
     def _capture(self, shape: int, args: tuple[Any, ...]) -> Any:
         produced = self.mode.produced
-        keys: list[Any] = []
-        static: list[torch.Tensor | None] = []
-        for a in args:
+        tensors: list[tuple[int, int, torch.Tensor | None]] = []
+        scalars: list[tuple[int, Any]] = []
+        for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                keys.append(a.data_ptr())
-                static.append(None if a.untyped_storage().data_ptr() in produced else a)
+                moved_is_bug = a.untyped_storage().data_ptr() in produced
+                tensors.append((i, a.data_ptr(), None if moved_is_bug else a))
             else:
-                keys.append(a)
-                static.append(None)
+                scalars.append((i, a))
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.mode.pool)
         try:
@@ -121,11 +117,8 @@ class GraphedPiece(nn.Module):
         finally:
             graph.capture_end()
         _map_tensors(out, lambda t: produced.add(t.untyped_storage().data_ptr()))
-        kinds = [isinstance(a, torch.Tensor) for a in args]
-        self.graphs[shape] = _Captured(
-            graph, tuple(keys), tuple(static), _map_tensors(out, weak_view),
-            tuple((i, keys[i], static[i]) for i, t in enumerate(kinds) if t),
-            tuple((i, keys[i]) for i, t in enumerate(kinds) if not t))
+        self.graphs[shape] = _Captured(graph, len(args), tuple(tensors), tuple(scalars),
+                                       _map_tensors(out, weak_view))
         return out  # owning references: capture-time lifetimes must be the real ones
 
     def _replay(self, shape: int, args: tuple[Any, ...]) -> Any:
@@ -133,9 +126,9 @@ class GraphedPiece(nn.Module):
         if cap is None:
             raise RuntimeError(f"piece {self.index} has no graph for shape {shape} "
                                "(recompiled after capture?)")
-        if len(args) != len(cap.args):
+        if len(args) != cap.num_args:
             raise RuntimeError(f"piece {self.index}: {len(args)} arguments, captured with "
-                               f"{len(cap.args)} (shape {shape})")
+                               f"{cap.num_args} (shape {shape})")
         for i, key in cap.scalars:
             if args[i] != key:
                 raise RuntimeError(f"piece {self.index}: argument {args[i]!r} != {key!r} "
