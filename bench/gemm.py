@@ -2,7 +2,8 @@
 
 ``python -m bench.gemm --shape llama-3.2-1b --tokens 128 --tokens 1 [--autotune]`` on a
 CUDA machine. For each projection (qkv, o, gate_up, down, lm_head) and token count ``M``:
-the time of ``F.linear`` with cuBLAS and with cuBLASLt (``preferred_blas_library``), and
+the time of ``F.linear`` with cuBLAS and with cuBLASLt (``preferred_blas_library``), of
+``torch.mm`` on the weight stored transposed (``cublas_nn``), and
 with ``--autotune`` the kernel Inductor's max-autotune picks (Triton templates or ATen)
 for that static shape. Each time is one CUDA-graph replay of the GEMM over several weight
 copies whose sum exceeds the L2 cache, divided by the copies: every call reads its weight
@@ -76,6 +77,7 @@ def measure(spec: Any, tokens: list[int], autotune: bool) -> list[dict[str, Any]
     for name, (k, n) in projections(spec).items():
         copies = max(2, -(-_L2_BYTES // (k * n * 2)) + 1)
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(copies)]
+        transposed = [w.t().contiguous() for w in weights]
         for m in tokens:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             row: dict[str, Any] = {
@@ -86,6 +88,9 @@ def measure(spec: Any, tokens: list[int], autotune: bool) -> list[dict[str, Any]
                 torch.backends.cuda.preferred_blas_library(lib)
                 row[f"{lib}_us"] = replay_us(functools.partial(F.linear, x), weights)
             torch.backends.cuda.preferred_blas_library("cublas")
+            # The same product with the weight stored (K, N) row-major: another cuBLAS
+            # layout (NN instead of TN), so another kernel choice.
+            row["cublas_nn_us"] = replay_us(functools.partial(torch.mm, x), transposed)
             if autotune:
                 torch._dynamo.reset()
                 compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs",
@@ -93,7 +98,7 @@ def measure(spec: Any, tokens: list[int], autotune: bool) -> list[dict[str, Any]
                 row["autotune_us"] = replay_us(functools.partial(compiled, x), weights)
             rows.append(row)
             print(_line(row), flush=True)
-        del weights
+        del weights, transposed
     return rows
 
 

@@ -175,10 +175,11 @@ class Executor:
         try:
             rows = [i for i, it in enumerate(items) if it.sample]
             tokens = [t for it in items for t in it.token_ids]
-            batch = self.build_batch("prefill", tokens, alloc, rows)
+            decision = self._decide("prefill", len(tokens))
+            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket)
             params = [items[i].sampling for i in rows]
             positions = [alloc.extensions[i].seq_len for i in rows]
-            sampled, step = self._step(batch, params, positions)
+            sampled, step = self._step(batch, decision, params, positions)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -195,9 +196,12 @@ class Executor:
         alloc = self.kv.allocate([(it.seq_id, 1) for it in items])
         try:
             rows = list(range(len(items)))
-            batch = self.build_batch("decode", [it.token_id for it in items], alloc, rows)
+            decision = self._decide("decode", len(items))
+            batch = self.build_batch("decode", [it.token_id for it in items], alloc, rows,
+                                     decision.bucket)
             positions = [ext.seq_len for ext in alloc.extensions]
-            sampled, step = self._step(batch, [it.sampling for it in items], positions)
+            sampled, step = self._step(batch, decision, [it.sampling for it in items],
+                                       positions)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -238,13 +242,18 @@ class Executor:
         return {phase: r.drain_replay_seconds() for phase, r in self.runners.items()}
 
     def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
-                    logits_rows: list[int]) -> ForwardBatch:
+                    logits_rows: list[int], bucket: int | None = None) -> ForwardBatch:
         """Pack a batch for ``alloc`` and publish its new KV locations to the device
         request-slot table (part of the same transfer). ``logits_rows`` index the
-        sequences whose last new token needs logits."""
+        sequences whose last new token needs logits. With the captured ``bucket`` it will
+        replay, the batch is packed for that bucket's graphs, and the replay publishes
+        its locations (``GraphRunner.layout``)."""
+        runner = self.runners.get(phase) if bucket is not None else None
+        layout = runner.layout(bucket) if runner is not None and bucket is not None else None
         batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
-                                   self.table.max_context, self.staging)
-        self.table.write_device(batch.table_index, batch.out_cache_loc)
+                                   self.table.max_context, self.staging, layout)
+        if layout is None:
+            self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
 
     def kv_stats(self) -> KVStats:
@@ -268,22 +277,21 @@ class Executor:
         state = self.kv.get(seq_id)
         return None if state is None else state.length
 
-    def _decide(self, batch: ForwardBatch) -> Decision:
-        size = batch.batch_size if batch.phase == "decode" else batch.num_tokens
-        runner = self.runners.get(batch.phase)
+    def _decide(self, phase: Phase, size: int) -> Decision:
+        """Graph bucket or eager, for a step of ``size`` rows (decode) or tokens."""
+        runner = self.runners.get(phase)
         if runner is not None:
             state = runner.state()
         else:
             state = RunnerState(cuda=self.device.type == "cuda",
-                                enabled=self._graph_modes[batch.phase] != "disabled",
+                                enabled=self._graph_modes[phase] != "disabled",
                                 buckets=(), captured=frozenset(), failed=frozenset())
-        return decide(GraphKey(batch.phase, size), state)
+        return decide(GraphKey(phase, size), state)
 
     @torch.inference_mode()
-    def _step(self, batch: ForwardBatch, params: list[SamplingParams], positions: list[int]
-              ) -> tuple[SampleOutput, StepInfo]:
+    def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
+              positions: list[int]) -> tuple[SampleOutput, StepInfo]:
         start = time.perf_counter()
-        decision = self._decide(batch)
         if decision.bucket is not None:
             # Graph logits are valid until the next replay: sampled right below.
             logits = self.runners[batch.phase].replay(batch, decision.bucket)

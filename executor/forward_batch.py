@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.api import Phase
+from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.manager import Allocation
 
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
@@ -25,9 +26,10 @@ class PinnedStaging:
     vary): a modest saving, and no pinned allocation per batch.
 
     Reuse is safe because the next batch first waits for the event recorded after the
-    previous copy (by then long finished: every step ends with a host sync). Each batch
-    still gets its own device tensor, so batches built before an earlier one ran stay
-    intact. CUDA only; one owner (the executor), one thread.
+    previous copy (by then long finished: every step ends with a host sync). A batch
+    packed plain gets its own device tensor, so batches built before an earlier one ran
+    stay intact; one packed for a graph bucket lands in the runner's fixed buffer
+    (``GraphLayout``) instead. CUDA only; one owner (the executor), one thread.
     """
 
     def __init__(self, device: torch.device, capacity: int = 4096) -> None:
@@ -39,8 +41,10 @@ class PinnedStaging:
         # (as ``ReplayTimer`` does); looking it up per call costs more than the record.
         self._stream = torch.cuda.current_stream(device)
 
-    def to_device(self, values: torch.Tensor) -> torch.Tensor:
-        """A device copy of the int64 CPU tensor ``values`` (enqueued, not waited for)."""
+    def to_device(self, values: torch.Tensor, dest: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """A device copy of the int64 CPU tensor ``values`` (enqueued, not waited for):
+        a new tensor, or the leading ``values.numel()`` entries of ``dest``."""
         n = values.numel()
         if self._pending:
             self._copied.synchronize()  # the previous copy has read the buffer
@@ -49,7 +53,8 @@ class PinnedStaging:
                                      pin_memory=True)
         host = self._host[:n]
         host.copy_(values)
-        dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        dev = torch.empty(n, dtype=torch.int64, device=self.device) if dest is None \
+            else dest[:n]
         dev.copy_(host, non_blocking=True)
         self._copied.record(self._stream)
         self._pending = True
@@ -89,6 +94,8 @@ class ForwardBatch:
     # A decode batch's (3, B) rows (out_cache_loc, req_pool_indices, seq_lens): one view
     # of the packed transfer, so graph metadata refreshes with one copy; None otherwise.
     decode_rows: torch.Tensor | None = None
+    # The graph bucket the batch was packed for (``GraphLayout``); None when packed plain.
+    bucket: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -119,13 +126,24 @@ class ForwardBatch:
         device: torch.device,
         table_width: int,
         staging: PinnedStaging | None = None,
+        layout: GraphLayout | None = None,
     ) -> ForwardBatch:
         """Pack a batch from the tokens of each sequence (in ``alloc`` order).
 
         ``logits_rows`` are indices into ``alloc.extensions`` of sequences that need the
         logits of their last new token. ``table_width`` is the request-slot table's row
         length (``table_index``). With ``staging`` (CUDA), the metadata travels through
-        its pinned buffer.
+        its pinned buffer. With ``layout``, the batch is packed for one graph bucket:
+        padded to it and landing in the layout's fixed device buffer (see
+        ``GraphLayout``), so a captured prologue can read it from there.
+
+        All integer metadata travels in one host-to-device copy, then is split into
+        views. The packed order, with ``s`` per-token and ``sb`` per-sequence entries
+        (``s`` = T and ``sb`` = B, unless a layout pads them to its bucket):
+        ``ids | positions | table_index | out_cache_loc`` (``s`` each), then ``slots |
+        seq_lens | prefix_lens | extend_lens | extend_start`` (``sb`` each), then the
+        logits rows. ``out_cache_loc | slots | seq_lens`` are adjacent, so a decode
+        batch (T == B, so s == sb) has its graph rows as one view (``decode_rows``).
         """
         exts = alloc.extensions
         prefix = [e.prefix_len for e in exts]
@@ -138,28 +156,37 @@ class ForwardBatch:
             starts.append(acc)
             acc += n
         last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
-
-        # All integer metadata travels in one host-to-device copy, then is split into views.
         b = len(exts)
-        # pinned: the host-to-device copy is asynchronous
-        pin = device.type == "cuda" and staging is None
+        decode = phase == "decode" and acc == b
+        s = acc if layout is None else layout.bucket
+        if s < acc:
+            raise ValueError(f"{acc} tokens do not fit a bucket of {s}")
+        tok_pad = s - acc
+        sb = s if decode else b  # a decode batch pads its rows too
+        seq_pad = sb - b
+        scratch = 0 if layout is None else layout.table_scratch
+        # Padding: token 0 at position 0 writing KV location 0 (reserved) and a table
+        # cell no sequence owns; a padded decode row is one token long (``_PAD_ROW``).
+        pad_ids = [0] * tok_pad
+        per_seq = (slots + [0] * seq_pad + seq_lens + [1] * seq_pad + prefix + [0] * seq_pad
+                   + ext_lens + [1] * seq_pad + starts + [0] * seq_pad + last_rows)
+
+        pin = device.type == "cuda" and staging is None  # pinned: the copy is asynchronous
         if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
             positions = [p for e in exts for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             table_index = [e.slot * table_width + p for e in exts
                            for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             # array("q") of a list, then a view of it: a third of torch.tensor(list)'s time
             packed = array("q", token_ids)
-            for part in (positions, alloc.out_cache_loc.tolist(), slots, seq_lens, prefix,
-                         ext_lens, starts, last_rows, table_index):
+            for part in (pad_ids, positions, pad_ids, table_index, [scratch] * tok_pad,
+                         alloc.out_cache_loc.tolist(), [RESERVED_LOCATION] * tok_pad, per_seq):
                 packed.extend(part)
             flat = torch.frombuffer(packed, dtype=torch.int64) if packed else \
                 torch.empty(0, dtype=torch.int64)
-            if pin:
-                flat = flat.pin_memory()
         else:  # long prompts: no Python loop over tokens (~1 ms per 2048 of them)
-            seq_t = torch.tensor(slots + seq_lens + prefix + ext_lens + starts + last_rows,
-                                 dtype=torch.int64)
-            starts_t = seq_t[4 * b : 5 * b]
+            seq_t = torch.tensor(slots + prefix, dtype=torch.int64)
+            starts_t = torch.tensor(starts, dtype=torch.int64)
+
             # Per-token values that are constant within a sequence, as a cumulative sum of
             # their changes at each sequence's first token (serial CPU ops: the CPU
             # repeat_interleave runs a parallel loop per call, which stalled for
@@ -170,18 +197,30 @@ class ForwardBatch:
                 return steps.cumsum(0)
 
             # Token j of sequence i sits at prefix_i + (j - start_i).
-            positions_t = torch.arange(acc, dtype=torch.int64) + per_token(
-                seq_t[2 * b : 3 * b] - starts_t)
-            flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64),
-                              positions_t, alloc.out_cache_loc.to(torch.int64), seq_t,
-                              per_token(seq_t[:b]) * table_width + positions_t))
-            if pin:
-                flat = flat.pin_memory()
-        sizes = [acc, acc, acc, b, b, b, b, b, len(last_rows), acc]
-        on_device = (staging.to_device(flat) if staging is not None and flat.numel()
-                     else flat.to(device, non_blocking=True))
-        views = on_device.split_with_sizes(sizes)  # the method: torch.split's wrapper costs
-        ids_d, pos_d, locs_d, slots_d, seq_lens_d, prefix_d, ext_d, starts_d, rows_d, tab_d = views
+            positions_t = torch.arange(acc, dtype=torch.int64) + per_token(seq_t[b:] - starts_t)
+            zeros = torch.zeros(tok_pad, dtype=torch.int64)
+            flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64), zeros,
+                              positions_t, zeros,
+                              per_token(seq_t[:b]) * table_width + positions_t,
+                              torch.full((tok_pad,), scratch, dtype=torch.int64),
+                              alloc.out_cache_loc.to(torch.int64),
+                              torch.full((tok_pad,), RESERVED_LOCATION, dtype=torch.int64),
+                              torch.tensor(per_seq, dtype=torch.int64)))
+        if pin:
+            flat = flat.pin_memory()
+        dest = None if layout is None else layout.dest
+        if staging is not None and flat.numel():
+            on_device = staging.to_device(flat, dest)
+        elif dest is not None:
+            on_device = dest[: flat.numel()]
+            on_device.copy_(flat, non_blocking=True)
+        else:
+            on_device = flat.to(device, non_blocking=True)
+        # One split (the method: torch.split's wrapper costs), padding chunks included.
+        sizes = [acc, tok_pad] * 4 + [b, seq_pad] * 5 + [len(last_rows)]
+        views = on_device.split_with_sizes(sizes)
+        ids_d, pos_d, tab_d, locs_d = views[0:8:2]
+        slots_d, seq_lens_d, prefix_d, ext_d, starts_d = views[8:18:2]
         return ForwardBatch(
             phase=phase,
             input_ids=ids_d,
@@ -192,16 +231,40 @@ class ForwardBatch:
             prefix_lens=prefix_d,
             extend_lens=ext_d,
             extend_start=starts_d,
-            logits_indices=rows_d,
+            logits_indices=views[18],
             table_index=tab_d,
             req_pool_indices_host=tuple(slots),
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
-            # [.. out_cache_loc (T) | slots (B) | seq_lens (B) ..] with T == B
-            decode_rows=on_device[2 * acc : 2 * acc + 3 * b].view(3, b)
-            if phase == "decode" and acc == b else None,
+            decode_rows=on_device[3 * s : 6 * s].view(3, s)[:, :b] if decode else None,
+            bucket=None if layout is None else layout.bucket,
         )
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """How a batch bound for one CUDA-graph bucket is packed and where it lands.
+
+    The packed batch is padded to ``bucket`` tokens (a decode batch also to ``bucket``
+    rows) and copied into ``dest``, a device buffer whose address never changes, so the
+    graph runner's captured prologue reads its inputs from fixed offsets: ``ids`` at
+    ``[0, bucket)``, positions at ``[bucket, 2 * bucket)``, the table index at
+    ``[2 * bucket, 3 * bucket)``, the KV locations at ``[3 * bucket, 4 * bucket)`` and,
+    for decode, the attention rows at ``[3 * bucket, 6 * bucket)``. Padded tokens write
+    the table at ``table_scratch``. Such a batch's tensors are views of ``dest``: valid
+    until the next batch is packed for the same runner.
+    """
+
+    bucket: int
+    table_scratch: int
+    dest: torch.Tensor  # (>= max_packed_size(bucket),) int64 on the device
+
+    @staticmethod
+    def max_packed_size(bucket: int) -> int:
+        """Entries a batch packed for ``bucket`` may take: 4 per-token fields, 5 per
+        sequence (at most one sequence per token) and one logits row per sequence."""
+        return 10 * bucket
 
 
 def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.device

@@ -13,11 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor import forward_batch
-from executor.forward_batch import ForwardBatch
+from executor.forward_batch import ForwardBatch, GraphLayout
+from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.manager import Allocation, Extension
 
 _WIDTH = 97  # request-slot table row length: not a power of two, so a wrong stride shows
 seqs = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6)
+FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+          "prefix_lens", "extend_lens", "extend_start", "logits_indices", "table_index")
 
 
 def _case(spec: list[tuple[int, int]]) -> tuple[list[int], Allocation, list[int]]:
@@ -58,3 +61,83 @@ def test_both_build_paths_match_a_per_token_reference(
     assert fb.req_pool_indices.tolist() == [e.slot for e in alloc.extensions]
     assert fb.logits_indices.tolist() == [starts[i] + spec[i][1] - 1 for i in rows]
     assert all(t.dtype == torch.int64 for t in (fb.input_ids, fb.positions, fb.table_index))
+
+
+_SCRATCH = 10_000  # a table cell past every slot's row, as ReqToTokenTable.scratch_index
+
+
+@pytest.mark.parametrize("list_max", [0, 10_000], ids=["tensor-path", "list-path"])
+@pytest.mark.parametrize("spare", [0, 5])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=seqs)
+def test_a_batch_packed_for_a_bucket_is_the_plain_batch_plus_padding(
+        monkeypatch: pytest.MonkeyPatch, list_max: int, spare: int,
+        spec: list[tuple[int, int]]) -> None:
+    """Every field reads the same as the plain batch; the padding tokens up to the bucket
+    are token 0 at position 0 writing KV location 0 and the table's scratch cell, at the
+    fixed offsets a captured prologue reads; everything lives in the layout's buffer."""
+    monkeypatch.setattr(forward_batch, "_LIST_BUILD_MAX_TOKENS", list_max)
+    tokens, alloc, rows = _case(spec)
+    cpu = torch.device("cpu")
+    plain = ForwardBatch.build("prefill", tokens, alloc, rows, cpu, _WIDTH)
+    s = plain.num_tokens + spare
+    dest = torch.full((GraphLayout.max_packed_size(s),), -7, dtype=torch.int64)
+    fb = ForwardBatch.build("prefill", tokens, alloc, rows, cpu, _WIDTH,
+                            layout=GraphLayout(s, _SCRATCH, dest))
+    for name in FIELDS:
+        assert torch.equal(getattr(fb, name), getattr(plain, name)), name
+        assert getattr(fb, name).untyped_storage().data_ptr() == dest.data_ptr(), name
+    assert fb.bucket == s and plain.bucket is None and fb.decode_rows is None
+    t = plain.num_tokens
+    assert torch.equal(dest[:t], plain.input_ids) and dest[t:s].eq(0).all()
+    assert torch.equal(dest[s : s + t], plain.positions) and dest[s + t : 2 * s].eq(0).all()
+    assert torch.equal(dest[2 * s : 2 * s + t], plain.table_index)
+    assert dest[2 * s + t : 3 * s].eq(_SCRATCH).all()
+    assert torch.equal(dest[3 * s : 3 * s + t], plain.out_cache_loc)
+    assert dest[3 * s + t : 4 * s].eq(RESERVED_LOCATION).all()
+
+
+@pytest.mark.parametrize("list_max", [0, 10_000], ids=["tensor-path", "list-path"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_decode_batch_packed_for_a_bucket_carries_pad_rows(
+        monkeypatch: pytest.MonkeyPatch, list_max: int, rows: int) -> None:
+    """A decode batch's graph rows (location, slot, length) sit at ``[3s, 6s)``; the
+    rows past the batch are the Triton backend's padding row, so the copy of the whole
+    block the prologue captures is the refresh, padding included."""
+    from executor.attention.triton_backend import _PAD_ROW
+
+    monkeypatch.setattr(forward_batch, "_LIST_BUILD_MAX_TOKENS", list_max)
+    exts = tuple(Extension(f"s{i}", 2 + i, 5 + 3 * i, 1, False) for i in range(rows))
+    alloc = Allocation(exts, torch.arange(100, 100 + rows))
+    cpu, bucket = torch.device("cpu"), 8
+    plain = ForwardBatch.build("decode", list(range(rows)), alloc, list(range(rows)), cpu,
+                               _WIDTH)
+    dest = torch.zeros(GraphLayout.max_packed_size(bucket), dtype=torch.int64)
+    fb = ForwardBatch.build("decode", list(range(rows)), alloc, list(range(rows)), cpu,
+                            _WIDTH, layout=GraphLayout(bucket, _SCRATCH, dest))
+    assert fb.decode_rows is not None and plain.decode_rows is not None
+    assert torch.equal(fb.decode_rows, plain.decode_rows)
+    block = dest[3 * bucket : 6 * bucket].view(3, bucket)
+    assert torch.equal(block[:, :rows], plain.decode_rows)
+    assert all(tuple(col) == _PAD_ROW for col in block[:, rows:].t().tolist())
+    for name in FIELDS:
+        assert torch.equal(getattr(fb, name), getattr(plain, name)), name
+
+
+def test_a_batch_larger_than_its_bucket_is_refused() -> None:
+    tokens, alloc, rows = _case([(0, 9)])
+    dest = torch.zeros(GraphLayout.max_packed_size(8), dtype=torch.int64)
+    with pytest.raises(ValueError, match="9 tokens do not fit a bucket of 8"):
+        ForwardBatch.build("prefill", tokens, alloc, rows, torch.device("cpu"), _WIDTH,
+                           layout=GraphLayout(8, _SCRATCH, dest))
+
+
+def test_max_packed_size_holds_the_largest_batch_of_a_bucket() -> None:
+    """One-token sequences, all sampled: the most entries a batch of ``s`` tokens packs."""
+    s = 12
+    tokens, alloc, _ = _case([(3, 1)] * s)
+    dest = torch.zeros(GraphLayout.max_packed_size(s), dtype=torch.int64)
+    fb = ForwardBatch.build("prefill", tokens, alloc, list(range(s)), torch.device("cpu"),
+                            _WIDTH, layout=GraphLayout(s, _SCRATCH, dest))
+    assert fb.logits_indices.tolist() == list(range(s))

@@ -109,6 +109,14 @@ class AttentionBackend(ABC):
         ``batch.batch_size`` become padding); called outside the graph before replay."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
+    def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The static ``(3, bucket)`` rows (out_cache_loc, slot, seq_len) of decode capture
+        metadata ``meta``, when refreshing it from a bucket-padded batch is exactly one
+        copy of that batch's rows into them (so the runner may capture the copy);
+        None when ``refresh_metadata`` must run on the host before each replay."""
+        del meta
+        return None
+
 
 # -- shared by the kernel backends (triton, flashinfer) -----------------------------------
 #: KV dtypes the Triton and FlashInfer kernels support.

@@ -224,6 +224,15 @@ class TritonBackend(AttentionBackend):
         if real < size:
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
 
+    def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Rows ``:size`` of the static decode rows: a batch packed for the bucket
+        (``GraphLayout``) carries its padding rows as ``_PAD_ROW`` already."""
+        if not isinstance(meta, TritonDecodeMetadata):
+            return None
+        bufs = bucket_buffers(self.graph_buffers, meta.batch_size)
+        assert meta.seq_lens.data_ptr() == bufs.rows[2].data_ptr(), "not capture metadata"
+        return bufs.rows[:, : meta.batch_size]
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -22,15 +22,17 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from executor.api import BucketCapture, Phase, PhaseCapture
 from executor.attention.base import SCOPED, AttentionBackend, AttentionMetadata
-from executor.forward_batch import ForwardBatch, dummy_batch
+from executor.forward_batch import ForwardBatch, GraphLayout, dummy_batch
 from executor.graphs.backends import CaptureBackend
 from executor.graphs.breakable import BatchScope
 from executor.graphs.dispatch import RunnerState
+from executor.kv.allocator import RESERVED_LOCATION
 from executor.model.llama import CausalLM
 
 
@@ -119,6 +121,18 @@ class GraphRunner:
         # capture, when the backend's graphs run the whole forward.
         self._out: torch.Tensor | None = None
         self.timer = ReplayTimer(device)
+        # Batches packed for a bucket (``GraphLayout``) land in ``transfer``; per bucket, a
+        # captured prologue moves them into the graphs' inputs (``_capture_prologue``).
+        largest = max(buckets)
+        self.transfer = torch.zeros(GraphLayout.max_packed_size(largest), dtype=torch.int64,
+                                    device=device)
+        self._locs32 = torch.zeros(largest, dtype=torch.int32, device=device)
+        self._layouts = {b: GraphLayout(b, attn.table.scratch_index, self.transfer)
+                         for b in buckets}
+        self._prologues: dict[int, torch.cuda.CUDAGraph] = {}
+        # Buckets whose prologue also refreshes the static attention rows (decode, full).
+        self._rows_in_prologue: set[int] = set()
+        self._prologue_pool: Any = None  # a graph pool handle, made at the first capture
         # Test hook: called with each bucket before it is captured (fault injection).
         self.before_capture: Callable[[int], None] | None = None
 
@@ -188,6 +202,7 @@ class GraphRunner:
                 free_before = self._free_memory()
                 self.backend.capture(bucket, fn)
                 free_after = self._free_memory()
+            self._capture_prologue(bucket)
         except Exception as exc:  # one bucket failing must not stop the others
             self.failed[bucket] = f"{type(exc).__name__}: {exc}"
             torch.cuda.synchronize(self.device)
@@ -195,6 +210,50 @@ class GraphRunner:
                                  self.failed[bucket])
         used = max(0, free_before - free_after)
         return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
+
+    def _capture_prologue(self, bucket: int) -> None:
+        """Capture the copies that take a batch packed for ``bucket`` from ``transfer``
+        into the graphs: token ids and positions into the static inputs, the new KV
+        locations into the request-slot table (padding rows write its scratch cell) and,
+        where the attention backend allows (``static_decode_rows``), the decode rows into
+        its static metadata. One graph launch instead of four to six host-issued ops.
+
+        It first runs once uncaptured (kernels load at first use) on a padded empty batch,
+        which writes only the scratch cell and padding values."""
+        b, x = bucket, self.transfer
+        rows = (self.attn.static_decode_rows(self._meta[bucket])
+                if self.attention_in_graph else None)
+        table = self.attn.table
+
+        def body() -> None:
+            self.inputs.input_ids[:b].copy_(x[:b])
+            self.inputs.positions[:b].copy_(x[b : 2 * b])
+            self._locs32[:b].copy_(x[3 * b : 4 * b])
+            table.device_flat.index_copy_(0, x[2 * b : 3 * b], self._locs32[:b])
+            if rows is not None:
+                rows.copy_(x[3 * b : 6 * b].view(3, b))
+
+        x[: 2 * b].zero_()  # token 0 at position 0
+        x[2 * b : 3 * b].fill_(table.scratch_index)
+        x[3 * b : 6 * b].view(3, b).copy_(torch.tensor(
+            [[RESERVED_LOCATION], [0], [1]], dtype=torch.int64, device=x.device))  # _PAD_ROW
+        if self._prologue_pool is None:
+            self._prologue_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            body()
+            graph.capture_begin(pool=self._prologue_pool)
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        current.wait_stream(stream)
+        self._prologues[bucket] = graph
+        if rows is not None:
+            self._rows_in_prologue.add(bucket)
 
     def _free_memory(self) -> int:
         """Free device memory once cached blocks are given back: between two readings,
@@ -252,13 +311,30 @@ class GraphRunner:
         return lambda: self._forward(ids, pos, meta)
 
     # -- replay --------------------------------------------------------------------------
+    def layout(self, bucket: int) -> GraphLayout:
+        return self._layouts[bucket]
+
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """Run ``batch`` padded to ``bucket``; float32 logits of ``batch.logits_indices``,
-        valid until the next replay of this runner."""
-        self.inputs.fill(batch, bucket)
+        valid until the next replay of this runner.
+
+        A batch packed for ``bucket`` (``layout``) is taken in by the bucket's prologue;
+        any other batch is copied in from the host (its table entries already
+        published by whoever built it)."""
+        staged = batch.bucket is not None
+        if staged and (batch.bucket != bucket
+                       or batch.input_ids.data_ptr() != self.transfer.data_ptr()
+                       or bucket not in self._prologues):
+            raise ValueError(f"batch packed for bucket {batch.bucket} of another runner or "
+                             f"an uncaptured bucket, replayed at bucket {bucket}")
+        if not staged:
+            self.inputs.fill(batch, bucket)
         with self.timer.time():
+            if staged:
+                self._prologues[bucket].replay()
             if self.attention_in_graph:
-                self.attn.refresh_metadata(self._meta[bucket], batch)
+                if not (staged and bucket in self._rows_in_prologue):
+                    self.attn.refresh_metadata(self._meta[bucket], batch)
                 out = self.backend.replay(bucket)
             else:
                 with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
@@ -286,5 +362,7 @@ class GraphRunner:
 
     def release(self) -> None:
         self.backend.release()
+        self._prologues.clear()
+        self._rows_in_prologue.clear()
         self._meta.clear()
         self._state = None

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from executor.api import PhaseCapture
-from executor.forward_batch import ForwardBatch
+from executor.forward_batch import ForwardBatch, GraphLayout
 from executor.graphs.dispatch import RunnerState
 
 
@@ -18,6 +18,11 @@ class PhaseRunner(Protocol):
 
     def capture_all(self, force: bool = False, progress: bool = True) -> PhaseCapture:
         """Capture every bucket not yet captured (all of them again with ``force``)."""
+        ...
+
+    def layout(self, bucket: int) -> GraphLayout:
+        """How to pack a batch that will replay ``bucket`` (a captured one), so that the
+        replay finds it in place; such a batch publishes its table entries itself."""
         ...
 
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:

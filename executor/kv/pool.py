@@ -66,10 +66,12 @@ class ReqToTokenTable:
     def __init__(self, max_sequences: int, max_context: int, device: torch.device) -> None:
         self.max_sequences = max_sequences
         self.max_context = max_context
-        # (max_sequences, max_context) int32
-        self.device_table = torch.zeros((max_sequences, max_context), dtype=torch.int32,
-                                        device=device)
-        self._device_flat = self.device_table.view(-1)
+        # (max_sequences, max_context) int32, a view of a flat buffer with one more cell:
+        # ``scratch_index``, where padded rows of a graph batch write (never read).
+        cells = max_sequences * max_context
+        self._device_flat = torch.zeros(cells + 1, dtype=torch.int32, device=device)
+        self.device_table = self._device_flat[:cells].view(max_sequences, max_context)
+        self.scratch_index = cells
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
         self._host_flat = self.host_table.view(-1)
 
@@ -97,8 +99,15 @@ class ReqToTokenTable:
         """Publish a packed batch's new locations to the device table from tensors already
         on the device (no host sync): token ``j``'s location lands at flat index
         ``table_index[j]`` (``slot * max_context + position``, see ``ForwardBatch``). One
-        scatter: indexing by two index tensors cost about twice the host time."""
+        scatter: indexing by two index tensors cost about twice the host time.
+        ``table_index`` may hold ``scratch_index`` (padding rows)."""
         self._device_flat.index_copy_(0, table_index, out_cache_loc.to(torch.int32))
+
+    @property
+    def device_flat(self) -> torch.Tensor:
+        """The device table as one flat buffer, ``scratch_index`` included (for
+        ``write_device``-like scatters captured in a CUDA graph)."""
+        return self._device_flat
 
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""

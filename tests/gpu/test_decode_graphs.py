@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,10 @@ import torch
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
+from executor.forward_batch import ForwardBatch
 from executor.graphs.dispatch import FallbackReason
+from executor.graphs.runner import PhaseRunner
+from executor.kv.manager import Allocation
 
 pytestmark = pytest.mark.gpu
 
@@ -72,6 +76,48 @@ def _prefill(ex: Executor, n: int, tag: str) -> dict[str, int]:
     return out
 
 
+def graph_and_eager(ex: Executor, runner: PhaseRunner, phase: str, tokens: list[int],
+                    alloc: Allocation, bucket: int, all_rows: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one step through the graphs of ``bucket`` and eagerly.
+
+    The graphs run it twice: packed for the bucket (the executor's path, whose captured
+    prologue publishes the table entries: checked to write exactly the new tokens' cells
+    and the scratch cell) and packed plain (copied in from the host); both replays must
+    agree bit for bit. ``all_rows``: logits of every token, not only sampled rows."""
+    rows = list(range(len(alloc.extensions))) if phase == "decode" else []
+
+    def build(staged: bool) -> ForwardBatch:
+        if staged:  # as the executor packs it for its own runners
+            batch = ForwardBatch.build(phase, tokens, alloc, rows, ex.device,  # type: ignore[arg-type]
+                                       ex.table.max_context, ex.staging, runner.layout(bucket))
+        else:
+            batch = ex.build_batch(phase, tokens, alloc, rows)  # type: ignore[arg-type]
+        if all_rows:
+            batch = dataclasses.replace(
+                batch, logits_indices=torch.arange(batch.num_tokens, device=ex.device))
+        return batch
+
+    table = ex.table.device_table
+    new_cells = torch.zeros(table.shape, dtype=torch.bool, device=table.device)
+    for e in alloc.extensions:
+        table[e.slot, e.prefix_len : e.seq_len] = -1  # not yet published
+        new_cells[e.slot, e.prefix_len : e.seq_len] = True
+    before = table.clone()
+    staged = build(True)
+    assert staged.bucket == bucket
+    via_layout = runner.replay(staged, bucket).clone()
+    assert torch.equal(table[~new_cells], before[~new_cells]), "wrote outside the new cells"
+    for e in alloc.extensions:
+        assert torch.equal(table[e.slot, : e.seq_len], ex.table.host_table[e.slot, : e.seq_len]
+                           .to(table.device))
+    plain = build(False)
+    eager = ex.forward_logits(plain).clone()
+    graph = runner.replay(plain, bucket).clone()
+    assert torch.equal(via_layout, graph), "packed-for-bucket and plain replays differ"
+    return graph, eager
+
+
 def assert_same_greedy(a: torch.Tensor, b: torch.Tensor) -> None:
     """Equal argmax wherever the reference's top-2 margin exceeds bf16 noise."""
     top2 = b.topk(2, dim=-1).values
@@ -86,11 +132,10 @@ def test_graph_logits_equal_eager_at_every_bucket(ex: Executor, bs: int) -> None
     runner = ex.runners["decode"]
     for _ in range(12):  # growing contexts
         alloc = ex.kv.allocate([(sid, 1) for sid in last])
-        batch = ex.build_batch("decode", list(last.values()), alloc, list(range(bs)))
-        eager = ex.forward_logits(batch).clone()
-        decision = ex._decide(batch)
+        decision = ex._decide("decode", bs)
         assert decision.use_graph and decision.bucket is not None
-        graph = runner.replay(batch, decision.bucket).clone()
+        graph, eager = graph_and_eager(ex, runner, "decode", list(last.values()), alloc,
+                                       decision.bucket)
         torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
         assert_same_greedy(graph, eager)
         last = dict(zip(last, graph.argmax(-1).tolist(), strict=True))

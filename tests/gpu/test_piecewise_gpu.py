@@ -31,7 +31,12 @@ from executor.executor import Executor
 from executor.graphs.buckets import bucket_for
 from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.piecewise import PiecewiseCompileBackend
-from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy
+from tests.gpu.test_decode_graphs import (
+    LOGIT_ATOL,
+    LOGIT_RTOL,
+    assert_same_greedy,
+    graph_and_eager,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,13 +99,11 @@ def compare(rig: Rig, chunks: dict[str, list[int]]) -> None:
     """One packed batch through eager and through the piece graphs: logits of every token."""
     ex = rig.ex
     alloc = ex.kv.allocate([(s, len(t)) for s, t in chunks.items()])
-    batch = ex.build_batch("prefill", [t for ts in chunks.values() for t in ts], alloc, [])
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens,
-                                                                   device=ex.device))
-    eager = ex.forward_logits(batch).clone()
-    bucket = bucket_for(batch.num_tokens, BUCKETS)
+    tokens = [t for ts in chunks.values() for t in ts]
+    bucket = bucket_for(len(tokens), BUCKETS)
     assert bucket is not None
-    graph = rig.runner.replay(batch, bucket).clone()
+    graph, eager = graph_and_eager(ex, rig.runner, "prefill", tokens, alloc, bucket,
+                                   all_rows=True)
     torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
     assert_same_greedy(graph, eager)
 

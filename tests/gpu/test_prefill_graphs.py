@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from pathlib import Path
 
@@ -12,7 +11,12 @@ import torch
 from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
-from tests.gpu.test_decode_graphs import LOGIT_ATOL, LOGIT_RTOL, assert_same_greedy
+from tests.gpu.test_decode_graphs import (
+    LOGIT_ATOL,
+    LOGIT_RTOL,
+    assert_same_greedy,
+    graph_and_eager,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -47,13 +51,11 @@ def rand_tokens(n: int, seed: int) -> list[int]:
 def compare(ex: Executor, chunks: dict[str, list[int]]) -> None:
     """One packed batch through eager and through the graph: logits of every token."""
     alloc = ex.kv.allocate([(s, len(t)) for s, t in chunks.items()])
-    batch = ex.build_batch("prefill", [t for ts in chunks.values() for t in ts], alloc, [])
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens,
-                                                                   device=ex.device))
-    eager = ex.forward_logits(batch).clone()
-    decision = ex._decide(batch)
-    assert decision.use_graph, decision
-    graph = ex.runners["prefill"].replay(batch, decision.bucket).clone()  # type: ignore[arg-type]
+    tokens = [t for ts in chunks.values() for t in ts]
+    decision = ex._decide("prefill", len(tokens))
+    assert decision.use_graph and decision.bucket is not None, decision
+    graph, eager = graph_and_eager(ex, ex.runners["prefill"], "prefill", tokens, alloc,
+                                   decision.bucket, all_rows=True)
     torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
     assert_same_greedy(graph, eager)
 
@@ -71,6 +73,18 @@ def test_multi_sequence_new_and_continuing(ex: Executor) -> None:
     compare(ex, {"a": rand_tokens(17, 3), "c": rand_tokens(60, 4), "b": rand_tokens(1, 5),
                  "d": rand_tokens(9, 6)})
     ex.release(["a", "b", "c", "d"])
+    ex.kv.check_invariants()
+
+
+def test_a_batch_packed_for_one_bucket_is_refused_at_another(ex: Executor) -> None:
+    alloc = ex.kv.allocate([("wrong-bucket", 5)])
+    try:
+        batch = ex.build_batch("prefill", rand_tokens(5, 3), alloc, [0], 8)
+        assert batch.bucket == 8
+        with pytest.raises(ValueError, match="packed for bucket 8"):
+            ex.runners["prefill"].replay(batch, 16)
+    finally:
+        ex.kv.rollback(alloc)
     ex.kv.check_invariants()
 
 
