@@ -177,9 +177,7 @@ def test_batch_above_max_falls_back_with_reason(tmp_path: Path) -> None:
     cfg_ex.capture(["decode"])
     toks = _prefill(cfg_ex, 40, "big")  # 40 > largest bucket 32, but <= max_sequences
     # The executor's decode batch limit is 32, so ask the decision directly for 40.
-    alloc = cfg_ex.kv.allocate([(s, 1) for s in toks])
-    batch = cfg_ex.build_batch("decode", list(toks.values()), alloc, list(range(40)))
-    assert cfg_ex._decide(batch).reason == FallbackReason.TOO_LARGE
+    assert cfg_ex._decide("decode", len(toks)).reason == FallbackReason.TOO_LARGE
 
 
 def test_recapture_with_force_and_injected_failure(tmp_path: Path) -> None:
