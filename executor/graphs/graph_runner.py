@@ -133,6 +133,7 @@ class GraphRunner:
         # Buckets whose prologue also refreshes the static attention rows (decode, full).
         self._rows_in_prologue: set[int] = set()
         self._prologue_pool: Any = None  # a graph pool handle, made at the first capture
+        self._prologue_stream: torch.cuda.Stream | None = None
         # Test hook: called with each bucket before it is captured (fault injection).
         self.before_capture: Callable[[int], None] | None = None
 
@@ -233,14 +234,18 @@ class GraphRunner:
             if rows is not None:
                 rows.copy_(x[3 * b : 6 * b].view(3, b))
 
+        # Device-side fills only: no host-to-device copy (a pinned staging block) here.
         x[: 2 * b].zero_()  # token 0 at position 0
         x[2 * b : 3 * b].fill_(table.scratch_index)
-        x[3 * b : 6 * b].view(3, b).copy_(torch.tensor(
-            [[RESERVED_LOCATION], [0], [1]], dtype=torch.int64, device=x.device))  # _PAD_ROW
+        x[3 * b : 4 * b].fill_(RESERVED_LOCATION)  # the padding row: location, slot, length
+        x[4 * b : 5 * b].zero_()
+        x[5 * b : 6 * b].fill_(1)
         if self._prologue_pool is None:
             self._prologue_pool = torch.cuda.graph_pool_handle()
+        if self._prologue_stream is None:
+            self._prologue_stream = torch.cuda.Stream(self.device)
+        stream = self._prologue_stream
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -364,5 +369,6 @@ class GraphRunner:
         self.backend.release()
         self._prologues.clear()
         self._rows_in_prologue.clear()
+        self._prologue_pool = None  # as the backends do: a recapture gets a fresh pool
         self._meta.clear()
         self._state = None
