@@ -139,3 +139,55 @@ def test_decode_graph_hooks_interpreted() -> None:
     assert set(changed) <= {0, *batch.out_cache_loc.tolist()}
     eager = tri.forward(q[:2], k[:2], v[:2], LAYER, tri.build_metadata(batch))
     torch.testing.assert_close(out[:2].float(), eager.float(), atol=2e-3, rtol=2e-3)
+
+
+def _rope_tables(head_dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "head_dim"), [
+    ([5, 40, 130], [1, 1, 1], 8, 2, 16),  # decode, several splits
+    ([70, 3], [1, 1], 4, 1, 24),  # decode, head_dim not a power of two
+    ([0, 20, 70], [70, 5, 1], 4, 2, 16),  # extend: prefill, chunk, decode-like row
+    ([0, 3], [150, 140], 2, 1, 24),  # extend: several query blocks, odd head_dim
+])
+def test_fused_rope_equals_rotating_first_interpreted(
+        prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
+        head_dim: int) -> None:
+    """With the RoPE tables bound, the kernels take unrotated q/k and give exactly what
+    they give for q/k rotated first by the torch ops (the model's reference path): the
+    same output and the same (rotated) keys in the pool, bit for bit."""
+    from executor.model.layers import TORCH_OPS
+
+    shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
+    cos, sin = _rope_tables(head_dim, 512)
+    results = []
+    for fused in (False, True):
+        pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, 4)
+        qkv = torch.randn(batch.num_tokens, (heads + 2 * kv_heads) * head_dim,
+                          generator=torch.Generator().manual_seed(12)).to(DTYPE)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+        q = q.view(-1, heads, head_dim)
+        k, v = k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+        tri = TritonBackend(shape, pool, table)
+        if fused:
+            tri.bind_rope(cos, sin)
+            assert tri.applies_rope
+        else:
+            q, k = TORCH_OPS.rope(batch.positions, q, k, cos, sin, None, None, 0.0)
+        out = tri.forward(q, k, v, LAYER, tri.build_metadata(batch))
+        results.append((out, pool.k_buffer.clone(), pool.v_buffer.clone()))
+    (ref, ref_k, ref_v), (got, got_k, got_v) = results
+    assert torch.equal(got, ref)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+
+
+def test_backends_that_cannot_fuse_rope_refuse_tables() -> None:
+    pool, table, _ = paged_case([3], [2], 2, 1, 16, 0)
+    native = TorchNativeBackend(AttentionShape(2, 1, 16, 0.25), pool, table)
+    assert not native.can_fuse_rope and not native.applies_rope
+    with pytest.raises(NotImplementedError, match="does not apply RoPE"):
+        native.bind_rope(*_rope_tables(16, 8))
