@@ -130,39 +130,3 @@ def test_staged_batches_equal_plain_ones_and_stay_intact(long_prompt: bool) -> N
             assert staged.decode_rows.tolist() == [
                 plain.out_cache_loc.tolist(), plain.req_pool_indices.tolist(),
                 plain.seq_lens.tolist()]
-
-
-def test_attention_applying_rope_equals_the_rope_kernel(tmp_path: object) -> None:
-    """The Triton backend rotating q/k inside its kernels gives the logits the model's own
-    RoPE kernel gives, bit for bit, for a prefill, an extend over a cached prefix and a
-    decode step (eager forwards of the same batches, fused then unfused)."""
-    from pathlib import Path
-
-    from executor.api import PrefillItem
-    from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
-    from executor.executor import Executor
-    from tests.gpu.test_decode_graphs import gpu_model
-
-    assert isinstance(tmp_path, Path)
-    ex = Executor(ExecutorConfig(
-        model=ModelConfig(source=str(gpu_model(tmp_path)), dtype="bfloat16"), device="cuda",
-        cache=CacheConfig(kv_tokens=8192, max_sequences=8, max_context=1024),
-        graphs=GraphConfig(decode_mode="disabled", prefill_mode="disabled"),
-        attention_backend="triton"))
-    assert ex.attn.applies_rope
-    tables = ex.attn.rope
-    gen = torch.Generator().manual_seed(3)
-    ex.prefill([PrefillItem("a", torch.randint(0, 1024, (70,), generator=gen).tolist())])
-    steps = [("prefill", [("b", 37)]), ("prefill", [("a", 21), ("c", 90)]),
-             ("decode", [("a", 1), ("b", 1), ("c", 1)])]
-    for phase, reqs in steps:
-        alloc = ex.kv.allocate(reqs)
-        tokens = torch.randint(0, 1024, (alloc.num_tokens,), generator=gen).tolist()
-        batch = ex.build_batch(phase, tokens, alloc, list(range(len(reqs))))  # type: ignore[arg-type]
-        fused = ex.forward_logits(batch).clone()
-        ex.attn.rope = None  # the model applies RoPE itself
-        try:
-            plain = ex.forward_logits(batch).clone()
-        finally:
-            ex.attn.rope = tables
-        assert torch.equal(fused, plain), phase
