@@ -107,10 +107,6 @@ class Executor:
 
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
-        if self.attn.can_fuse_rope and not spec.features.qk_norm:
-            # The attention kernels rotate q and k as they load them: no RoPE launch per
-            # layer. (With q/k norm, the model's fused norm+RoPE kernel stays.)
-            self.attn.bind_rope(self.model.rotary.cos, self.model.rotary.sin)
         self.sampler = Sampler()
         # Every batch's metadata goes to the device through one reused pinned buffer.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
@@ -165,10 +161,8 @@ class Executor:
 
     def _model_key(self) -> str:
         """What a compiled forward depends on besides our code: layout, dtype, context
-        (the RoPE table is a graph input), the kernel choice and whether attention applies
-        RoPE (then the graph has no RoPE op)."""
-        raw = (f"{self.spec!r}|{self.dtype}|{self.limits.max_context}|{self.model.kernels}"
-               f"|rope_in_attention={self.attn.applies_rope}")
+        (the RoPE table is a graph input) and the kernel choice."""
+        raw = f"{self.spec!r}|{self.dtype}|{self.limits.max_context}|{self.model.kernels}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------------------------

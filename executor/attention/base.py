@@ -62,29 +62,11 @@ class AttentionBackend(ABC):
     #: padded to a bucket), which it leaves untouched, instead of cutting each tensor to
     #: the batch's tokens on every layer.
     padded_rows_ok: ClassVar[bool] = False
-    #: True when the kernels can apply the model's RoPE to q and k themselves
-    #: (``bind_rope``), saving the model its own RoPE launch per layer.
-    can_fuse_rope: ClassVar[bool] = False
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         self.shape = shape
         self.pool = pool
         self.table = table
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def bind_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """From now on, ``forward`` takes q and k *before* RoPE and rotates them itself with
-        these float32 ``(positions, head_dim)`` tables (neox style; position of new token
-        ``i`` of a sequence = its cached length + ``i``). Bind before any graph capture:
-        the model stops applying RoPE when ``applies_rope`` says so."""
-        if not self.can_fuse_rope:
-            raise NotImplementedError(f"attention backend {self.name!r} does not apply RoPE")
-        self.rope = (cos, sin)
-
-    @property
-    def applies_rope(self) -> bool:
-        """Whether ``forward`` expects unrotated q and k (see ``bind_rope``)."""
-        return self.rope is not None
 
     @abstractmethod
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:

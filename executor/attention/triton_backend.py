@@ -102,8 +102,6 @@ class TritonBackend(AttentionBackend):
     # Extend programs cover the rows metadata names (extend_start + extend_lens), decode
     # programs the first B rows: padding rows after them are never read or written.
     padded_rows_ok: ClassVar[bool] = True
-    # Both kernels rotate q and the new k as they load them (``triton_kernels/rotary``).
-    can_fuse_rope: ClassVar[bool] = True
 
     def __init__(self, shape: AttentionShape, pool: KVPool, table: ReqToTokenTable) -> None:
         super().__init__(shape, pool, table)
@@ -154,12 +152,12 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, rope=self.rope)
+                             meta.partial_lse, self.shape.scale)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
                              meta.max_extend_len, self.shape.scale,
-                             out_cache_loc=meta.out_cache_loc, rope=self.rope)
+                             out_cache_loc=meta.out_cache_loc)
         else:
             raise TypeError(f"triton backend got {type(meta).__name__}")
 

@@ -177,10 +177,6 @@ class BreakingAttention(AttentionBackend):
     def build_metadata(self, batch: Any) -> AttentionMetadata:
         return self.inner.build_metadata(batch)
 
-    @property
-    def applies_rope(self) -> bool:
-        return self.inner.applies_rope
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``meta`` is ignored: the batch bound to the scope (dummy while capturing, the

@@ -12,9 +12,7 @@ norm) does the add and the norm in one step. The sums are the same as Hugging Fa
 The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
 forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
 Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM. RoPE is skipped when the attention
-backend applies it itself (``AttentionBackend.applies_rope``: the Triton kernels rotate q
-and k as they load them).
+add+norm, gate_up GEMM, SiLU-and-mul, down GEMM.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if not backend.applies_rope:  # else the attention kernels rotate q and k
-            q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
+        q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.attention.triton_kernels.rotary import rope_apply, rope_partner, rope_tables
-
 # Chunks are a multiple of this many tokens: a program does at least this much work.
 SPLIT_ALIGN = 32
 # Bounds the reduction's tile and the fp32 scratch.
@@ -68,8 +66,7 @@ def _split_size(cached, num_splits, ALIGN: tl.constexpr):
 
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
-@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h",
-                               "cos_ptr", "sin_ptr", "stride_cos"])
+@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim): one new query per sequence
     k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
@@ -79,7 +76,6 @@ def _decode_split_kernel(
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
     out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
-    cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables (read only when ROPE)
     sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     group,  # query heads per KV head
     num_splits,  # the grid's third axis
@@ -91,14 +87,12 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s,
     stride_lse_b, stride_lse_h,
     stride_out_t, stride_out_h,
-    stride_cos,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
-    ROPE: tl.constexpr,  # q and the new k arrive unrotated: rotate them here (``rotary``)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,19 +114,11 @@ def _decode_split_kernel(
         pool_dtype = k_pool_ptr.dtype.element_ty
 
         # (BLOCK_H, BLOCK_D)
-        q_rows = q_ptr + b * stride_q_t + heads[:, None] * stride_q_h
-        q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
-        k_row = k_new_ptr + b * stride_kn_t + kvh * stride_kn_h
-        k_new = tl.load(k_row + offs_d, mask=mask_d, other=0.0)  # (BLOCK_D,)
-        if ROPE:  # the new token sits at position seq_len - 1
-            partner, sign = rope_partner(offs_d, HEAD_DIM // 2)
-            c, s = rope_tables(cos_ptr, sin_ptr, cached, stride_cos, offs_d, mask_d, q.dtype)
-            q = rope_apply(q, tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0),
-                           c[None, :], s[None, :], sign[None, :])
-            k_new = rope_apply(k_new, tl.load(k_row + partner, mask=mask_d, other=0.0), c, s,
-                               sign)
-        # Rounded through the pool dtype exactly as a pool read would be.
-        k_new = k_new.to(pool_dtype)
+        q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+                    mask=mask_hd, other=0.0)
+        # (BLOCK_D,), rounded through the pool dtype exactly as a pool read would be.
+        k_new = tl.load(k_new_ptr + b * stride_kn_t + kvh * stride_kn_h + offs_d,
+                        mask=mask_d, other=0.0).to(pool_dtype)
         v_new = tl.load(v_new_ptr + b * stride_vn_t + kvh * stride_vn_h + offs_d,
                         mask=mask_d, other=0.0).to(pool_dtype)
         is_first = split == 0
@@ -233,15 +219,12 @@ def decode_attention(
     mid_o: torch.Tensor | None,  # (B, heads, num_splits, head_dim) fp32 scratch
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # float32 (positions, head_dim)
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
     The split count is ``mid_o.shape[2]``; without scratch (``None``) it is 1. The launch
     shape depends on ``B`` and the split count only, so it may be captured in a CUDA
-    graph: lengths, slots and locations are read on the device. With ``rope`` (the
-    model's cos/sin tables), ``q`` and ``k_new`` are unrotated: the kernel rotates them
-    for position ``seq_lens[b] - 1`` and stores the rotated key.
+    graph: lengths, slots and locations are read on the device.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -257,17 +240,11 @@ def decode_attention(
         num_splits = mid_o.shape[2]
         assert mid_lse.shape[2] == num_splits
         assert mid_o.stride(-1) == 1 and mid_lse.stride(-1) == 1
-    if rope is not None:
-        cos, sin = rope
-        assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
-        assert cos.shape[1] == head_dim and cos.stride(-1) == 1
-    else:  # never read
-        cos = sin = q
     block_d = triton.next_power_of_2(head_dim)
     scale_log2 = sm_scale * math.log2(math.e)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
-        mid_o, mid_lse, out, cos, sin,
+        mid_o, mid_lse, out,
         scale_log2, group, num_splits,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1),
@@ -277,14 +254,12 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        cos.stride(0),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N,
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
-        ROPE=rope is not None,
         num_warps=4,
         num_stages=2,
     )

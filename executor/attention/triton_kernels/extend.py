@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.attention.triton_kernels.rotary import rope_apply, rope_partner, rope_tables
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 # Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,
@@ -46,23 +45,10 @@ def _online_softmax_step(qk, v, m_i, l_i, acc):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _rotated_keys(k, k_rows, rows, stride_k_t, partner, sign, pos, cos_ptr, sin_ptr,
-                  stride_cos, offs_d, mask):
-    # ``k`` (BLOCK_N, BLOCK_D) loaded at packed ``rows`` of this KV head, rotated for
-    # ``pos``; its partner lanes are a second load of the same rows.
-    k_partner = tl.load(k_rows - offs_d[None, :] + partner[None, :] + rows[:, None] * stride_k_t,
-                        mask=mask, other=0.0)
-    c, s = rope_tables(cos_ptr, sin_ptr, pos[:, None], stride_cos, offs_d[None, :], mask,
-                       k.dtype)
-    return rope_apply(k, k_partner, c, s, sign[None, :])
-
-
 # The per-batch metadata pointers are views at batch-dependent offsets of one packed
 # transfer: not specialized on alignment, so no batch shape ever compiles a new variant.
 @triton.jit(do_not_specialize=["group", "req_idx_ptr", "prefix_lens_ptr", "extend_lens_ptr",
-                               "extend_start_ptr", "loc_ptr", "cos_ptr", "sin_ptr",
-                               "stride_cos"])
+                               "extend_start_ptr", "loc_ptr"])
 def _extend_kernel(
     q_ptr,  # (T, heads, head_dim) packed new queries
     k_ptr, v_ptr,  # (T, kv_heads, head_dim) packed new keys/values
@@ -71,7 +57,6 @@ def _extend_kernel(
     table_ptr,  # (max_sequences, max_context) int32 locations
     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (B,) int64 each
     loc_ptr,  # (T,) int64 pool location of each new token (read only when STORE_KV)
-    cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables (read only when ROPE)
     sm_scale_log2,  # softmax scale * log2(e)
     group,  # query heads per KV head
     stride_q_t, stride_q_h,
@@ -80,13 +65,11 @@ def _extend_kernel(
     stride_o_t, stride_o_h,
     stride_pool_n, stride_pool_h,
     stride_table,
-    stride_cos,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_KV: tl.constexpr,
-    ROPE: tl.constexpr,  # q and k arrive unrotated: rotate them here (``rotary``)
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -103,16 +86,9 @@ def _extend_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_m = offs_m < num_new
         mask_d = offs_d < HEAD_DIM
-        partner, sign = rope_partner(offs_d, HEAD_DIM // 2)
         # (BLOCK_M, BLOCK_D)
-        q_rows = q_ptr + (start + offs_m[:, None]) * stride_q_t + h * stride_q_h
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(q_rows + offs_d[None, :], mask=mask_md, other=0.0)
-        if ROPE:  # new token i sits at position prefix + i
-            c_q, s_q = rope_tables(cos_ptr, sin_ptr, (prefix + offs_m)[:, None], stride_cos,
-                                   offs_d[None, :], mask_md, q.dtype)
-            q = rope_apply(q, tl.load(q_rows + partner[None, :], mask=mask_md, other=0.0),
-                           c_q, s_q, sign[None, :])
+        q = tl.load(q_ptr + (start + offs_m[:, None]) * stride_q_t + h * stride_q_h
+                    + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -140,12 +116,8 @@ def _extend_kernel(
         v_rows = v_ptr + kvh * stride_v_h + offs_d[None, :]
         for n0 in range(0, m0, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
-            k = tl.load(k_rows + offs_n[:, None] * stride_k_t, mask=mask_d[None, :], other=0.0)
-            if ROPE:
-                k = _rotated_keys(k, k_rows, offs_n, stride_k_t, partner, sign,
-                                  prefix + n0 + tl.arange(0, BLOCK_N), cos_ptr, sin_ptr,
-                                  stride_cos, offs_d, mask_d[None, :])
-            k = k.to(pool_dtype)
+            k = tl.load(k_rows + offs_n[:, None] * stride_k_t, mask=mask_d[None, :],
+                        other=0.0).to(pool_dtype)
             v = tl.load(v_rows + offs_n[:, None] * stride_v_t, mask=mask_d[None, :],
                         other=0.0).to(pool_dtype)
             qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
@@ -157,12 +129,8 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < num_new
             mask_nd = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_rows + (start + offs_n[:, None]) * stride_k_t, mask=mask_nd, other=0.0)
-            if ROPE:
-                k = _rotated_keys(k, k_rows, start + offs_n, stride_k_t, partner, sign,
-                                  prefix + offs_n, cos_ptr, sin_ptr, stride_cos, offs_d,
-                                  mask_nd)
-            k = k.to(pool_dtype)
+            k = tl.load(k_rows + (start + offs_n[:, None]) * stride_k_t, mask=mask_nd,
+                        other=0.0).to(pool_dtype)
             v = tl.load(v_rows + (start + offs_n[:, None]) * stride_v_t, mask=mask_nd,
                         other=0.0).to(pool_dtype)
             qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
@@ -176,12 +144,9 @@ def _extend_kernel(
             # launch. Nothing in this launch reads those locations (the prefix loop reads
             # older ones; the new keys come from the packed K/V), so there is no race.
             if h % group == 0:
+                mask_md = mask_m[:, None] & mask_d[None, :]
                 rows = start + offs_m[:, None]
                 k_new = tl.load(k_rows + rows * stride_k_t, mask=mask_md, other=0.0)
-                if ROPE:
-                    k_new = _rotated_keys(k_new, k_rows, start + offs_m, stride_k_t, partner,
-                                          sign, prefix + offs_m, cos_ptr, sin_ptr,
-                                          stride_cos, offs_d, mask_md)
                 v_new = tl.load(v_rows + rows * stride_v_t, mask=mask_md, other=0.0)
                 locs = tl.load(loc_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
                 dst = locs[:, None] * stride_pool_n + head_off
@@ -209,14 +174,11 @@ def extend_attention(
     max_extend_len: int,  # host-side max of extend_lens: sizes the grid
     sm_scale: float,
     out_cache_loc: torch.Tensor | None = None,  # (T,) int64
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # float32 (positions, head_dim)
 ) -> None:
     """Causal attention of packed new tokens over their cached prefix and each other.
 
     Reads the prefix from the pool. With ``out_cache_loc``, the same launch also stores
     ``k``/``v`` at those locations (what ``store_kv`` does, without a second launch).
-    With ``rope`` (the model's cos/sin tables), ``q`` and ``k`` are unrotated: the kernel
-    rotates them for positions ``prefix_lens[b] + i`` and stores the rotated keys.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = req_pool_indices.shape[0]
@@ -229,26 +191,19 @@ def extend_attention(
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert BLOCK_M % BLOCK_N == 0, "the unmasked causal loop steps BLOCK_N up to a BLOCK_M edge"
     loc = out_cache_loc if out_cache_loc is not None else extend_start
-    if rope is not None:
-        cos, sin = rope
-        assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
-        assert cos.shape[1] == head_dim and cos.stride(-1) == 1
-    else:  # never read
-        cos = sin = q
     grid = (cdiv(max_extend_len, BLOCK_M), batch, num_heads)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
-               table.stride(0), cos.stride(0))
+               table.stride(0))
     pointers = (q, k, v, out, k_pool, v_pool, table, req_pool_indices, prefix_lens,
-                extend_lens, extend_start, loc, cos, sin)
+                extend_lens, extend_start, loc)
     store = out_cache_loc is not None
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STORE_KV": store,
-                  "ROPE": rope is not None}
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STORE_KV": store}
     # What the JIT specializes on besides pointer alignment (the launcher adds that):
     # dtypes, the integer arguments (strides; ``group`` is not specialized) and the
-    # constexprs, which follow from head_dim and the store and RoPE flags.
-    key = (tuple(t.dtype for t in pointers), strides, head_dim, store, rope is not None)
+    # constexprs, which follow from head_dim and the store flag.
+    key = (tuple(t.dtype for t in pointers), strides, head_dim, store)
     _LAUNCHER.launch(grid, key, (*pointers, sm_scale * _LOG2E, group, *strides), constexprs)
 
 

@@ -161,10 +161,6 @@ class OpAttention(AttentionBackend):
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         return self.inner.build_metadata(batch)
 
-    @property
-    def applies_rope(self) -> bool:
-        return self.inner.applies_rope
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         del meta  # the op reads the batch bound to the scope
