@@ -12,6 +12,12 @@ each decided once at construction, never per step:
 Inside-graph attention uses the attention backend's three graph hooks (static buffers,
 dummy metadata at capture, in-place refresh before replay). Eager attention gets the real
 batch's metadata through a ``BatchScope`` bound around the replay.
+
+A step's batch reaches the graphs one of two ways. The executor packs a batch it will
+replay straight for its bucket (``layout``: padded, in the fixed ``transfer`` buffer), and
+the bucket's captured prologue copies it into the static inputs, the request-slot table
+and (Triton decode) the static attention rows: one graph launch. Any other batch (tests,
+tools) is copied in from the host with ``GraphInputs.fill`` and ``refresh_metadata``.
 """
 
 from __future__ import annotations
