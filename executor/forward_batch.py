@@ -165,11 +165,12 @@ class ForwardBatch:
         sb = s if decode else b  # a decode batch pads its rows too
         seq_pad = sb - b
         scratch = 0 if layout is None else layout.table_scratch
-        # Padding: token 0 at position 0 writing KV location 0 (reserved) and a table
-        # cell no sequence owns; a padded decode row is one token long (``_PAD_ROW``).
-        pad_ids = [0] * tok_pad
-        per_seq = (slots + [0] * seq_pad + seq_lens + [1] * seq_pad + prefix + [0] * seq_pad
-                   + ext_lens + [1] * seq_pad + starts + [0] * seq_pad + last_rows)
+        pad_tok, pad_seq = _PAD_TOKEN, _PAD_SEQUENCE  # see GraphLayout
+        pad_ids = [pad_tok["input_ids"]] * tok_pad
+        per_seq = (slots + [pad_seq["slot"]] * seq_pad + seq_lens + [pad_seq["seq_len"]] * seq_pad
+                   + prefix + [pad_seq["prefix_len"]] * seq_pad + ext_lens
+                   + [pad_seq["extend_len"]] * seq_pad + starts + [pad_seq["start"]] * seq_pad
+                   + last_rows)
 
         pin = device.type == "cuda" and staging is None  # pinned: the copy is asynchronous
         if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
@@ -178,8 +179,9 @@ class ForwardBatch:
                            for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             # array("q") of a list, then a view of it: a third of torch.tensor(list)'s time
             packed = array("q", token_ids)
-            for part in (pad_ids, positions, pad_ids, table_index, [scratch] * tok_pad,
-                         alloc.out_cache_loc.tolist(), [RESERVED_LOCATION] * tok_pad, per_seq):
+            for part in (pad_ids, positions, [pad_tok["position"]] * tok_pad, table_index,
+                         [scratch] * tok_pad, alloc.out_cache_loc.tolist(),
+                         [pad_tok["location"]] * tok_pad, per_seq):
                 packed.extend(part)
             flat = torch.frombuffer(packed, dtype=torch.int64) if packed else \
                 torch.empty(0, dtype=torch.int64)
@@ -198,13 +200,13 @@ class ForwardBatch:
 
             # Token j of sequence i sits at prefix_i + (j - start_i).
             positions_t = torch.arange(acc, dtype=torch.int64) + per_token(seq_t[b:] - starts_t)
-            zeros = torch.zeros(tok_pad, dtype=torch.int64)
-            flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64), zeros,
-                              positions_t, zeros,
-                              per_token(seq_t[:b]) * table_width + positions_t,
-                              torch.full((tok_pad,), scratch, dtype=torch.int64),
-                              alloc.out_cache_loc.to(torch.int64),
-                              torch.full((tok_pad,), RESERVED_LOCATION, dtype=torch.int64),
+            def pad(value: int) -> torch.Tensor:
+                return torch.full((tok_pad,), value, dtype=torch.int64)
+
+            flat = torch.cat((torch.frombuffer(array("q", token_ids), dtype=torch.int64),
+                              pad(pad_tok["input_ids"]), positions_t, pad(pad_tok["position"]),
+                              per_token(seq_t[:b]) * table_width + positions_t, pad(scratch),
+                              alloc.out_cache_loc.to(torch.int64), pad(pad_tok["location"]),
                               torch.tensor(per_seq, dtype=torch.int64)))
         if pin:
             flat = flat.pin_memory()
@@ -265,6 +267,24 @@ class GraphLayout:
         """Entries a batch packed for ``bucket`` may take: 4 per-token fields, 5 per
         sequence (at most one sequence per token) and one logits row per sequence."""
         return 10 * bucket
+
+    def fill_padding(self) -> None:
+        """Make ``dest`` hold a batch of padding only (device-side fills, no transfer):
+        what a prologue may run on before any real batch was packed."""
+        b, x = self.bucket, self.dest
+        x[:b].fill_(_PAD_TOKEN["input_ids"])
+        x[b : 2 * b].fill_(_PAD_TOKEN["position"])
+        x[2 * b : 3 * b].fill_(self.table_scratch)
+        x[3 * b : 4 * b].fill_(_PAD_TOKEN["location"])
+        x[4 * b : 5 * b].fill_(_PAD_SEQUENCE["slot"])  # decode rows: slot, then length
+        x[5 * b : 6 * b].fill_(_PAD_SEQUENCE["seq_len"])
+
+
+# What padding holds (``GraphLayout``): token 0 at position 0 writing the reserved KV
+# location; a padded decode row is one such token in slot 0, so it reads no table entry
+# (the Triton backend's ``_PAD_ROW``). Padded tokens' table entries go to the scratch cell.
+_PAD_TOKEN = {"input_ids": 0, "position": 0, "location": RESERVED_LOCATION}
+_PAD_SEQUENCE = {"slot": 0, "seq_len": 1, "prefix_len": 0, "extend_len": 1, "start": 0}
 
 
 def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.device

@@ -141,3 +141,16 @@ def test_max_packed_size_holds_the_largest_batch_of_a_bucket() -> None:
     fb = ForwardBatch.build("prefill", tokens, alloc, list(range(s)), torch.device("cpu"),
                             _WIDTH, layout=GraphLayout(s, _SCRATCH, dest))
     assert fb.logits_indices.tolist() == list(range(s))
+
+
+def test_fill_padding_writes_a_batch_of_padding_only() -> None:
+    """What a prologue's warm-up runs on: the values a packed batch pads with, at the same
+    offsets (ids, positions, table index, locations, decode rows)."""
+    from executor.attention.triton_backend import _PAD_ROW
+
+    b = 6
+    dest = torch.full((GraphLayout.max_packed_size(b),), -7, dtype=torch.int64)
+    GraphLayout(b, _SCRATCH, dest).fill_padding()
+    assert dest[: 2 * b].eq(0).all() and dest[2 * b : 3 * b].eq(_SCRATCH).all()
+    rows = dest[3 * b : 6 * b].view(3, b)
+    assert all(tuple(col) == _PAD_ROW for col in rows.t().tolist())

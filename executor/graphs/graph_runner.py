@@ -38,7 +38,6 @@ from executor.forward_batch import ForwardBatch, GraphLayout, dummy_batch
 from executor.graphs.backends import CaptureBackend
 from executor.graphs.breakable import BatchScope
 from executor.graphs.dispatch import RunnerState
-from executor.kv.allocator import RESERVED_LOCATION
 from executor.model.llama import CausalLM
 
 
@@ -132,7 +131,6 @@ class GraphRunner:
         largest = max(buckets)
         self.transfer = torch.zeros(GraphLayout.max_packed_size(largest), dtype=torch.int64,
                                     device=device)
-        self._locs32 = torch.zeros(largest, dtype=torch.int32, device=device)
         self._layouts = {b: GraphLayout(b, attn.table.scratch_index, self.transfer)
                          for b in buckets}
         self._prologues: dict[int, torch.cuda.CUDAGraph] = {}
@@ -230,22 +228,16 @@ class GraphRunner:
         b, x = bucket, self.transfer
         rows = (self.attn.static_decode_rows(self._meta[bucket])
                 if self.attention_in_graph else None)
-        table = self.attn.table
 
         def body() -> None:
             self.inputs.input_ids[:b].copy_(x[:b])
             self.inputs.positions[:b].copy_(x[b : 2 * b])
-            self._locs32[:b].copy_(x[3 * b : 4 * b])
-            table.device_flat.index_copy_(0, x[2 * b : 3 * b], self._locs32[:b])
+            self.attn.table.write_device(x[2 * b : 3 * b], x[3 * b : 4 * b])
             if rows is not None:
                 rows.copy_(x[3 * b : 6 * b].view(3, b))
 
         # Device-side fills only: no host-to-device copy (a pinned staging block) here.
-        x[: 2 * b].zero_()  # token 0 at position 0
-        x[2 * b : 3 * b].fill_(table.scratch_index)
-        x[3 * b : 4 * b].fill_(RESERVED_LOCATION)  # the padding row: location, slot, length
-        x[4 * b : 5 * b].zero_()
-        x[5 * b : 6 * b].fill_(1)
+        self._layouts[bucket].fill_padding()
         if self._prologue_pool is None:
             self._prologue_pool = torch.cuda.graph_pool_handle()
         if self._prologue_stream is None:

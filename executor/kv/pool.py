@@ -103,12 +103,6 @@ class ReqToTokenTable:
         ``table_index`` may hold ``scratch_index`` (padding rows)."""
         self._device_flat.index_copy_(0, table_index, out_cache_loc.to(torch.int32))
 
-    @property
-    def device_flat(self) -> torch.Tensor:
-        """The device table as one flat buffer, ``scratch_index`` included (for
-        ``write_device``-like scatters captured in a CUDA graph)."""
-        return self._device_flat
-
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""
         return self.host_table[slot, start:end].to(torch.int64)
