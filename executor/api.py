@@ -8,12 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Literal
 
 Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
 
 MAX_TOP_LOGPROBS = 20
+
+
+class FallbackReason(str, Enum):
+    """Why a step ran eagerly instead of replaying a graph (``StepInfo.fallback_reason``
+    and the ``reason`` label of ``model_executor_eager_fallbacks_total``)."""
+
+    NO_CUDA = "no_cuda"
+    DISABLED = "graphs_disabled"
+    TOO_LARGE = "exceeds_largest_bucket"
+    NOT_CAPTURED = "bucket_not_captured"
+    CAPTURE_FAILED = "capture_failed"
+    PADDING = "padding_too_large"
 
 
 @dataclass(frozen=True)

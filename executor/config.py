@@ -1,7 +1,9 @@
 """Frozen configuration, one dataclass per concern, validated once in ``__post_init__``.
 
 Nothing here reads the environment or touches a device: ``service/cli.py`` builds these
-from flags, and ``resolve_graph_modes`` decides graph modes as a pure table lookup.
+from flags. Names of graph modes and attention backends are validated against their
+registries (``executor/graphs/registry.py``, ``executor/attention/registry.py``), which
+also resolve ``auto``; no list of names lives here.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ from typing import Literal, get_args
 from executor.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
-DecodeGraphMode = Literal["full", "breakable", "disabled"]
-PrefillGraphMode = Literal["breakable", "tc_piecewise", "disabled"]
-AttentionBackendName = Literal["auto", "torch_native", "triton", "flashinfer"]
 
 TINY_MODEL = "tiny"
 
@@ -65,8 +64,8 @@ class CacheConfig:
 class GraphConfig:
     """Resolved CUDA-graph settings (see ``resolve_graph_modes``)."""
 
-    decode_mode: DecodeGraphMode = "disabled"
-    prefill_mode: PrefillGraphMode = "disabled"
+    decode_mode: str = "disabled"  # a registered graph mode for decode, or "disabled"
+    prefill_mode: str = "disabled"
     decode_buckets: tuple[int, ...] | None = None  # None: default list up to max_decode_batch
     prefill_buckets: tuple[int, ...] | None = None  # None: default list up to max_prefill_tokens
     capture_at_startup: bool = True
@@ -77,22 +76,18 @@ class GraphConfig:
     compile_debug_dir: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.decode_mode in get_args(DecodeGraphMode),
-                 f"decode graph mode must be one of {list(get_args(DecodeGraphMode))}, "
-                 f"got {self.decode_mode!r}")
-        _require(self.prefill_mode in get_args(PrefillGraphMode),
-                 f"prefill graph mode must be one of {list(get_args(PrefillGraphMode))}, "
-                 f"got {self.prefill_mode!r}")
+        from executor.graphs.registry import valid_modes
+
+        for phase, mode in (("decode", self.decode_mode), ("prefill", self.prefill_mode)):
+            valid = valid_modes(phase)  # type: ignore[arg-type]
+            _require(mode in valid,
+                     f"{phase} graph mode must be one of {list(valid)}, got {mode!r}")
         _require(self.compiler in ("eager", "inductor"),
                  f"tc_piecewise compiler must be 'eager' or 'inductor', got {self.compiler!r}")
         for name, buckets in (("decode", self.decode_buckets), ("prefill", self.prefill_buckets)):
             if buckets is not None:
                 _require(len(buckets) > 0 and all(b > 0 for b in buckets),
                          f"{name} buckets must be positive, got {buckets}")
-
-    @property
-    def any_enabled(self) -> bool:
-        return self.decode_mode != "disabled" or self.prefill_mode != "disabled"
 
 
 @dataclass(frozen=True)
@@ -101,15 +96,18 @@ class ExecutorConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
     device: str = "cpu"
-    attention_backend: AttentionBackendName = "auto"
+    attention_backend: str = "auto"  # "auto" or a registered attention backend
     max_prefill_tokens: int = 8192  # packed tokens in one Prefill call
     max_decode_batch: int = 256  # sequences in one Decode call
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require(self.attention_backend in get_args(AttentionBackendName),
-                 f"attention backend must be one of {list(get_args(AttentionBackendName))}, "
+        from executor.attention import available_backends
+
+        valid = ("auto", *available_backends())
+        _require(self.attention_backend in valid,
+                 f"attention backend must be one of {list(valid)}, "
                  f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
@@ -122,53 +120,3 @@ class ExecutorConfig:
     def decode_batch_limit(self) -> int:
         """Sequences in one Decode call: no more than can be alive at once."""
         return min(self.max_decode_batch, self.cache.max_sequences)
-
-
-# ---------------------------------------------------------------------------------------
-# Graph-mode resolution: one table, no cascade of ifs.
-# ---------------------------------------------------------------------------------------
-
-# Default mode per (phase, device kind). "auto" on the command line means this table.
-_DEFAULT_MODES: dict[tuple[str, bool], str] = {
-    ("decode", True): "full",
-    ("decode", False): "disabled",
-    ("prefill", True): "breakable",
-    ("prefill", False): "disabled",
-}
-_VALID_MODES: dict[str, tuple[str, ...]] = {
-    "decode": get_args(DecodeGraphMode),
-    "prefill": get_args(PrefillGraphMode),
-}
-_WHY_INVALID: dict[tuple[str, str], str] = {
-    ("prefill", "full"): "prefill attention is variable-length, so a prefill forward cannot "
-    "be one whole graph; use breakable or tc_piecewise",
-    ("decode", "tc_piecewise"): "decode uses a full graph (or breakable); tc_piecewise is "
-    "for prefill",
-}
-
-
-def resolve_graph_mode(phase: Literal["decode", "prefill"], requested: str, cuda: bool) -> str:
-    """Resolve one phase's graph mode from a flag value ("auto" or a mode name).
-
-    Raises ``ConfigError`` naming the valid choices for a name that is not one, and saying
-    why for a graph mode requested on a machine without CUDA.
-    """
-    if requested == "auto":
-        return _DEFAULT_MODES[(phase, cuda)]
-    valid = _VALID_MODES[phase]
-    if requested not in valid:
-        why = _WHY_INVALID.get((phase, requested), f"unknown mode {requested!r}")
-        raise ConfigError(
-            f"invalid {phase} graph mode {requested!r}: {why}; valid: auto, {', '.join(valid)}"
-        )
-    if requested != "disabled" and not cuda:
-        raise ConfigError(
-            f"{phase} graph mode {requested!r} needs a CUDA device, and this executor runs on "
-            "CPU; use 'disabled' or 'auto'"
-        )
-    return requested
-
-
-def resolve_graph_modes(decode: str, prefill: str, cuda: bool) -> tuple[str, str]:
-    """Resolve both phases; see ``resolve_graph_mode``."""
-    return resolve_graph_mode("decode", decode, cuda), resolve_graph_mode("prefill", prefill, cuda)

@@ -39,7 +39,8 @@ from executor.api import (
     StepInfo,
     StepResult,
 )
-from executor.attention import AttentionShape, create_backend, resolve_backend_name
+from executor.attention import create_backend, resolve_backend_name
+from executor.attention.base import AttentionShape
 from executor.config import TINY_MODEL, ExecutorConfig
 from executor.errors import ConfigError, GraphsUnavailable
 from executor.forward_batch import ForwardBatch, PinnedStaging
@@ -157,7 +158,7 @@ class Executor:
             buckets = graphs.prefill_buckets or default_prefill_buckets(
                 self.config.max_prefill_tokens)
         return GraphRunner(phase, self.model, self.attn, backend, normalize_buckets(buckets),
-                           self.limits.max_context, self.device)
+                           self.limits.max_context, self.table, self.device)
 
     def _model_key(self) -> str:
         """What a compiled forward depends on besides our code: layout, dtype, context
@@ -292,6 +293,8 @@ class Executor:
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
               positions: list[int]) -> tuple[SampleOutput, StepInfo]:
         start = time.perf_counter()
+        padded = 0
+        logits: torch.Tensor | None = None
         if decision.bucket is not None:
             # Graph logits are valid until the next replay: sampled right below.
             logits = self.runners[batch.phase].replay(batch, decision.bucket)
@@ -300,11 +303,14 @@ class Executor:
         elif (runner := self.runners.get(batch.phase)) is not None and runner.runs_uncaptured:
             # Compiled pieces without graphs: still faster than the plain eager model.
             logits = runner.run_uncaptured(batch)
-            padded = 0
+        elif params:
+            logits = self.forward_logits(batch)
         else:
-            logits = self.forward_logits(batch) if params else self._forward_only(batch)
-            padded = 0
-        sampled = self.sampler(logits, params, positions) if params else SampleOutput([], [], [])
+            self._forward_only(batch)  # fills the KV cache; no logits wanted
+        if logits is not None and params:
+            sampled = self.sampler(logits, params, positions)
+        else:
+            sampled = SampleOutput([], [], [])
         if not params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # KV written before we report success
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -313,10 +319,10 @@ class Executor:
         step = StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
         return sampled, step
 
-    def _forward_only(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""
         meta = self.attn.build_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, self.attn, meta)
+        self.model(batch.input_ids, batch.positions, self.attn, meta)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -9,22 +9,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from executor.attention import available_backends
 from executor.config import (
     TINY_MODEL,
     CacheConfig,
     ExecutorConfig,
     GraphConfig,
     ModelConfig,
-    resolve_graph_modes,
 )
 from executor.errors import ConfigError
+from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
 from service import __version__
 from service.auth import AuthConfig, read_secret
 from service.client import add_client_parser
 from service.config import MiB, RetryCacheConfig, ServerConfig
 from service.tls import TlsConfig
 
-GRAPH_CHOICES = ("auto", "full", "breakable", "tc_piecewise", "disabled")
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
 ADMIN_TOKEN_ENV = "MODEL_EXECUTOR_ADMIN_TOKEN"
 
@@ -43,7 +43,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="weight dtype (default: float32 on CPU, bfloat16 on CUDA)")
     model.add_argument("--attention-backend", default="auto",
-                       choices=("auto", "torch_native", "triton", "flashinfer"))
+                       choices=("auto", *available_backends()))
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -58,10 +58,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     cache.add_argument("--max-decode-batch", type=int, default=None,
                        help="sequences in one Decode call (default: min(256, max sequences))")
     graphs = p.add_argument_group("CUDA graphs")
-    graphs.add_argument("--decode-graph", default="auto", metavar="MODE",
-                        help="full | breakable | disabled | auto (full on CUDA)")
-    graphs.add_argument("--prefill-graph", default="auto", metavar="MODE",
-                        help="breakable | tc_piecewise | disabled | auto (breakable on CUDA)")
+    for phase in ("decode", "prefill"):
+        graphs.add_argument(f"--{phase}-graph", default="auto", metavar="MODE",
+                            help=f"{' | '.join(valid_modes(phase))} | auto "
+                            f"({default_mode(phase, cuda=True)} on CUDA)")
     graphs.add_argument("--prefill-compiler", choices=("eager", "inductor"), default="eager",
                         help="how torch.compile compiles the pieces of a tc_piecewise prefill "
                         "graph (only with --prefill-graph tc_piecewise)")

@@ -66,7 +66,7 @@ def real_executor_factory(config: ExecutorConfig) -> ExecutorFactory:
 
 def fallback_reasons() -> tuple[str, ...]:
     """The executor's eager-fallback reasons: the label values of eager_fallbacks."""
-    from executor.graphs.dispatch import FallbackReason
+    from executor.api import FallbackReason
 
     return (*(r.value for r in FallbackReason), "other")
 

@@ -12,8 +12,9 @@ import logging
 import pytest
 import torch
 
-import executor.attention as attention
-from executor.attention import AttentionShape, resolve_backend_name
+import executor.attention.flashinfer_backend as flashinfer_backend
+from executor.attention import resolve_backend_name
+from executor.attention.base import AttentionShape
 from executor.config import ExecutorConfig, ModelConfig
 from executor.errors import ConfigError
 from executor.executor import Executor
@@ -29,12 +30,12 @@ BROKEN = "FlashInfer failed a probe attention on cuda: RuntimeError: no kernel i
 
 @pytest.fixture
 def installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "_flashinfer_installed", lambda: True)
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_installed", lambda: True)
 
 
 @pytest.fixture
 def missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "_flashinfer_installed", lambda: False)
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_installed", lambda: False)
 
 
 # requested, device, dtype, shape, probe result -> backend (installed)
@@ -65,7 +66,7 @@ def test_resolution_with_flashinfer_installed(requested: str, device: torch.devi
     assert resolve_backend_name(requested, device, dtype, shape, probe) == expect
     # The probe (which compiles kernels on a GPU) runs only when FlashInfer is a candidate.
     candidate = requested in ("auto", "flashinfer") and device.type == "cuda" \
-        and dtype != F32 and shape.head_dim in attention.FLASHINFER_HEAD_DIMS
+        and dtype != F32 and shape.head_dim in flashinfer_backend.FLASHINFER_HEAD_DIMS
     assert probed == ([(device, dtype, shape)] if candidate else [])
 
 

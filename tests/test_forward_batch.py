@@ -13,9 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor import forward_batch
-from executor.forward_batch import ForwardBatch, GraphLayout
+from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.manager import Allocation, Extension
+from executor.packing import FIELDS as PACKED_FIELDS
+from executor.packing import GraphLayout, pack_lists
 
 _WIDTH = 97  # request-slot table row length: not a power of two, so a wrong stride shows
 seqs = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6)
@@ -89,13 +91,13 @@ def test_a_batch_packed_for_a_bucket_is_the_plain_batch_plus_padding(
         assert torch.equal(getattr(fb, name), getattr(plain, name)), name
         assert getattr(fb, name).untyped_storage().data_ptr() == dest.data_ptr(), name
     assert fb.bucket == s and plain.bucket is None and fb.decode_rows is None
-    t = plain.num_tokens
-    assert torch.equal(dest[:t], plain.input_ids) and dest[t:s].eq(0).all()
-    assert torch.equal(dest[s : s + t], plain.positions) and dest[s + t : 2 * s].eq(0).all()
-    assert torch.equal(dest[2 * s : 2 * s + t], plain.table_index)
-    assert dest[2 * s + t : 3 * s].eq(_SCRATCH).all()
-    assert torch.equal(dest[3 * s : 3 * s + t], plain.out_cache_loc)
-    assert dest[3 * s + t : 4 * s].eq(RESERVED_LOCATION).all()
+    t, layout = plain.num_tokens, GraphLayout(s, _SCRATCH, dest)
+    pads = {"input_ids": 0, "positions": 0, "table_index": _SCRATCH,
+            "out_cache_loc": RESERVED_LOCATION}
+    for name, pad in pads.items():  # the fixed places a captured prologue reads
+        region = layout.field(name)
+        assert torch.equal(region[:t], getattr(plain, name)), name
+        assert region[t:].eq(pad).all(), name
 
 
 @pytest.mark.parametrize("list_max", [0, 10_000], ids=["tensor-path", "list-path"])
@@ -105,7 +107,7 @@ def test_a_decode_batch_packed_for_a_bucket_carries_pad_rows(
     """A decode batch's graph rows (location, slot, length) sit at ``[3s, 6s)``; the
     rows past the batch are the Triton backend's padding row, so the copy of the whole
     block the prologue captures is the refresh, padding included."""
-    from executor.attention.triton_backend import _PAD_ROW
+    from executor.packing import DECODE_PAD_ROW as _PAD_ROW
 
     monkeypatch.setattr(forward_batch, "_LIST_BUILD_MAX_TOKENS", list_max)
     exts = tuple(Extension(f"s{i}", 2 + i, 5 + 3 * i, 1, False) for i in range(rows))
@@ -114,11 +116,13 @@ def test_a_decode_batch_packed_for_a_bucket_carries_pad_rows(
     plain = ForwardBatch.build("decode", list(range(rows)), alloc, list(range(rows)), cpu,
                                _WIDTH)
     dest = torch.zeros(GraphLayout.max_packed_size(bucket), dtype=torch.int64)
+    layout = GraphLayout(bucket, _SCRATCH, dest, "decode")
     fb = ForwardBatch.build("decode", list(range(rows)), alloc, list(range(rows)), cpu,
-                            _WIDTH, layout=GraphLayout(bucket, _SCRATCH, dest))
+                            _WIDTH, layout=layout)
     assert fb.decode_rows is not None and plain.decode_rows is not None
     assert torch.equal(fb.decode_rows, plain.decode_rows)
-    block = dest[3 * bucket : 6 * bucket].view(3, bucket)
+    block = layout.decode_rows
+    assert block.data_ptr() == fb.decode_rows.data_ptr()
     assert torch.equal(block[:, :rows], plain.decode_rows)
     assert all(tuple(col) == _PAD_ROW for col in block[:, rows:].t().tolist())
     for name in FIELDS:
@@ -146,11 +150,18 @@ def test_max_packed_size_holds_the_largest_batch_of_a_bucket() -> None:
 def test_fill_padding_writes_a_batch_of_padding_only() -> None:
     """What a prologue's warm-up runs on: the values a packed batch pads with, at the same
     offsets (ids, positions, table index, locations, decode rows)."""
-    from executor.attention.triton_backend import _PAD_ROW
+    from executor.packing import DECODE_PAD_ROW as _PAD_ROW
 
     b = 6
     dest = torch.full((GraphLayout.max_packed_size(b),), -7, dtype=torch.int64)
-    GraphLayout(b, _SCRATCH, dest).fill_padding()
-    assert dest[: 2 * b].eq(0).all() and dest[2 * b : 3 * b].eq(_SCRATCH).all()
-    rows = dest[3 * b : 6 * b].view(3, b)
-    assert all(tuple(col) == _PAD_ROW for col in rows.t().tolist())
+    layout = GraphLayout(b, _SCRATCH, dest, "decode")
+    layout.fill_padding()
+    assert layout.field("input_ids").eq(0).all() and layout.field("positions").eq(0).all()
+    assert layout.field("table_index").eq(_SCRATCH).all()
+    assert all(tuple(col) == _PAD_ROW for col in layout.decode_rows.t().tolist())
+    # exactly what packing an empty batch for the bucket writes
+    packed = torch.full_like(dest, -7)
+    frame = layout.frame
+    packed[: frame.total] = torch.frombuffer(
+        pack_lists(dict.fromkeys(PACKED_FIELDS, ()), frame, _SCRATCH), dtype=torch.int64)
+    assert torch.equal(packed, dest)

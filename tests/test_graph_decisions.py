@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from executor.config import resolve_graph_mode
+from executor.api import FallbackReason
 from executor.errors import ConfigError
 from executor.graphs.buckets import (
     bucket_for,
@@ -14,7 +14,8 @@ from executor.graphs.buckets import (
     default_prefill_buckets,
     normalize_buckets,
 )
-from executor.graphs.dispatch import FallbackReason, GraphKey, RunnerState, decide
+from executor.graphs.dispatch import GraphKey, RunnerState, decide
+from executor.graphs.registry import resolve_graph_mode
 
 
 def test_default_decode_buckets() -> None:
@@ -114,7 +115,8 @@ def test_capture_backends_by_mode_name() -> None:
             ("full", "breakable", "tc_piecewise")}
     assert {m: b.name for m, b in made.items()} == {m: m for m in made}
     assert [b.attention_in_graph for b in made.values()] == [True, False, False]
-    assert [b.whole_forward_in_graph for b in made.values()] == [True, True, False]
+    assert [b.captures_runner_forward for b in made.values()] == [True, True, False]
+    assert [b.serves_uncaptured_shapes for b in made.values()] == [False, False, True]
     with pytest.raises(ConfigError, match="available: full, breakable, tc_piecewise"):
         make_capture_backend("turbo", cpu, graphs, "k")
     with pytest.raises(ConfigError, match="compiler must be 'eager' or 'inductor'"):

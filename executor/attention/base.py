@@ -9,11 +9,12 @@ Eager use, once per forward pass::
     out = backend.forward(q, k, v, layer_id, meta)  # per layer, inside the model
     backend.forward_into(q, k, v, out, layer_id, meta)  # the same, into a given buffer
 
-Graph use adds three hooks (the contract of every capturable backend)::
+Graph use adds four hooks (the contract of every capturable backend)::
 
     backend.init_graph_buffers(max_batch, max_tokens)     # once: static metadata buffers
     meta = backend.capture_metadata(phase, batch_size, num_tokens)  # before capture
     backend.refresh_metadata(meta, batch)                 # before each replay, in place
+    rows = backend.static_decode_rows(meta)               # optional: refresh as one copy
 
 ``capture_metadata`` returns metadata whose tensors are views of the static buffers, filled
 for a dummy batch (every padded row attends to the reserved location 0 only); the graph
@@ -32,6 +33,7 @@ from typing import ClassVar, Protocol, TypeVar
 import torch
 
 from executor.api import Phase
+from executor.attention.dtypes import KERNEL_DTYPE_NAMES
 from executor.forward_batch import ForwardBatch
 from executor.kv.pool import KVPool, ReqToTokenTable
 
@@ -110,7 +112,7 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The static ``(3, bucket)`` rows (out_cache_loc, slot, seq_len) of decode capture
+        """The static ``(3, bucket)`` rows (``packing.DECODE_ROW_FIELDS``) of decode capture
         metadata ``meta``, when refreshing it from a bucket-padded batch is exactly one
         copy of that batch's rows into them (so the runner may capture the copy);
         None when ``refresh_metadata`` must run on the host before each replay."""
@@ -119,8 +121,8 @@ class AttentionBackend(ABC):
 
 
 # -- shared by the kernel backends (triton, flashinfer) -----------------------------------
-#: KV dtypes the Triton and FlashInfer kernels support.
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+#: KV dtypes the Triton and FlashInfer kernels support (named once, in the registry).
+KERNEL_DTYPES = tuple(getattr(torch, name) for name in KERNEL_DTYPE_NAMES)
 
 
 def check_kernel_pool(name: str, shape: AttentionShape, pool: KVPool) -> None:

@@ -22,6 +22,7 @@ the reserved location 0 only and writes its K/V there.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from executor.api import Phase
 from executor.attention.base import (
+    KERNEL_DTYPES,
     AttentionBackend,
     AttentionMetadata,
     AttentionShape,
@@ -39,6 +41,7 @@ from executor.attention.base import (
     check_kernel_pool,
     inner_contiguous,
 )
+from executor.attention.registry import Probe
 from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
@@ -265,6 +268,35 @@ def _indptr(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
     if lengths:
         out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     return out
+
+
+# Head sizes FlashInfer compiles attention for.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_INSTALL = ("install it with `pip install 'model-executor[flashinfer]'`, or on a "
+                      "machine without a package index see docs/flashinfer.md")
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def flashinfer_unusable(device: torch.device, dtype: torch.dtype, shape: AttentionShape,
+                        probe_fn: Probe | None = None) -> str | None:
+    """Why FlashInfer cannot serve this model on this device, or None when it can.
+
+    Cheap checks first (device, dtype, head size, import), then ``probe_fn`` (default:
+    ``probe``) runs a small attention on the device against the reference (this
+    JIT-compiles the kernels the model needs, which the first request would do anyway)."""
+    if device.type != "cuda":
+        return f"FlashInfer needs a CUDA device, not {device.type}"
+    if dtype not in KERNEL_DTYPES:
+        return f"FlashInfer attention here supports float16 and bfloat16, not {dtype}"
+    if shape.head_dim not in FLASHINFER_HEAD_DIMS:
+        return (f"FlashInfer supports head_dim {list(FLASHINFER_HEAD_DIMS)}, "
+                f"not {shape.head_dim}")
+    if not flashinfer_installed():
+        return f"the flashinfer package is not installed; {FLASHINFER_INSTALL}"
+    return (probe_fn or probe)(device, dtype, shape)
 
 
 def probe(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> str | None:

@@ -14,8 +14,8 @@ Graph use (decode only; see ``AttentionBackend``):
   metadata whose tensors are views of them;
 * ``refresh_metadata`` copies a real batch into rows ``:B`` and padding into ``B:bs``.
 
-A padded row has ``seq_len`` 1 (only the new token), slot 0 and ``out_cache_loc`` 0: the
-kernel reads no table entry for it and writes its K/V to the reserved location 0 only.
+A padded row is ``executor.packing.DECODE_PAD_ROW``: the kernel reads no table entry for it
+and writes its K/V to the reserved location only.
 """
 
 from __future__ import annotations
@@ -41,15 +41,12 @@ from executor.attention.triton_kernels import (
     num_kv_splits,
 )
 from executor.forward_batch import ForwardBatch
-from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
+from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS
 
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
-# A padded decode row: (out_cache_loc, request slot, seq_len), the order of
-# ``ForwardBatch.decode_rows``. seq_len 1 means the row attends to its own new token only,
-# so slot 0's table row is never read.
-_PAD_ROW = (RESERVED_LOCATION, 0, 1)
+_SEQ_LENS_ROW = DECODE_ROW_FIELDS.index("seq_lens")
 
 
 @dataclass(frozen=True)
@@ -86,8 +83,8 @@ class DecodeGraphBuffers:
     """Static decode metadata for the largest bucket; a bucket of ``bs`` rows uses the
     leading ``bs`` columns. Addresses never change after allocation (graphs record them)."""
 
-    rows: torch.Tensor  # (3, max_batch) int64: out_cache_loc, req_pool_indices, seq_lens
-    pad_rows: torch.Tensor  # (3, max_batch) int64: _PAD_ROW in every column
+    rows: torch.Tensor  # (3, max_batch) int64: DECODE_ROW_FIELDS
+    pad_rows: torch.Tensor  # (3, max_batch) int64: DECODE_PAD_ROW in every column
     partial_out: torch.Tensor  # (max over buckets of bs * splits * heads * head_dim,) fp32
     partial_lse: torch.Tensor  # (max over buckets of bs * splits * heads,) fp32
 
@@ -175,7 +172,7 @@ class TritonBackend(AttentionBackend):
         heads, dim = self.shape.num_heads, self.shape.head_dim
         # Scratch for the bucket that needs the most (bs * splits is not monotonic in bs).
         rows_x_splits = max(bs * self.num_splits(bs) for bs in range(1, max_batch + 1))
-        pad = torch.tensor(_PAD_ROW, dtype=torch.int64, device=self.device)
+        pad = torch.tensor(DECODE_PAD_ROW, dtype=torch.int64, device=self.device)
         pad_rows = pad[:, None].expand(3, max_batch).contiguous()
         self.graph_buffers = DecodeGraphBuffers(
             rows=pad_rows.clone(),
@@ -202,8 +199,9 @@ class TritonBackend(AttentionBackend):
             n = batch_size * heads * splits
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
-        loc, req, seq_lens = bufs.rows[:, :batch_size]
-        return TritonDecodeMetadata(req, seq_lens, loc, partial_out, partial_lse)
+        rows = dict(zip(DECODE_ROW_FIELDS, bufs.rows[:, :batch_size], strict=True))
+        return TritonDecodeMetadata(rows["req_pool_indices"], rows["seq_lens"],
+                                    rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
         """Copy ``batch`` into the static rows of ``meta`` (padding after it): one or two
@@ -212,25 +210,27 @@ class TritonBackend(AttentionBackend):
         assert isinstance(meta, TritonDecodeMetadata), type(meta).__name__
         size = meta.batch_size
         bufs = bucket_buffers(self.graph_buffers, size)
-        assert meta.seq_lens.data_ptr() == bufs.rows[2].data_ptr(), "not capture metadata"
+        assert meta.seq_lens.data_ptr() == bufs.rows[_SEQ_LENS_ROW].data_ptr(), \
+            "not capture metadata"
         check_decode_batch(self.name, batch)
         real = batch.batch_size
         if real > size:
             raise ValueError(f"batch of {real} does not fit a bucket of {size}")
         rows = batch.decode_rows
         if rows is None:  # a batch not packed by ForwardBatch.build
-            rows = torch.stack((batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
+            rows = torch.stack([getattr(batch, name) for name in DECODE_ROW_FIELDS])
         bufs.rows[:, :real].copy_(rows)
         if real < size:
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """Rows ``:size`` of the static decode rows: a batch packed for the bucket
-        (``GraphLayout``) carries its padding rows as ``_PAD_ROW`` already."""
+        (``GraphLayout``) carries its padding rows as ``DECODE_PAD_ROW`` already."""
         if not isinstance(meta, TritonDecodeMetadata):
             return None
         bufs = bucket_buffers(self.graph_buffers, meta.batch_size)
-        assert meta.seq_lens.data_ptr() == bufs.rows[2].data_ptr(), "not capture metadata"
+        assert meta.seq_lens.data_ptr() == bufs.rows[_SEQ_LENS_ROW].data_ptr(), \
+            "not capture metadata"
         return bufs.rows[:, : meta.batch_size]
 
     # -- helpers ---------------------------------------------------------------------------

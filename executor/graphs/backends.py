@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from executor.attention.base import AttentionBackend
-
-if TYPE_CHECKING:
-    from executor.graphs.breakable import BatchScope
+from executor.attention.base import AttentionBackend, AttentionMetadata
 
 CapturedFn = Callable[[], torch.Tensor]
 # forward(input_ids (T,), positions (T,), meta) -> logits or hidden states (T, ...)
@@ -83,15 +80,41 @@ class CaptureStream:
         self.pool = None
 
 
+class BatchScope:
+    """The real batch's attention metadata and token count, bound for one replay.
+
+    One owner (the runner); binding refuses nesting and always clears.
+    """
+
+    def __init__(self) -> None:
+        self.meta: AttentionMetadata | None = None
+        self.num_tokens = 0
+
+    @contextmanager
+    def bind(self, meta: AttentionMetadata, num_tokens: int) -> Iterator[None]:
+        if self.meta is not None:
+            raise RuntimeError("nested BatchScope.bind: one replay at a time")
+        self.meta, self.num_tokens = meta, num_tokens
+        try:
+            yield
+        finally:
+            self.meta, self.num_tokens = None, 0
+
+
 class CaptureBackend(Protocol):
     name: str
     #: True when attention is captured inside the graphs (it needs static metadata);
     #: False when it runs eagerly between graph pieces.
     attention_in_graph: bool
-    #: True when the graphs run the runner's whole forward, so it can end by writing into
-    #: a runner-owned output buffer that every bucket shares; False when the forward is
-    #: compiled into pieces that return their own output.
-    whole_forward_in_graph: bool
+    #: True when the callable captured is the runner's own forward (whole, or broken
+    #: into segments at attention), so it can end by writing into a runner-owned output
+    #: buffer every bucket shares; False when the forward is compiled into pieces that
+    #: return their own output.
+    captures_runner_forward: bool
+    #: True when the prepared forward (``prepare_forward``) also serves, uncaptured, a
+    #: shape no graph was captured for, and beats the plain eager model there (compiled
+    #: pieces); False when it is only meant for the captured shapes.
+    serves_uncaptured_shapes: bool
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
@@ -121,7 +144,8 @@ class FullGraphBackend:
 
     name = "full"
     attention_in_graph = True
-    whole_forward_in_graph = True
+    captures_runner_forward = True
+    serves_uncaptured_shapes = False
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

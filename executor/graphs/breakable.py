@@ -14,15 +14,20 @@ owned by the runner, bound for exactly one replay at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
-from executor.graphs.backends import CapturedFn, CaptureStream, ForwardFn, weak_view
+from executor.graphs.backends import (
+    BatchScope,
+    CapturedFn,
+    CaptureStream,
+    ForwardFn,
+    weak_view,
+)
 
 EagerOp = Callable[[], None]
 
@@ -40,7 +45,8 @@ class BreakableGraphBackend:
     name = "breakable"
     #: Attention runs eagerly between segments, so it needs no static metadata buffers.
     attention_in_graph = False
-    whole_forward_in_graph = True
+    captures_runner_forward = True
+    serves_uncaptured_shapes = False
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
@@ -119,27 +125,6 @@ class BreakableGraphBackend:
         self._captures.clear()
         self._outputs.clear()
         self.streams.reset()
-
-
-class BatchScope:
-    """The real batch's attention metadata and token count, bound for one replay.
-
-    One owner (the runner); binding refuses nesting and always clears.
-    """
-
-    def __init__(self) -> None:
-        self.meta: AttentionMetadata | None = None
-        self.num_tokens = 0
-
-    @contextmanager
-    def bind(self, meta: AttentionMetadata, num_tokens: int) -> Iterator[None]:
-        if self.meta is not None:
-            raise RuntimeError("nested BatchScope.bind: one replay at a time")
-        self.meta, self.num_tokens = meta, num_tokens
-        try:
-            yield
-        finally:
-            self.meta, self.num_tokens = None, 0
 
 
 class _RowViews:

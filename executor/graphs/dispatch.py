@@ -9,20 +9,9 @@ replay or the reason the step runs eagerly. Every reason is a small enum value, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from executor.api import Phase
+from executor.api import FallbackReason, Phase
 from executor.graphs.buckets import bucket_for
-
-
-class FallbackReason(str, Enum):
-    NO_CUDA = "no_cuda"
-    DISABLED = "graphs_disabled"
-    TOO_LARGE = "exceeds_largest_bucket"
-    NOT_CAPTURED = "bucket_not_captured"
-    CAPTURE_FAILED = "capture_failed"
-    PADDING = "padding_too_large"
-
 
 # Padding may at most double the work of a bucket at least this large; below it,
 # padding is cheaper than leaving the graph.

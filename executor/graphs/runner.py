@@ -7,8 +7,9 @@ from typing import Protocol
 import torch
 
 from executor.api import PhaseCapture
-from executor.forward_batch import ForwardBatch, GraphLayout
+from executor.forward_batch import ForwardBatch
 from executor.graphs.dispatch import RunnerState
+from executor.packing import GraphLayout
 
 
 class PhaseRunner(Protocol):
@@ -26,8 +27,9 @@ class PhaseRunner(Protocol):
         ...
 
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
-        """Run ``batch`` padded to ``bucket``; float32 logits of ``batch.logits_indices``,
-        valid until the runner's next replay."""
+        """Run ``batch``, packed for ``bucket`` with ``layout(bucket)`` (any other batch is
+        refused); float32 logits of ``batch.logits_indices``, valid until the runner's
+        next replay."""
         ...
 
     @property

@@ -3,10 +3,9 @@
 ``kernel[grid](*args)`` binds and specializes every argument on every call (alignment of
 each pointer, value classes of each integer), hashes the result into a cache key, then
 calls the compiled kernel's C launcher, which asks the driver about every tensor pointer.
-For the extend-attention kernel (27 arguments) that was 40-100 us of host time per launch
-on the lent H100 hosts (2026-11-25), once per layer, between graph segments that take the GPU
-about 75 us: the prefill forward waited on the host (2026-11-25 profile, H100: replay
-host issue 1.80 ms, GPU span 1.88 ms, 30 us idle after each attention kernel).
+For a kernel with many arguments launched once per layer between graph segments, that
+host time is as long as the GPU work it launches, so the forward waits on the host
+(measurements: ``bench/results/2026-11-25-h100-host-path/README.md``).
 
 ``FastLauncher`` binds once per specialization and launches through the JIT that first
 time; later calls of the same specialization go straight to the compiled kernel's

@@ -33,10 +33,6 @@ class TokenAllocator:
     def num_free(self) -> int:
         return self.size - self._head
 
-    @property
-    def num_used(self) -> int:
-        return self._head
-
     def free_locations(self) -> torch.Tensor:
         """The free locations (a view: for checks, not to keep)."""
         return self._free[self._head :]

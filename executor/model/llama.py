@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
+from executor.model.base import register_model
 from executor.model.layers import (
     GatedMLP,
     KernelChoice,
@@ -30,7 +31,7 @@ from executor.model.layers import (
     prepare_kernels,
     select_ops,
 )
-from executor.model.spec import ModelSpec
+from executor.model.spec import ARCHITECTURES, ModelSpec
 
 
 class Attention(nn.Module):
@@ -82,6 +83,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, ops), residual
 
 
+@register_model(*ARCHITECTURES)
 class CausalLM(nn.Module):
     """Decoder plus LM head. ``forward`` returns final hidden states ``(T, hidden)``;
     ``compute_logits`` turns selected rows into float32 logits ``(S, vocab)``.
@@ -108,6 +110,18 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Give the parameters (built on the meta device) real, uninitialized storage in
+        ``dtype`` on ``device``, and make the buffers the checkpoint does not fill."""
+        self.to(dtype).to_empty(device=device)
+        if self.spec.tie_word_embeddings:  # to_empty unties: tie again
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary.init_tables(device)
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:

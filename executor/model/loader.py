@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory into our ``CausalLM``.
+"""Load a Hugging Face model directory into the model family its config names.
 
 Reads ``config.json`` with transformers' ``AutoConfig`` and streams tensors from
 ``*.safetensors`` (sharded or not, with or without an index file) straight into our
@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+import executor.model.llama  # noqa: F401 (registers the Llama family)
 from executor.errors import ModelLoadError
-from executor.model.llama import CausalLM
+from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
 
 # HF names of the shards that we fuse into one parameter, with their shard index.
@@ -81,7 +82,7 @@ def _shard_rows(spec: ModelSpec, param_name: str) -> list[int]:
     return [0, spec.intermediate_size, 2 * spec.intermediate_size]
 
 
-def _expected_sources(model: CausalLM, spec: ModelSpec) -> set[tuple[str, int | None]]:
+def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, int | None]]:
     """Every (parameter, shard) the checkpoint must provide."""
     out: set[tuple[str, int | None]] = set()
     for name, _ in model.named_parameters():
@@ -97,17 +98,15 @@ def _expected_sources(model: CausalLM, spec: ModelSpec) -> set[tuple[str, int | 
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int,
-               spec: ModelSpec | None = None) -> tuple[CausalLM, ModelSpec]:
-    """Build our model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors."""
+               spec: ModelSpec | None = None) -> tuple[CausalModel, ModelSpec]:
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors."""
     spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
     files = _weight_files(path)
+    factory = model_factory(spec.architecture)
     with torch.device("meta"):
-        model = CausalLM(spec, max_positions=max_context)
-    model = model.to(dtype).to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty unties: tie again
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.init_tables(device)
+        model = factory(spec, max_context)
+    model.materialize(dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
     loaded: set[tuple[str, int | None]] = set()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.test_decode_graphs import gpu_model
+from tests.gpu.helpers import gpu_model
 
 
 @pytest.fixture(scope="module")

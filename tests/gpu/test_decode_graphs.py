@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from executor.api import DecodeItem, PrefillItem, SamplingParams
+from executor.api import DecodeItem, FallbackReason, PrefillItem, SamplingParams
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
-from executor.forward_batch import ForwardBatch
-from executor.graphs.dispatch import FallbackReason
-from executor.graphs.runner import PhaseRunner
-from executor.kv.manager import Allocation
+from tests.gpu.helpers import (
+    LOGIT_ATOL,
+    LOGIT_RTOL,
+    assert_same_greedy,
+    gpu_model,
+    graph_and_eager,
+)
 
 pytestmark = pytest.mark.gpu
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32)
-
-
-def gpu_model(root: Path) -> Path:
-    """A small Llama with the 1B's head layout (head_dim 64, GQA 4)."""
-    import transformers as tf
-
-    from executor.model.random_weights import write_random_model
-
-    cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
-                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5)
-    cfg.architectures = ["LlamaForCausalLM"]
-    return write_random_model(root / "gpu-llama", cfg, seed=7)
 
 
 def make(path: Path, decode_mode: str = "full") -> Executor:
@@ -53,11 +42,6 @@ def ex(tmp_path_factory: pytest.TempPathFactory) -> Executor:
     return ex
 
 
-# bf16 logits of magnitude < 16 have an ulp of 1/16: allow two ulps, and compare greedy
-# choices only where the top two logits are further apart than that noise.
-LOGIT_ATOL, LOGIT_RTOL, MARGIN = 0.125, 0.02, 0.25
-
-
 def _prefill(ex: Executor, n: int, tag: str) -> dict[str, int]:
     """Admit ``n`` sequences of random lengths 1..599, in calls that fit the token limit."""
     gen = torch.Generator().manual_seed(n)
@@ -74,55 +58,6 @@ def _prefill(ex: Executor, n: int, tag: str) -> dict[str, int]:
         if item is not None:
             call.append(item)
     return out
-
-
-def graph_and_eager(ex: Executor, runner: PhaseRunner, phase: str, tokens: list[int],
-                    alloc: Allocation, bucket: int, all_rows: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one step through the graphs of ``bucket`` and eagerly.
-
-    The graphs run it twice: packed for the bucket (the executor's path, whose captured
-    prologue publishes the table entries: checked to write exactly the new tokens' cells
-    and the scratch cell) and packed plain (copied in from the host); both replays must
-    agree bit for bit. ``all_rows``: logits of every token, not only sampled rows."""
-    rows = list(range(len(alloc.extensions))) if phase == "decode" else []
-
-    def build(staged: bool) -> ForwardBatch:
-        if staged:  # as the executor packs it for its own runners
-            batch = ForwardBatch.build(phase, tokens, alloc, rows, ex.device,  # type: ignore[arg-type]
-                                       ex.table.max_context, ex.staging, runner.layout(bucket))
-        else:
-            batch = ex.build_batch(phase, tokens, alloc, rows)  # type: ignore[arg-type]
-        if all_rows:
-            batch = dataclasses.replace(
-                batch, logits_indices=torch.arange(batch.num_tokens, device=ex.device))
-        return batch
-
-    table = ex.table.device_table
-    new_cells = torch.zeros(table.shape, dtype=torch.bool, device=table.device)
-    for e in alloc.extensions:
-        table[e.slot, e.prefix_len : e.seq_len] = -1  # not yet published
-        new_cells[e.slot, e.prefix_len : e.seq_len] = True
-    before = table.clone()
-    staged = build(True)
-    assert staged.bucket == bucket
-    via_layout = runner.replay(staged, bucket).clone()
-    assert torch.equal(table[~new_cells], before[~new_cells]), "wrote outside the new cells"
-    for e in alloc.extensions:
-        assert torch.equal(table[e.slot, : e.seq_len], ex.table.host_table[e.slot, : e.seq_len]
-                           .to(table.device))
-    plain = build(False)
-    eager = ex.forward_logits(plain).clone()
-    graph = runner.replay(plain, bucket).clone()
-    assert torch.equal(via_layout, graph), "packed-for-bucket and plain replays differ"
-    return graph, eager
-
-
-def assert_same_greedy(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Equal argmax wherever the reference's top-2 margin exceeds bf16 noise."""
-    top2 = b.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > MARGIN
-    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 5, 8, 13, 24, 32])

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.attention import flashinfer_unusable
 from executor.attention.base import AttentionShape
+from executor.attention.flashinfer_backend import flashinfer_unusable
 from executor.executor import Executor
-from tests.gpu.test_prefill_graphs import compare, greedy_agrees, make, rand_tokens
+from tests.gpu.helpers import compare, greedy_agrees, rand_tokens
+from tests.gpu.helpers import make_prefill_executor as make
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

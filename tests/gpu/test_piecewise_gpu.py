@@ -31,7 +31,7 @@ from executor.executor import Executor
 from executor.graphs.buckets import bucket_for
 from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.piecewise import PiecewiseCompileBackend
-from tests.gpu.test_decode_graphs import (
+from tests.gpu.helpers import (
     LOGIT_ATOL,
     LOGIT_RTOL,
     assert_same_greedy,
@@ -60,7 +60,7 @@ def piecewise_runner(ex: Executor, compiler: str, cache_dir: Path | None = None
     backend = PiecewiseCompileBackend(ex.device, compiler,  # type: ignore[arg-type]
                                       cache_dir=cache_dir, cache_key="gpu-test-model")
     return GraphRunner("prefill", ex.model, ex.attn, backend, BUCKETS, ex.limits.max_context,
-                       ex.device)
+                       ex.table, ex.device)
 
 
 @dataclasses.dataclass

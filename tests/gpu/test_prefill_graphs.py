@@ -8,32 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
-from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
+from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.executor import Executor
-from tests.gpu.test_decode_graphs import (
-    LOGIT_ATOL,
-    LOGIT_RTOL,
-    assert_same_greedy,
-    graph_and_eager,
-)
+from tests.gpu.helpers import compare, greedy_agrees, rand_tokens
+from tests.gpu.helpers import make_prefill_executor as make
 
 pytestmark = pytest.mark.gpu
-
-PREFILL_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def make(path: Path, prefill: str = "breakable", decode: str = "full",
-         attention: str = "triton") -> Executor:
-    cfg = ExecutorConfig(
-        model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
-        cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=32, max_context=2048),
-        graphs=GraphConfig(decode_mode=decode, prefill_mode=prefill,  # type: ignore[arg-type]
-                           decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=PREFILL_BUCKETS),
-        attention_backend=attention,  # type: ignore[arg-type]
-        max_decode_batch=16, max_prefill_tokens=512)
-    return Executor(cfg)
-
 
 @pytest.fixture(scope="module")
 def ex(model_path: Path) -> Executor:
@@ -42,22 +22,6 @@ def ex(model_path: Path) -> Executor:
     assert all(b.ok for b in caps["prefill"].buckets), caps["prefill"]
     assert caps["prefill"].backend == "breakable"
     return ex
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def compare(ex: Executor, chunks: dict[str, list[int]]) -> None:
-    """One packed batch through eager and through the graph: logits of every token."""
-    alloc = ex.kv.allocate([(s, len(t)) for s, t in chunks.items()])
-    tokens = [t for ts in chunks.values() for t in ts]
-    decision = ex._decide("prefill", len(tokens))
-    assert decision.use_graph and decision.bucket is not None, decision
-    graph, eager = graph_and_eager(ex, ex.runners["prefill"], "prefill", tokens, alloc,
-                                   decision.bucket, all_rows=True)
-    torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
-    assert_same_greedy(graph, eager)
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 31, 64, 100, 257, 512])
@@ -77,12 +41,17 @@ def test_multi_sequence_new_and_continuing(ex: Executor) -> None:
 
 
 def test_a_batch_packed_for_one_bucket_is_refused_at_another(ex: Executor) -> None:
+    """Graphs take only a batch packed for their bucket: not one packed for another
+    bucket, not one packed plain (whose fields are not where the prologue reads)."""
     alloc = ex.kv.allocate([("wrong-bucket", 5)])
     try:
         batch = ex.build_batch("prefill", rand_tokens(5, 3), alloc, [0], 8)
         assert batch.bucket == 8
         with pytest.raises(ValueError, match="packed for bucket 8"):
             ex.runners["prefill"].replay(batch, 16)
+        plain = ex.build_batch("prefill", rand_tokens(5, 3), alloc, [0])
+        with pytest.raises(ValueError, match="packed for bucket None"):
+            ex.runners["prefill"].replay(plain, 8)
     finally:
         ex.kv.rollback(alloc)
     ex.kv.check_invariants()
@@ -92,31 +61,6 @@ def test_greedy_tokens_equal_eager_executor(ex: Executor, model_path: Path) -> N
     """Public API: graph prefill (new + continuing) then decode, against an all-eager
     executor fed the same tokens; greedy choices agree wherever they are clear."""
     greedy_agrees(ex, make(model_path, prefill="disabled", decode="disabled"))
-
-
-def greedy_agrees(ex: Executor, eager: Executor) -> None:
-    """``ex`` (graphs) and ``eager`` fed the same prompts and tokens agree on every clear
-    greedy choice through prefill, a continuing prefill and ten decode steps."""
-    params = SamplingParams(logprobs=True, top_logprobs=2)
-
-    def check(g: StepResult, e: StepResult) -> dict[str, int]:
-        assert (g.step.path, e.step.path) == ("graph", "eager")
-        for og, oe in zip(g.outputs, e.outputs, strict=True):
-            (_, lp1), (_, lp2) = oe.top_logprobs
-            if lp1 - lp2 > 0.05:
-                assert og.token_id == oe.token_id, (og, oe)
-        return {o.seq_id: int(o.token_id) for o in g.outputs}  # type: ignore[arg-type]
-
-    first = [PrefillItem(f"q{i}", rand_tokens(10 + 37 * i, i), sampling=params)
-             for i in range(5)]
-    toks = check(ex.prefill(first), eager.prefill(first))
-    more = [PrefillItem("q0", [5, 6, 7], sampling=params), PrefillItem("q3", [8], sampling=params)]
-    toks.update(check(ex.prefill(more), eager.prefill(more)))
-    for _ in range(10):
-        items = [DecodeItem(s, t, params) for s, t in toks.items()]
-        toks = check(ex.decode(items), eager.decode(items))
-    for e in (ex, eager):
-        e.release(list(toks))
 
 
 def test_breakable_decode_equals_full_decode(model_path: Path) -> None:

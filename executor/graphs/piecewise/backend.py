@@ -37,8 +37,7 @@ import torch
 from torch.fx import GraphModule
 
 from executor.attention.base import AttentionBackend
-from executor.graphs.backends import CapturedFn, CaptureStream, ForwardFn
-from executor.graphs.breakable import BatchScope
+from executor.graphs.backends import BatchScope, CapturedFn, CaptureStream, ForwardFn
 from executor.graphs.piecewise.cache import CompileCache, compile_key
 from executor.graphs.piecewise.compile import (
     COMPILERS,
@@ -100,7 +99,9 @@ class PiecewiseCompileBackend:
     #: Attention runs eagerly between piece graphs; it needs no static metadata.
     attention_in_graph = False
     #: The compiled forward returns its last piece's output: no shared output buffer.
-    whole_forward_in_graph = False
+    captures_runner_forward = False
+    #: The compiled pieces run a shape no graph was captured for, faster than eager.
+    serves_uncaptured_shapes = True
 
     def __init__(self, device: torch.device, compiler: CompilerName = "eager",
                  cache_dir: Path | None = None, cache_key: str = "",

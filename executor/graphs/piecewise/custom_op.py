@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
 from executor.forward_batch import ForwardBatch
-from executor.graphs.breakable import BatchScope
+from executor.graphs.backends import BatchScope
 
 OP_NAMESPACE = "model_executor"
 OP_NAME = "attention"

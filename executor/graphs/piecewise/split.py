@@ -86,11 +86,6 @@ def split_at_attention(gm: GraphModule) -> SplitGraph:
     return SplitGraph(split, tuple(submodules))
 
 
-def attention_calls(gm: GraphModule) -> int:
-    """Number of attention op nodes in a graph."""
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and is_attention(n.target))
-
-
 def readable(gm: torch.nn.Module) -> str:
     """Readable Python of a (split) graph module, for the debug dump."""
     if isinstance(gm, GraphModule):

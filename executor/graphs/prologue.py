@@ -1,0 +1,107 @@
+"""The graph prologue: how a step's batch gets into a bucket's graphs in one launch.
+
+The executor packs a batch bound for a captured bucket straight into the runner's fixed
+``transfer`` buffer (``GraphLayout``: padded to the bucket, every field at a fixed place).
+Per bucket, a small captured graph then copies it where the graphs read it:
+
+* token ids and positions into the static ``GraphInputs``;
+* the new tokens' KV locations into the request-slot table (padding writes its scratch
+  cell), through ``ReqToTokenTable.write_device``;
+* for a decode graph whose attention is captured, the decode rows into the attention
+  backend's static metadata, when the backend says that refresh is exactly one copy
+  (``AttentionBackend.static_decode_rows``).
+
+One graph launch instead of four to six host-issued ops per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import Phase
+from executor.forward_batch import ForwardBatch
+from executor.graphs.backends import CaptureStream
+from executor.kv.pool import ReqToTokenTable
+from executor.packing import GraphLayout
+
+
+@dataclass
+class GraphInputs:
+    """Static token inputs the graphs read, sized for the largest bucket. Two tensors,
+    not views of one: a compiled forward (``tc_piecewise``) must not see its inputs
+    alias each other."""
+
+    input_ids: torch.Tensor  # (max_tokens,) int64
+    positions: torch.Tensor  # (max_tokens,) int64
+
+    @staticmethod
+    def allocate(max_tokens: int, device: torch.device) -> GraphInputs:
+        return GraphInputs(torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                           torch.zeros(max_tokens, dtype=torch.int64, device=device))
+
+
+class Prologue:
+    """One runner's prologue graphs, their transfer buffer, layouts, stream and pool."""
+
+    def __init__(self, phase: Phase, buckets: tuple[int, ...], inputs: GraphInputs,
+                 table: ReqToTokenTable, device: torch.device) -> None:
+        self.inputs, self.table = inputs, table
+        self.transfer = torch.zeros(GraphLayout.max_packed_size(max(buckets)),
+                                    dtype=torch.int64, device=device)
+        self.layouts = {b: GraphLayout(b, table.scratch_index, self.transfer, phase)
+                        for b in buckets}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Buckets whose prologue also refreshes the attention backend's static rows.
+        self._refreshes_rows: set[int] = set()
+        # Its own stream and pool, apart from the forward's graphs; a recapture after
+        # ``release`` gets a fresh pool (one reused after release failed in the pinned
+        # host allocator).
+        self._streams = CaptureStream(device)
+
+    def capture(self, bucket: int, attention_rows: torch.Tensor | None) -> None:
+        """Capture ``bucket``'s prologue; ``attention_rows`` are the static (3, bucket)
+        decode rows it also refreshes, or None.
+
+        It first runs once uncaptured (kernels load at first use) on a batch of padding
+        only, which writes only the scratch cell and padding values."""
+        layout = self.layouts[bucket]
+        ids, positions = layout.field("input_ids"), layout.field("positions")
+        table_index, locations = layout.field("table_index"), layout.field("out_cache_loc")
+        rows = None if attention_rows is None else layout.decode_rows
+
+        def body() -> None:
+            self.inputs.input_ids[:bucket].copy_(ids)
+            self.inputs.positions[:bucket].copy_(positions)
+            self.table.write_device(table_index, locations)
+            if attention_rows is not None and rows is not None:
+                attention_rows.copy_(rows)
+
+        layout.fill_padding()  # device-side fills: no host-to-device copy here
+        graph = torch.cuda.CUDAGraph()
+        with self._streams.active():
+            body()
+            graph.capture_begin(pool=self._streams.pool)
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        self._graphs[bucket] = graph
+        if attention_rows is not None:
+            self._refreshes_rows.add(bucket)
+
+    def replay(self, batch: ForwardBatch, bucket: int) -> bool:
+        """Take ``batch`` (packed for ``bucket`` with ``layouts[bucket]``) into the graphs;
+        returns whether the attention rows were refreshed with it."""
+        if (batch.bucket != bucket or bucket not in self._graphs
+                or batch.input_ids.data_ptr() != self.transfer.data_ptr()):
+            raise ValueError(f"batch packed for bucket {batch.bucket} of another runner or "
+                             f"an uncaptured bucket, replayed at bucket {bucket}")
+        self._graphs[bucket].replay()
+        return bucket in self._refreshes_rows
+
+    def release(self) -> None:
+        self._graphs.clear()
+        self._refreshes_rows.clear()
+        self._streams.reset()

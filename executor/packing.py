@@ -1,0 +1,215 @@
+"""The packed step: one int64 buffer per batch, its field order, its padding, its views.
+
+Every step's integer metadata crosses to the device as one transfer. This module is the
+only place that knows where each field sits in it; everyone else asks for fields by name.
+
+    per token     (s entries each): input_ids | positions | table_index | out_cache_loc
+    per sequence (sb entries each): req_pool_indices | seq_lens | prefix_lens |
+                                    extend_lens | extend_start
+    then                          : logits_indices (one per sequence that samples)
+
+A plain batch has ``s = T`` tokens and ``sb = B`` sequences. A batch packed for a graph
+bucket (``GraphLayout``) pads the token fields to the bucket, and a decode batch (one token
+per sequence) pads its sequence fields to the bucket too, so that ``out_cache_loc |
+req_pool_indices | seq_lens`` (``DECODE_ROW_FIELDS``, adjacent by construction) read as
+one ``(3, bucket)`` block: the rows a captured decode graph's attention reads.
+
+Padding is inert: a padded token is token 0 at position 0 writing the reserved KV location
+and the table's scratch cell; a padded sequence (decode row) is slot 0 with length 1, so it
+attends to its own padded token only and reads no table entry.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+
+import torch
+
+from executor.api import Phase
+from executor.kv.allocator import RESERVED_LOCATION
+
+TOKEN_FIELDS = ("input_ids", "positions", "table_index", "out_cache_loc")
+SEQUENCE_FIELDS = ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens",
+                   "extend_start")
+FIELDS = (*TOKEN_FIELDS, *SEQUENCE_FIELDS, "logits_indices")
+
+#: The rows of decode attention metadata, in the order the packed batch lays them out.
+DECODE_ROW_FIELDS = ("out_cache_loc", "req_pool_indices", "seq_lens")
+_first = FIELDS.index(DECODE_ROW_FIELDS[0])
+assert FIELDS[_first : _first + 3] == DECODE_ROW_FIELDS, "decode rows must be adjacent"
+
+#: What padding holds, per field. ``table_index`` pads with the layout's scratch cell.
+PAD: Mapping[str, int] = {
+    "input_ids": 0, "positions": 0, "out_cache_loc": RESERVED_LOCATION,
+    "req_pool_indices": 0, "seq_lens": 1, "prefix_lens": 0, "extend_lens": 1,
+    "extend_start": 0,
+}
+#: A padded decode row (``DECODE_ROW_FIELDS`` order): attention backends whose static
+#: decode rows are refreshed from a packed batch pad their own rows with it.
+DECODE_PAD_ROW: tuple[int, int, int] = (PAD["out_cache_loc"], PAD["req_pool_indices"],
+                                        PAD["seq_lens"])
+
+
+@dataclass(frozen=True)
+class PackedSizes:
+    """How many real and padding entries each field of one packed batch has."""
+
+    tokens: int  # T
+    token_pad: int  # s - T
+    seqs: int  # B
+    seq_pad: int  # sb - B
+    logits: int  # S
+    #: A decode batch: its ``DECODE_ROW_FIELDS`` read as one (3, s) block.
+    has_decode_rows: bool = False
+
+    @staticmethod
+    def of(tokens: int, seqs: int, logits: int, bucket: int | None, decode: bool
+           ) -> PackedSizes:
+        """Sizes of a batch, plain (``bucket`` None) or padded to ``bucket``; a decode
+        batch pads its sequence fields to the bucket too."""
+        s = tokens if bucket is None else bucket
+        if s < tokens:
+            raise ValueError(f"{tokens} tokens do not fit a bucket of {s}")
+        if decode and seqs != tokens:
+            raise ValueError(f"a decode batch has one token per sequence, not {tokens} "
+                             f"tokens over {seqs}")
+        seq_pad = s - seqs if decode else 0
+        return PackedSizes(tokens, s - tokens, seqs, seq_pad, logits, decode)
+
+    @property
+    def total(self) -> int:
+        return (len(TOKEN_FIELDS) * (self.tokens + self.token_pad)
+                + len(SEQUENCE_FIELDS) * (self.seqs + self.seq_pad) + self.logits)
+
+    def offset(self, field: str) -> int:
+        """Where ``field`` starts in the packed buffer."""
+        at = 0
+        for name in FIELDS:
+            if name == field:
+                return at
+            at += self.span(name)
+        raise KeyError(field)
+
+    def span(self, field: str) -> int:
+        """Entries ``field`` takes, padding included."""
+        if field in TOKEN_FIELDS:
+            return self.tokens + self.token_pad
+        if field in SEQUENCE_FIELDS:
+            return self.seqs + self.seq_pad
+        return self.logits
+
+    def chunks(self) -> list[int]:
+        """``split_with_sizes`` sizes: each field's real entries, then its padding."""
+        out: list[int] = []
+        for name in FIELDS:
+            if name in TOKEN_FIELDS:
+                out += (self.tokens, self.token_pad)
+            elif name in SEQUENCE_FIELDS:
+                out += (self.seqs, self.seq_pad)
+            else:
+                out.append(self.logits)
+        return out
+
+
+def _pads(table_scratch: int) -> dict[str, int]:
+    return {"table_index": table_scratch, **PAD}
+
+
+def pack_lists(fields: Mapping[str, Sequence[int]], sizes: PackedSizes,
+               table_scratch: int) -> array:
+    """The packed host buffer from per-field Python lists (cheapest for small batches)."""
+    pads = _pads(table_scratch)
+    out = array("q")
+    for name in FIELDS:
+        out.extend(fields[name])
+        n = sizes.token_pad if name in TOKEN_FIELDS else (
+            sizes.seq_pad if name in SEQUENCE_FIELDS else 0)
+        if n:
+            out.extend(repeat(pads[name], n))
+    return out
+
+
+def pack_tensors(fields: Mapping[str, torch.Tensor], sizes: PackedSizes,
+                 table_scratch: int) -> torch.Tensor:
+    """The packed host buffer from per-field int64 CPU tensors (large batches)."""
+    pads = _pads(table_scratch)
+    parts: list[torch.Tensor] = []
+    for name in FIELDS:
+        parts.append(fields[name])
+        n = sizes.token_pad if name in TOKEN_FIELDS else (
+            sizes.seq_pad if name in SEQUENCE_FIELDS else 0)
+        if n:
+            parts.append(torch.full((n,), pads[name], dtype=torch.int64))
+    return torch.cat(parts)
+
+
+def split_packed(buf: torch.Tensor, sizes: PackedSizes) -> dict[str, torch.Tensor]:
+    """Views of each field's real entries in ``buf`` (one split, padding chunks dropped),
+    plus ``decode_rows``, the (3, B) view of ``DECODE_ROW_FIELDS``, when the batch has
+    them as one block."""
+    views = buf[: sizes.total].split_with_sizes(sizes.chunks())
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    for name in FIELDS:
+        out[name] = views[i]
+        i += 1 if name == "logits_indices" else 2
+    if sizes.has_decode_rows:
+        s, start = sizes.span("out_cache_loc"), sizes.offset("out_cache_loc")
+        out["decode_rows"] = buf[start : start + 3 * s].view(3, s)[:, : sizes.seqs]
+    return out
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """How a batch bound for one CUDA-graph bucket is packed, and where it lands.
+
+    The batch is padded to ``bucket`` tokens (a decode batch also to ``bucket`` rows) and
+    copied into ``dest``, a device buffer whose address never changes, so a captured
+    prologue reads its fields at fixed places: the named views below. Padded tokens write
+    the table at ``table_scratch``. A batch packed this way is a set of views of ``dest``,
+    valid until the next batch is packed for the same runner.
+    """
+
+    bucket: int
+    table_scratch: int
+    dest: torch.Tensor  # (>= max_packed_size(bucket),) int64 on the device
+    phase: Phase = "prefill"
+
+    @staticmethod
+    def max_packed_size(bucket: int) -> int:
+        """Entries a batch packed for ``bucket`` may take: every field at one entry per
+        token (at most one sequence, and one sampled row, per token)."""
+        return len(FIELDS) * bucket
+
+    @property
+    def frame(self) -> PackedSizes:
+        """The sizes of a batch of padding only: the fixed frame every batch fills."""
+        return PackedSizes.of(0, 0, 0, self.bucket, self.phase == "decode")
+
+    def field(self, name: str) -> torch.Tensor:
+        """The whole region of a token field (or, for decode, a sequence field) in
+        ``dest``: real entries then padding, ``bucket`` of them."""
+        frame = self.frame
+        if frame.span(name) != self.bucket:
+            raise KeyError(f"{name!r} has no fixed place in a {self.phase} layout")
+        start = frame.offset(name)
+        return self.dest[start : start + self.bucket]
+
+    @property
+    def decode_rows(self) -> torch.Tensor:
+        """The (3, bucket) block of ``DECODE_ROW_FIELDS`` (decode layouts only)."""
+        if self.phase != "decode":
+            raise KeyError("only a decode layout has decode rows")
+        start = self.frame.offset(DECODE_ROW_FIELDS[0])
+        return self.dest[start : start + 3 * self.bucket].view(3, self.bucket)
+
+    def fill_padding(self) -> None:
+        """Make ``dest`` hold a batch of padding only (device-side fills, no transfer):
+        what a prologue may run on before any real batch was packed."""
+        pads, frame = _pads(self.table_scratch), self.frame
+        for name in FIELDS:
+            if frame.span(name) == self.bucket:
+                self.field(name).fill_(pads[name])
