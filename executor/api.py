@@ -76,22 +76,45 @@ class PrefillItem:
 
 @dataclass(frozen=True)
 class DecodeItem:
-    """Append ``token_id`` to a known sequence and sample the next token."""
+    """Append ``token_id`` to a known sequence and sample the next token.
+
+    ``token_id=None`` appends the token this sequence sampled last, read on the device
+    (so a step may be launched before the previous step's tokens reach the host); the
+    sequence's last step must have sampled. ``stop_token_ids`` end a multi-step decode's
+    output for this sequence at the first of them (``Executor.launch_decode``)."""
 
     seq_id: str
-    token_id: int
+    token_id: int | None
     sampling: SamplingParams = GREEDY
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its raw log-probability and top log-probabilities (when
+    asked for)."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class ItemOutput:
-    """Result for one item, in request order. ``token_id`` is None when nothing was sampled."""
+    """Result for one item, in request order. ``token_id`` is None when nothing was sampled.
+
+    A multi-step decode lists every token it returns in ``steps`` (in order, ending at a
+    stop token if one came) and reports the last of them in ``token_id``, ``logprob`` and
+    ``top_logprobs``; ``stopped`` says a stop token ended it. ``seq_len`` counts every
+    token whose K/V the sequence holds."""
 
     seq_id: str
     token_id: int | None
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...]
     seq_len: int
+    steps: tuple[SampledToken, ...] = ()
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,8 @@ class StepInfo:
     num_tokens: int
     padded_tokens: int
     forward_ms: float
+    #: Decode steps run (``num_steps``; 1 for every other step).
+    num_steps: int = 1
 
 
 @dataclass(frozen=True)

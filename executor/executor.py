@@ -16,6 +16,7 @@ all of its items or to none. The executor is not thread-safe: one thread drives 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
@@ -27,7 +28,6 @@ from executor.api import (
     DecodeItem,
     ExecutorStatus,
     GraphStatus,
-    ItemOutput,
     KVStats,
     ModelInfo,
     Path,
@@ -54,9 +54,12 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
+from executor.kv.manager import Extension
 from executor.model.loader import load_hf_config, load_model
 from executor.model.tiny import ensure_tiny_model
-from executor.sampling import SampleOutput, Sampler
+from executor.packing import USE_LAST_SAMPLED
+from executor.sampling import DeviceSample, Sampler
+from executor.steps import PendingStep
 from executor.validation import Limits, validate_decode, validate_prefill
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,6 +112,11 @@ class Executor:
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
         self.sampler = Sampler()
+        # Each sequence's last sampled token, by request slot, written by sampling on the
+        # device; a decode item without a token reads it there (``USE_LAST_SAMPLED``).
+        self.last_tokens = torch.zeros(config.cache.max_sequences, dtype=torch.int64,
+                                       device=self.device)
+        self._last_sampled: set[str] = set()  # sequences whose last step sampled
         # Every batch's metadata goes to the device through one reused pinned buffer.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
@@ -158,7 +166,8 @@ class Executor:
             buckets = graphs.prefill_buckets or default_prefill_buckets(
                 self.config.max_prefill_tokens)
         return GraphRunner(phase, self.model, self.attn, backend, normalize_buckets(buckets),
-                           self.limits.max_context, self.table, self.device)
+                           self.limits.max_context, self.table, self.device,
+                           self.last_tokens)
 
     def _model_key(self) -> str:
         """What a compiled forward depends on besides our code: layout, dtype, context
@@ -171,8 +180,19 @@ class Executor:
     # ------------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
         """Admit unknown sequences / extend known ones; sample where ``item.sample``."""
+        return self._synchronous(self.launch_prefill(items))
+
+    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> StepResult:
+        """Append each item's token to its sequence and sample the next one; with
+        ``num_steps`` k > 1, k decode steps, each feeding its samples back on the device."""
+        return self._synchronous(self.launch_decode(items, num_steps))
+
+    def launch_prefill(self, items: Sequence[PrefillItem]) -> PendingStep:
+        """Validate, allocate, run and sample a prefill without waiting for the device
+        (see ``executor/steps.py``); ``complete`` gives its result."""
         validate_prefill(items, self._seq_len, self.limits)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
+        had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
         try:
             rows = [i for i, it in enumerate(items) if it.sample]
             tokens = [t for it in items for t in it.token_ids]
@@ -180,35 +200,111 @@ class Executor:
             batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket)
             params = [items[i].sampling for i in rows]
             positions = [alloc.extensions[i].seq_len for i in rows]
-            sampled, step = self._step(batch, decision, params, positions)
+            sample, info = self._step(batch, decision, params, positions)
+            if sample is not None:
+                slots = [alloc.extensions[i].slot for i in rows]
+                self._remember_last(sample, slots)
         except BaseException:
             self.kv.rollback(alloc)
             raise
+        for it in items:
+            (self._last_sampled.add if it.sample else self._last_sampled.discard)(it.seq_id)
         by_row = dict(zip(rows, range(len(rows)), strict=True))
-        outputs = tuple(
-            _output(it.seq_id, ext.seq_len, it.sampling, sampled, by_row.get(i))
-            for i, (it, ext) in enumerate(zip(items, alloc.extensions, strict=True))
-        )
-        return StepResult(outputs, step)
+        return self._pending(PendingStep(
+            "prefill", tuple(it.seq_id for it in items), alloc,
+            tuple(e.seq_len for e in alloc.extensions),
+            tuple(by_row.get(i) for i in range(len(items))), tuple(params),
+            tuple(frozenset() for _ in params), [] if sample is None else [sample], info,
+            had_last=had_last))
 
-    def decode(self, items: Sequence[DecodeItem]) -> StepResult:
-        """Append each item's token to its sequence and sample the next one."""
-        validate_decode(items, self._seq_len, self.limits)
-        alloc = self.kv.allocate([(it.seq_id, 1) for it in items])
+    def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
+        """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
+        many decode steps, each reading the previous one's samples on the device (one
+        graph replay per step, no host round trip); ``complete`` gives the result. An
+        item without a token continues from its sequence's last sampled token."""
+        validate_decode(items, self._seq_len, self.limits, num_steps,
+                        lambda sid: sid in self._last_sampled)
+        alloc = self.kv.allocate([(it.seq_id, num_steps) for it in items])
+        had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
+        params = [it.sampling for it in items]
+        rows = list(range(len(items)))
+        slots = [e.slot for e in alloc.extensions]
+        samples: list[DeviceSample] = []
         try:
-            rows = list(range(len(items)))
             decision = self._decide("decode", len(items))
-            batch = self.build_batch("decode", [it.token_id for it in items], alloc, rows,
-                                     decision.bucket)
-            positions = [ext.seq_len for ext in alloc.extensions]
-            sampled, step = self._step(batch, decision, [it.sampling for it in items],
-                                       positions)
+            first = [USE_LAST_SAMPLED if it.token_id is None else it.token_id for it in items]
+            for step in range(num_steps):
+                sub = alloc if num_steps == 1 else _decode_step(alloc, num_steps, step)
+                tokens = first if step == 0 else [USE_LAST_SAMPLED] * len(items)
+                batch = self.build_batch("decode", tokens, sub, rows, decision.bucket)
+                positions = [e.seq_len for e in sub.extensions]
+                sample, info = self._step(batch, decision, params, positions)
+                assert sample is not None
+                self._remember_last(sample, slots, batch.req_pool_indices)
+                samples.append(sample)
         except BaseException:
             self.kv.rollback(alloc)
             raise
-        outputs = tuple(_output(it.seq_id, ext.seq_len, it.sampling, sampled, i)
-                        for i, (it, ext) in enumerate(zip(items, alloc.extensions, strict=True)))
-        return StepResult(outputs, step)
+        self._last_sampled.update(it.seq_id for it in items)
+        info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
+                                   padded_tokens=info.padded_tokens * num_steps,
+                                   num_steps=num_steps)
+        return self._pending(PendingStep(
+            "decode", tuple(it.seq_id for it in items), alloc,
+            tuple(e.seq_len for e in alloc.extensions), tuple(rows), tuple(params),
+            tuple(frozenset(it.stop_token_ids) for it in items), samples, info,
+            had_last=had_last))
+
+    def complete(self, step: PendingStep) -> StepResult:
+        """Wait for a launched step's device work and build its result."""
+        sampled = step.wait()
+        step.finished = True
+        elapsed_ms = (time.perf_counter() - step.started) * 1e3
+        return StepResult(step.outputs(sampled),
+                          dataclasses.replace(step.info, forward_ms=elapsed_ms))
+
+    def abort(self, step: PendingStep) -> None:
+        """Roll back a launched, not completed step: its KV allocation and lengths, as if
+        it never ran. Steps launched after it must be aborted first (newest first). Its
+        sequences' last sampled tokens are gone (overwritten on the device): until they
+        sample again, their next decode must give its token."""
+        if step.finished:
+            raise ValueError("a completed step cannot be aborted")
+        if step.done is not None:
+            step.done.synchronize()  # its device work must not outlive its allocation
+        self.kv.rollback(step.alloc)
+        step.finished = True
+        sampled = {sid for sid, row in zip(step.seq_ids, step.rows, strict=True)
+                   if row is not None}
+        for seq_id, had in step.had_last.items():
+            if had and seq_id not in sampled and self.kv.get(seq_id) is not None:
+                self._last_sampled.add(seq_id)
+            else:
+                self._last_sampled.discard(seq_id)
+
+    def _synchronous(self, step: PendingStep) -> StepResult:
+        try:
+            return self.complete(step)
+        except BaseException:
+            if not step.finished:
+                self.abort(step)
+            raise
+
+    def _pending(self, step: PendingStep) -> PendingStep:
+        """Start the copies of the step's samples to the host; mark its end on the device."""
+        for sample in step.samples:
+            sample.stage()
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def _remember_last(self, sample: DeviceSample, slots: list[int],
+                       slots_on_device: torch.Tensor | None = None) -> None:
+        """Each sampled row's token becomes its sequence's last sampled token (device)."""
+        index = slots_on_device if slots_on_device is not None \
+            else _on_device(slots, self.device)
+        self.last_tokens.index_copy_(0, index[: len(slots)], sample.tokens)
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
@@ -216,6 +312,7 @@ class Executor:
         for sid in dict.fromkeys(seq_ids):  # de-duplicated, order kept
             if self.kv.release(sid):
                 released += 1
+                self._last_sampled.discard(sid)
             else:
                 unknown.append(sid)
         return ReleaseResult(released, tuple(unknown))
@@ -291,7 +388,8 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: list[int]) -> tuple[SampleOutput, StepInfo]:
+              positions: list[int]) -> tuple[DeviceSample | None, StepInfo]:
+        """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
         padded = 0
         logits: torch.Tensor | None = None
@@ -307,40 +405,49 @@ class Executor:
             logits = self.forward_logits(batch)
         else:
             self._forward_only(batch)  # fills the KV cache; no logits wanted
-        if logits is not None and params:
-            sampled = self.sampler(logits, params, positions)
-        else:
-            sampled = SampleOutput([], [], [])
-        if not params and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # KV written before we report success
+        sample = self.sampler.sample(logits, params, positions) \
+            if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"
-        step = StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
-        return sampled, step
+        return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
 
     def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""
         meta = self.attn.build_metadata(batch)
         self.model(batch.input_ids, batch.positions, self.attn, meta)
 
+    def _resolve_last_sampled(self, batch: ForwardBatch) -> ForwardBatch:
+        """An eager decode batch with its ``USE_LAST_SAMPLED`` tokens read from the device
+        (a graph's prologue does the same inside the graph)."""
+        if batch.phase != "decode":
+            return batch
+        ids = torch.where(batch.input_ids >= 0, batch.input_ids,
+                          self.last_tokens[batch.req_pool_indices])
+        return dataclasses.replace(batch, input_ids=ids)
+
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Eager forward returning float32 logits of ``batch.logits_indices`` (for tests
         and benchmarks; it does not sample)."""
+        batch = self._resolve_last_sampled(batch)
         meta = self.attn.build_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
-def _output(seq_id: str, seq_len: int, params: SamplingParams, sampled: SampleOutput,
-            row: int | None) -> ItemOutput:
-    if row is None:
-        return ItemOutput(seq_id, None, None, (), seq_len)
-    return ItemOutput(
-        seq_id,
-        sampled.token_ids[row],
-        sampled.logprobs[row] if params.logprobs else None,
-        sampled.top_logprobs[row],
-        seq_len,
-    )
+
+def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:
+    """Decode step ``step`` of a multi-step allocation (``num_steps`` tokens per sequence,
+    each sequence's locations contiguous): one token per sequence."""
+    exts = tuple(Extension(e.seq_id, e.slot, e.prefix_len + step, 1, e.is_new and step == 0)
+                 for e in alloc.extensions)
+    locs = alloc.out_cache_loc.view(len(exts), num_steps)[:, step]
+    return Allocation(exts, locs.contiguous())
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -41,6 +41,11 @@ DECODE_ROW_FIELDS = ("out_cache_loc", "req_pool_indices", "seq_lens")
 _first = FIELDS.index(DECODE_ROW_FIELDS[0])
 assert FIELDS[_first : _first + 3] == DECODE_ROW_FIELDS, "decode rows must be adjacent"
 
+#: An ``input_ids`` entry of a decode batch that stands for its sequence's last sampled
+#: token, read on the device (``Executor.last_tokens``) by the graph prologue or the eager
+#: forward: the step need not wait for the previous step's tokens to reach the host.
+USE_LAST_SAMPLED = -1
+
 #: What padding holds, per field. ``table_index`` pads with the layout's scratch cell.
 PAD: Mapping[str, int] = {
     "input_ids": 0, "positions": 0, "out_cache_loc": RESERVED_LOCATION,

@@ -60,16 +60,16 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p; filtered-out entries become -inf. (B, V) float32."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         device=device)
+    temps = _device_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                           torch.float32, device)
     x = logits / temps[:, None]
     if any(p.top_k > 0 for p in params):
         ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top = torch.topk(x, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor(ks, device=device)[:, None] - 1)
+        kth = top.gather(1, _device_tensor(ks, torch.int64, device)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = _device_tensor([p.top_p for p in params], torch.float32, device)
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (keeps at least one).
@@ -77,7 +77,7 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _device_tensor([p.min_p for p in params], torch.float32, device)
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
                           float("-inf"))
@@ -94,6 +94,65 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+@dataclass
+class DeviceSample:
+    """One step's samples, still on the device (no host sync was needed to make them).
+
+    ``tokens`` (B,) int64; ``logprobs`` (B,) float32 and ``top_ids``/``top_values`` (B, k)
+    when a row asked for them. ``to_output`` reads them on the host; ``stage`` first
+    starts an asynchronous copy into pinned memory and records an event, so a caller can
+    launch more work before it reads them."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    _event: torch.cuda.Event | None = None
+
+    def stage(self) -> None:
+        """Start the device-to-host copies (pinned, asynchronous) and record an event."""
+        if not self.tokens.is_cuda:
+            return
+        self.tokens = _pinned_copy(self.tokens)
+        self.logprobs, self.top_ids, self.top_values = (
+            None if t is None else _pinned_copy(t)
+            for t in (self.logprobs, self.top_ids, self.top_values))
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def to_output(self, params: Sequence[SamplingParams]) -> SampleOutput:
+        """The host values (waits for the staged copies, or copies now)."""
+        if self._event is not None:
+            self._event.synchronize()
+        n = len(params)
+        tokens = self.tokens.tolist()
+        if self.logprobs is None:
+            return SampleOutput(tokens, [0.0] * n, [()] * n)
+        top_ids: list[list[int]] = [[] for _ in params]
+        top_vals: list[list[float]] = [[] for _ in params]
+        if self.top_ids is not None and self.top_values is not None:
+            top_ids, top_vals = self.top_ids.tolist(), self.top_values.tolist()
+        tops = [tuple(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs],
+                          strict=True)) for i, p in enumerate(params)]
+        return SampleOutput(tokens, self.logprobs.tolist(), tops)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _device_tensor(values: list[int] | list[float], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """Host values on ``device`` without waiting for the device's queued work (a plain
+    ``torch.tensor(..., device=cuda)`` synchronizes the stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Samples one token per row. Holds only a host RNG for unseeded rows."""
 
@@ -102,36 +161,34 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  positions: Sequence[int]) -> SampleOutput:
+        """``sample`` then ``to_output``: the host values of one step's samples."""
+        return self.sample(logits, params, positions).to_output(params)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               positions: Sequence[int]) -> DeviceSample:
         """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
-        in its sequence (it keys the seeded noise)."""
+        in its sequence (it keys the seeded noise). Everything stays on the device."""
         tokens = argmax_rows(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
-        if not sampled_rows and not want_logprobs:  # the common greedy step: one D2H copy
-            return SampleOutput(tokens.tolist(), [0.0] * len(params), [()] * len(params))
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            device = logits.device
+            rows = _device_tensor(sampled_rows, torch.int64, device)
             sub_params = [params[i] for i in sampled_rows]
-            filtered = apply_filters(logits[rows], sub_params)
-            keys = torch.tensor(
+            filtered = apply_filters(logits.index_select(0, rows), sub_params)
+            keys = _device_tensor(
                 [_row_key(p.seed if p.seed is not None else self._rng.getrandbits(63),
                           positions[i]) for i, p in zip(sampled_rows, sub_params, strict=True)],
-                device=logits.device, dtype=torch.int64,
-            )
+                torch.int64, device)
             noise = exponential_noise(keys, logits.shape[-1])
             drawn = argmax_rows(filtered.softmax(-1) / noise)
             tokens = tokens.index_copy(0, rows, drawn)
         if not want_logprobs:
-            return SampleOutput(tokens.tolist(), [0.0] * len(params), [()] * len(params))
+            return DeviceSample(tokens)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         k = max(p.top_logprobs for p in params)
-        top_ids: list[list[int]] = [[] for _ in params]
-        top_vals: list[list[float]] = [[] for _ in params]
-        if k > 0:
-            top = torch.topk(raw_logprobs, k, dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        token_list, logprob_list = tokens.tolist(), chosen.tolist()
-        tops = [tuple(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs],
-                          strict=True)) for i, p in enumerate(params)]
-        return SampleOutput(token_list, logprob_list, tops)
+        if k == 0:
+            return DeviceSample(tokens, chosen)
+        top = torch.topk(raw_logprobs, k, dim=-1)
+        return DeviceSample(tokens, chosen, top.indices, top.values)

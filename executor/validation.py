@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from executor.api import MAX_TOP_LOGPROBS, DecodeItem, PrefillItem, SamplingParams
 from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
 
+#: Most decode steps one call may run (``num_steps``).
+MAX_DECODE_STEPS = 256
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -103,27 +106,44 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
 
 
 def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | None],
-                    limits: Limits) -> None:
-    """Raise InvalidRequest / ContextLengthExceeded / SequenceNotFound."""
+                    limits: Limits, num_steps: int = 1,
+                    has_last_sample: Callable[[str], bool] = lambda _: False) -> None:
+    """Raise InvalidRequest / ContextLengthExceeded / SequenceNotFound. ``num_steps``
+    decode steps append that many tokens per sequence; an item without a token needs
+    ``has_last_sample`` of its sequence."""
     out = _common([it.seq_id for it in items], "decode")
     if len(items) > limits.max_decode_batch:
         out.append(FieldViolation(
             "items", f"{len(items)} sequences in one call; at most {limits.max_decode_batch}"))
+    if not 1 <= num_steps <= MAX_DECODE_STEPS:
+        out.append(FieldViolation(
+            "num_steps", f"must be in [1, {MAX_DECODE_STEPS}] (0 or unset = 1), got {num_steps}"))
     unknown: list[tuple[str, str]] = []
     too_long: list[FieldViolation] = []
     for i, it in enumerate(items):
-        v = _token_violation(it.token_id, f"items[{i}].token_id", limits.vocab_size)
-        if v is not None:
-            out.append(v)
-        out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
         cached = seq_len(it.seq_id)
+        if it.token_id is not None:
+            v = _token_violation(it.token_id, f"items[{i}].token_id", limits.vocab_size)
+            if v is not None:
+                out.append(v)
+        elif cached is not None and not has_last_sample(it.seq_id):
+            out.append(FieldViolation(
+                f"items[{i}].use_last_sampled",
+                f"sequence {it.seq_id!r} has no sampled token to continue from (its last step "
+                "did not sample, or was rolled back); give its token_id"))
+        for k, tok in enumerate(it.stop_token_ids):
+            v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", limits.vocab_size)
+            if v is not None:
+                out.append(v)
+        out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
         if it.seq_id and cached is None:
             unknown.append((it.seq_id, f"items[{i}].seq_id"))
-        elif cached is not None and cached + 1 > limits.max_context:
+        elif cached is not None and cached + num_steps > limits.max_context:
             too_long.append(FieldViolation(
                 f"items[{i}].token_id",
                 f"sequence {it.seq_id!r} already holds {cached} tokens; max_context is "
-                f"{limits.max_context}"))
+                f"{limits.max_context}" + (f" ({num_steps} decode steps asked)"
+                                           if num_steps > 1 else "")))
     if out:
         raise InvalidRequest(out + too_long)
     if unknown:

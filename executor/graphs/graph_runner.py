@@ -39,13 +39,14 @@ from executor.packing import GraphLayout
 class GraphRunner:
     def __init__(self, phase: Phase, model: CausalModel, attn: AttentionBackend,
                  backend: CaptureBackend, buckets: tuple[int, ...], max_context: int,
-                 table: ReqToTokenTable, device: torch.device) -> None:
+                 table: ReqToTokenTable, device: torch.device,
+                 last_tokens: torch.Tensor | None = None) -> None:
         self.phase, self.model, self.attn, self.backend = phase, model, attn, backend
         self.buckets, self.max_context, self.device = buckets, max_context, device
         self.logits_in_graph = phase == "decode"
         self.attention_in_graph = backend.attention_in_graph
         self.inputs = GraphInputs.allocate(max(buckets), device)
-        self.prologue = Prologue(phase, buckets, self.inputs, table, device)
+        self.prologue = Prologue(phase, buckets, self.inputs, table, device, last_tokens)
         self.scope = BatchScope()
         self.model_attn = backend.wrap_attention(attn, self.scope, max(buckets))
         self._forward = backend.prepare_forward(self._model_forward)

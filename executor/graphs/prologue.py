@@ -4,7 +4,9 @@ The executor packs a batch bound for a captured bucket straight into the runner'
 ``transfer`` buffer (``GraphLayout``: padded to the bucket, every field at a fixed place).
 Per bucket, a small captured graph then copies it where the graphs read it:
 
-* token ids and positions into the static ``GraphInputs``;
+* token ids and positions into the static ``GraphInputs`` (a decode token that is
+  ``USE_LAST_SAMPLED`` becomes its sequence's last sampled token, read from the
+  executor's device table of them);
 * the new tokens' KV locations into the request-slot table (padding writes its scratch
   cell), through ``ReqToTokenTable.write_device``;
 * for a decode graph whose attention is captured, the decode rows into the attention
@@ -46,8 +48,11 @@ class Prologue:
     """One runner's prologue graphs, their transfer buffer, layouts, stream and pool."""
 
     def __init__(self, phase: Phase, buckets: tuple[int, ...], inputs: GraphInputs,
-                 table: ReqToTokenTable, device: torch.device) -> None:
+                 table: ReqToTokenTable, device: torch.device,
+                 last_tokens: torch.Tensor | None = None) -> None:
         self.inputs, self.table = inputs, table
+        # (max_sequences,) int64: each slot's last sampled token (decode only).
+        self.last_tokens = last_tokens if phase == "decode" else None
         self.transfer = torch.zeros(GraphLayout.max_packed_size(max(buckets)),
                                     dtype=torch.int64, device=device)
         self.layouts = {b: GraphLayout(b, table.scratch_index, self.transfer, phase)
@@ -70,9 +75,14 @@ class Prologue:
         ids, positions = layout.field("input_ids"), layout.field("positions")
         table_index, locations = layout.field("table_index"), layout.field("out_cache_loc")
         rows = None if attention_rows is None else layout.decode_rows
+        last = self.last_tokens
+        slots = layout.field("req_pool_indices") if last is not None else None
 
         def body() -> None:
-            self.inputs.input_ids[:bucket].copy_(ids)
+            if last is not None and slots is not None:
+                torch.where(ids >= 0, ids, last[slots], out=self.inputs.input_ids[:bucket])
+            else:
+                self.inputs.input_ids[:bucket].copy_(ids)
             self.inputs.positions[:bucket].copy_(positions)
             self.table.write_device(table_index, locations)
             if attention_rows is not None and rows is not None:

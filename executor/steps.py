@@ -1,0 +1,66 @@
+"""A launched step: what it leaves between its launch and its completion.
+
+``Executor.launch_prefill`` / ``launch_decode`` validate, allocate, pack, run the forward
+(graph replay or eager) and sample on the device, then start the samples' copy to pinned
+host memory; nothing waits for the device. The step is *applied* from then on (its KV
+allocation and sequence lengths count), unless ``Executor.abort`` rolls it back.
+``Executor.complete`` waits for the copy and builds the outputs. Between the two the
+executor may launch further steps, which read this step's sampled tokens on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.api import ItemOutput, Phase, SampledToken, SamplingParams, StepInfo
+from executor.kv.manager import Allocation
+from executor.sampling import DeviceSample, SampleOutput
+
+
+@dataclass
+class PendingStep:
+    phase: Phase
+    seq_ids: tuple[str, ...]
+    alloc: Allocation
+    seq_lens: tuple[int, ...]  # per item, after the step
+    rows: tuple[int | None, ...]  # per item: its sampled row, or None
+    params: tuple[SamplingParams, ...]  # per sampled row
+    stops: tuple[frozenset[int], ...]  # per sampled row: stop token ids
+    samples: list[DeviceSample]  # per decode step (one unless num_steps > 1)
+    info: StepInfo  # forward_ms is the launch's host time until completion fills it
+    started: float = field(default_factory=time.perf_counter)
+    #: Sequences that had a last sampled token before this step, for ``abort``.
+    had_last: dict[str, bool] = field(default_factory=dict)
+    done: torch.cuda.Event | None = None  # recorded after the step's device work
+    finished: bool = False
+
+    def wait(self) -> list[SampleOutput]:
+        """Host values of every step's samples (waits for the device)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return [s.to_output(self.params) for s in self.samples]
+
+    def outputs(self, sampled: list[SampleOutput]) -> tuple[ItemOutput, ...]:
+        multi = len(sampled) > 1
+        out = []
+        for seq_id, seq_len, row in zip(self.seq_ids, self.seq_lens, self.rows, strict=True):
+            if row is None:
+                out.append(ItemOutput(seq_id, None, None, (), seq_len))
+                continue
+            want_logprob = self.params[row].logprobs
+            tokens: list[SampledToken] = []
+            stopped = False
+            for s in sampled:
+                tok = s.token_ids[row]
+                tokens.append(SampledToken(tok, s.logprobs[row] if want_logprob else None,
+                                           s.top_logprobs[row]))
+                if tok in self.stops[row]:
+                    stopped = True
+                    break
+            last = tokens[-1]
+            out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,
+                                  seq_len, tuple(tokens) if multi else (), stopped))
+        return tuple(out)
