@@ -25,23 +25,27 @@ _LIST_BUILD_MAX_TOKENS = 256
 
 
 class PinnedStaging:
-    """The pinned host buffer every batch's packed metadata passes through on its way to
-    the device: a host memcpy into it and one asynchronous copy out, instead of a pinned
+    """The pinned host buffers every batch's packed metadata passes through on its way to
+    the device: a host memcpy into one and one asynchronous copy out, instead of a pinned
     tensor made per batch: cheaper on the host, and no pinned allocation per batch
     (measurements: ``bench/results/2026-11-25-h100-host-path/README.md``).
 
-    Reuse is safe because the next batch first waits for the event recorded after the
-    previous copy (by then long finished: every step ends with a host sync). A batch
-    packed plain gets its own device tensor, so batches built before an earlier one ran
-    stay intact; one packed for a graph bucket lands in the runner's fixed buffer
-    (``GraphLayout``) instead. CUDA only; one owner (the executor), one thread.
+    The buffers are used in turn (a ring of ``depth``), each reused only once the event
+    recorded after its last copy has passed: with steps launched ahead of the device
+    (``Executor.launch_*``), packing the next batch waits for the copy ``depth`` batches
+    back, not for the one just enqueued behind the running step. A batch packed plain gets
+    its own device tensor, so batches built before an earlier one ran stay intact; one
+    packed for a graph bucket lands in the runner's fixed buffer (``GraphLayout``), which
+    the stream reads in order. CUDA only; one owner (the executor), one thread.
     """
 
-    def __init__(self, device: torch.device, capacity: int = 4096) -> None:
+    def __init__(self, device: torch.device, capacity: int = 4096, depth: int = 4) -> None:
         self.device = device
-        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-        self._copied = torch.cuda.Event()
-        self._pending = False
+        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+                      for _ in range(depth)]
+        self._copied = [torch.cuda.Event() for _ in range(depth)]
+        self._used = [False] * depth
+        self._next = 0
         # NOTE: the executor runs every step on the device's current stream at start-up
         # (as ``ReplayTimer`` does); looking it up per call costs more than the record.
         self._stream = torch.cuda.current_stream(device)
@@ -50,19 +54,20 @@ class PinnedStaging:
                   ) -> torch.Tensor:
         """A device copy of the int64 CPU tensor ``values`` (enqueued, not waited for):
         a new tensor, or the leading ``values.numel()`` entries of ``dest``."""
-        n = values.numel()
-        if self._pending:
-            self._copied.synchronize()  # the previous copy has read the buffer
-        if n > self._host.numel():
-            self._host = torch.empty(max(n, 2 * self._host.numel()), dtype=torch.int64,
-                                     pin_memory=True)
-        host = self._host[:n]
+        i, n = self._next, values.numel()
+        self._next = (i + 1) % len(self._host)
+        if self._used[i]:
+            self._copied[i].synchronize()  # that buffer's last copy has read it
+        if n > self._host[i].numel():
+            self._host[i] = torch.empty(max(n, 2 * self._host[i].numel()), dtype=torch.int64,
+                                        pin_memory=True)
+        host = self._host[i][:n]
         host.copy_(values)
         dev = torch.empty(n, dtype=torch.int64, device=self.device) if dest is None \
             else dest[:n]
         dev.copy_(host, non_blocking=True)
-        self._copied.record(self._stream)
-        self._pending = True
+        self._copied[i].record(self._stream)
+        self._used[i] = True
         return dev
 
 

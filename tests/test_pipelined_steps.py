@@ -178,6 +178,6 @@ def test_failed_launch_applies_nothing() -> None:
         ex.launch_decode([DecodeItem("a", None)], num_steps=0)
     assert ex.kv_stats() == before
     ex.prefill([PrefillItem("a", [4], sample=False)])
-    with pytest.raises(InvalidRequest, match="items\\[0\\].use_last_sampled"):
+    with pytest.raises(InvalidRequest, match=r"items\[0\]\.use_last_sampled"):
         ex.launch_decode([DecodeItem("a", None)])
     ex.kv.check_invariants()
