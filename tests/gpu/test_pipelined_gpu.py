@@ -8,6 +8,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+
 from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
