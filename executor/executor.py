@@ -257,11 +257,7 @@ class Executor:
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""
-        sampled = step.wait()
-        step.finished = True
-        elapsed_ms = (time.perf_counter() - step.started) * 1e3
-        return StepResult(step.outputs(sampled),
-                          dataclasses.replace(step.info, forward_ms=elapsed_ms))
+        return step.finish()
 
     def abort(self, step: PendingStep) -> None:
         """Roll back a launched, not completed step: its KV allocation and lengths, as if

@@ -10,12 +10,20 @@ executor may launch further steps, which read this step's sampled tokens on the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from executor.api import ItemOutput, Phase, SampledToken, SamplingParams, StepInfo
+from executor.api import (
+    ItemOutput,
+    Phase,
+    SampledToken,
+    SamplingParams,
+    StepInfo,
+    StepResult,
+)
 from executor.kv.manager import Allocation
 from executor.sampling import DeviceSample, SampleOutput
 
@@ -36,6 +44,17 @@ class PendingStep:
     had_last: dict[str, bool] = field(default_factory=dict)
     done: torch.cuda.Event | None = None  # recorded after the step's device work
     finished: bool = False
+
+    def finish(self) -> StepResult:
+        """Wait for the step's device work and build its result. Touches only the step, so
+        any thread may call it (``Executor.complete`` is this)."""
+        if self.finished:
+            raise ValueError("the step was completed or aborted already")
+        sampled = self.wait()
+        self.finished = True
+        elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        return StepResult(self.outputs(sampled),
+                          dataclasses.replace(self.info, forward_ms=elapsed_ms))
 
     def wait(self) -> list[SampleOutput]:
         """Host values of every step's samples (waits for the device)."""

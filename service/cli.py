@@ -91,6 +91,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--health-port", type=int, default=None,
                      help="also serve grpc.health.v1 alone, in plaintext and without a token, "
                      "on this port (for probes that cannot do TLS; 0: any free port)")
+    graphs.add_argument("--session-depth", type=int, default=2,
+                        help="steps a Session stream may have launched and unanswered at "
+                        "once (2 hides the RPC round trip behind the device at batch 1; "
+                        "large batches may want 3)")
     retry = p.add_argument_group("idempotent retries (Prefill/Decode with a request_id)")
     retry.add_argument("--retry-cache-entries", type=int, default=4096,
                        help="responses kept for retries (0: retries are not deduplicated)")
@@ -175,7 +179,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                         read_secret(args.admin_token_file, env, ADMIN_TOKEN_ENV)),
         retry_cache=RetryCacheConfig(max_entries=args.retry_cache_entries,
                                      max_bytes=int(args.retry_cache_mib * MiB),
-                                     per_sequence=args.retry_cache_per_sequence))
+                                     per_sequence=args.retry_cache_per_sequence),
+        session_depth=args.session_depth)
     return executor_config, server_config
 
 

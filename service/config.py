@@ -55,6 +55,7 @@ class ServerConfig:
         probes that cannot speak TLS (Kubernetes' native gRPC probe); None: none.
     tls / auth: transport security and bearer tokens (``service/tls.py``, ``service/auth.py``).
     retry_cache: the idempotent-retry cache (``service/idempotency.py``).
+    session_depth: steps a Session stream may have launched and unanswered at once.
     """
 
     host: str = "127.0.0.1"
@@ -68,8 +69,11 @@ class ServerConfig:
     tls: TlsConfig | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)
     retry_cache: RetryCacheConfig = field(default_factory=RetryCacheConfig)
+    session_depth: int = 2
 
     def __post_init__(self) -> None:
+        if not 1 <= self.session_depth <= 16:
+            raise ValueError(f"session depth must be in [1, 16], got {self.session_depth}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

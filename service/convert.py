@@ -116,9 +116,15 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
     for i, item in enumerate(request.items):
         _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
         sampling = _sampling_of(item, f"items[{i}]", out)
-        items.append(DecodeItem(item.seq_id, item.token_id, sampling))
+        token = None if item.use_last_sampled else item.token_id
+        items.append(DecodeItem(item.seq_id, token, sampling, tuple(item.stop_token_ids)))
     out.raise_any()
     return items
+
+
+def decode_steps(request: pb.DecodeRequest) -> int:
+    """``num_steps`` (0 or unset: one step); the executor checks its range."""
+    return request.num_steps or 1
 
 
 def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
@@ -153,14 +159,21 @@ def capture_phases(request: pb.CaptureRequest) -> tuple[Phase, ...]:
 # Responses
 # ---------------------------------------------------------------------------------------
 
+def _top(pairs: Sequence[tuple[int, float]]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in pairs]
+
+
 def _item_output(item: ItemOutput) -> pb.ItemOutput:
-    msg = pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len, top_logprobs=[
-        pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in item.top_logprobs
-    ])
+    msg = pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
+                        top_logprobs=_top(item.top_logprobs), stopped=item.stopped)
     if item.token_id is not None:
         msg.token_id = item.token_id
     if item.logprob is not None:
         msg.logprob = item.logprob
+    for s in item.steps:
+        token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+        if s.logprob is not None:
+            token.logprob = s.logprob
     return msg
 
 
@@ -170,7 +183,8 @@ def step_response(result: StepResult, queue_ms: float, execute_ms: float) -> pb.
         outputs=[_item_output(item) for item in result.outputs],
         step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
                          fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
-                         padded_tokens=step.padded_tokens, forward_ms=step.forward_ms),
+                         padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
+                         num_steps=step.num_steps),
         queue_ms=queue_ms, execute_ms=execute_ms)
 
 

@@ -94,7 +94,8 @@ class ExecutorServer:
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
         self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
-                                         self.limits, __version__, self.cache)
+                                         self.limits, __version__, self.cache,
+                                         self.config.session_depth)
         self.port = 0
         self.health_port: int | None = None
         self._health_server: grpc.aio.Server | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -34,6 +34,7 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
 from service.idempotency import Key, ResponseCache
+from service.session import SessionStream
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -58,13 +59,15 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, lifecycle: Lifecycle, worker: ExecutorWorker, recorder: StatsRecorder,
-                 limits: RequestLimits, version: str, cache: ResponseCache) -> None:
+                 limits: RequestLimits, version: str, cache: ResponseCache,
+                 session_depth: int = 2) -> None:
         self._lifecycle = lifecycle
         self._worker = worker
         self._recorder = recorder
         self._limits = limits
         self._cache = cache
         self._version = version
+        self._session_depth = session_depth
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
@@ -106,7 +109,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return await self._step(
             "Decode", self._cache.key("Decode", request),
             lambda: convert.decode_items(request, self._limits),
-            lambda ex, items: ex.decode(items), context)
+            lambda ex, items: ex.decode(items, convert.decode_steps(request)), context)
 
     async def _step(self, method: str, key: Key | None, items_of: Callable[[], list[Item]],
                     call: Callable[[ExecutorLike, list[Item]], StepResult],
@@ -146,6 +149,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         structlog.contextvars.bind_contextvars(replayed=True)
         self._recorder.retry_replayed(method)
         return response
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.SessionResponse]:
+        """Pipelined steps over one stream (``service/session.py``)."""
+        stream = SessionStream(self._worker, self._cache, self._recorder, self._limits,
+                               self._session_depth, self._require_ready, self._update_kv)
+        async for response in stream.run(request_iterator, context):
+            yield response
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

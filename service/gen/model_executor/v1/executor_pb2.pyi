@@ -78,22 +78,28 @@ class PrefillItem(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "items")
+    __slots__ = ("request_id", "items", "num_steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class DecodeItem(_message.Message):
-    __slots__ = ("seq_id", "token_id", "sampling")
+    __slots__ = ("seq_id", "token_id", "sampling", "use_last_sampled", "stop_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    USE_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    use_last_sampled: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_last_sampled: bool = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -104,34 +110,50 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ItemOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     seq_len: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    stopped: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms")
+    __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     path: Path
     fallback_reason: str
     num_tokens: int
     padded_tokens: int
     forward_ms: float
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
@@ -266,3 +288,43 @@ class GraphStatus(_message.Message):
     mode: str
     captured_sizes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("step", "prefill", "decode", "release", "ack_failed_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    release: ReleaseRequest
+    ack_failed_step: int
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("step", "prefill", "decode", "release", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    prefill: StepResponse
+    decode: StepResponse
+    release: ReleaseResponse
+    error: StepError
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[StepResponse, _Mapping]] = ..., decode: _Optional[_Union[StepResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "code_name", "message", "status")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    CODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    code_name: str
+    message: str
+    status: bytes
+    def __init__(self, code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[bytes] = ...) -> None: ...

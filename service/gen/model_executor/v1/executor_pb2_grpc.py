@@ -60,6 +60,11 @@ class ExecutorStub(object):
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.HealthRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/model_executor.v1.Executor/Session',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer(object):
@@ -105,6 +110,35 @@ class ExecutorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Runs prefill, decode and release steps over one stream, pipelined: the server launches
+        a step as soon as it arrives, while earlier steps still run on the device, and answers
+        each step in step order. A decode item may continue from the token its sequence
+        sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
+        send step N+1 before it has read step N's tokens and the device never waits for the
+        RPC boundary. Rules:
+        * Order: steps apply in the order sent; each is atomic, as the unary call. A
+        release is applied after every step sent before it has finished.
+        * Depth: at most `--session-depth` steps (default 2) are launched and unanswered at
+        once; the server reads the next request when one is answered.
+        * Failure: a step that fails is answered with SessionResponse.error (the status the
+        unary call would have returned; nothing of it applied). Every later step is then
+        refused with ABORTED (nothing applied) until a request carries
+        `ack_failed_step` = the failed step, which the server applies normally. A device
+        failure found when step N completes also rolls back the steps launched after it
+        (answered ABORTED).
+        * Stream end: a cancelled, timed-out or broken stream lets the steps already
+        launched finish and apply; their responses are not sent. Steps not yet launched
+        are not applied. To learn what applied, give each step a request_id: resending it
+        (on a new Session or as a unary call) returns the stored response of a step that
+        applied and runs a step that did not. Health and Release stay available.
+        * The stream itself ends with INVALID_ARGUMENT for a request without an operation
+        or whose step is not greater than the previous one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +166,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.HealthRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.HealthResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.SessionRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +309,33 @@ class Executor(object):
             '/model_executor.v1.Executor/Health',
             model__executor_dot_v1_dot_executor__pb2.HealthRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/model_executor.v1.Executor/Session',
+            model__executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

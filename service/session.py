@@ -1,0 +1,280 @@
+"""The ``Session`` stream: steps launched as they arrive, answered in step order.
+
+Three parties share one stream's state:
+
+* the reader (a task) reads requests, keeps step numbers increasing, refuses steps after
+  a failure until it is acknowledged (ABORTED), and *launches* each step on the executor
+  thread (``Executor.launch_*``: validate, allocate, run, sample on the device, start the
+  tokens' copy to the host), at most ``depth`` unanswered at once;
+* the writer (the handler's generator) takes launched steps in order, waits for each
+  one's device work off the executor thread, builds its response, stores it for retries,
+  records metrics and sends it; a device failure found there rolls back, on the executor
+  thread, every step launched after it and then the step itself, newest first;
+* the executor thread, where launches and roll-backs run in arrival order and where the
+  list of launched steps lives (``_launched``), so a roll-back sees every launch queued
+  before it.
+
+A stream that ends early (cancelled, timed out, broken) stops the reader; the steps already
+launched still complete, in a task of their own, and their responses go to the retry cache
+(steps with a request_id), not to the gone client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from executor.api import KVStats, StepResult
+from executor.errors import FieldViolation, InvalidRequest
+from executor.steps import PendingStep
+from service import convert, errors
+from service.config import RequestLimits
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.idempotency import Key, ResponseCache
+from service.stats import StatsRecorder
+from service.worker import ExecutorLike, ExecutorWorker
+
+log = structlog.get_logger("model_executor.session")
+
+
+# Drains of streams that ended early, kept referenced until they finish.
+_DRAINING: set[asyncio.Future[None]] = set()
+
+
+class StepAborted(Exception):
+    """A step refused or rolled back because an earlier step of its session failed."""
+
+
+@dataclass
+class _Entry:
+    """One step on its way to its response."""
+
+    step: int
+    op: str  # "prefill" | "decode" | "release"
+    pending: PendingStep | None = None  # launched, to complete
+    response: pb.SessionResponse | None = None  # ready (error, release, replayed)
+    key: Key | None = None
+    seq_ids: list[str] = field(default_factory=list)
+    items: int = 0
+    launched_at: float = 0.0
+    kv: KVStats | None = None
+    replays: dict[Any, list[float]] = field(default_factory=dict)
+    # A release, run by the writer in step order; ``applied`` is set once it has run.
+    release: Callable[[ExecutorLike], pb.ReleaseResponse] | None = None
+    applied: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SessionStream:
+    def __init__(self, worker: ExecutorWorker, cache: ResponseCache, recorder: StatsRecorder,
+                 limits: RequestLimits, depth: int,
+                 require_ready: Callable[[], None],
+                 update_kv: Callable[[KVStats], None]) -> None:
+        self._worker, self._cache, self._recorder = worker, cache, recorder
+        self._limits, self._require_ready, self._update_kv = limits, require_ready, update_kv
+        self._slots = asyncio.Semaphore(depth)
+        self._queue: asyncio.Queue[_Entry | BaseException | None] = asyncio.Queue()
+        self._failed: int | None = None  # the failed step not yet acknowledged
+        self._launched: list[tuple[int, PendingStep]] = []  # executor thread only
+        self._last_step: int | None = None
+
+    # -- writer: the handler's generator ------------------------------------------------
+    async def run(self, requests: AsyncIterator[pb.SessionRequest],
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
+        reader = asyncio.ensure_future(self._read(requests))
+        finished = False
+        try:
+            while True:
+                entry = await self._queue.get()
+                if entry is None:
+                    finished = True
+                    break
+                if isinstance(entry, BaseException):
+                    raise entry
+                response = await self._answer(entry)
+                log.debug("session step", step=entry.step, op=entry.op,
+                          result=response.WhichOneof("result"))
+                yield response
+                self._slots.release()
+        finally:
+            if not finished:  # the stream ended early: launched steps still complete
+                reader.cancel()
+                task = asyncio.ensure_future(self._drain())
+                _DRAINING.add(task)
+                task.add_done_callback(_DRAINING.discard)
+
+    async def _answer(self, entry: _Entry) -> pb.SessionResponse:
+        if entry.release is not None:
+            try:
+                released = (await self._worker.run(entry.release)).value
+                entry.response = pb.SessionResponse(step=entry.step, release=released)
+            except BaseException as exc:
+                self._failed = entry.step
+                self._recorder.error(exc)
+                entry.response = _error(entry.step, exc)
+            finally:
+                entry.applied.set()
+        if entry.response is not None:
+            return entry.response
+        assert entry.pending is not None
+        try:
+            result = await self._complete(entry.pending)
+        except StepAborted as exc:
+            return _error(entry.step, exc)
+        except BaseException as exc:  # a device failure: roll back this step and later ones
+            self._failed = entry.step
+            await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
+            self._recorder.error(exc)
+            return _error(entry.step, exc)
+        return self._respond(entry, result)
+
+    async def _complete(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step off the executor thread (its event) and build it."""
+        if pending.finished:
+            raise StepAborted("rolled back: an earlier step of this session failed when it "
+                              "completed; nothing of this step applied")
+        if pending.done is None:  # CPU: the work ran at launch
+            return pending.finish()
+        return await asyncio.get_running_loop().run_in_executor(None, pending.finish)
+
+    def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
+        execute_s = time.perf_counter() - entry.launched_at
+        response = convert.step_response(result, 0.0, execute_s * 1e3)
+        if entry.key is not None:
+            self._cache.put(entry.key, entry.seq_ids, response)
+        self._recorder.step(result.step, entry.items, execute_s)
+        self._recorder.replays(entry.replays)
+        self._recorder.retry_cache(*self._cache.size())
+        if entry.kv is not None:
+            self._update_kv(entry.kv)
+        return _stepped(entry.step, entry.op, response)
+
+    async def _drain(self) -> None:
+        """Complete what the gone stream launched, for the retry cache and metrics."""
+        while not self._queue.empty():
+            entry = self._queue.get_nowait()
+            if isinstance(entry, _Entry) and entry.release is not None:
+                entry.applied.set()  # never applied: its stream is gone
+            elif isinstance(entry, _Entry) and entry.pending is not None:
+                try:
+                    await self._answer(entry)
+                except BaseException:  # nothing to tell a gone client; logged by metrics
+                    log.warning("session step failed after its stream ended",
+                                step=entry.step, exc_info=True)
+
+    # -- reader ---------------------------------------------------------------------------
+    async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
+        try:
+            async for request in requests:
+                await self._slots.acquire()
+                entry = await self._launch(request)
+                if entry.release is None:  # a release queued itself, in order
+                    self._queue.put_nowait(entry)
+            self._queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a protocol error or an unparseable message
+            self._queue.put_nowait(exc)
+
+    async def _launch(self, request: pb.SessionRequest) -> _Entry:
+        step, op = request.step, request.WhichOneof("op")
+        if op is None:
+            raise InvalidRequest([FieldViolation(
+                "op", "a Session request needs one of prefill, decode or release")])
+        if self._last_step is not None and step <= self._last_step:
+            raise InvalidRequest([FieldViolation(
+                "step", f"step {step} is not greater than the previous step {self._last_step}")])
+        self._last_step = step
+        if self._failed is not None:
+            if request.ack_failed_step != self._failed:
+                return _Entry(step, op, response=_error(step, StepAborted(
+                    f"step {self._failed} failed; steps after it are refused until a "
+                    f"request sets ack_failed_step={self._failed}; nothing applied")))
+            self._failed = None
+        try:
+            self._require_ready()
+            if op == "release":
+                return await self._release(step, request.release)
+            return await self._launch_step(step, op, request)
+        except BaseException as exc:
+            self._failed = step
+            self._recorder.error(exc)
+            return _Entry(step, op, response=_error(step, exc))
+
+    async def _release(self, step: int, request: pb.ReleaseRequest) -> _Entry:
+        """A release runs when the writer reaches it, so after every earlier step has
+        completed; the reader launches nothing past it until then."""
+        seq_ids = convert.release_ids(request, self._limits)
+
+        def run(ex: ExecutorLike) -> pb.ReleaseResponse:
+            result = ex.release(seq_ids)
+            self._cache.drop_sequences(seq_ids)
+            self._update_kv(ex.kv_stats())
+            return convert.release_response(result)
+
+        entry = _Entry(step, "release", release=run)
+        self._queue.put_nowait(entry)
+        await entry.applied.wait()
+        return entry
+
+    async def _launch_step(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
+        body: pb.PrefillRequest | pb.DecodeRequest = getattr(request, op)
+        method = "Prefill" if op == "prefill" else "Decode"
+        key = self._cache.key(method, body)
+        cached = self._cache.get(key) if key is not None else None
+        if cached is not None:
+            self._recorder.retry_replayed(method)
+            return _Entry(step, op, response=_stepped(step, op, cached))
+        items: list[Any] = (convert.prefill_items(body, self._limits)
+                            if isinstance(body, pb.PrefillRequest)
+                            else convert.decode_items(body, self._limits))
+        entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
+                       items=len(items))
+
+        def launch(ex: ExecutorLike) -> _Entry:
+            if self._failed is not None:  # a device failure was found meanwhile
+                raise StepAborted(f"step {self._failed} failed; nothing of this step applied")
+            entry.launched_at = time.perf_counter()
+            if op == "prefill":
+                entry.pending = ex.launch_prefill(items)
+            else:
+                assert isinstance(body, pb.DecodeRequest)
+                entry.pending = ex.launch_decode(items, convert.decode_steps(body))
+            self._launched = [(s, p) for s, p in self._launched if not p.finished]
+            self._launched.append((step, entry.pending))
+            entry.kv, entry.replays = ex.kv_stats(), ex.drain_replay_seconds()
+            return entry
+
+        return (await self._worker.run(launch)).value
+
+    def _roll_back(self, ex: ExecutorLike, failed: int) -> None:
+        """On the executor thread: abort every unfinished step from ``failed`` on."""
+        for step, pending in reversed(self._launched):
+            if step >= failed and not pending.finished:
+                ex.abort(pending)
+        self._update_kv(ex.kv_stats())
+
+
+def _stepped(step: int, op: str, response: pb.StepResponse) -> pb.SessionResponse:
+    if op == "prefill":
+        return pb.SessionResponse(step=step, prefill=response)
+    return pb.SessionResponse(step=step, decode=response)
+
+
+def _error(step: int, exc: BaseException) -> pb.SessionResponse:
+    if isinstance(exc, StepAborted):
+        status = status_pb2.Status(code=code_pb2.ABORTED, message=str(exc))
+        status.details.add().Pack(error_details_pb2.ErrorInfo(
+            reason="STEP_ABORTED", domain=errors.DOMAIN))
+    else:
+        status = errors.to_status(exc, f"session-step-{step}")
+    code = errors.grpc_code(status)
+    return pb.SessionResponse(step=step, error=pb.StepError(
+        code=code.value[0], code_name=code.name, message=status.message,
+        status=status.SerializeToString()))

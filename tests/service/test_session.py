@@ -1,0 +1,244 @@
+"""The Session stream over a real channel: pipelined steps against unary calls, failure
+and acknowledgement, multi-step decode, a protocol error, a device failure found at
+completion, and a stream cancelled mid-pipeline (what applied, and how a retry learns it)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from executor.steps import PendingStep
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from tests.service.harness import ServerHarness
+
+SEEDED = pb.SamplingParams(temperature=0.8, seed=3, logprobs=True, top_logprobs=2)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def prefill(seq_id: str, tokens: list[int], request_id: str = "") -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=request_id, items=[
+        pb.PrefillItem(seq_id=seq_id, token_ids=tokens, sample=True, sampling=SEEDED)])
+
+
+def decode_last(seq_ids: list[str], num_steps: int = 0, request_id: str = ""
+                ) -> pb.DecodeRequest:
+    return pb.DecodeRequest(request_id=request_id, num_steps=num_steps, items=[
+        pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=SEEDED) for s in seq_ids])
+
+
+def tokens_of(response: pb.StepResponse) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    return [(o.seq_id[1:], o.token_id, o.seq_len, tuple(s.token_id for s in o.steps))
+            for o in response.outputs]
+
+
+def assert_exact(harness: ServerHarness) -> None:
+    kv = harness.kv()
+    ex: Any = harness.executor
+    assert kv.free_tokens + sum(ex.kv.get(s).length for s in list(ex.kv._seqs)) \
+        == kv.total_tokens
+    harness.call(_noop())  # let the loop settle
+    ex.kv.check_invariants()
+
+
+async def _noop() -> None:
+    return None
+
+
+def test_pipelined_session_equals_unary_calls(server: ServerHarness) -> None:
+    """All requests sent at once (the server keeps two steps in flight), decode items
+    continuing from the device's last samples, a multi-step decode and a release among
+    them: the same tokens as unary calls given explicit tokens."""
+    before = server.kv()
+    # Unary reference on sequences "u*".
+    ref: list[Any] = [server.stub.Prefill(prefill("ua", prompt(1, 9)), timeout=30),
+                      server.stub.Prefill(prefill("ub", prompt(2, 5)), timeout=30)]
+    last = {"ua": ref[0].outputs[0].token_id, "ub": ref[1].outputs[0].token_id}
+    for k in (1, 1, 3, 1):
+        r = server.stub.Decode(pb.DecodeRequest(num_steps=k, items=[
+            pb.DecodeItem(seq_id=s, token_id=t, sampling=SEEDED) for s, t in last.items()]),
+            timeout=30)
+        ref.append(r)
+        last = {o.seq_id: o.token_id for o in r.outputs}
+    ref.append(server.stub.Release(pb.ReleaseRequest(seq_ids=["ub"]), timeout=30))
+    r = server.stub.Decode(pb.DecodeRequest(items=[
+        pb.DecodeItem(seq_id="ua", token_id=last["ua"], sampling=SEEDED)]), timeout=30)
+    ref.append(r)
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["ua"]), timeout=30)
+
+    ops: list[dict[str, Any]] = [
+        {"prefill": prefill("sa", prompt(1, 9))}, {"prefill": prefill("sb", prompt(2, 5))},
+        {"decode": decode_last(["sa", "sb"])}, {"decode": decode_last(["sa", "sb"])},
+        {"decode": decode_last(["sa", "sb"], num_steps=3)},
+        {"decode": decode_last(["sa", "sb"])},
+        {"release": pb.ReleaseRequest(seq_ids=["sb"])}, {"decode": decode_last(["sa"])}]
+    requests = [pb.SessionRequest(step=10 + 2 * i, **op) for i, op in enumerate(ops)]
+    responses = list(server.stub.Session(iter(requests), timeout=60))
+    assert [r.step for r in responses] == [q.step for q in requests]
+    for got, want in zip(responses, ref, strict=True):
+        kind = got.WhichOneof("result")
+        assert kind != "error", got.error
+        if kind == "release":
+            assert got.release.released == want.released == 1
+        else:
+            assert tokens_of(getattr(got, kind)) == tokens_of(want)
+    assert responses[4].decode.step.num_steps == 3
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["sa"]), timeout=30)
+    assert server.kv() == before
+
+
+def test_a_failed_step_aborts_later_steps_until_acknowledged(server: ServerHarness) -> None:
+    before = server.kv()
+    requests = [
+        pb.SessionRequest(step=1, prefill=prefill("fa", prompt(5, 6))),
+        pb.SessionRequest(step=2, decode=decode_last(["fa", "nope"])),  # NOT_FOUND
+        pb.SessionRequest(step=3, decode=decode_last(["fa"])),
+        pb.SessionRequest(step=4, decode=decode_last(["fa"]), ack_failed_step=1),  # wrong ack
+        pb.SessionRequest(step=5, decode=decode_last(["fa"]), ack_failed_step=2),
+        pb.SessionRequest(step=6, release=pb.ReleaseRequest(seq_ids=["fa"])),
+    ]
+    responses = list(server.stub.Session(iter(requests), timeout=60))
+    kinds = [r.WhichOneof("result") for r in responses]
+    assert kinds == ["prefill", "error", "error", "error", "decode", "release"]
+    assert responses[1].error.code_name == "NOT_FOUND"
+    assert "nope" in responses[1].error.message
+    for r in responses[2:4]:
+        assert r.error.code_name == "ABORTED" and "ack_failed_step=2" in r.error.message
+    # Steps 2-4 applied nothing: step 5 is the sequence's first decode.
+    assert responses[4].decode.outputs[0].seq_len == 6 + 1
+    assert server.kv() == before
+    assert_exact(server)
+
+
+def test_protocol_errors_end_the_stream_after_earlier_answers(server: ServerHarness) -> None:
+    requests = [pb.SessionRequest(step=5, prefill=prefill("pa", prompt(6, 3))),
+                pb.SessionRequest(step=5, release=pb.ReleaseRequest(seq_ids=["pa"]))]
+    call = server.stub.Session(iter(requests), timeout=30)
+    first = next(call)
+    assert first.WhichOneof("result") == "prefill"
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not greater than the previous step 5" in str(info.value.details())
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["pa"]), timeout=30)
+    assert_exact(server)
+
+
+def test_multi_step_decode_over_unary_equals_single_steps(server: ServerHarness) -> None:
+    one = server.stub.Prefill(prefill("m1", prompt(8, 7)), timeout=30).outputs[0].token_id
+    server.stub.Prefill(prefill("m2", prompt(8, 7)), timeout=30)
+    singles = []
+    for _ in range(5):
+        out = server.stub.Decode(pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id="m1", token_id=one, sampling=SEEDED)]), timeout=30).outputs[0]
+        singles.append((out.token_id, round(out.logprob, 5)))
+        one = out.token_id
+    multi = server.stub.Decode(decode_last(["m2"], num_steps=5), timeout=30)
+    out = multi.outputs[0]
+    assert [(s.token_id, round(s.logprob, 5)) for s in out.steps] == singles
+    assert out.token_id == singles[-1][0] and out.seq_len == 7 + 5
+    assert multi.step.num_steps == 5 and multi.step.num_tokens == 5
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["m1", "m2"]), timeout=30)
+
+
+def test_a_device_failure_at_completion_rolls_back_later_steps(server: ServerHarness) -> None:
+    """Step 3's completion fails (an injected device fault): steps launched after it are
+    rolled back newest first and answered ABORTED, step 3 with the fault's status; what
+    applied before stays applied, and the accounting is exact."""
+    ex: Any = harness_executor(server)
+    real_launch = ex.launch_decode
+    calls = {"n": 0}
+
+    def launch(items: Any, num_steps: int = 1) -> PendingStep:
+        pending: PendingStep = real_launch(items, num_steps)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            def fail() -> Any:
+                raise RuntimeError("injected device fault")
+            pending.finish = fail  # type: ignore[method-assign]
+        return pending
+
+    ex.launch_decode = launch
+    gate = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("da", prompt(9, 4)))
+        yield pb.SessionRequest(step=2, decode=decode_last(["da"]))
+        yield pb.SessionRequest(step=3, decode=decode_last(["da"]))  # fails at completion
+        yield pb.SessionRequest(step=4, decode=decode_last(["da"]))
+        gate.wait(10)
+        yield pb.SessionRequest(step=5, decode=pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id="da", token_id=7)]), ack_failed_step=3)
+        yield pb.SessionRequest(step=6, release=pb.ReleaseRequest(seq_ids=["da"]))
+
+    try:
+        responses = []
+        for r in server.stub.Session(requests(), timeout=60):
+            responses.append(r)
+            if r.step == 4:
+                gate.set()
+    finally:
+        ex.launch_decode = real_launch
+    kinds = [(r.step, r.WhichOneof("result")) for r in responses]
+    assert kinds == [(1, "prefill"), (2, "decode"), (3, "error"), (4, "error"), (5, "decode"),
+                     (6, "release")]
+    assert responses[2].error.code_name == "INTERNAL"
+    assert responses[3].error.code_name == "ABORTED"
+    # Only steps 1 and 2 applied before step 5: 4 prompt tokens + 1 + 1.
+    assert responses[4].decode.outputs[0].seq_len == 4 + 1 + 1
+    assert_exact(server)
+
+
+def harness_executor(harness: ServerHarness) -> Any:
+    return harness.executor
+
+
+def test_a_cancelled_stream_lets_launched_steps_apply_and_retries_learn_it(
+        server: ServerHarness) -> None:
+    """The client cancels after the first answer. Every step the server launched still
+    applies (and nothing else); resending each step's request_id as a unary call returns
+    the stored response of a step that applied and runs one that did not."""
+    before = server.kv()
+    ids = [f"cx-{i}" for i in range(6)]
+    requests = [pb.SessionRequest(step=1, prefill=prefill("ca", prompt(11, 5), ids[0]))]
+    requests += [pb.SessionRequest(step=2 + i, decode=decode_last(["ca"], request_id=ids[1 + i]))
+                 for i in range(5)]
+    call = server.stub.Session(iter(requests), timeout=60)
+    first = next(call)
+    assert first.WhichOneof("result") == "prefill"
+    call.cancel()
+    # The launched steps finish in the background; then the length says how many applied.
+    ex: Any = server.executor
+
+    def settled() -> int:
+        return int(ex.kv.get("ca").length)
+
+    import time
+    deadline = time.monotonic() + 10
+    length = settled()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if settled() == length and not server.server.worker.pending:
+            break
+        length = settled()
+    applied = length - 5  # decodes that applied
+    assert 0 <= applied <= 5
+    # Resend every decode by request_id, unary: applied ones replay, others run now.
+    tokens = []
+    for i in range(5):
+        response = server.stub.Decode(decode_last(["ca"], request_id=ids[1 + i]), timeout=30)
+        out = response.outputs[0]
+        assert out.seq_len == 5 + 1 + i  # each step exactly once, in order
+        tokens.append(out.token_id)
+    assert settled() == 10
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["ca"]), timeout=30)
+    assert server.kv() == before
+    assert_exact(server)
