@@ -12,10 +12,12 @@ gave up while the step ran. The job records the step's metrics for the same reas
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -34,7 +36,7 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
 from service.idempotency import Key, ResponseCache
-from service.session import SessionStream
+from service.session import InflightSteps, SessionStream
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -68,6 +70,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._cache = cache
         self._version = version
         self._session_depth = session_depth
+        self._inflight = InflightSteps()  # session steps with a request_id, not answered
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
@@ -122,9 +125,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         items = items_of()
         submitted = time.perf_counter()
 
-        def run(ex: ExecutorLike) -> tuple[pb.StepResponse, bool]:
+        def run(ex: ExecutorLike) -> tuple[pb.StepResponse, bool] | Future[Any]:
             if key is not None and (original := self._cache.get(key)) is not None:
                 return original, True  # the original ran while this retry waited
+            if key is not None and (launched := self._inflight.get(key)) is not None:
+                return launched  # a Session launched the original: wait for its answer
             started = time.perf_counter()
             result = call(ex, items)
             kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
@@ -139,7 +144,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._update_kv(kv)
             return response, False
 
-        response, replayed = (await self._worker.run(run, _deadline(context))).value
+        while True:
+            outcome = (await self._worker.run(run, _deadline(context))).value
+            if not isinstance(outcome, Future):
+                break
+            original = await asyncio.wrap_future(outcome)
+            if original is not None:  # else the original did not apply: run it here
+                return self._replayed(method, original)
+        response, replayed = outcome
         if replayed:
             return self._replayed(method, response)
         structlog.contextvars.bind_contextvars(path=convert.PATH_NAMES[response.step.path])
@@ -155,7 +167,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                       ) -> AsyncIterator[pb.SessionResponse]:
         """Pipelined steps over one stream (``service/session.py``)."""
         stream = SessionStream(self._worker, self._cache, self._recorder, self._limits,
-                               self._session_depth, self._require_ready, self._update_kv)
+                               self._session_depth, self._require_ready, self._update_kv,
+                               self._inflight)
         async for response in stream.run(request_iterator, context):
             yield response
 

@@ -22,6 +22,8 @@ launched still complete, in a task of their own, and their responses go to the r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -42,6 +44,31 @@ from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
 log = structlog.get_logger("model_executor.session")
+
+
+class InflightSteps:
+    """Session steps launched with a request_id and not answered yet, by key. A retry that
+    arrives meanwhile (a unary call, another stream) waits for the original's response
+    instead of running the step a second time; ``None`` means the original did not apply.
+    Added on the executor thread at launch, so a retry's own job there sees it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[Key, concurrent.futures.Future[pb.StepResponse | None]] = {}
+
+    def add(self, key: Key) -> None:
+        with self._lock:
+            self._steps[key] = concurrent.futures.Future()
+
+    def get(self, key: Key) -> concurrent.futures.Future[pb.StepResponse | None] | None:
+        with self._lock:
+            return self._steps.get(key)
+
+    def resolve(self, key: Key, response: pb.StepResponse | None) -> None:
+        with self._lock:
+            future = self._steps.pop(key, None)
+        if future is not None:
+            future.set_result(response)
 
 
 # Drains of streams that ended early, kept referenced until they finish.
@@ -75,14 +102,16 @@ class SessionStream:
     def __init__(self, worker: ExecutorWorker, cache: ResponseCache, recorder: StatsRecorder,
                  limits: RequestLimits, depth: int,
                  require_ready: Callable[[], None],
-                 update_kv: Callable[[KVStats], None]) -> None:
+                 update_kv: Callable[[KVStats], None], inflight: InflightSteps) -> None:
         self._worker, self._cache, self._recorder = worker, cache, recorder
+        self._inflight = inflight
         self._limits, self._require_ready, self._update_kv = limits, require_ready, update_kv
         self._slots = asyncio.Semaphore(depth)
         self._queue: asyncio.Queue[_Entry | BaseException | None] = asyncio.Queue()
         self._failed: int | None = None  # the failed step not yet acknowledged
         self._launched: list[tuple[int, PendingStep]] = []  # executor thread only
         self._last_step: int | None = None
+        self._launching: asyncio.Future[_Entry] | None = None  # the reader's current launch
 
     # -- writer: the handler's generator ------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.SessionRequest],
@@ -126,13 +155,19 @@ class SessionStream:
         try:
             result = await self._complete(entry.pending)
         except StepAborted as exc:
+            self._resolve(entry, None)
             return _error(entry.step, exc)
         except BaseException as exc:  # a device failure: roll back this step and later ones
             self._failed = entry.step
             await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
             self._recorder.error(exc)
+            self._resolve(entry, None)
             return _error(entry.step, exc)
         return self._respond(entry, result)
+
+    def _resolve(self, entry: _Entry, response: pb.StepResponse | None) -> None:
+        if entry.key is not None:
+            self._inflight.resolve(entry.key, response)
 
     async def _complete(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step off the executor thread (its event) and build it."""
@@ -148,6 +183,7 @@ class SessionStream:
         response = convert.step_response(result, 0.0, execute_s * 1e3)
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
+        self._resolve(entry, response)
         self._recorder.step(result.step, entry.items, execute_s)
         self._recorder.replays(entry.replays)
         self._recorder.retry_cache(*self._cache.size())
@@ -157,7 +193,14 @@ class SessionStream:
 
     async def _drain(self) -> None:
         """Complete what the gone stream launched, for the retry cache and metrics."""
-        while not self._queue.empty():
+        while not self._queue.empty() or self._launching is not None:
+            if self._queue.empty():  # a launch the reader was waiting for when cancelled
+                assert self._launching is not None
+                launching, self._launching = self._launching, None
+                try:
+                    self._queue.put_nowait(await launching)
+                except BaseException:  # it failed: nothing applied, nothing to answer
+                    continue
             entry = self._queue.get_nowait()
             if isinstance(entry, _Entry) and entry.release is not None:
                 entry.applied.set()  # never applied: its stream is gone
@@ -173,7 +216,11 @@ class SessionStream:
         try:
             async for request in requests:
                 await self._slots.acquire()
-                entry = await self._launch(request)
+                # Shielded: a launch that reached the executor thread applies even when the
+                # stream ends meanwhile, so its entry must reach the queue (``_drain``).
+                self._launching = asyncio.ensure_future(self._launch(request))
+                entry = await asyncio.shield(self._launching)
+                self._launching = None
                 if entry.release is None:  # a release queued itself, in order
                     self._queue.put_nowait(entry)
             self._queue.put_nowait(None)
@@ -227,19 +274,23 @@ class SessionStream:
         body: pb.PrefillRequest | pb.DecodeRequest = getattr(request, op)
         method = "Prefill" if op == "prefill" else "Decode"
         key = self._cache.key(method, body)
-        cached = self._cache.get(key) if key is not None else None
-        if cached is not None:
-            self._recorder.retry_replayed(method)
-            return _Entry(step, op, response=_stepped(step, op, cached))
         items: list[Any] = (convert.prefill_items(body, self._limits)
                             if isinstance(body, pb.PrefillRequest)
                             else convert.decode_items(body, self._limits))
         entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
                        items=len(items))
 
-        def launch(ex: ExecutorLike) -> _Entry:
+        def launch(ex: ExecutorLike) -> _Entry | concurrent.futures.Future[Any]:
             if self._failed is not None:  # a device failure was found meanwhile
                 raise StepAborted(f"step {self._failed} failed; nothing of this step applied")
+            if key is not None:  # a retry: answered by its original, never run twice
+                if (cached := self._cache.get(key)) is not None:
+                    entry.response = _stepped(step, op, cached)
+                    return entry
+                if (original := self._inflight.get(key)) is not None:
+                    return original
+                self._inflight.add(key)
+                added.append(key)
             entry.launched_at = time.perf_counter()
             if op == "prefill":
                 entry.pending = ex.launch_prefill(items)
@@ -251,7 +302,22 @@ class SessionStream:
             entry.kv, entry.replays = ex.kv_stats(), ex.drain_replay_seconds()
             return entry
 
-        return (await self._worker.run(launch)).value
+        added: list[Key] = []  # the key this step registered as in flight, if any
+        while True:
+            try:
+                outcome = (await self._worker.run(launch)).value
+            except BaseException:
+                for k in added:  # never launched: a waiting retry must run it itself
+                    self._inflight.resolve(k, None)
+                raise
+            if isinstance(outcome, _Entry):
+                if outcome.response is not None:
+                    self._recorder.retry_replayed(method)
+                return outcome
+            original = await asyncio.wrap_future(outcome)  # launched by another stream
+            if original is not None:
+                self._recorder.retry_replayed(method)
+                return _Entry(step, op, response=_stepped(step, op, original))
 
     def _roll_back(self, ex: ExecutorLike, failed: int) -> None:
         """On the executor thread: abort every unfinished step from ``failed`` on."""

@@ -47,4 +47,5 @@ def test_every_rpc_and_field_has_a_doc_comment() -> None:
 def test_service_surface() -> None:
     service = pb.DESCRIPTOR.services_by_name["Executor"]
     assert service.full_name == "model_executor.v1.Executor"
-    assert set(service.methods_by_name) == {"Prefill", "Decode", "Release", "Capture", "Health"}
+    assert set(service.methods_by_name) == {"Prefill", "Decode", "Release", "Capture", "Health",
+                                            "Session"}
