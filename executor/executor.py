@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from pathlib import Path as FsPath
 
 import torch
 
@@ -40,7 +39,7 @@ from executor.api import (
     StepResult,
 )
 from executor.attention import AttentionShape, create_backend, resolve_backend_name
-from executor.config import TINY_MODEL, ExecutorConfig
+from executor.config import ExecutorConfig
 from executor.errors import ConfigError, GraphsUnavailable
 from executor.forward_batch import ForwardBatch, PinnedStaging
 from executor.graphs.buckets import (
@@ -54,7 +53,7 @@ from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
 from executor.model.loader import load_hf_config, load_model
-from executor.model.tiny import ensure_tiny_model
+from executor.model.named import model_name, resolve_model_source
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import Limits, validate_decode, validate_prefill
 
@@ -74,7 +73,7 @@ class Executor:
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
-        model_dir = ensure_tiny_model() if source == TINY_MODEL else FsPath(source)
+        model_dir = resolve_model_source(source)  # tiny, a named model, or a directory
         spec = load_hf_config(model_dir)
         max_context = config.cache.max_context or spec.max_position
         # Settled before the weights load: a backend that cannot serve here fails fast.
@@ -88,7 +87,7 @@ class Executor:
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
                                            spec)
         self.model_info = ModelInfo(
-            name=source if source == TINY_MODEL else model_dir.name,
+            name=model_name(source, model_dir),
             architecture=spec.architecture,
             dtype=dtype_name,
             device=str(self.device),
