@@ -184,13 +184,14 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
 def _prepare_named_model(source: str) -> bool:
     """Fetch and convert a named model before the server starts, with progress on the
     terminal; a failure is one line on stderr (no traceback) and False."""
-    from executor.model.named import NAMED_MODELS, NamedModelError, ensure_named_model
+    from executor.errors import ModelLoadError
+    from executor.model.named import NAMED_MODELS, ensure_named_model
 
     if source not in NAMED_MODELS:
         return True
     try:
         ensure_named_model(source, progress=True)
-    except NamedModelError as exc:
+    except ModelLoadError as exc:  # NamedModelError, GGUFConversionError
         print(f"model-executor: error: {exc}", file=sys.stderr)
         return False
     return True

