@@ -80,7 +80,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int
     out = model(torch.tensor([prompt]), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < steps:
-        with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x has no new name
+        with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x not
             warnings.simplefilter("ignore", FutureWarning)
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
                         use_cache=True)
