@@ -133,3 +133,16 @@ def test_manifest_catches_missing_resized_and_altered_files(tmp_path: Path) -> N
     assert not named._manifest_ok(directory)
     shutil.rmtree(directory)
     assert not named._manifest_ok(directory)
+
+
+def test_a_full_disk_during_conversion_is_one_line(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk space can run out after the check (another writer): the error still says so."""
+    import errno
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(named, "_cached_wheel", full)
+    with pytest.raises(NamedModelError, match="no space left on the device under"):
+        ensure_named_model(NAME, cache_dir=tmp_path)

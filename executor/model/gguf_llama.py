@@ -106,7 +106,8 @@ def hf_config(fields: _Fields, vocab_size: int, tied: bool) -> dict[str, Any]:
     """``config.json`` for a Llama GGUF's metadata (``llama.*`` keys)."""
     heads = int(fields.require("llama.attention.head_count"))
     hidden = int(fields.require("llama.embedding_length"))
-    head_dim = int(fields.get("llama.rope.dimension_count", hidden // heads))
+    head_dim = int(fields.get("llama.attention.key_length",
+                              fields.get("llama.rope.dimension_count", hidden // heads)))
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

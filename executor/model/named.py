@@ -127,12 +127,17 @@ def ensure_named_model(name: str, cache_dir: Path | None = None,
             if _manifest_ok(target):  # another process finished it while we waited
                 return target
             _build(spec, target, progress)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        # safetensors and tokenizers report a full disk in their own exception types.
+        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
             raise NamedModelError(f"no space left on the device under {cache} while "
                                   f"preparing {name}: free about {spec.converted_mb} MB or "
                                   "point MODEL_EXECUTOR_CACHE at a larger disk") from exc
-        raise NamedModelError(f"cannot prepare {name} under {cache}: {exc}") from exc
+        if isinstance(exc, OSError):
+            raise NamedModelError(f"cannot prepare {name} under {cache}: {exc}") from exc
+        raise
     return target
 
 
