@@ -240,6 +240,8 @@ def _pip_failure(stderr: str) -> str:
     """The reason in pip's error output, in a few words."""
     if any(marker in stderr for marker in _UNREACHABLE):
         return "no package index reachable"
+    if "No module named pip" in stderr:
+        return f"pip is not installed for {sys.executable}"
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR")]
     return (errors or lines or ["pip failed without a message"])[-1]
