@@ -180,11 +180,22 @@ def _build(spec: NamedModel, target: Path, progress: bool) -> None:
 def _share(directory: Path) -> None:
     """Give the directory and its files the modes the umask allows (mkdtemp and
     safetensors create them private to the user)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
         path.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    # NOTE: not os.umask(0) and back: that changes the whole process for a moment, and the
+    # executor may boot while other threads create files.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _check_space(cache: Path, spec: NamedModel, need_download: bool) -> None:
