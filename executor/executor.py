@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
-from pathlib import Path as FsPath
 
 import torch
 
@@ -41,7 +40,7 @@ from executor.api import (
 )
 from executor.attention import create_backend, resolve_backend_name
 from executor.attention.base import AttentionShape
-from executor.config import TINY_MODEL, ExecutorConfig
+from executor.config import ExecutorConfig
 from executor.errors import ConfigError, GraphsUnavailable
 from executor.forward_batch import ForwardBatch, PinnedStaging
 from executor.graphs.buckets import (
@@ -56,7 +55,7 @@ from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
 from executor.kv.manager import Extension
 from executor.model.loader import load_hf_config, load_model
-from executor.model.tiny import ensure_tiny_model
+from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED
 from executor.sampling import DeviceSample, Sampler
 from executor.steps import PendingStep
@@ -78,7 +77,7 @@ class Executor:
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
-        model_dir = ensure_tiny_model() if source == TINY_MODEL else FsPath(source)
+        model_dir = resolve_model_source(source)  # tiny, a named model, or a directory
         spec = load_hf_config(model_dir)
         max_context = config.cache.max_context or spec.max_position
         # Settled before the weights load: a backend that cannot serve here fails fast.
@@ -92,7 +91,7 @@ class Executor:
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
                                            spec)
         self.model_info = ModelInfo(
-            name=source if source == TINY_MODEL else model_dir.name,
+            name=model_name(source, model_dir),
             architecture=spec.architecture,
             dtype=dtype_name,
             device=str(self.device),

