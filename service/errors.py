@@ -25,6 +25,15 @@ DOMAIN = "model_executor.v1"
 SEQUENCE_RESOURCE = "model_executor.v1.Sequence"
 RETRY_AFTER_OUT_OF_RESOURCES_S = 0.1
 
+# Bounds on what one error puts in its trailers. gRPC-core clients (Python, C++, Ruby) drop
+# a response whose metadata exceeds 16 KiB (and, at random, some over 8 KiB) and report
+# RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the real status.
+# With these bounds the message (percent-encoded: 3 bytes per non-ASCII byte at worst) and
+# the details (base64: 4/3) stay under about 5 KiB together, whatever the request held.
+MAX_DETAIL_ITEMS = 10  # field violations / resources listed; the rest are counted
+MAX_DETAIL_CHARS = 160  # one field name, description or resource name
+MAX_MESSAGE_BYTES = 512  # grpc-message, in UTF-8 bytes
+
 
 class Unavailable(Exception):
     """The server cannot take the call in its current state (starting, draining, ...)."""
@@ -74,23 +83,57 @@ def _retry(seconds: float) -> error_details_pb2.RetryInfo:
     return error_details_pb2.RetryInfo(retry_delay=delay)
 
 
+def _cut(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def bounded_message(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (on a character boundary)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "\u2026"
+
+
+def _more(total: int, shown: int, what: str) -> str:
+    return f" (+{total - shown} more {what} not listed)" if total > shown else ""
+
+
 def _invalid(exc: InvalidRequest) -> status_pb2.Status:
-    bad = error_details_pb2.BadRequest(field_violations=[
-        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-        for v in exc.violations
-    ])
-    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc),
-                             details=_pack(bad))
+    shown = exc.violations[:MAX_DETAIL_ITEMS]
+    violations = [error_details_pb2.BadRequest.FieldViolation(
+        field=_cut(v.field), description=_cut(v.description)) for v in shown]
+    if len(exc.violations) > len(shown):
+        # The last entry counts what was left out, so a client knows the list is partial.
+        violations.append(error_details_pb2.BadRequest.FieldViolation(
+            field="", description=f"{len(exc.violations) - len(shown)} more violations not "
+            f"listed ({len(exc.violations)} in all)"))
+    head = "; ".join(f"{v.field}: {v.description}" for v in violations[:3])
+    message = f"{len(exc.violations)} invalid field(s): {head}" \
+        f"{_more(len(exc.violations), min(3, len(shown)), 'violations')}"
+    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message,
+                             details=_pack(error_details_pb2.BadRequest(
+                                 field_violations=violations)))
 
 
 def _not_found(exc: SequenceNotFound) -> status_pb2.Status:
+    pairs = list(zip(exc.seq_ids, exc.field_names, strict=False))
     infos = [
         error_details_pb2.ResourceInfo(
-            resource_type=SEQUENCE_RESOURCE, resource_name=seq_id,
-            description=f"{field}: no such sequence (never admitted, or already released)")
-        for seq_id, field in zip(exc.seq_ids, exc.field_names, strict=False)
+            resource_type=SEQUENCE_RESOURCE, resource_name=_cut(seq_id),
+            description=f"{_cut(field, 40)}: no such sequence (never admitted, or already "
+                        "released)")
+        for seq_id, field in pairs[:MAX_DETAIL_ITEMS]
     ]
-    return status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc), details=_pack(*infos))
+    total = len(exc.seq_ids)
+    info = error_details_pb2.ErrorInfo(reason="SEQUENCE_NOT_FOUND", domain=DOMAIN,
+                                       metadata={"unknown_seq_ids": str(total)})
+    named = ", ".join(repr(_cut(s, 40)) for s in exc.seq_ids[:3])
+    message = (f"{total} unknown seq_id(s): {named}{_more(total, min(3, total), 'ids')}; "
+               "decode only continues sequences admitted by Prefill and not yet released")
+    return status_pb2.Status(code=code_pb2.NOT_FOUND, message=message,
+                             details=_pack(*infos, info))
 
 
 def _exhausted(exc: OutOfResources) -> status_pb2.Status:
@@ -162,7 +205,9 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
     """The status for ``exc``; anything not in the table is a bug and maps to INTERNAL."""
     for cls, build in _TABLE:
         if isinstance(exc, cls):
-            return build(exc)
+            status = build(exc)
+            status.message = bounded_message(status.message)
+            return status
     info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=DOMAIN,
                                        metadata={"request_id": request_id})
     return status_pb2.Status(
