@@ -85,7 +85,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--drain-delay", type=float, default=0.0,
                      help="seconds to report NOT_SERVING before closing the listener")
     net.add_argument("--max-concurrent-rpcs", type=int, default=256,
-                     help="calls in flight at once; more get RESOURCE_EXHAUSTED")
+                     help="calls in flight at once (health probes do not count); more get "
+                     "RESOURCE_EXHAUSTED with reason OVERLOADED")
+    net.add_argument("--max-watch-streams", type=int, default=16,
+                     help="grpc.health.v1 Watch streams open at once per listener; more get "
+                     "RESOURCE_EXHAUSTED")
     net.add_argument("--no-reflection", action="store_true",
                      help="turn gRPC server reflection off")
     net.add_argument("--health-port", type=int, default=None,
@@ -169,7 +173,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         grace_period_s=args.grace_period, drain_delay_s=args.drain_delay,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_concurrent_rpcs=args.max_concurrent_rpcs, max_watch_streams=args.max_watch_streams,
         reflection=not args.no_reflection, health_port=args.health_port, tls=_tls(args),
         auth=AuthConfig(read_secret(args.token_file, env, TOKEN_ENV),
                         read_secret(args.admin_token_file, env, ADMIN_TOKEN_ENV)),

@@ -20,6 +20,7 @@ from executor.errors import (
     OutOfResources,
     SequenceNotFound,
 )
+from service.admission import Overloaded
 
 DOMAIN = "model_executor.v1"
 SEQUENCE_RESOURCE = "model_executor.v1.Sequence"
@@ -146,6 +147,14 @@ def _exhausted(exc: OutOfResources) -> status_pb2.Status:
                              details=_pack(quota, info, _retry(RETRY_AFTER_OUT_OF_RESOURCES_S)))
 
 
+def _overloaded(exc: Overloaded) -> status_pb2.Status:
+    reason = "WATCH_STREAMS_EXHAUSTED" if exc.kind == "watch" else "OVERLOADED"
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata={
+        "kind": exc.kind, "limit": str(exc.limit)})
+    return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc),
+                             details=_pack(info, _retry(exc.retry_after_s)))
+
+
 def _graphs_unavailable(exc: GraphsUnavailable) -> status_pb2.Status:
     failure = error_details_pb2.PreconditionFailure(violations=[
         error_details_pb2.PreconditionFailure.Violation(
@@ -191,6 +200,7 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (InvalidRequest, _invalid),  # includes ContextLengthExceeded
     (SequenceNotFound, _not_found),
     (OutOfResources, _exhausted),
+    (Overloaded, _overloaded),
     (GraphsUnavailable, _graphs_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),

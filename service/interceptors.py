@@ -6,6 +6,10 @@ out either records OK or turns the exception into a gRPC status with google.rpc 
 (``service/errors.py``), logging bugs with their traceback. It ends with one summary line
 per RPC. Servicers therefore never catch or abort themselves.
 
+````ServiceInterceptor`` is also where admission happens (``service/admission.py``): each
+kind of call (probe, watch stream, other call) counts against its own budget, so that
+neither long-lived streams nor queued steps can starve the health probes.
+
 ``ParseInterceptor`` (innermost): a unary request that is not valid protobuf for its method
 reaches the handler as ``Malformed`` and fails with INVALID_ARGUMENT inside the boundary,
 instead of gRPC's own UNKNOWN before any interceptor sees it (not logged, not counted).
@@ -18,7 +22,8 @@ import inspect
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -27,6 +32,7 @@ import structlog
 
 from executor.errors import FieldViolation, InvalidRequest
 from service import errors
+from service.admission import Admission, Kind, kind_of
 from service.stats import StatsRecorder
 
 log = structlog.get_logger(__name__)
@@ -86,10 +92,25 @@ class _HandlerCache:
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, recorder: StatsRecorder,
-                 on_fatal: Callable[[BaseException], Awaitable[None]]) -> None:
+                 on_fatal: Callable[[BaseException], Awaitable[None]],
+                 admission: Admission | None = None) -> None:
         self._recorder = recorder
         self._on_fatal = on_fatal
+        self._admission = admission
         self._handlers = _HandlerCache(self._wrap)
+
+    @contextmanager
+    def _admitted(self, kind: Kind) -> Iterator[None]:
+        """Hold a slot of ``kind`` for the call (raises ``Overloaded`` over the budget)."""
+        admission = self._admission
+        if admission is None:
+            yield
+            return
+        admission.enter(kind)
+        try:
+            yield
+        finally:
+            admission.leave(kind)
 
     async def intercept_service(
         self,
@@ -105,11 +126,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         """``handler`` inside the error boundary; ``full`` is "/pkg.Service/Method"."""
         service, _, method = full.lstrip("/").partition("/")
         args = (handler.request_deserializer, handler.response_serializer)
+        kind = kind_of(full)
 
         def wrap(behavior: Behavior, rpc_type: str) -> Behavior:
             if inspect.isasyncgenfunction(behavior):
-                return self._stream(behavior, service, method, rpc_type)
-            return self._unary(behavior, service, method, rpc_type)
+                return self._stream(behavior, service, method, rpc_type, kind)
+            return self._unary(behavior, service, method, rpc_type, kind)
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, "unary"), *args)
@@ -123,12 +145,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             wrap(handler.stream_stream, "bidi_stream"), *args)
 
     # -- wrappers -----------------------------------------------------------------------
-    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str
-               ) -> Behavior:
+    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+               kind: Kind) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = self._begin(service, method, rpc_type, request, context)
             try:
-                response = await behavior(request, context)
+                with self._admitted(kind):
+                    response = await behavior(request, context)
             except BaseException as exc:
                 await self._fail(call, exc, context)
             self._finish(call, grpc.StatusCode.OK, context)
@@ -136,14 +159,15 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str
-                ) -> Behavior:
+    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+                kind: Kind) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Any]:
             call = self._begin(service, method, rpc_type, request, context)
             try:
-                async for response in behavior(request, context):
-                    yield response
+                with self._admitted(kind):
+                    async for response in behavior(request, context):
+                        yield response
             except GeneratorExit:  # the client went away; nothing may be awaited here
                 self._end(call, grpc.StatusCode.CANCELLED)
                 raise

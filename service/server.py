@@ -32,6 +32,7 @@ from executor.api import Phase
 from executor.config import ExecutorConfig
 from executor.errors import GraphsUnavailable
 from service import __version__
+from service.admission import Admission
 from service.auth import AuthInterceptor
 from service.config import RequestLimits, ServerConfig, channel_options
 from service.gen.model_executor.v1 import executor_pb2 as pb
@@ -114,11 +115,13 @@ class ExecutorServer:
         await self.lifecycle.publish()
         config = self.config
         # The service interceptor is outermost: auth refusals are logged and counted too.
+        # It also admits calls by kind (service/admission.py); gRPC's own
+        # maximum_concurrent_rpcs is not set: it would count probes with everything else.
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal),
+            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
+                                             self._admission()),
                           AuthInterceptor(config.auth), ParseInterceptor()],
-            options=channel_options(self.limits),
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+            options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         if config.reflection:
@@ -144,14 +147,18 @@ class ExecutorServer:
     async def _start_health_listener(self, port: int) -> grpc.aio.Server:
         """Plaintext ``grpc.health.v1`` only, for probes that cannot do TLS or tokens."""
         server = grpc.aio.server(interceptors=[ServiceInterceptor(self.recorder,
-                                                                  self._on_fatal),
+                                                                  self._on_fatal,
+                                                                  self._admission()),
                                                ParseInterceptor()],
-                                 options=channel_options(self.limits),
-                                 maximum_concurrent_rpcs=16)
+                                 options=channel_options(self.limits))
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         self.health_port = server.add_insecure_port(self.config.address_of(port))
         await server.start()
         return server
+
+    def _admission(self) -> Admission:
+        """Fresh budgets for one listener."""
+        return Admission(self.config.max_concurrent_rpcs, self.config.max_watch_streams)
 
     def _warn_if_exposed(self) -> None:
         config = self.config

@@ -11,6 +11,7 @@ import grpc
 
 from executor.api import GraphStatus, KVStats, ModelInfo, Phase, PhaseCapture, StepInfo
 from executor.errors import OutOfResources
+from service.admission import Overloaded
 from service.metrics import ALLOCATION_RESOURCES, Metrics
 
 OTHER = "other"
@@ -79,6 +80,8 @@ class StatsRecorder:
     def error(self, exc: BaseException) -> None:
         if isinstance(exc, OutOfResources) and exc.resource in ALLOCATION_RESOURCES:
             self.metrics.kv_allocation_failures.labels(exc.resource).inc()
+        elif isinstance(exc, Overloaded):
+            self.metrics.overload_refusals.labels(exc.kind).inc()
 
     def retry_cache(self, entries: int, size_bytes: int) -> None:
         self.metrics.retry_entries.set(entries)
