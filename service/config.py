@@ -147,8 +147,12 @@ class RequestLimits:
 
 
 def channel_options(limits: RequestLimits) -> list[tuple[str, int]]:
-    """gRPC server options: explicit message limits; keepalive pings every >= 10 s allowed."""
+    """gRPC server options: explicit message limits; keepalive pings every >= 10 s allowed;
+    no SO_REUSEPORT (grpcio sets it by default, so a second server on a busy port would
+    start without error and the kernel would split connections between the two processes:
+    sequences would intermittently be NOT_FOUND)."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limits.max_receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.keepalive_permit_without_calls", 1),

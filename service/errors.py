@@ -44,6 +44,11 @@ class Unavailable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class StartupError(Exception):
+    """The server cannot start (a port in use, ...); the message says what to do. Logged
+    as one line, without a traceback."""
+
+
 class DeadlineExpired(Exception):
     """The call's deadline passed while it waited for the executor; it never ran."""
 

@@ -35,6 +35,7 @@ from service import __version__
 from service.admission import Admission
 from service.auth import AuthInterceptor
 from service.config import RequestLimits, ServerConfig, channel_options
+from service.errors import StartupError
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
@@ -126,18 +127,19 @@ class ExecutorServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         if config.reflection:
             reflection.enable_server_reflection(SERVICE_NAMES, server)
-        if config.tls is not None:
-            self.port = server.add_secure_port(config.address, config.tls.server_credentials())
-        else:
-            self.port = server.add_insecure_port(config.address)
+        credentials = config.tls.server_credentials() if config.tls is not None else None
+        self.port = _bind(server, config.address, "--port", credentials)
         await server.start()
         self._server = server
-        if config.health_port is not None:
-            self._health_server = await self._start_health_listener(config.health_port)
+        try:
+            if config.health_port is not None:
+                self._health_server = await self._start_health_listener(config.health_port)
+            if self.config.metrics_port is not None:
+                self.exporter = self._start_exporter(self.config.metrics_port)
+        except StartupError:
+            await self._close_listeners()
+            raise
         self._warn_if_exposed()
-        if self.config.metrics_port is not None:
-            self.exporter = start_exporter(self.metrics.registry, self.config.host,
-                                           self.config.metrics_port)
         self.metrics.set_build_info(__version__)
         executor_service = pb.DESCRIPTOR.services_by_name["Executor"]
         self.metrics.touch_rpcs(executor_service.full_name,
@@ -152,9 +154,24 @@ class ExecutorServer:
                                                ParseInterceptor()],
                                  options=channel_options(self.limits))
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
-        self.health_port = server.add_insecure_port(self.config.address_of(port))
+        self.health_port = _bind(server, self.config.address_of(port), "--health-port")
         await server.start()
         return server
+
+    def _start_exporter(self, port: int) -> Exporter:
+        try:
+            return start_exporter(self.metrics.registry, self.config.host, port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {self.config.address_of(port)}: "
+                f"{exc.strerror or exc}; stop what holds the port or choose another "
+                "--metrics-port (-1: no exporter)") from None
+
+    async def _close_listeners(self) -> None:
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(0)
+        self._server = self._health_server = None
 
     def _admission(self) -> Admission:
         """Fresh budgets for one listener."""
@@ -248,10 +265,28 @@ class ExecutorServer:
         log.info("stopped")
 
 
+def _bind(server: grpc.aio.Server, address: str, flag: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port; a port that cannot be bound is a one-line ``StartupError``."""
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpcio says only "Failed to bind to address ..."
+        raise StartupError(
+            f"cannot listen on {address}: the port is in use (another model-executor?) or "
+            f"the address is not on this host; stop the other process or choose another "
+            f"{flag}") from None
+
+
 async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     """Run a server until SIGTERM/SIGINT; the exit code (1 if start-up failed)."""
     server = ExecutorServer(executor_config, config)
-    await server.start()
+    try:
+        await server.start()
+    except StartupError as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
     metrics = (f"http://{config.address.rsplit(':', 1)[0]}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else None)
     log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",

@@ -15,6 +15,7 @@ Files are read once, at start-up, so a bad path is a start-up error, not a faile
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class TlsConfig:
                            (self.client_ca, "client CA")):
             if path is not None:
                 _read(path, what)
+        _check_pair(self.cert, self.key)
 
     @property
     def mode(self) -> str:
@@ -60,6 +62,23 @@ class TlsConfig:
         ca = _read(self.client_ca, "client CA") if self.client_ca is not None else None
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                            require_client_auth=self.require_client_auth)
+
+
+def _check_pair(cert: Path, key: Path) -> None:
+    """Refuse a certificate and key that do not load or do not belong together (gRPC says
+    only "Failed to bind to address" for them)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback that returns nothing: an encrypted key fails, never prompts.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            raise ValueError(f"the TLS key {str(key)!r} does not match the certificate "
+                             f"{str(cert)!r}: pass the key the certificate was issued "
+                             "for") from None
+        raise ValueError(f"cannot load the TLS certificate {str(cert)!r} with the key "
+                         f"{str(key)!r} ({exc.reason or exc}): both must be PEM, the key "
+                         "unencrypted") from None
 
 
 def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None
