@@ -10,7 +10,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from executor.api import MAX_TOP_LOGPROBS, DecodeItem, PrefillItem, SamplingParams
+from executor.api import (
+    GREEDY_BELOW_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    DecodeItem,
+    PrefillItem,
+    SamplingParams,
+)
 from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
 
 
@@ -29,7 +35,8 @@ def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
         out.append(FieldViolation(f"{field}.{name}", why))
 
     if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {p.temperature}")
+        bad("temperature", f"must be a finite number >= 0 (0, or under "
+            f"{GREEDY_BELOW_TEMPERATURE:g}, = greedy), got {p.temperature}")
     if p.top_k < 0:
         bad("top_k", f"must be >= 0 (0 = off), got {p.top_k}")
     if not (0.0 < p.top_p <= 1.0):
