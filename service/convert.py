@@ -198,9 +198,11 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
     if status is None:
         return msg
     m, kv = status.model, status.kv
+    # What can actually be served: a sequence never outgrows the KV pool.
+    max_context = min(m.max_context, kv.total_tokens) if kv.total_tokens > 0 else m.max_context
     msg.model.CopyFrom(pb.ModelInfo(
         name=m.name, architecture=m.architecture, dtype=m.dtype, device=m.device,
-        vocab_size=m.vocab_size, max_context=m.max_context,
+        vocab_size=m.vocab_size, max_context=max_context,
         attention_backend=m.attention_backend))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
