@@ -110,7 +110,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM)")
     security.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     security.add_argument("--tls-client-ca", type=Path,
-                          help="CA (PEM) that client certificates must chain to")
+                          help="CA (PEM) that client certificates must chain to (only "
+                          "with --require-client-auth)")
     security.add_argument("--require-client-auth", action="store_true",
                           help="mTLS: refuse clients without a certificate from --tls-client-ca")
     security.add_argument("--token-file", help="file holding the token every call needs")

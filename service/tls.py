@@ -6,9 +6,11 @@ Modes, from the flags (``model-executor serve``):
 |-------------------------------------------------|--------------------------------------|
 | none                                            | plaintext (fine on 127.0.0.1)        |
 | ``--tls-cert --tls-key``                        | TLS: the client checks the server    |
-| ... ``--tls-client-ca``                         | TLS; a client certificate is optional |
-|                                                 | (checked against the CA when sent)   |
 | ... ``--tls-client-ca --require-client-auth``   | mTLS: every client needs one         |
+
+``--tls-client-ca`` alone is refused: gRPC Python can only *request* an optional client
+certificate without verifying it (``GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_BUT_DONT_VERIFY``),
+so a certificate from any CA would have been accepted while the flag promised a check.
 
 Files are read once, at start-up, so a bad path is a start-up error, not a failed call.
 """
@@ -47,6 +49,11 @@ class TlsConfig:
         if self.require_client_auth and self.client_ca is None:
             raise ValueError("--require-client-auth needs --tls-client-ca (the CA that signs "
                              "client certificates)")
+        if self.client_ca is not None and not self.require_client_auth:
+            raise ValueError("--tls-client-ca needs --require-client-auth: gRPC cannot verify "
+                             "an optional client certificate, so without it a certificate "
+                             "from any CA would be accepted; add --require-client-auth (mTLS) "
+                             "or drop --tls-client-ca")
         for path, what in ((self.cert, "TLS certificate"), (self.key, "TLS key"),
                            (self.client_ca, "client CA")):
             if path is not None:
