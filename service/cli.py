@@ -27,6 +27,9 @@ from service.tls import TlsConfig
 GRAPH_CHOICES = ("auto", "full", "breakable", "tc_piecewise", "disabled")
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
 ADMIN_TOKEN_ENV = "MODEL_EXECUTOR_ADMIN_TOKEN"
+# Long enough for a health check every few seconds (a scheduler, a load balancer) to see
+# NOT_SERVING before the listener closes; Kubernetes adds its own preStop delay on top.
+DEFAULT_DRAIN_DELAY_S = 5.0
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -82,8 +85,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="Prometheus /metrics port (0: any free port, -1: no exporter)")
     net.add_argument("--grace-period", type=float, default=10.0,
                      help="seconds in-flight calls may run after SIGTERM/SIGINT")
-    net.add_argument("--drain-delay", type=float, default=0.0,
-                     help="seconds to report NOT_SERVING before closing the listener")
+    net.add_argument("--drain-delay", type=float, default=DEFAULT_DRAIN_DELAY_S,
+                     help="seconds to report NOT_SERVING (new steps UNAVAILABLE) before "
+                     "closing the listener, so load balancers and schedulers polling health "
+                     "see the drain (0: close at once)")
     net.add_argument("--max-concurrent-rpcs", type=int, default=256,
                      help="calls in flight at once (health probes do not count); more get "
                      "RESOURCE_EXHAUSTED with reason OVERLOADED")

@@ -48,7 +48,8 @@ class ServerConfig:
         runs no exporter.
     grace_period_s: how long in-flight calls may run after a shutdown signal.
     drain_delay_s: how long to keep answering (health NOT_SERVING, new steps UNAVAILABLE)
-        before the listener closes, so load balancers and the scheduler see the drain.
+        before the listener closes, so load balancers and the scheduler see the drain. The
+        CLI defaults to 5 s (``--drain-delay``); 0 here suits servers embedded in tests.
     max_concurrent_rpcs: calls in flight at once (steps, Release, Capture, reflection);
         more get RESOURCE_EXHAUSTED (reason OVERLOADED). Executor calls run one at a time
         anyway, so a deep queue only adds latency. Health probes (``Health/Check``,

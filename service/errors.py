@@ -49,6 +49,12 @@ class StartupError(Exception):
     as one line, without a traceback."""
 
 
+class OutcomeUnknown(Exception):
+    """The server stopped waiting for a step that was still running (its grace period
+    ended): the step may have applied. Maps to CANCELLED, whose documented meaning is
+    "outcome unknown"."""
+
+
 class DeadlineExpired(Exception):
     """The call's deadline passed while it waited for the executor; it never ran."""
 
@@ -177,6 +183,11 @@ def _deadline(exc: DeadlineExpired) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc))
 
 
+def _outcome_unknown(exc: OutcomeUnknown) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="STEP_OUTCOME_UNKNOWN", domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.CANCELLED, message=str(exc), details=_pack(info))
+
+
 def _undecodable(exc: DecodeError) -> status_pb2.Status:
     return _invalid(InvalidRequest([FieldViolation("", f"a message could not be parsed: "
                                                        f"{exc}")]))
@@ -209,6 +220,7 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (GraphsUnavailable, _graphs_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
+    (OutcomeUnknown, _outcome_unknown),
     (Unauthenticated, _unauthenticated),
     (PermissionDenied, _permission_denied),
     (ResponseExpired, _expired),

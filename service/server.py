@@ -9,14 +9,21 @@ UNAVAILABLE until READY):
     CAPTURING  capture CUDA graphs for the enabled phases (if asked to at start-up)
     READY      readiness SERVING
 
-Shutdown: DRAINING (health NOT_SERVING, new steps UNAVAILABLE) -> after the drain delay
-the listener closes (new calls UNAVAILABLE from gRPC) -> in-flight calls finish within the
-grace period -> the executor thread and the exporter stop.
+Shutdown (every bound is a flag; docs/reliability.md has the timeline):
+
+    t=0                DRAINING: health NOT_SERVING, new steps UNAVAILABLE (nothing applied)
+    t=drain            the listener closes (new connections refused)
+    t=drain..+grace    calls in flight, queued or running, finish and get their real answer
+    t=drain+grace      calls still queued: UNAVAILABLE, nothing applied; the call whose step
+                       still runs: CANCELLED, reason STEP_OUTCOME_UNKNOWN (it may apply)
+    then               the executor thread and the exporter stop; the process exits at once
+                       (a step still running is not waited for: its KV dies with the process)
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -102,6 +109,8 @@ class ExecutorServer:
         self._health_server: grpc.aio.Server | None = None
         self.exporter: Exporter | None = None
         self.boot_error: BaseException | None = None
+        # True when the stop left a step running on the executor thread (grace over).
+        self.step_abandoned = False
         self._server: grpc.aio.Server | None = None
         self._boot_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Future[None] | None = None
@@ -253,16 +262,30 @@ class ExecutorServer:
                  pending_calls=self.worker.pending)
         if self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
+        closing: asyncio.Future[None] | None = None
         if self._server is not None:
-            await self._server.stop(grace)
+            # Closes the listener now; RPCs still active a second after the grace period
+            # (only streams such as Health/Watch by then) are cancelled by gRPC.
+            closing = asyncio.ensure_future(self._server.stop(grace + 1.0))
+        idle = self.worker.executor is None or await self.worker.wait_idle(grace)
+        if not idle:
+            # Answer every waiting caller truthfully (service/worker.py); never make them
+            # wait on a step that may outlast the pod's termination budget.
+            log.warning("grace_period_over", grace_s=grace, pending_calls=self.worker.pending)
+            self.step_abandoned = self.worker.pending > 0
+            self.worker.abandon()
+        if self._server is not None:
+            await self._server.stop(0.5)  # the answers above go out; Watch streams end
+        if closing is not None:
+            await closing
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()  # a construction under way still runs to its end
-        await asyncio.to_thread(self.worker.shutdown)
+        await asyncio.to_thread(self.worker.shutdown, not self.step_abandoned)
         if self.exporter is not None:
             self.exporter.close()
-        log.info("stopped")
+        log.info("stopped", step_abandoned=self.step_abandoned)
 
 
 def _bind(server: grpc.aio.Server, address: str, flag: str,
@@ -307,4 +330,10 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     log.info("signal_received")
     await server.stop()
     booted.cancel()
+    if server.step_abandoned:
+        # The executor thread cannot be interrupted, and the interpreter would join it at
+        # exit; the grace period is the bound the operator set, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
