@@ -27,6 +27,8 @@ from service.tls import TlsConfig
 GRAPH_CHOICES = ("auto", "full", "breakable", "tc_piecewise", "disabled")
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
 ADMIN_TOKEN_ENV = "MODEL_EXECUTOR_ADMIN_TOKEN"
+LOG_LEVEL_ENV = "MODEL_EXECUTOR_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Long enough for a health check every few seconds (a scheduler, a load balancer) to see
 # NOT_SERVING before the listener closes; Kubernetes adds its own preStop delay on top.
 DEFAULT_DRAIN_DELAY_S = 5.0
@@ -122,8 +124,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--token-file", help="file holding the token every call needs")
     security.add_argument("--admin-token-file", help="file holding the token Capture needs")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
-    net.add_argument("--log-level", default="INFO",
-                     choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    net.add_argument("--log-level", type=str.upper, default=None,
+                     choices=LOG_LEVELS,
+                     help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)")
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -189,6 +192,18 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     return executor_config, server_config
 
 
+def log_level(flag: str | None, env: Mapping[str, str]) -> str:
+    """``--log-level``, else ``$MODEL_EXECUTOR_LOG_LEVEL``, else INFO (the flag wins)."""
+    if flag is not None:
+        return flag
+    value = env.get(LOG_LEVEL_ENV, "").strip().upper()
+    if not value:
+        return "INFO"
+    if value not in LOG_LEVELS:
+        raise ValueError(f"${LOG_LEVEL_ENV} is {value!r}; use one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="model-executor",
                                      description="gRPC executor of LLM forward passes")
@@ -208,10 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor_config, server_config = build_configs(args)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
+    try:
+        level = log_level(args.log_level, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
     from service.logs import configure_logging
     from service.server import serve
 
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(args.log_format, level)
     return asyncio.run(serve(executor_config, server_config))
 
 

@@ -244,6 +244,16 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
         details=_pack(info))
 
 
+def reason_of(status: status_pb2.Status) -> str:
+    """The ``ErrorInfo`` reason among ``status``'s details ("" if none)."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    return ""
+
+
 def is_expected(exc: BaseException) -> bool:
     """True for errors that are the client's or the state's, not a bug."""
     return any(isinstance(exc, cls) for cls, _ in _TABLE)

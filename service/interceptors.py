@@ -53,7 +53,34 @@ QUIET_RPCS = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Wa
                         "grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
                         "model_executor.v1.Executor/Health"})
 
+# Refusals by auth are logged at WARNING (probing a service without credentials is worth
+# an operator's attention), at most once per interval per method and code, with a count of
+# the lines held back, so a scanner cannot flood the log.
+AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+AUTH_LOG_INTERVAL_S = 10.0
+
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+class RateLimiter:
+    """``allow(key)``: the count of events held back for ``key`` since the last one allowed,
+    or None to hold this one back. At most one event per ``interval_s`` per key; keys come
+    from small fixed sets (method, code)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval_s
+        self._clock = clock
+        self._last: dict[Any, float] = {}
+        self._held: dict[Any, int] = {}
+
+    def allow(self, key: Any) -> int | None:
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
 
 
 @dataclass
@@ -98,6 +125,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._on_fatal = on_fatal
         self._admission = admission
         self._handlers = _HandlerCache(self._wrap)
+        self._auth_log = RateLimiter(AUTH_LOG_INTERVAL_S)
 
     @contextmanager
     def _admitted(self, kind: Kind) -> Iterator[None]:
@@ -197,13 +225,27 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._end(call, code)
 
     def _end(self, call: _Call, code: grpc.StatusCode,
-             exc: BaseException | None = None) -> None:
+             exc: BaseException | None = None, status: Any = None) -> None:
+        """Record and log the call's outcome. ``exc``: a bug (logged with its traceback);
+        ``status``: the google.rpc.Status of an expected error (its reason and message go
+        into the line, so a refusal can be understood from the log alone)."""
         seconds = time.perf_counter() - call.started
         self._recorder.rpc_handled(call.service, call.method, call.rpc_type, code, seconds)
         fields: dict[str, Any] = {"code": code.name, "duration_ms": round(seconds * 1e3, 3)}
+        if status is not None:
+            reason = errors.reason_of(status)
+            if reason:
+                fields["reason"] = reason
+            fields["message"] = status.message
         if exc is not None:
             log.error("rpc", **fields, exc_info=exc)
-        elif f"{call.service}/{call.method}" in QUIET_RPCS:
+            return
+        if code in AUTH_CODES:
+            held = self._auth_log.allow((call.service, call.method, code))
+            if held is not None:
+                log.warning("auth_refused", **fields, held_back=held,
+                            every_s=AUTH_LOG_INTERVAL_S)
+        if f"{call.service}/{call.method}" in QUIET_RPCS:
             log.debug("rpc", **fields)
         else:
             log.info("rpc", **fields)
@@ -224,7 +266,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._recorder.error(exc)
         if errors.is_fatal_device_error(exc):
             await self._on_fatal(exc)
-        self._end(call, code, None if errors.is_expected(exc) else exc)
+        expected = errors.is_expected(exc)
+        self._end(call, code, None if expected else exc, status if expected else None)
         await context.abort(code, status.message, trailing_metadata=(
             ("grpc-status-details-bin", status.SerializeToString()),
             (REQUEST_ID_HEADER, _metadata_value(call.request_id)),

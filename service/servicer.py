@@ -140,6 +140,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if replayed:
             return self._replayed(method, response)
         structlog.contextvars.bind_contextvars(path=convert.PATH_NAMES[response.step.path])
+        if response.step.fallback_reason:
+            structlog.contextvars.bind_contextvars(
+                fallback_reason=response.step.fallback_reason)
         return response
 
     def _replayed(self, method: str, response: pb.StepResponse) -> pb.StepResponse:
