@@ -127,7 +127,16 @@ def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
     if not request.seq_ids:
         out.add("seq_ids", "must contain at least one seq_id")
     _check_count(len(request.seq_ids), limits.max_release_ids, "seq_ids", "seq_ids", out)
+    first: dict[str, int] = {}
     for i, seq_id in enumerate(request.seq_ids):
+        # The same rules as Prefill and Decode items: non-empty, each id at most once.
+        if not seq_id:
+            out.add(f"seq_ids[{i}]", "must be a non-empty string")
+        elif seq_id in first:
+            out.add(f"seq_ids[{i}]", f"{seq_id!r} appears more than once in one call (also "
+                    f"seq_ids[{first[seq_id]}])")
+        else:
+            first[seq_id] = i
         _check_seq_id(seq_id, f"seq_ids[{i}]", limits, out)
     out.raise_any()
     return list(request.seq_ids)

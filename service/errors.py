@@ -149,8 +149,11 @@ def _not_found(exc: SequenceNotFound) -> status_pb2.Status:
 
 
 def _exhausted(exc: OutOfResources) -> status_pb2.Status:
-    quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
-        subject=exc.resource, description=f"needed {exc.needed}, free {exc.free}")])
+    # One violation per short resource; ErrorInfo names the first (KV tokens when both).
+    quota = error_details_pb2.QuotaFailure(violations=[
+        error_details_pb2.QuotaFailure.Violation(subject=resource,
+                                                 description=f"needed {needed}, free {free}")
+        for resource, needed, free in exc.shortages])
     info = error_details_pb2.ErrorInfo(
         reason=f"{exc.resource.upper()}_EXHAUSTED", domain=DOMAIN,
         metadata={"resource": exc.resource, "needed": str(exc.needed), "free": str(exc.free)})

@@ -78,8 +78,10 @@ class StatsRecorder:
                     m.graph_capture_failures.labels(p.phase, reason).inc()
 
     def error(self, exc: BaseException) -> None:
-        if isinstance(exc, OutOfResources) and exc.resource in ALLOCATION_RESOURCES:
-            self.metrics.kv_allocation_failures.labels(exc.resource).inc()
+        if isinstance(exc, OutOfResources):
+            for resource, _, _ in exc.shortages:
+                if resource in ALLOCATION_RESOURCES:
+                    self.metrics.kv_allocation_failures.labels(resource).inc()
         elif isinstance(exc, Overloaded):
             self.metrics.overload_refusals.labels(exc.kind).inc()
 
