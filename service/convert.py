@@ -173,9 +173,15 @@ def _item_output(item: ItemOutput) -> pb.ItemOutput:
     return msg
 
 
-def step_response(result: StepResult, queue_ms: float, execute_ms: float) -> pb.StepResponse:
+# Prefill and Decode answer with distinct messages of the same fields (executor.proto).
+StepResponse = pb.PrefillResponse | pb.DecodeResponse
+StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
+
+
+def step_response(result: StepResult, queue_ms: float, execute_ms: float,
+                  message: StepResponseType = pb.PrefillResponse) -> StepResponse:
     step = result.step
-    return pb.StepResponse(
+    return message(
         outputs=[_item_output(item) for item in result.outputs],
         step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
                          fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,

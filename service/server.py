@@ -32,7 +32,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
@@ -49,6 +48,7 @@ from service.health import Lifecycle, State
 from service.idempotency import ResponseCache
 from service.interceptors import ParseInterceptor, ServiceInterceptor
 from service.metrics import Exporter, Metrics, start_exporter
+from service.reflection import enable_reflection
 from service.servicer import ExecutorServicer
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
@@ -58,7 +58,6 @@ log = structlog.get_logger(__name__)
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Executor"].full_name,
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-    reflection.SERVICE_NAME,
 )
 
 ExecutorFactory = Callable[[], ExecutorLike]
@@ -135,7 +134,7 @@ class ExecutorServer:
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         if config.reflection:
-            reflection.enable_server_reflection(SERVICE_NAMES, server)
+            enable_reflection(SERVICE_NAMES, server)  # v1 and v1alpha
         credentials = config.tls.server_credentials() if config.tls is not None else None
         self.port = _bind(server, config.address, "--port", credentials)
         await server.start()

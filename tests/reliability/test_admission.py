@@ -86,7 +86,7 @@ def test_unauthenticated_watch_streams_cannot_lock_out(figures: Figures) -> None
         assert scrape[(REFUSALS, (("kind", "call"),))] == 0
 
 
-def _prefill(harness: ServerHarness, seq_id: str) -> pb.StepResponse:
+def _prefill(harness: ServerHarness, seq_id: str) -> pb.PrefillResponse:
     request = pb.PrefillRequest(items=[pb.PrefillItem(seq_id=seq_id, token_ids=[3, 4],
                                                       sample=True)])
     return harness.stub.Prefill(request, timeout=30)

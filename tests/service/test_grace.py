@@ -19,7 +19,7 @@ from tests.reliability.support import Gate, details, pending, wait_until
 from tests.service.harness import ServerHarness
 
 
-def _prefill(harness: ServerHarness, seq_id: str) -> pb.StepResponse:
+def _prefill(harness: ServerHarness, seq_id: str) -> pb.PrefillResponse:
     request = pb.PrefillRequest(items=[pb.PrefillItem(seq_id=seq_id, token_ids=[3, 4, 5],
                                                       sample=True)])
     return harness.stub.Prefill(request, timeout=30)

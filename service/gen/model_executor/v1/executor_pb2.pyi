@@ -133,7 +133,19 @@ class StepInfo(_message.Message):
     forward_ms: float
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
-class StepResponse(_message.Message):
+class PrefillResponse(_message.Message):
+    __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[ItemOutput]
+    step: StepInfo
+    queue_ms: float
+    execute_ms: float
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
     __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
