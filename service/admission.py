@@ -22,6 +22,7 @@ counted in ``model_executor_overload_refusals_total{kind}``. Every listener has 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,10 +59,12 @@ class Overloaded(Exception):
 
 @dataclass
 class Admission:
-    """In-flight counts per kind, on one event loop (no lock needed)."""
+    """In-flight counts per kind, on one event loop (no lock needed). ``on_change(kind, n)``
+    is told every new count (a gauge)."""
 
     max_calls: int
     max_watch_streams: int
+    on_change: Callable[[Kind, int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_calls <= 0 or self.max_watch_streams < 0:
@@ -80,6 +83,10 @@ class Admission:
         if limit is not None and self._in_flight[kind] >= limit:
             raise Overloaded(kind, limit)
         self._in_flight[kind] += 1
+        if self.on_change is not None:
+            self.on_change(kind, self._in_flight[kind])
 
     def leave(self, kind: Kind) -> None:
         self._in_flight[kind] -= 1
+        if self.on_change is not None:
+            self.on_change(kind, self._in_flight[kind])

@@ -38,7 +38,7 @@ from executor.api import Phase
 from executor.config import ExecutorConfig
 from executor.errors import GraphsUnavailable
 from service import __version__
-from service.admission import Admission
+from service.admission import Admission, Kind
 from service.auth import AuthInterceptor
 from service.config import RequestLimits, ServerConfig, channel_options
 from service.errors import StartupError
@@ -97,7 +97,9 @@ class ExecutorServer:
         self.limits = RequestLimits.from_executor(executor_config)
         self.metrics = Metrics(registry or _process_registry(), fallback_reasons())
         self.recorder = StatsRecorder(self.metrics)
-        self.worker = ExecutorWorker(on_fatal=self._fatal_seen)
+        self.worker = ExecutorWorker(on_fatal=self._fatal_seen,
+                                     on_wait=self.recorder.queue_wait)
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)
         self.lifecycle = Lifecycle(health_aio.HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
@@ -128,7 +130,7 @@ class ExecutorServer:
         # maximum_concurrent_rpcs is not set: it would count probes with everything else.
         server = grpc.aio.server(
             interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
-                                             self._admission()),
+                                             self._admission(self.recorder.calls_in_flight)),
                           AuthInterceptor(config.auth), ParseInterceptor()],
             options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
@@ -181,9 +183,10 @@ class ExecutorServer:
                 await server.stop(0)
         self._server = self._health_server = None
 
-    def _admission(self) -> Admission:
-        """Fresh budgets for one listener."""
-        return Admission(self.config.max_concurrent_rpcs, self.config.max_watch_streams)
+    def _admission(self, on_change: Callable[[Kind, int], None] | None = None) -> Admission:
+        """Fresh budgets for one listener (``on_change``: the main one's gauge)."""
+        return Admission(self.config.max_concurrent_rpcs, self.config.max_watch_streams,
+                         on_change)
 
     def _warn_if_exposed(self) -> None:
         config = self.config

@@ -85,6 +85,12 @@ class StatsRecorder:
         elif isinstance(exc, Overloaded):
             self.metrics.overload_refusals.labels(exc.kind).inc()
 
+    def calls_in_flight(self, kind: str, count: int) -> None:
+        self.metrics.calls_in_flight.labels(kind).set(count)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.metrics.queue_wait_seconds.observe(seconds)
+
     def retry_cache(self, entries: int, size_bytes: int) -> None:
         self.metrics.retry_entries.set(entries)
         self.metrics.retry_bytes.set(size_bytes)

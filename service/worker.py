@@ -76,13 +76,16 @@ class ExecutorWorker:
     """Runs functions of the executor, one at a time, on one thread.
 
     ``on_fatal`` is called on the event loop when a call fails with a fatal device error,
-    also when that call's caller is gone.
+    also when that call's caller is gone. ``on_wait`` gets, on the worker thread, how long
+    each call waited in the queue.
     """
 
-    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None,
+                 on_wait: Callable[[float], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
         self._executor: ExecutorLike | None = None
         self._on_fatal = on_fatal
+        self._on_wait = on_wait  # seconds each call waited before it started (a metric)
         self._lock = threading.Lock()
         self._pending = 0
         self._closing = False  # set by close_queue: calls not started refuse
@@ -125,6 +128,8 @@ class ExecutorWorker:
 
         def job() -> tuple[T, float, float]:
             started = time.perf_counter()
+            if self._on_wait is not None:
+                self._on_wait(started - submitted)
             if self._closing:
                 raise Unavailable("the server stopped before this call started; nothing "
                                   "was applied")

@@ -111,6 +111,10 @@ def test_probes_answer_while_calls_queue_behind_a_long_step(figures: Figures) ->
         assert found["ErrorInfo"].reason == "OVERLOADED"  # type: ignore[attr-defined]
         assert found["RetryInfo"].retry_delay.ToNanoseconds() > 0  # type: ignore[attr-defined]
         assert "QuotaFailure" not in found
+        # Saturation is visible: the queue depth and the calls in flight (issue 19, metrics).
+        scrape = harness.scrape()
+        assert scrape[("model_executor_executor_queue_depth", ())] == limit
+        assert scrape[("model_executor_calls_in_flight", (("kind", "call"),))] == limit
         # Liveness, readiness and Executor/Health answer, many times over.
         for _ in range(3 * limit):
             assert harness.check("") == SERVING
@@ -121,6 +125,8 @@ def test_probes_answer_while_calls_queue_behind_a_long_step(figures: Figures) ->
         assert all(r.outputs[0].HasField("token_id") for r in responses)
         scrape = harness.scrape()
         assert scrape[(REFUSALS, (("kind", "call"),))] == 1
+        assert scrape[("model_executor_executor_queue_wait_seconds_count", ())] >= limit
+        assert scrape[("model_executor_executor_queue_wait_seconds_sum", ())] > 0
         assert scrape[("model_executor_kv_allocation_failures_total",
                        (("resource", "kv_tokens"),))] == 0
         harness.stub.Release(pb.ReleaseRequest(
