@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
 from executor.config import ExecutorConfig
-from executor.errors import GraphsUnavailable
+from executor.errors import ConfigError, GraphsUnavailable, ModelLoadError
 from service import __version__
 from service.admission import Admission, Kind
 from service.auth import AuthInterceptor
@@ -218,7 +218,11 @@ class ExecutorServer:
             await self.lifecycle.set(State.READY)
         except Exception as exc:
             self.boot_error = exc
-            log.error("boot_failed", exc_info=exc)
+            if isinstance(exc, (ConfigError, ModelLoadError)):
+                # The operator's to fix, and the message says what: one line, no traceback.
+                log.error("boot_failed", error=str(exc), error_type=type(exc).__name__)
+            else:
+                log.error("boot_failed", exc_info=exc)
             await self.lifecycle.set(State.UNHEALTHY, f"start-up failed: {exc}")
         finally:
             self._booted.set()

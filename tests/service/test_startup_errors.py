@@ -74,3 +74,18 @@ def test_tls_key_not_matching_its_certificate(tmp_path: Path,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "does not match the certificate" in err and "Traceback" not in err
+
+
+def test_a_model_that_cannot_load_is_one_line(tmp_path: Path) -> None:
+    """Boot errors that are the operator's to fix (a missing model directory) are one log
+    line with the reason, not a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
+         "--metrics-port", "-1", "--model", str(tmp_path / "missing"), "--log-format",
+         "console"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output
+    failures = [line for line in output.splitlines() if "boot_failed" in line]
+    assert len(failures) == 1 and "does not exist" in failures[0], output
