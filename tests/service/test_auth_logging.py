@@ -58,9 +58,13 @@ def test_auth_refusals_are_warnings_rate_limited(log_lines: io.StringIO) -> None
                 list(reflection.ServerReflectionInfo(
                     iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                     timeout=5))
+        auth = (("authorization", f"Bearer {TOKEN}"),)
         with pytest.raises(grpc.RpcError):  # an expected error: reason and message logged
             harness.stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(seq_id="nope")]),
-                                timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
+                                timeout=5, metadata=auth)
+        harness.stub.Prefill(pb.PrefillRequest(items=[  # an eager step: why, in the line
+            pb.PrefillItem(seq_id="log", token_ids=[1, 2])]), timeout=10, metadata=auth)
+        harness.stub.Release(pb.ReleaseRequest(seq_ids=["log"]), timeout=10, metadata=auth)
     finally:
         harness.close()
     events = _events(log_lines)
@@ -74,6 +78,8 @@ def test_auth_refusals_are_warnings_rate_limited(log_lines: io.StringIO) -> None
     decode = [e for e in events if e["event"] == "rpc" and e["rpc"] == "Executor/Decode"]
     assert decode[0]["code"] == "NOT_FOUND" and decode[0]["reason"] == "SEQUENCE_NOT_FOUND"
     assert "nope" in decode[0]["message"]
+    prefill = [e for e in events if e["event"] == "rpc" and e["rpc"] == "Executor/Prefill"]
+    assert prefill[0]["path"] == "eager" and prefill[0]["fallback_reason"] == "no_cuda"
 
 
 def test_rate_limiter_counts_what_it_held_back() -> None:
