@@ -15,6 +15,7 @@ import grpc
 
 from service.config import ServerConfig
 from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.reliability.support import Gate, details, pending, wait_until
 from tests.service.harness import ServerHarness
 
@@ -84,3 +85,44 @@ def test_a_step_within_the_grace_period_gets_its_answer() -> None:
         assert not harness.server.step_abandoned
     finally:
         harness.close()
+
+
+def test_the_process_exits_at_the_end_of_the_grace_period() -> None:
+    """The CLI process used to exit seconds after the grace period (it joined the running
+    step). Now it answers every caller at the end of the grace period and exits at once."""
+    import signal
+
+    from tests.service.test_shutdown import PROMPT_TOKENS, Process
+
+    served = Process("--grace-period", "0.3", "--drain-delay", "0")
+    try:
+        serving = served.wait_event(lambda e: e["event"] == "serving")
+        served.wait_event(lambda e: e["event"] == "state_changed" and e["new"] == "READY")
+        channel = grpc.insecure_channel(serving["grpc"])
+        stub = pb_grpc.ExecutorStub(channel)
+        calls = [stub.Prefill.future(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id=f"g{i}", token_ids=[(5 * i + k) % 500 + 3 for k in range(PROMPT_TOKENS)],
+            sample=True)]), timeout=60) for i in range(6)]
+        wait_until(lambda: sum(c.done() for c in calls) + stub.Health(
+            pb.HealthRequest(), timeout=5).pending_calls >= len(calls), what="queued calls")
+        signalled = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=30) == 0
+        exit_s = time.monotonic() - signalled
+        codes = []
+        for call in calls:
+            exc = call.exception(timeout=10)
+            codes.append(grpc.StatusCode.OK if exc is None else exc.code())
+        channel.close()
+        served._reader.join(timeout=5)  # every log line read
+        # Each answer is true: OK (applied), UNAVAILABLE (never started) or CANCELLED
+        # (outcome unknown); no caller waited on the queue past the grace period.
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE,
+                              grpc.StatusCode.CANCELLED}, codes
+        assert grpc.StatusCode.UNAVAILABLE in codes, codes
+        assert exit_s < 5.0, exit_s
+        print(f"exit {exit_s:.2f} s after SIGTERM; answers {[c.name for c in codes]}")
+        stopped = served.wait_event(lambda e: e["event"] == "stopped")
+        assert stopped["step_abandoned"] == (grpc.StatusCode.CANCELLED in codes)
+    finally:
+        served.close()
