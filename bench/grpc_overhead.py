@@ -115,16 +115,16 @@ async def _echo_serve(port: int) -> None:
     from grpc_health.v1 import health
     from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
-    def step(items: Any) -> pb.StepResponse:
-        return pb.StepResponse(
+    def step(items: Any, message: Any) -> Any:
+        return message(
             outputs=[pb.ItemOutput(seq_id=i.seq_id, token_id=1, seq_len=CTX) for i in items],
             step=pb.StepInfo(phase=pb.PHASE_DECODE, path=pb.PATH_EAGER, num_tokens=len(items)))
 
-    async def prefill(req: pb.PrefillRequest, _: Any) -> pb.StepResponse:
-        return step(req.items)
+    async def prefill(req: pb.PrefillRequest, _: Any) -> pb.PrefillResponse:
+        return step(req.items, pb.PrefillResponse)  # type: ignore[no-any-return]
 
-    async def decode(req: pb.DecodeRequest, _: Any) -> pb.StepResponse:
-        return step(req.items)
+    async def decode(req: pb.DecodeRequest, _: Any) -> pb.DecodeResponse:
+        return step(req.items, pb.DecodeResponse)  # type: ignore[no-any-return]
 
     async def release(req: pb.ReleaseRequest, _: Any) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=len(req.seq_ids))
@@ -136,8 +136,8 @@ async def _echo_serve(port: int) -> None:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "model_executor.v1.Executor", {
-            "Prefill": unary(prefill, pb.PrefillRequest, pb.StepResponse),
-            "Decode": unary(decode, pb.DecodeRequest, pb.StepResponse),
+            "Prefill": unary(prefill, pb.PrefillRequest, pb.PrefillResponse),
+            "Decode": unary(decode, pb.DecodeRequest, pb.DecodeResponse),
             "Release": unary(release, pb.ReleaseRequest, pb.ReleaseResponse)}),))
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("model_executor.v1.Executor",

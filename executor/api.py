@@ -15,6 +15,8 @@ Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this are greedy (see executor/sampling.py for why).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class FallbackReason(str, Enum):
@@ -33,7 +35,8 @@ class FallbackReason(str, Enum):
 class SamplingParams:
     """Per-sequence sampling parameters. The defaults mean "off" (greedy, no filtering).
 
-    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    temperature: 0 (or below ``GREEDY_BELOW_TEMPERATURE``) means greedy (argmax); higher
+        values scale the logits before sampling.
     top_k: keep the k most likely tokens; 0 = off.
     top_p: keep the smallest set whose probability reaches p; 1.0 = off.
     min_p: drop tokens whose probability is below ``min_p * max_prob``; 0.0 = off.
@@ -55,7 +58,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 GREEDY = SamplingParams()

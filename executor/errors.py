@@ -57,21 +57,29 @@ class SequenceNotFound(ExecutorError):
 Resource = Literal["kv_tokens", "sequence_slots"]
 
 
+Shortage = tuple[Resource, int, int]  # (resource, needed, free)
+
+
+def _unit(resource: Resource) -> str:
+    return "KV tokens" if resource == "kv_tokens" else "sequence slots"
+
+
 class OutOfResources(ExecutorError):
     """Not enough KV tokens or sequence slots for the whole call; nothing was allocated.
 
-    Maps to RESOURCE_EXHAUSTED. ``needed`` and ``free`` are in the resource's unit.
+    Maps to RESOURCE_EXHAUSTED. ``needed`` and ``free`` are in the resource's unit; when
+    both resources are short, ``also`` names the second, and ``shortages`` lists every one.
     """
 
-    def __init__(self, resource: Resource, needed: int, free: int) -> None:
+    def __init__(self, resource: Resource, needed: int, free: int,
+                 also: tuple[Shortage, ...] = ()) -> None:
         self.resource: Resource = resource
         self.needed = needed
         self.free = free
-        unit = "KV tokens" if resource == "kv_tokens" else "sequence slots"
-        super().__init__(
-            f"out of {unit}: the call needs {needed}, {free} are free; release finished "
-            "sequences or retry later"
-        )
+        self.shortages: tuple[Shortage, ...] = ((resource, needed, free), *also)
+        short = " and ".join(f"{_unit(r)} (the call needs {n}, {f} are free)"
+                             for r, n, f in self.shortages)
+        super().__init__(f"out of {short}; release finished sequences or retry later")
 
 
 class GraphsUnavailable(ExecutorError):

@@ -119,7 +119,7 @@ class Executor:
         # Every batch's metadata goes to the device through one reused pinned buffer.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
-                             config.decode_batch_limit)
+                             config.decode_batch_limit, kv_tokens=num_tokens)
 
         # -- 5. graph runners (captured by ``capture``, at start-up by the service) ------
         self._graph_modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,

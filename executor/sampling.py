@@ -1,7 +1,11 @@
 """Sampling on the device with per-sequence parameters in one batch.
 
 Order of operations (as in HF ``generate``): temperature, top-k, top-p, min-p, then a draw.
-Greedy rows (temperature 0) take the argmax of the raw logits. Log-probabilities returned
+Greedy rows (temperature 0, or below ``GREEDY_BELOW_TEMPERATURE`` = 1e-5) take the argmax of
+the raw logits. NOTE: float32 logits divided by a temperature under about 3e-38 overflow to
+inf, the softmax turns them into NaN and the draw returned token 0; long before that the
+scaled distribution is one-hot anyway (at 1e-5 a logit gap of 1e-3 is a factor e^100), so
+tiny temperatures are greedy by definition rather than by accident. Log-probabilities returned
 to the caller are those of the raw distribution.
 
 The draw is an exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` picks ``i``
@@ -60,7 +64,8 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p; filtered-out entries become -inf. (B, V) float32."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = _device_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+    # Greedy rows are never drawn from; 1.0 keeps their (unused) row finite.
+    temps = _device_tensor([1.0 if p.is_greedy else p.temperature for p in params],
                            torch.float32, device)
     x = logits / temps[:, None]
     if any(p.top_k > 0 for p in params):

@@ -10,7 +10,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from executor.api import MAX_TOP_LOGPROBS, DecodeItem, PrefillItem, SamplingParams
+from executor.api import (
+    GREEDY_BELOW_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    DecodeItem,
+    PrefillItem,
+    SamplingParams,
+)
 from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
 
 #: Most decode steps one call may run (``num_steps``).
@@ -19,10 +25,28 @@ MAX_DECODE_STEPS = 256
 
 @dataclass(frozen=True)
 class Limits:
+    """What a call may ask for. ``kv_tokens`` is the KV pool's size (None: unbounded): a
+    sequence longer than the pool, or a call needing more tokens than the pool holds, can
+    never fit, so it is INVALID_ARGUMENT (do not retry), not RESOURCE_EXHAUSTED (retry)."""
+
     vocab_size: int
     max_context: int
     max_prefill_tokens: int
     max_decode_batch: int
+    kv_tokens: int | None = None
+
+    @property
+    def servable_context(self) -> int:
+        """The longest sequence that can ever be served: max_context, or the pool if less."""
+        if self.kv_tokens is None:
+            return self.max_context
+        return min(self.max_context, self.kv_tokens)
+
+    def context_limit_text(self) -> str:
+        if self.servable_context == self.max_context:
+            return f"max_context is {self.max_context}"
+        return (f"the KV pool holds {self.kv_tokens} tokens in all (max_context "
+                f"{self.max_context})")
 
 
 def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
@@ -32,7 +56,8 @@ def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
         out.append(FieldViolation(f"{field}.{name}", why))
 
     if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {p.temperature}")
+        bad("temperature", f"must be a finite number >= 0 (0, or under "
+            f"{GREEDY_BELOW_TEMPERATURE:g}, = greedy), got {p.temperature}")
     if p.top_k < 0:
         bad("top_k", f"must be >= 0 (0 = off), got {p.top_k}")
     if not (0.0 < p.top_p <= 1.0):
@@ -90,15 +115,19 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
                     break  # one per item is enough to act on
         out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
         cached = seq_len(it.seq_id) or 0
-        if cached + n > limits.max_context:
+        if cached + n > limits.servable_context:
             too_long.append(FieldViolation(
                 f"items[{i}].token_ids",
                 f"sequence {it.seq_id!r} would reach {cached + n} tokens ({cached} cached + "
-                f"{n} new); max_context is {limits.max_context}"))
+                f"{n} new); {limits.context_limit_text()}"))
     if total > limits.max_prefill_tokens:
         out.append(FieldViolation(
             "items", f"{total} tokens in one call; at most {limits.max_prefill_tokens} "
             "(split the prompt into chunks)"))
+    elif limits.kv_tokens is not None and total > limits.kv_tokens and not too_long:
+        too_long.append(FieldViolation(
+            "items", f"{total} tokens in one call; the KV pool holds {limits.kv_tokens} in "
+            "all, so the call can never fit (send fewer sequences per call)"))
     if out:
         raise InvalidRequest(out + too_long)
     if too_long:
@@ -138,12 +167,12 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
         out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
         if it.seq_id and cached is None:
             unknown.append((it.seq_id, f"items[{i}].seq_id"))
-        elif cached is not None and cached + num_steps > limits.max_context:
+        elif cached is not None and cached + num_steps > limits.servable_context:
             too_long.append(FieldViolation(
                 f"items[{i}].token_id",
-                f"sequence {it.seq_id!r} already holds {cached} tokens; max_context is "
-                f"{limits.max_context}" + (f" ({num_steps} decode steps asked)"
-                                           if num_steps > 1 else "")))
+                f"sequence {it.seq_id!r} already holds {cached} tokens; "
+                f"{limits.context_limit_text()}" + (f" ({num_steps} decode steps asked)"
+                                                    if num_steps > 1 else "")))
     if out:
         raise InvalidRequest(out + too_long)
     if unknown:

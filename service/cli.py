@@ -27,6 +27,11 @@ from service.tls import TlsConfig
 
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
 ADMIN_TOKEN_ENV = "MODEL_EXECUTOR_ADMIN_TOKEN"
+LOG_LEVEL_ENV = "MODEL_EXECUTOR_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Long enough for a health check every few seconds (a scheduler, a load balancer) to see
+# NOT_SERVING before the listener closes; Kubernetes adds its own preStop delay on top.
+DEFAULT_DRAIN_DELAY_S = 5.0
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -84,10 +89,16 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="Prometheus /metrics port (0: any free port, -1: no exporter)")
     net.add_argument("--grace-period", type=float, default=10.0,
                      help="seconds in-flight calls may run after SIGTERM/SIGINT")
-    net.add_argument("--drain-delay", type=float, default=0.0,
-                     help="seconds to report NOT_SERVING before closing the listener")
+    net.add_argument("--drain-delay", type=float, default=DEFAULT_DRAIN_DELAY_S,
+                     help="seconds to report NOT_SERVING (new steps UNAVAILABLE) before "
+                     "closing the listener, so load balancers and schedulers polling health "
+                     "see the drain (0: close at once)")
     net.add_argument("--max-concurrent-rpcs", type=int, default=256,
-                     help="calls in flight at once; more get RESOURCE_EXHAUSTED")
+                     help="calls in flight at once (health probes do not count); more get "
+                     "RESOURCE_EXHAUSTED with reason OVERLOADED")
+    net.add_argument("--max-watch-streams", type=int, default=16,
+                     help="grpc.health.v1 Watch streams open at once per listener; more get "
+                     "RESOURCE_EXHAUSTED")
     net.add_argument("--no-reflection", action="store_true",
                      help="turn gRPC server reflection off")
     net.add_argument("--health-port", type=int, default=None,
@@ -112,14 +123,16 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM)")
     security.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     security.add_argument("--tls-client-ca", type=Path,
-                          help="CA (PEM) that client certificates must chain to")
+                          help="CA (PEM) that client certificates must chain to (only "
+                          "with --require-client-auth)")
     security.add_argument("--require-client-auth", action="store_true",
                           help="mTLS: refuse clients without a certificate from --tls-client-ca")
     security.add_argument("--token-file", help="file holding the token every call needs")
     security.add_argument("--admin-token-file", help="file holding the token Capture needs")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
-    net.add_argument("--log-level", default="INFO",
-                     choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    net.add_argument("--log-level", type=str.upper, default=None,
+                     choices=LOG_LEVELS,
+                     help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)")
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -175,7 +188,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         grace_period_s=args.grace_period, drain_delay_s=args.drain_delay,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_concurrent_rpcs=args.max_concurrent_rpcs, max_watch_streams=args.max_watch_streams,
         reflection=not args.no_reflection, health_port=args.health_port, tls=_tls(args),
         auth=AuthConfig(read_secret(args.token_file, env, TOKEN_ENV),
                         read_secret(args.admin_token_file, env, ADMIN_TOKEN_ENV)),
@@ -202,6 +215,18 @@ def _prepare_named_model(source: str) -> bool:
     return True
 
 
+def log_level(flag: str | None, env: Mapping[str, str]) -> str:
+    """``--log-level``, else ``$MODEL_EXECUTOR_LOG_LEVEL``, else INFO (the flag wins)."""
+    if flag is not None:
+        return flag
+    value = env.get(LOG_LEVEL_ENV, "").strip().upper()
+    if not value:
+        return "INFO"
+    if value not in LOG_LEVELS:
+        raise ValueError(f"${LOG_LEVEL_ENV} is {value!r}; use one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="model-executor",
                                      description="gRPC executor of LLM forward passes")
@@ -221,12 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor_config, server_config = build_configs(args)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
+    try:
+        level = log_level(args.log_level, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not _prepare_named_model(executor_config.model.source):
         return 1
     from service.logs import configure_logging
     from service.server import serve
 
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(args.log_format, level)
     return asyncio.run(serve(executor_config, server_config))
 
 

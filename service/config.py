@@ -48,9 +48,15 @@ class ServerConfig:
         runs no exporter.
     grace_period_s: how long in-flight calls may run after a shutdown signal.
     drain_delay_s: how long to keep answering (health NOT_SERVING, new steps UNAVAILABLE)
-        before the listener closes, so load balancers and the scheduler see the drain.
-    max_concurrent_rpcs: calls in flight at once; more get RESOURCE_EXHAUSTED from gRPC.
-        Executor calls run one at a time anyway, so a deep queue only adds latency.
+        before the listener closes, so load balancers and the scheduler see the drain. The
+        CLI defaults to 5 s (``--drain-delay``); 0 here suits servers embedded in tests.
+    max_concurrent_rpcs: calls in flight at once (steps, Release, Capture, reflection);
+        more get RESOURCE_EXHAUSTED (reason OVERLOADED). Executor calls run one at a time
+        anyway, so a deep queue only adds latency. Health probes (``Health/Check``,
+        ``Executor/Health``) do not count: they always answer (``service/admission.py``).
+    max_watch_streams: ``grpc.health.v1.Health/Watch`` streams open at once, per listener;
+        more get RESOURCE_EXHAUSTED (reason WATCH_STREAMS_EXHAUSTED). Watch needs no token,
+        so this bound keeps anyone from holding the call budget with idle streams.
     health_port: an extra plaintext listener with only ``grpc.health.v1`` (no auth), for
         probes that cannot speak TLS (Kubernetes' native gRPC probe); None: none.
     tls / auth: transport security and bearer tokens (``service/tls.py``, ``service/auth.py``).
@@ -64,6 +70,7 @@ class ServerConfig:
     grace_period_s: float = 10.0
     drain_delay_s: float = 0.0
     max_concurrent_rpcs: int = 256
+    max_watch_streams: int = 16
     reflection: bool = True
     health_port: int | None = None
     tls: TlsConfig | None = None
@@ -84,6 +91,8 @@ class ServerConfig:
             raise ValueError(f"drain delay must be >= 0, got {self.drain_delay_s}")
         if self.max_concurrent_rpcs <= 0:
             raise ValueError("max_concurrent_rpcs must be > 0")
+        if self.max_watch_streams < 0:
+            raise ValueError("max_watch_streams must be >= 0")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health port must be in [0, 65535], got {self.health_port}")
 
@@ -143,8 +152,12 @@ class RequestLimits:
 
 
 def channel_options(limits: RequestLimits) -> list[tuple[str, int]]:
-    """gRPC server options: explicit message limits; keepalive pings every >= 10 s allowed."""
+    """gRPC server options: explicit message limits; keepalive pings every >= 10 s allowed;
+    no SO_REUSEPORT (grpcio sets it by default, so a second server on a busy port would
+    start without error and the kernel would split connections between the two processes:
+    sequences would intermittently be NOT_FOUND)."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limits.max_receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.keepalive_permit_without_calls", 1),

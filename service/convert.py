@@ -133,7 +133,16 @@ def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
     if not request.seq_ids:
         out.add("seq_ids", "must contain at least one seq_id")
     _check_count(len(request.seq_ids), limits.max_release_ids, "seq_ids", "seq_ids", out)
+    first: dict[str, int] = {}
     for i, seq_id in enumerate(request.seq_ids):
+        # The same rules as Prefill and Decode items: non-empty, each id at most once.
+        if not seq_id:
+            out.add(f"seq_ids[{i}]", "must be a non-empty string")
+        elif seq_id in first:
+            out.add(f"seq_ids[{i}]", f"{seq_id!r} appears more than once in one call (also "
+                    f"seq_ids[{first[seq_id]}])")
+        else:
+            first[seq_id] = i
         _check_seq_id(seq_id, f"seq_ids[{i}]", limits, out)
     out.raise_any()
     return list(request.seq_ids)
@@ -177,9 +186,15 @@ def _item_output(item: ItemOutput) -> pb.ItemOutput:
     return msg
 
 
-def step_response(result: StepResult, queue_ms: float, execute_ms: float) -> pb.StepResponse:
+# Prefill and Decode answer with distinct messages of the same fields (executor.proto).
+StepResponse = pb.PrefillResponse | pb.DecodeResponse
+StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
+
+
+def step_response(result: StepResult, queue_ms: float, execute_ms: float,
+                  message: StepResponseType = pb.PrefillResponse) -> StepResponse:
     step = result.step
-    return pb.StepResponse(
+    return message(
         outputs=[_item_output(item) for item in result.outputs],
         step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
                          fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
@@ -212,9 +227,11 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
     if status is None:
         return msg
     m, kv = status.model, status.kv
+    # What can actually be served: a sequence never outgrows the KV pool.
+    max_context = min(m.max_context, kv.total_tokens) if kv.total_tokens > 0 else m.max_context
     msg.model.CopyFrom(pb.ModelInfo(
         name=m.name, architecture=m.architecture, dtype=m.dtype, device=m.device,
-        vocab_size=m.vocab_size, max_context=m.max_context,
+        vocab_size=m.vocab_size, max_context=max_context,
         attention_backend=m.attention_backend))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,

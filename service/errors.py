@@ -20,10 +20,20 @@ from executor.errors import (
     OutOfResources,
     SequenceNotFound,
 )
+from service.admission import Overloaded
 
 DOMAIN = "model_executor.v1"
 SEQUENCE_RESOURCE = "model_executor.v1.Sequence"
 RETRY_AFTER_OUT_OF_RESOURCES_S = 0.1
+
+# Bounds on what one error puts in its trailers. gRPC-core clients (Python, C++, Ruby) drop
+# a response whose metadata exceeds 16 KiB (and, at random, some over 8 KiB) and report
+# RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the real status.
+# With these bounds the message (percent-encoded: 3 bytes per non-ASCII byte at worst) and
+# the details (base64: 4/3) stay under about 5 KiB together, whatever the request held.
+MAX_DETAIL_ITEMS = 10  # field violations / resources listed; the rest are counted
+MAX_DETAIL_CHARS = 160  # one field name, description or resource name
+MAX_MESSAGE_BYTES = 512  # grpc-message, in UTF-8 bytes
 
 
 class Unavailable(Exception):
@@ -32,6 +42,17 @@ class Unavailable(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StartupError(Exception):
+    """The server cannot start (a port in use, ...); the message says what to do. Logged
+    as one line, without a traceback."""
+
+
+class OutcomeUnknown(Exception):
+    """The server stopped waiting for a step that was still running (its grace period
+    ended): the step may have applied. Maps to CANCELLED, whose documented meaning is
+    "outcome unknown"."""
 
 
 class DeadlineExpired(Exception):
@@ -74,33 +95,78 @@ def _retry(seconds: float) -> error_details_pb2.RetryInfo:
     return error_details_pb2.RetryInfo(retry_delay=delay)
 
 
+def _cut(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def bounded_message(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (on a character boundary)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "\u2026"
+
+
+def _more(total: int, shown: int, what: str) -> str:
+    return f" (+{total - shown} more {what} not listed)" if total > shown else ""
+
+
 def _invalid(exc: InvalidRequest) -> status_pb2.Status:
-    bad = error_details_pb2.BadRequest(field_violations=[
-        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-        for v in exc.violations
-    ])
-    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc),
-                             details=_pack(bad))
+    shown = exc.violations[:MAX_DETAIL_ITEMS]
+    violations = [error_details_pb2.BadRequest.FieldViolation(
+        field=_cut(v.field), description=_cut(v.description)) for v in shown]
+    if len(exc.violations) > len(shown):
+        # The last entry counts what was left out, so a client knows the list is partial.
+        violations.append(error_details_pb2.BadRequest.FieldViolation(
+            field="", description=f"{len(exc.violations) - len(shown)} more violations not "
+            f"listed ({len(exc.violations)} in all)"))
+    head = "; ".join(f"{v.field}: {v.description}" for v in violations[:3])
+    message = f"{len(exc.violations)} invalid field(s): {head}" \
+        f"{_more(len(exc.violations), min(3, len(shown)), 'violations')}"
+    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message,
+                             details=_pack(error_details_pb2.BadRequest(
+                                 field_violations=violations)))
 
 
 def _not_found(exc: SequenceNotFound) -> status_pb2.Status:
+    pairs = list(zip(exc.seq_ids, exc.field_names, strict=False))
     infos = [
         error_details_pb2.ResourceInfo(
-            resource_type=SEQUENCE_RESOURCE, resource_name=seq_id,
-            description=f"{field}: no such sequence (never admitted, or already released)")
-        for seq_id, field in zip(exc.seq_ids, exc.field_names, strict=False)
+            resource_type=SEQUENCE_RESOURCE, resource_name=_cut(seq_id),
+            description=f"{_cut(field, 40)}: no such sequence (never admitted, or already "
+                        "released)")
+        for seq_id, field in pairs[:MAX_DETAIL_ITEMS]
     ]
-    return status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc), details=_pack(*infos))
+    total = len(exc.seq_ids)
+    info = error_details_pb2.ErrorInfo(reason="SEQUENCE_NOT_FOUND", domain=DOMAIN,
+                                       metadata={"unknown_seq_ids": str(total)})
+    named = ", ".join(repr(_cut(s, 40)) for s in exc.seq_ids[:3])
+    message = (f"{total} unknown seq_id(s): {named}{_more(total, min(3, total), 'ids')}; "
+               "decode only continues sequences admitted by Prefill and not yet released")
+    return status_pb2.Status(code=code_pb2.NOT_FOUND, message=message,
+                             details=_pack(*infos, info))
 
 
 def _exhausted(exc: OutOfResources) -> status_pb2.Status:
-    quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
-        subject=exc.resource, description=f"needed {exc.needed}, free {exc.free}")])
+    # One violation per short resource; ErrorInfo names the first (KV tokens when both).
+    quota = error_details_pb2.QuotaFailure(violations=[
+        error_details_pb2.QuotaFailure.Violation(subject=resource,
+                                                 description=f"needed {needed}, free {free}")
+        for resource, needed, free in exc.shortages])
     info = error_details_pb2.ErrorInfo(
         reason=f"{exc.resource.upper()}_EXHAUSTED", domain=DOMAIN,
         metadata={"resource": exc.resource, "needed": str(exc.needed), "free": str(exc.free)})
     return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc),
                              details=_pack(quota, info, _retry(RETRY_AFTER_OUT_OF_RESOURCES_S)))
+
+
+def _overloaded(exc: Overloaded) -> status_pb2.Status:
+    reason = "WATCH_STREAMS_EXHAUSTED" if exc.kind == "watch" else "OVERLOADED"
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata={
+        "kind": exc.kind, "limit": str(exc.limit)})
+    return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc),
+                             details=_pack(info, _retry(exc.retry_after_s)))
 
 
 def _graphs_unavailable(exc: GraphsUnavailable) -> status_pb2.Status:
@@ -118,6 +184,11 @@ def _unavailable(exc: Unavailable) -> status_pb2.Status:
 
 def _deadline(exc: DeadlineExpired) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc))
+
+
+def _outcome_unknown(exc: OutcomeUnknown) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="STEP_OUTCOME_UNKNOWN", domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.CANCELLED, message=str(exc), details=_pack(info))
 
 
 def _undecodable(exc: DecodeError) -> status_pb2.Status:
@@ -148,9 +219,11 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (InvalidRequest, _invalid),  # includes ContextLengthExceeded
     (SequenceNotFound, _not_found),
     (OutOfResources, _exhausted),
+    (Overloaded, _overloaded),
     (GraphsUnavailable, _graphs_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
+    (OutcomeUnknown, _outcome_unknown),
     (Unauthenticated, _unauthenticated),
     (PermissionDenied, _permission_denied),
     (ResponseExpired, _expired),
@@ -162,7 +235,9 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
     """The status for ``exc``; anything not in the table is a bug and maps to INTERNAL."""
     for cls, build in _TABLE:
         if isinstance(exc, cls):
-            return build(exc)
+            status = build(exc)
+            status.message = bounded_message(status.message)
+            return status
     info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=DOMAIN,
                                        metadata={"request_id": request_id})
     return status_pb2.Status(
@@ -170,6 +245,16 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
         message=f"internal error ({type(exc).__name__}); request_id={request_id} in the "
         "server log has the traceback",
         details=_pack(info))
+
+
+def reason_of(status: status_pb2.Status) -> str:
+    """The ``ErrorInfo`` reason among ``status``'s details ("" if none)."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    return ""
 
 
 def is_expected(exc: BaseException) -> bool:

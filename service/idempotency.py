@@ -32,6 +32,7 @@ from google.protobuf.message import Message
 
 from executor.errors import FieldViolation, InvalidRequest
 from service.config import RetryCacheConfig
+from service.convert import StepResponse
 from service.errors import ResponseExpired
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
@@ -72,7 +73,7 @@ def digest(method: str, request: Message) -> bytes:
 @dataclass
 class _Entry:
     digest: bytes
-    response: pb.StepResponse
+    response: StepResponse
     seq_ids: tuple[str, ...]
     size: int
 
@@ -103,7 +104,7 @@ class ResponseCache:
         with self._lock:
             return len(self._entries), self._bytes
 
-    def get(self, key: Key) -> pb.StepResponse | None:
+    def get(self, key: Key) -> StepResponse | None:
         """The original response of a retry; None for a call not seen (or not succeeded).
 
         Raises RequestIdReused for a different call under a used id, ResponseExpired for a
@@ -122,7 +123,7 @@ class ResponseCache:
             raise RequestIdReused(key.request_id)
         raise ResponseExpired(key.request_id, _WHY[forgotten[1]])
 
-    def put(self, key: Key, seq_ids: Iterable[str], response: pb.StepResponse) -> None:
+    def put(self, key: Key, seq_ids: Iterable[str], response: StepResponse) -> None:
         """Keep the response of a call that succeeded, then enforce the bounds."""
         size = response.ByteSize() + len(key.request_id) + _ENTRY_OVERHEAD_BYTES
         evicted: list[str] = []

@@ -6,6 +6,10 @@ out either records OK or turns the exception into a gRPC status with google.rpc 
 (``service/errors.py``), logging bugs with their traceback. It ends with one summary line
 per RPC. Servicers therefore never catch or abort themselves.
 
+````ServiceInterceptor`` is also where admission happens (``service/admission.py``): each
+kind of call (probe, watch stream, other call) counts against its own budget, so that
+neither long-lived streams nor queued steps can starve the health probes.
+
 ``ParseInterceptor`` (innermost): a unary request that is not valid protobuf for its method
 reaches the handler as ``Malformed`` and fails with INVALID_ARGUMENT inside the boundary,
 instead of gRPC's own UNKNOWN before any interceptor sees it (not logged, not counted).
@@ -18,7 +22,8 @@ import inspect
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -27,6 +32,7 @@ import structlog
 
 from executor.errors import FieldViolation, InvalidRequest
 from service import errors
+from service.admission import Admission, Kind, kind_of
 from service.stats import StatsRecorder
 
 log = structlog.get_logger(__name__)
@@ -47,7 +53,34 @@ QUIET_RPCS = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Wa
                         "grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
                         "model_executor.v1.Executor/Health"})
 
+# Refusals by auth are logged at WARNING (probing a service without credentials is worth
+# an operator's attention), at most once per interval per method and code, with a count of
+# the lines held back, so a scanner cannot flood the log.
+AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+AUTH_LOG_INTERVAL_S = 10.0
+
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+class RateLimiter:
+    """``allow(key)``: the count of events held back for ``key`` since the last one allowed,
+    or None to hold this one back. At most one event per ``interval_s`` per key; keys come
+    from small fixed sets (method, code)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval_s
+        self._clock = clock
+        self._last: dict[Any, float] = {}
+        self._held: dict[Any, int] = {}
+
+    def allow(self, key: Any) -> int | None:
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
 
 
 @dataclass
@@ -86,10 +119,26 @@ class _HandlerCache:
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, recorder: StatsRecorder,
-                 on_fatal: Callable[[BaseException], Awaitable[None]]) -> None:
+                 on_fatal: Callable[[BaseException], Awaitable[None]],
+                 admission: Admission | None = None) -> None:
         self._recorder = recorder
         self._on_fatal = on_fatal
+        self._admission = admission
         self._handlers = _HandlerCache(self._wrap)
+        self._auth_log = RateLimiter(AUTH_LOG_INTERVAL_S)
+
+    @contextmanager
+    def _admitted(self, kind: Kind) -> Iterator[None]:
+        """Hold a slot of ``kind`` for the call (raises ``Overloaded`` over the budget)."""
+        admission = self._admission
+        if admission is None:
+            yield
+            return
+        admission.enter(kind)
+        try:
+            yield
+        finally:
+            admission.leave(kind)
 
     async def intercept_service(
         self,
@@ -105,11 +154,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         """``handler`` inside the error boundary; ``full`` is "/pkg.Service/Method"."""
         service, _, method = full.lstrip("/").partition("/")
         args = (handler.request_deserializer, handler.response_serializer)
+        kind = kind_of(full)
 
         def wrap(behavior: Behavior, rpc_type: str) -> Behavior:
             if inspect.isasyncgenfunction(behavior):
-                return self._stream(behavior, service, method, rpc_type)
-            return self._unary(behavior, service, method, rpc_type)
+                return self._stream(behavior, service, method, rpc_type, kind)
+            return self._unary(behavior, service, method, rpc_type, kind)
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, "unary"), *args)
@@ -123,12 +173,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             wrap(handler.stream_stream, "bidi_stream"), *args)
 
     # -- wrappers -----------------------------------------------------------------------
-    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str
-               ) -> Behavior:
+    def _unary(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+               kind: Kind) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = self._begin(service, method, rpc_type, request, context)
             try:
-                response = await behavior(request, context)
+                with self._admitted(kind):
+                    response = await behavior(request, context)
             except BaseException as exc:
                 await self._fail(call, exc, context)
             self._finish(call, grpc.StatusCode.OK, context)
@@ -136,14 +187,15 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str
-                ) -> Behavior:
+    def _stream(self, behavior: Behavior, service: str, method: str, rpc_type: str,
+                kind: Kind) -> Behavior:
         async def handle(request: Any, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Any]:
             call = self._begin(service, method, rpc_type, request, context)
             try:
-                async for response in behavior(request, context):
-                    yield response
+                with self._admitted(kind):
+                    async for response in behavior(request, context):
+                        yield response
             except GeneratorExit:  # the client went away; nothing may be awaited here
                 self._end(call, grpc.StatusCode.CANCELLED)
                 raise
@@ -173,13 +225,27 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._end(call, code)
 
     def _end(self, call: _Call, code: grpc.StatusCode,
-             exc: BaseException | None = None) -> None:
+             exc: BaseException | None = None, status: Any = None) -> None:
+        """Record and log the call's outcome. ``exc``: a bug (logged with its traceback);
+        ``status``: the google.rpc.Status of an expected error (its reason and message go
+        into the line, so a refusal can be understood from the log alone)."""
         seconds = time.perf_counter() - call.started
         self._recorder.rpc_handled(call.service, call.method, call.rpc_type, code, seconds)
         fields: dict[str, Any] = {"code": code.name, "duration_ms": round(seconds * 1e3, 3)}
+        if status is not None:
+            reason = errors.reason_of(status)
+            if reason:
+                fields["reason"] = reason
+            fields["message"] = status.message
         if exc is not None:
             log.error("rpc", **fields, exc_info=exc)
-        elif f"{call.service}/{call.method}" in QUIET_RPCS:
+            return
+        if code in AUTH_CODES:
+            held = self._auth_log.allow((call.service, call.method, code))
+            if held is not None:
+                log.warning("auth_refused", **fields, held_back=held,
+                            every_s=AUTH_LOG_INTERVAL_S)
+        if f"{call.service}/{call.method}" in QUIET_RPCS:
             log.debug("rpc", **fields)
         else:
             log.info("rpc", **fields)
@@ -200,7 +266,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._recorder.error(exc)
         if errors.is_fatal_device_error(exc):
             await self._on_fatal(exc)
-        self._end(call, code, None if errors.is_expected(exc) else exc)
+        expected = errors.is_expected(exc)
+        self._end(call, code, None if expected else exc, status if expected else None)
         await context.abort(code, status.message, trailing_metadata=(
             ("grpc-status-details-bin", status.SerializeToString()),
             (REQUEST_ID_HEADER, _metadata_value(call.request_id)),

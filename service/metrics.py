@@ -25,6 +25,8 @@ PATHS = ("graph", "eager")
 CAPTURE_FAILURE_REASONS = ("oom", "error")
 ALLOCATION_RESOURCES = ("kv_tokens", "sequence_slots")
 STEP_METHODS = ("Prefill", "Decode")
+OVERLOAD_KINDS = ("call", "watch")  # service/admission.py LIMITED_KINDS
+CALL_KINDS = ("probe", "watch", "call")  # service/admission.py KINDS
 RETRY_EVICTION_REASONS = ("capacity", "bytes", "sequence", "release", "too_large")
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
@@ -81,6 +83,17 @@ class Metrics:
         self.kv_allocation_failures = Counter(p + "kv_allocation_failures", "Calls refused "
                                               "for lack of KV tokens or sequence slots",
                                               ["resource"], registry=r)
+        # -- admission and the executor queue (service/admission.py, worker.py) ---------
+        self.overload_refusals = Counter(p + "overload_refusals", "Calls refused because "
+                                         "their kind's in-flight budget was full (not KV "
+                                         "exhaustion)", ["kind"], registry=r)
+        self.calls_in_flight = Gauge(p + "calls_in_flight", "Calls in flight on the main "
+                                     "listener, by admission kind", ["kind"], registry=r)
+        self.queue_depth = Gauge(p + "executor_queue_depth", "Executor calls queued or "
+                                 "running (saturation: above 1, calls wait)", registry=r)
+        self.queue_wait_seconds = Histogram(
+            p + "executor_queue_wait_seconds", "Time a call waited for the executor thread "
+            "before it started", buckets=STEP_BUCKETS, registry=r)
         # -- idempotent retries (service/idempotency.py) --------------------------------
         self.retry_replays = Counter(p + "retry_cache_hits", "Retries answered with the "
                                      "original call's response (nothing run)", ["method"],
@@ -126,6 +139,10 @@ class Metrics:
             self.kv_slots.labels(state)
         for resource in ALLOCATION_RESOURCES:
             self.kv_allocation_failures.labels(resource)
+        for kind in OVERLOAD_KINDS:
+            self.overload_refusals.labels(kind)
+        for kind in CALL_KINDS:
+            self.calls_in_flight.labels(kind)
         for method in STEP_METHODS:
             self.retry_replays.labels(method)
         for reason in RETRY_EVICTION_REASONS:

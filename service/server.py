@@ -9,14 +9,21 @@ UNAVAILABLE until READY):
     CAPTURING  capture CUDA graphs for the enabled phases (if asked to at start-up)
     READY      readiness SERVING
 
-Shutdown: DRAINING (health NOT_SERVING, new steps UNAVAILABLE) -> after the drain delay
-the listener closes (new calls UNAVAILABLE from gRPC) -> in-flight calls finish within the
-grace period -> the executor thread and the exporter stop.
+Shutdown (every bound is a flag; docs/reliability.md has the timeline):
+
+    t=0                DRAINING: health NOT_SERVING, new steps UNAVAILABLE (nothing applied)
+    t=drain            the listener closes (new connections refused)
+    t=drain..+grace    calls in flight, queued or running, finish and get their real answer
+    t=drain+grace      calls still queued: UNAVAILABLE, nothing applied; the call whose step
+                       still runs: CANCELLED, reason STEP_OUTCOME_UNKNOWN (it may apply)
+    then               the executor thread and the exporter stop; the process exits at once
+                       (a step still running is not waited for: its KV dies with the process)
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -25,21 +32,23 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
 from executor.config import ExecutorConfig
-from executor.errors import GraphsUnavailable
+from executor.errors import ConfigError, GraphsUnavailable, ModelLoadError
 from service import __version__
+from service.admission import Admission, Kind
 from service.auth import AuthInterceptor
 from service.config import RequestLimits, ServerConfig, channel_options
+from service.errors import StartupError
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
 from service.idempotency import ResponseCache
 from service.interceptors import ParseInterceptor, ServiceInterceptor
 from service.metrics import Exporter, Metrics, start_exporter
+from service.reflection import enable_reflection
 from service.servicer import ExecutorServicer
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
@@ -49,7 +58,6 @@ log = structlog.get_logger(__name__)
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Executor"].full_name,
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-    reflection.SERVICE_NAME,
 )
 
 ExecutorFactory = Callable[[], ExecutorLike]
@@ -89,7 +97,9 @@ class ExecutorServer:
         self.limits = RequestLimits.from_executor(executor_config)
         self.metrics = Metrics(registry or _process_registry(), fallback_reasons())
         self.recorder = StatsRecorder(self.metrics)
-        self.worker = ExecutorWorker(on_fatal=self._fatal_seen)
+        self.worker = ExecutorWorker(on_fatal=self._fatal_seen,
+                                     on_wait=self.recorder.queue_wait)
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)
         self.lifecycle = Lifecycle(health_aio.HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
@@ -101,6 +111,8 @@ class ExecutorServer:
         self._health_server: grpc.aio.Server | None = None
         self.exporter: Exporter | None = None
         self.boot_error: BaseException | None = None
+        # True when the stop left a step running on the executor thread (grace over).
+        self.step_abandoned = False
         self._server: grpc.aio.Server | None = None
         self._boot_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Future[None] | None = None
@@ -115,27 +127,30 @@ class ExecutorServer:
         await self.lifecycle.publish()
         config = self.config
         # The service interceptor is outermost: auth refusals are logged and counted too.
+        # It also admits calls by kind (service/admission.py); gRPC's own
+        # maximum_concurrent_rpcs is not set: it would count probes with everything else.
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal),
+            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
+                                             self._admission(self.recorder.calls_in_flight)),
                           AuthInterceptor(config.auth), ParseInterceptor()],
-            options=channel_options(self.limits),
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+            options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         if config.reflection:
-            reflection.enable_server_reflection(SERVICE_NAMES, server)
-        if config.tls is not None:
-            self.port = server.add_secure_port(config.address, config.tls.server_credentials())
-        else:
-            self.port = server.add_insecure_port(config.address)
+            enable_reflection(SERVICE_NAMES, server)  # v1 and v1alpha
+        credentials = config.tls.server_credentials() if config.tls is not None else None
+        self.port = _bind(server, config.address, "--port", credentials)
         await server.start()
         self._server = server
-        if config.health_port is not None:
-            self._health_server = await self._start_health_listener(config.health_port)
+        try:
+            if config.health_port is not None:
+                self._health_server = await self._start_health_listener(config.health_port)
+            if self.config.metrics_port is not None:
+                self.exporter = self._start_exporter(self.config.metrics_port)
+        except StartupError:
+            await self._close_listeners()
+            raise
         self._warn_if_exposed()
-        if self.config.metrics_port is not None:
-            self.exporter = start_exporter(self.metrics.registry, self.config.host,
-                                           self.config.metrics_port)
         self.metrics.set_build_info(__version__)
         executor_service = pb.DESCRIPTOR.services_by_name["Executor"]
         self.metrics.touch_rpcs(executor_service.full_name,
@@ -145,14 +160,34 @@ class ExecutorServer:
     async def _start_health_listener(self, port: int) -> grpc.aio.Server:
         """Plaintext ``grpc.health.v1`` only, for probes that cannot do TLS or tokens."""
         server = grpc.aio.server(interceptors=[ServiceInterceptor(self.recorder,
-                                                                  self._on_fatal),
+                                                                  self._on_fatal,
+                                                                  self._admission()),
                                                ParseInterceptor()],
-                                 options=channel_options(self.limits),
-                                 maximum_concurrent_rpcs=16)
+                                 options=channel_options(self.limits))
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
-        self.health_port = server.add_insecure_port(self.config.address_of(port))
+        self.health_port = _bind(server, self.config.address_of(port), "--health-port")
         await server.start()
         return server
+
+    def _start_exporter(self, port: int) -> Exporter:
+        try:
+            return start_exporter(self.metrics.registry, self.config.host, port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {self.config.address_of(port)}: "
+                f"{exc.strerror or exc}; stop what holds the port or choose another "
+                "--metrics-port (-1: no exporter)") from None
+
+    async def _close_listeners(self) -> None:
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(0)
+        self._server = self._health_server = None
+
+    def _admission(self, on_change: Callable[[Kind, int], None] | None = None) -> Admission:
+        """Fresh budgets for one listener (``on_change``: the main one's gauge)."""
+        return Admission(self.config.max_concurrent_rpcs, self.config.max_watch_streams,
+                         on_change)
 
     def _warn_if_exposed(self) -> None:
         config = self.config
@@ -184,7 +219,11 @@ class ExecutorServer:
             await self.lifecycle.set(State.READY)
         except Exception as exc:
             self.boot_error = exc
-            log.error("boot_failed", exc_info=exc)
+            if isinstance(exc, (ConfigError, ModelLoadError)):
+                # The operator's to fix, and the message says what: one line, no traceback.
+                log.error("boot_failed", error=str(exc), error_type=type(exc).__name__)
+            else:
+                log.error("boot_failed", exc_info=exc)
             await self.lifecycle.set(State.UNHEALTHY, f"start-up failed: {exc}")
         finally:
             self._booted.set()
@@ -230,22 +269,54 @@ class ExecutorServer:
                  pending_calls=self.worker.pending)
         if self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
+        closing: asyncio.Future[None] | None = None
         if self._server is not None:
-            await self._server.stop(grace)
+            # Closes the listener now; RPCs still active a second after the grace period
+            # (only streams such as Health/Watch by then) are cancelled by gRPC.
+            closing = asyncio.ensure_future(self._server.stop(grace + 1.0))
+        idle = self.worker.executor is None or await self.worker.wait_idle(grace)
+        if not idle:
+            # Answer every waiting caller truthfully (service/worker.py); never make them
+            # wait on a step that may outlast the pod's termination budget.
+            log.warning("grace_period_over", grace_s=grace, pending_calls=self.worker.pending)
+            self.step_abandoned = self.worker.pending > 0
+            self.worker.abandon()
+        if self._server is not None:
+            await self._server.stop(0.5)  # the answers above go out; Watch streams end
+        if closing is not None:
+            await closing
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()  # a construction under way still runs to its end
-        await asyncio.to_thread(self.worker.shutdown)
+        await asyncio.to_thread(self.worker.shutdown, not self.step_abandoned)
         if self.exporter is not None:
             self.exporter.close()
-        log.info("stopped")
+        log.info("stopped", step_abandoned=self.step_abandoned)
+
+
+def _bind(server: grpc.aio.Server, address: str, flag: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port; a port that cannot be bound is a one-line ``StartupError``."""
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpcio says only "Failed to bind to address ..."
+        raise StartupError(
+            f"cannot listen on {address}: the port is in use (another model-executor?) or "
+            f"the address is not on this host; stop the other process or choose another "
+            f"{flag}") from None
 
 
 async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     """Run a server until SIGTERM/SIGINT; the exit code (1 if start-up failed)."""
     server = ExecutorServer(executor_config, config)
-    await server.start()
+    try:
+        await server.start()
+    except StartupError as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
     metrics = (f"http://{config.address.rsplit(':', 1)[0]}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else None)
     log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",
@@ -266,4 +337,10 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     log.info("signal_received")
     await server.stop()
     booted.cancel()
+    if server.step_abandoned:
+        # The executor thread cannot be interrupted, and the interpreter would join it at
+        # exit; the grace period is the bound the operator set, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -97,26 +97,28 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     # -- RPCs ---------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> pb.StepResponse:
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         structlog.contextvars.bind_contextvars(
             items=len(request.items), tokens=sum(len(it.token_ids) for it in request.items))
         return await self._step(
             "Prefill", self._cache.key("Prefill", request),
             lambda: convert.prefill_items(request, self._limits),
-            lambda ex, items: ex.prefill(items), context)
+            lambda ex, items: ex.prefill(items), pb.PrefillResponse, context)
 
     async def Decode(self, request: pb.DecodeRequest,
-                     context: grpc.aio.ServicerContext) -> pb.StepResponse:
+                     context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
         structlog.contextvars.bind_contextvars(items=len(request.items),
                                                tokens=len(request.items))
         return await self._step(
             "Decode", self._cache.key("Decode", request),
             lambda: convert.decode_items(request, self._limits),
-            lambda ex, items: ex.decode(items, convert.decode_steps(request)), context)
+            lambda ex, items: ex.decode(items, convert.decode_steps(request)),
+            pb.DecodeResponse, context)
 
     async def _step(self, method: str, key: Key | None, items_of: Callable[[], list[Item]],
                     call: Callable[[ExecutorLike, list[Item]], StepResult],
-                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
+                    message: convert.StepResponseType,
+                    context: grpc.aio.ServicerContext) -> Any:
         # A retry whose original finished is answered at once, in any state: it runs nothing.
         cached = self._cache.get(key) if key is not None else None
         if cached is not None:
@@ -125,7 +127,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         items = items_of()
         submitted = time.perf_counter()
 
-        def run(ex: ExecutorLike) -> tuple[pb.StepResponse, bool] | Future[Any]:
+        def run(ex: ExecutorLike) -> tuple[convert.StepResponse, bool] | Future[Any]:
             if key is not None and (original := self._cache.get(key)) is not None:
                 return original, True  # the original ran while this retry waited
             if key is not None and (launched := self._inflight.get(key)) is not None:
@@ -135,7 +137,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
             execute_s = time.perf_counter() - started
             response = convert.step_response(result, (started - submitted) * 1e3,
-                                             execute_s * 1e3)
+                                             execute_s * 1e3, message)
             if key is not None:
                 self._cache.put(key, [it.seq_id for it in items], response)
             self._recorder.step(result.step, len(items), execute_s)
@@ -155,9 +157,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if replayed:
             return self._replayed(method, response)
         structlog.contextvars.bind_contextvars(path=convert.PATH_NAMES[response.step.path])
+        if response.step.fallback_reason:
+            structlog.contextvars.bind_contextvars(
+                fallback_reason=response.step.fallback_reason)
         return response
 
-    def _replayed(self, method: str, response: pb.StepResponse) -> pb.StepResponse:
+    def _replayed(self, method: str, response: convert.StepResponse
+                  ) -> convert.StepResponse:
         structlog.contextvars.bind_contextvars(replayed=True)
         self._recorder.retry_replayed(method)
         return response

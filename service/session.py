@@ -54,17 +54,17 @@ class InflightSteps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._steps: dict[Key, concurrent.futures.Future[pb.StepResponse | None]] = {}
+        self._steps: dict[Key, concurrent.futures.Future[convert.StepResponse | None]] = {}
 
     def add(self, key: Key) -> None:
         with self._lock:
             self._steps[key] = concurrent.futures.Future()
 
-    def get(self, key: Key) -> concurrent.futures.Future[pb.StepResponse | None] | None:
+    def get(self, key: Key) -> concurrent.futures.Future[convert.StepResponse | None] | None:
         with self._lock:
             return self._steps.get(key)
 
-    def resolve(self, key: Key, response: pb.StepResponse | None) -> None:
+    def resolve(self, key: Key, response: convert.StepResponse | None) -> None:
         with self._lock:
             future = self._steps.pop(key, None)
         if future is not None:
@@ -165,7 +165,7 @@ class SessionStream:
             return _error(entry.step, exc)
         return self._respond(entry, result)
 
-    def _resolve(self, entry: _Entry, response: pb.StepResponse | None) -> None:
+    def _resolve(self, entry: _Entry, response: convert.StepResponse | None) -> None:
         if entry.key is not None:
             self._inflight.resolve(entry.key, response)
 
@@ -180,7 +180,9 @@ class SessionStream:
 
     def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
         execute_s = time.perf_counter() - entry.launched_at
-        response = convert.step_response(result, 0.0, execute_s * 1e3)
+        response = convert.step_response(
+            result, 0.0, execute_s * 1e3,
+            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse)
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
         self._resolve(entry, response)
@@ -327,8 +329,8 @@ class SessionStream:
         self._update_kv(ex.kv_stats())
 
 
-def _stepped(step: int, op: str, response: pb.StepResponse) -> pb.SessionResponse:
-    if op == "prefill":
+def _stepped(step: int, op: str, response: convert.StepResponse) -> pb.SessionResponse:
+    if isinstance(response, pb.PrefillResponse):
         return pb.SessionResponse(step=step, prefill=response)
     return pb.SessionResponse(step=step, decode=response)
 

@@ -11,6 +11,7 @@ import grpc
 
 from executor.api import GraphStatus, KVStats, ModelInfo, Phase, PhaseCapture, StepInfo
 from executor.errors import OutOfResources
+from service.admission import Overloaded
 from service.metrics import ALLOCATION_RESOURCES, Metrics
 
 OTHER = "other"
@@ -77,8 +78,18 @@ class StatsRecorder:
                     m.graph_capture_failures.labels(p.phase, reason).inc()
 
     def error(self, exc: BaseException) -> None:
-        if isinstance(exc, OutOfResources) and exc.resource in ALLOCATION_RESOURCES:
-            self.metrics.kv_allocation_failures.labels(exc.resource).inc()
+        if isinstance(exc, OutOfResources):
+            for resource, _, _ in exc.shortages:
+                if resource in ALLOCATION_RESOURCES:
+                    self.metrics.kv_allocation_failures.labels(resource).inc()
+        elif isinstance(exc, Overloaded):
+            self.metrics.overload_refusals.labels(exc.kind).inc()
+
+    def calls_in_flight(self, kind: str, count: int) -> None:
+        self.metrics.calls_in_flight.labels(kind).set(count)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.metrics.queue_wait_seconds.observe(seconds)
 
     def retry_cache(self, entries: int, size_bytes: int) -> None:
         self.metrics.retry_entries.set(entries)

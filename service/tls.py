@@ -6,15 +6,18 @@ Modes, from the flags (``model-executor serve``):
 |-------------------------------------------------|--------------------------------------|
 | none                                            | plaintext (fine on 127.0.0.1)        |
 | ``--tls-cert --tls-key``                        | TLS: the client checks the server    |
-| ... ``--tls-client-ca``                         | TLS; a client certificate is optional |
-|                                                 | (checked against the CA when sent)   |
 | ... ``--tls-client-ca --require-client-auth``   | mTLS: every client needs one         |
+
+``--tls-client-ca`` alone is refused: gRPC Python can only *request* an optional client
+certificate without verifying it (``GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_BUT_DONT_VERIFY``),
+so a certificate from any CA would have been accepted while the flag promised a check.
 
 Files are read once, at start-up, so a bad path is a start-up error, not a failed call.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +49,16 @@ class TlsConfig:
         if self.require_client_auth and self.client_ca is None:
             raise ValueError("--require-client-auth needs --tls-client-ca (the CA that signs "
                              "client certificates)")
+        if self.client_ca is not None and not self.require_client_auth:
+            raise ValueError("--tls-client-ca needs --require-client-auth: gRPC cannot verify "
+                             "an optional client certificate, so without it a certificate "
+                             "from any CA would be accepted; add --require-client-auth (mTLS) "
+                             "or drop --tls-client-ca")
         for path, what in ((self.cert, "TLS certificate"), (self.key, "TLS key"),
                            (self.client_ca, "client CA")):
             if path is not None:
                 _read(path, what)
+        _check_pair(self.cert, self.key)
 
     @property
     def mode(self) -> str:
@@ -60,6 +69,23 @@ class TlsConfig:
         ca = _read(self.client_ca, "client CA") if self.client_ca is not None else None
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                            require_client_auth=self.require_client_auth)
+
+
+def _check_pair(cert: Path, key: Path) -> None:
+    """Refuse a certificate and key that do not load or do not belong together (gRPC says
+    only "Failed to bind to address" for them)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback that returns nothing: an encrypted key fails, never prompts.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            raise ValueError(f"the TLS key {str(key)!r} does not match the certificate "
+                             f"{str(cert)!r}: pass the key the certificate was issued "
+                             "for") from None
+        raise ValueError(f"cannot load the TLS certificate {str(cert)!r} with the key "
+                         f"{str(key)!r} ({exc.reason or exc}): both must be PEM, the key "
+                         "unencrypted") from None
 
 
 def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None

@@ -10,6 +10,12 @@ a fatal device error (the device cannot be trusted any more: UNAVAILABLE, nothin
 A call that has started always runs to its end (a step cannot be interrupted); if its caller
 has gone, its result is dropped here, so work that must survive that (keeping a response for
 a retry, metrics) belongs inside the call itself.
+
+At shutdown, once the grace period is over, ``close_queue`` makes every call that has not
+started refuse (UNAVAILABLE, nothing applied) and ``abandon`` answers the callers still
+waiting: UNAVAILABLE for a call that never started, ``OutcomeUnknown`` for the one whose
+step is still running (it may apply after the answer; the caller is never told "not
+applied" for it).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from executor.api import (
 )
 from executor.config import ExecutorConfig
 from executor.steps import PendingStep
-from service.errors import DeadlineExpired, Unavailable, is_fatal_device_error
+from service.errors import DeadlineExpired, OutcomeUnknown, Unavailable, is_fatal_device_error
 
 T = TypeVar("T")
 
@@ -76,15 +82,20 @@ class ExecutorWorker:
     """Runs functions of the executor, one at a time, on one thread.
 
     ``on_fatal`` is called on the event loop when a call fails with a fatal device error,
-    also when that call's caller is gone.
+    also when that call's caller is gone. ``on_wait`` gets, on the worker thread, how long
+    each call waited in the queue.
     """
 
-    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None,
+                 on_wait: Callable[[float], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
         self._executor: ExecutorLike | None = None
         self._on_fatal = on_fatal
+        self._on_wait = on_wait  # seconds each call waited before it started (a metric)
         self._lock = threading.Lock()
         self._pending = 0
+        self._closing = False  # set by close_queue: calls not started refuse
+        self._abandoned: asyncio.Future[None] | None = None  # done once abandon() ran
         self.failure: BaseException | None = None  # the fatal device error, once seen
 
     @property
@@ -119,14 +130,22 @@ class ExecutorWorker:
         ctx = contextvars.copy_context()  # request_id etc. reach logs from the thread
         submitted = time.perf_counter()
 
+        began = threading.Event()  # the job has run its checks (it may be in the step)
+
         def job() -> tuple[T, float, float]:
             started = time.perf_counter()
+            if self._on_wait is not None:
+                self._on_wait(started - submitted)
+            if self._closing:
+                raise Unavailable("the server stopped before this call started; nothing "
+                                  "was applied")
             if self.failure is not None:
                 raise Unavailable("the device failed during an earlier call and cannot be "
                                   f"trusted ({self.failure}); nothing was applied")
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExpired("the deadline passed while the call waited for the "
                                       "executor; nothing was applied")
+            began.set()
             try:
                 value = ctx.run(fn, executor)
             except BaseException as exc:
@@ -145,9 +164,42 @@ class ExecutorWorker:
             self._finished(None)
             raise
         future.add_done_callback(self._finished)  # also for a call dropped from the queue
-        # Cancelling the await cancels ``future`` only while it is queued (see above).
-        value, started, ended = await asyncio.wrap_future(future, loop=loop)
+        wrapped = asyncio.wrap_future(future, loop=loop)
+        if self._abandoned is None:
+            self._abandoned = loop.create_future()
+        try:
+            await asyncio.wait((wrapped, self._abandoned), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            wrapped.cancel()  # cancels ``future`` only while it is queued (see above)
+            raise
+        if not wrapped.done():  # abandoned at shutdown
+            wrapped.cancel()
+            if began.is_set():
+                raise OutcomeUnknown("the server's grace period ended while this call's step "
+                                     "was still running; it may still apply")
+            raise Unavailable("the server stopped before this call started; nothing was "
+                              "applied")
+        value, started, ended = wrapped.result()
         return Timed(value, (started - submitted) * 1e3, (ended - started) * 1e3)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call is queued or running, at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._pending > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def close_queue(self) -> None:
+        """From now on, calls that have not started refuse (nothing applied)."""
+        self._closing = True
+
+    def abandon(self) -> None:
+        """Answer every caller still waiting (see the module docstring); on the loop."""
+        self._closing = True
+        if self._abandoned is not None and not self._abandoned.done():
+            self._abandoned.set_result(None)
 
     def _finished(self, _: object) -> None:
         with self._lock:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor.api import SamplingParams
 from executor.sampling import Sampler, apply_filters, exponential_noise
@@ -110,3 +112,55 @@ def test_exponential_noise_is_deterministic_and_exp1() -> None:
     a, b = exponential_noise(keys, 5000), exponential_noise(keys, 5000)
     assert torch.equal(a, b) and (a > 0).all()
     assert float(a.mean()) == pytest.approx(1.0, abs=0.05)
+
+
+# -- extreme parameters (issue 19, defect 5) -----------------------------------------------
+# float32 logits divided by a temperature under ~3e-38 overflowed to inf; the softmax made
+# NaN of them and the draw returned token 0 (logprob -13.6) instead of the top token.
+TINY_TEMPERATURES = (1e-45, 3e-39, 1e-38, 3e-38, 1e-30, 1e-8, 9.99e-6)
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_tiny_temperature_is_greedy(temperature: float) -> None:
+    x = logits(8, seed=5) + 20.0  # token 0 is rarely the top one
+    params = [SamplingParams(temperature=temperature, top_k=5, seed=1, logprobs=True)] * 8
+    out = Sampler()(x, params, list(range(8)))
+    assert out.token_ids == x.argmax(-1).tolist()
+    assert SamplingParams(temperature=temperature).is_greedy
+
+
+_finite_logits = st.lists(st.floats(-60.0, 60.0, width=32), min_size=V, max_size=V)
+_extreme = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.sampled_from((0.0, *TINY_TEMPERATURES, 1e-5, 1e30, 3.4e38)),
+                          st.floats(0.0, 1e6)),
+    top_k=st.sampled_from((0, 1, 2, V, V + 7)),
+    top_p=st.one_of(st.just(1.0), st.sampled_from((1e-45, 1e-30, 1e-7)),
+                    st.floats(1e-6, 1.0)),
+    min_p=st.one_of(st.just(0.0), st.sampled_from((1.0, 1.0 - 1e-7, 0.999999)),
+                    st.floats(0.0, 1.0)),
+    seed=st.integers(0, 2**64 - 1), logprobs=st.just(True),
+    top_logprobs=st.integers(0, 20))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.tuples(_finite_logits, _extreme), min_size=1, max_size=4))
+def test_extreme_parameters_give_an_allowed_token(
+        rows: list[tuple[list[float], SamplingParams]]) -> None:
+    """Whatever the parameters: a token in range with a finite logprob; top_k 1, top_p near
+    0, min_p 1 and greedy temperatures give a token of maximal logit; a sampled token is
+    never one the filters removed."""
+    x = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    params = [r[1] for r in rows]
+    out = Sampler()(x, params, list(range(len(rows))))
+    filtered = apply_filters(x, params)
+    for i, p in enumerate(params):
+        token = out.token_ids[i]
+        assert 0 <= token < V
+        assert torch.isfinite(torch.tensor(out.logprobs[i]))
+        top = float(x[i].max())
+        if p.is_greedy or p.top_k == 1 or p.top_p <= 1e-7 or p.min_p == 1.0:
+            assert float(x[i, token]) == top, (p, token)
+        else:
+            assert torch.isfinite(filtered[i, token]), (p, token)
+        assert not torch.isnan(filtered[i]).any()

@@ -64,17 +64,23 @@ HEALTH_MAPPINGS = ({"type": "value", "options": {
     "0": {"text": "NOT READY", "color": "red", "index": 0},
     "1": {"text": "READY", "color": "green", "index": 1}}},)
 
+# A target that stops answering scrapes loses its model_executor_healthy series (stale),
+# so the panel would drop it; `up` stays, at 0: count it as not ready.
+READY = (f"max by (instance) (model_executor_healthy{{{SEL}}}) or on (instance) "
+         f'max by (instance) (up{{job="model-executor", {SEL}}} * 0)')
+
 STEPS_PER_SECOND = (f"sum by (phase) (rate(model_executor_graph_replays_total{{{SEL}}}[{RATE}]))"
                     f" + sum by (phase) (rate(model_executor_eager_fallbacks_total{{{SEL}}}"
                     f"[{RATE}]))")
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Overview", (
-        Panel("Ready", "stat", (Query(f"model_executor_healthy{{{SEL}}}", "{{instance}}"),),
+        Panel("Ready", "stat", (Query(READY, "{{instance}}"),),
               "Readiness per instance: 1 once weights are loaded, the KV cache allocated and "
               "start-up capture done; 0 while starting, capturing, draining or after a fatal "
-              "device error.", width=4, height=5, mappings=HEALTH_MAPPINGS,
-              thresholds=(("red", None), ("green", 1))),
+              "device error, and for an instance Prometheus cannot scrape (down, crashed): "
+              "it shows NOT READY instead of vanishing.", width=4, height=5,
+              mappings=HEALTH_MAPPINGS, thresholds=(("red", None), ("green", 1))),
         Panel("Tokens / s", "stat", (Query(
             f"sum(rate(model_executor_tokens_total{{{SEL}}}[{RATE}]))", "tokens/s"),),
             "Tokens run through the model (prefill + decode, without padding).",
@@ -184,9 +190,16 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             f"sum by (phase) (rate(model_executor_tokens_total{{{SEL}}}[{RATE}]))",
             "{{phase}}"),),
             "Tokens run through the model, prefill (prompt) and decode (generated)."),
-        Panel("Batch size by phase (p50, p99)", "timeseries",
-              quantiles("model_executor_batch_size", "phase", "{{phase}}"),
-              "Sequences per step."),
+        Panel("Batch size by phase (mean, p99)", "timeseries", (
+            Query(f"sum by (phase) (rate(model_executor_batch_size_sum{{{SEL}}}[{RATE}])) / "
+                  f"sum by (phase) (rate(model_executor_batch_size_count{{{SEL}}}[{RATE}]))",
+                  "mean {{phase}}"),
+            Query(f"ceil(histogram_quantile(0.99, sum by (le, phase) "
+                  f"(rate(model_executor_batch_size_bucket{{{SEL}}}[{RATE}]))))",
+                  "p99 {{phase}}")),
+            "Sequences per step. The mean is exact. Batch sizes are whole numbers, but a "
+            "quantile interpolates inside a bucket (all batches of 1 would read 0.5 at p50, "
+            "the first bucket being (0, 1]), so p99 is rounded up to a whole batch."),
     )),
     ("gRPC", (
         Panel("RPC rate by method", "timeseries", (Query(
@@ -199,6 +212,24 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             f'{{{EXECUTOR_RPCS}, grpc_code!="OK"}}[{RATE}]))', "{{grpc_method}} {{grpc_code}}"),),
             "Executor calls that did not end OK, by method and status code.", unit="reqps",
             width=8, stack=True),
+        Panel("Executor queue and calls in flight", "timeseries", (
+            Query(f"sum(model_executor_executor_queue_depth{{{SEL}}})", "executor queue"),
+            Query(f"sum by (kind) (model_executor_calls_in_flight{{{SEL}}})",
+                  "in flight: {{kind}}")),
+            "Executor calls queued or running (above 1, calls wait for the executor thread) "
+            "and gRPC calls in flight by admission kind (probe, watch, call).", width=8),
+        Panel("Executor queue wait (p50, p99)", "timeseries",
+              quantiles("model_executor_executor_queue_wait_seconds", "instance",
+                        "{{instance}}"),
+              "How long a call waited for the executor thread before it started.",
+              unit="s", width=8),
+        Panel("Refused as overloaded", "timeseries", (Query(
+            f"sum by (kind) (rate(model_executor_overload_refusals_total{{{SEL}}}"
+            f"[{RATE}]))", "{{kind}}"),),
+            "Calls answered RESOURCE_EXHAUSTED (reason OVERLOADED or "
+            "WATCH_STREAMS_EXHAUSTED) because their kind's in-flight budget was full: "
+            "--max-concurrent-rpcs, --max-watch-streams. Not KV exhaustion.", unit="reqps",
+            width=8),
         Panel("RPC latency by method (p99)", "timeseries", (Query(
             f"histogram_quantile(0.99, sum by (le, grpc_method) (rate("
             f"grpc_server_handling_seconds_bucket{{{EXECUTOR_RPCS}}}[{RATE}])))",

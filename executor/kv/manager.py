@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.api import KVStats
-from executor.errors import OutOfResources
+from executor.errors import OutOfResources, Shortage
 from executor.kv.allocator import SlotAllocator, TokenAllocator
 from executor.kv.pool import ReqToTokenTable
 
@@ -92,10 +92,13 @@ class KVCacheManager:
         """
         needed_tokens = sum(n for _, n in requests)
         new_ids = [sid for sid, _ in requests if sid not in self._seqs]
+        short: list[Shortage] = []
         if needed_tokens > self.tokens.num_free:
-            raise OutOfResources("kv_tokens", needed=needed_tokens, free=self.tokens.num_free)
+            short.append(("kv_tokens", needed_tokens, self.tokens.num_free))
         if len(new_ids) > self.slots.num_free:
-            raise OutOfResources("sequence_slots", needed=len(new_ids), free=self.slots.num_free)
+            short.append(("sequence_slots", len(new_ids), self.slots.num_free))
+        if short:  # both are reported: freeing one resource alone would not be enough
+            raise OutOfResources(*short[0], also=tuple(short[1:]))
 
         # From here on nothing can fail for lack of resources.
         new_slots = iter(self.slots.alloc(len(new_ids)))

@@ -14,6 +14,7 @@ from tests.deploy.queries import alert_rules
 HERE = Path(__file__).resolve().parent
 REQUIRED_ALERTS = {
     "ModelExecutorNotHealthy",
+    "ModelExecutorAbsent",
     "ModelExecutorEagerFallbackRatioHigh",
     "ModelExecutorKVCacheNearFull",
     "ModelExecutorGraphCaptureFailures",
@@ -88,3 +89,23 @@ def test_up_job_matches_the_scrape_configs() -> None:
     assert load_yaml(K8S / "service.yaml")["metadata"]["name"] == "model-executor"
     assert "jobLabel" not in load_yaml(K8S / "servicemonitor.yaml")["spec"]
     assert any('up{job="model-executor"}' in str(r["expr"]) for r in alert_rules())
+
+
+def _minutes(duration: str) -> float:
+    units = {"s": 1 / 60, "m": 1.0, "h": 60.0}
+    return float(duration[:-1]) * units[duration[-1]]
+
+
+def test_not_healthy_waits_out_the_start_up_budget() -> None:
+    """Issue 19: the alert (10 min) fired before Kubernetes gave up on a slow start (15)."""
+    deployment = load_yaml(K8S / "deployment.yaml")
+    probe = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    budget_min = probe["periodSeconds"] * probe["failureThreshold"] / 60
+    rule = next(r for r in alert_rules() if r["alert"] == "ModelExecutorNotHealthy")
+    assert _minutes(rule["for"]) > budget_min
+
+
+def test_an_alert_fires_when_no_target_exists() -> None:
+    """Issue 19: with every pod gone there is no series for NotHealthy to compare."""
+    rule = next(r for r in alert_rules() if r["alert"] == "ModelExecutorAbsent")
+    assert str(rule["expr"]).strip() == 'absent(up{job="model-executor"})'

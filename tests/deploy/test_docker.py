@@ -183,3 +183,31 @@ def test_healthcheck_script_against_a_live_server(live_server: LiveServer) -> No
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stdout
     down = _healthcheck("--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stdout
+
+
+# -- issue 19: layering, labels, a lean compiler, DL3008 justified ----------------------------
+
+def test_dependencies_install_before_the_sources_are_copied(
+        instructions: list[Instruction]) -> None:
+    """A source edit must reuse the dependency layer: pyproject is copied and the
+    requirements installed before any package's sources are copied."""
+    build = [i for i in instructions if i.stage == 0]
+    copies = {i.flags_and_operands()[1][0]: i.line for i in build if i.keyword == "COPY"}
+    first_source = min(copies[p] for p in ("proto", "executor", "service"))
+    installs = [i for i in build if i.keyword == "RUN" and "-r /tmp/requirements.txt" in i.args]
+    assert installs and copies["pyproject.toml"] < installs[0].line < first_source
+    project = [i for i in build if i.keyword == "RUN" and "pip install --no-deps" in i.args]
+    assert project and project[0].line > first_source
+
+
+def test_oci_labels(instructions: list[Instruction]) -> None:
+    labels = " ".join(i.args for i in instructions if i.keyword == "LABEL")
+    for key in ("title", "description", "version", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+
+
+def test_only_a_c_compiler_and_dl3008_justified() -> None:
+    text = DOCKERFILE.read_text()
+    assert "build-essential" not in re.sub(r"#.*", "", text)
+    before = text[: text.index("# hadolint ignore=DL3008")].splitlines()
+    assert "archive" in " ".join(before[-4:]), "say why apt versions are not pinned"

@@ -27,7 +27,7 @@ from tests.deploy.crd_schemas import SCHEMAS
 # grpc probes are GA from 1.27: the oldest version the manifests must pass; the newest
 # is whatever kubernetes-validate bundles.
 MIN_K8S = "1.27.0"
-CORE_KINDS = ("Deployment", "Service", "PersistentVolumeClaim")
+CORE_KINDS = ("Deployment", "Service", "PersistentVolumeClaim", "NetworkPolicy")
 DRAIN_MARGIN_S = 5  # time to exit after the grace period: stop the exporter, threads
 
 
@@ -158,7 +158,7 @@ def test_non_root_with_writable_caches(objects: dict[str, dict[str, Any]]) -> No
     assert pod["securityContext"]["runAsUser"] != 0
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     for name in ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert any(env[name] == w or env[name].startswith(w + "/") for w in writable), name
     assert "/tmp" in writable
@@ -186,3 +186,28 @@ def test_service_and_service_monitor_select_the_pods(
 def test_operator_objects_share_the_release_label(objects: dict[str, dict[str, Any]]) -> None:
     labels = [objects[k]["metadata"]["labels"] for k in ("ServiceMonitor", "PrometheusRule")]
     assert labels[0].get("release") == labels[1].get("release") is not None
+
+
+def test_token_comes_from_a_secret(objects: dict[str, dict[str, Any]]) -> None:
+    """Issue 19: the manifests served gRPC with no token; the Deployment now reads the
+    service token from a Secret (required: no token, no pod)."""
+    env = {e["name"]: e for e in _container(objects)["env"]}
+    ref = env["MODEL_EXECUTOR_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == "model-executor-token" and ref["key"] == "token"
+    assert not ref.get("optional", False)
+    _, _, server = parse_serve(_container(objects)["args"], "deployment.yaml",
+                               env={"MODEL_EXECUTOR_TOKEN": "from-the-secret"})
+    assert server.auth.token is not None
+
+
+def test_network_policy_admits_only_the_scheduler_and_prometheus(
+        objects: dict[str, dict[str, Any]]) -> None:
+    """Issue 19: no NetworkPolicy let anything in the cluster reach Capture and steps."""
+    policy = objects["NetworkPolicy"]["spec"]
+    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"} and policy["egress"] == []
+    ports = {p["name"] for p in _container(objects)["ports"]}
+    for rule in policy["ingress"]:
+        assert rule["from"], "an ingress rule without `from` admits everyone"
+        assert {p["port"] for p in rule["ports"]} <= ports

@@ -34,8 +34,9 @@ def served(tmp_path: Path) -> Iterator[tuple[Process, Authority]]:
     pki = Authority.make(tmp_path / "pki", "drain")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    process = Process("--grace-period", "30", "--tls-cert", str(pki.server_cert),
-                      "--tls-key", str(pki.server_key), "--token-file", str(token_file),
+    process = Process("--grace-period", "30", "--drain-delay", "0.5",
+                      "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                      "--token-file", str(token_file),
                       "--health-port", "0")
     try:
         yield process, pki

@@ -94,7 +94,7 @@ def test_random_call_sequences(server: ServerHarness, figures: Figures) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.lengths: dict[str, int] = {}
-            self.answered: list[tuple[str, Any, pb.StepResponse]] = []  # retry candidates
+            self.answered: list[tuple[str, Any, pb.PrefillResponse]] = []  # retry candidates
             self.calls = 0
             # The server's retry cache outlives an example: ids from one example must never
             # meet another's, or replays (shrinking) see different answers and hypothesis
@@ -175,7 +175,7 @@ def test_random_call_sequences(server: ServerHarness, figures: Figures) -> None:
             response = self.call(method, request)
             assert response is None or response == original  # ABORTED once dropped
 
-        def _replay(self, request: Any, response: pb.StepResponse) -> bool:
+        def _replay(self, request: Any, response: pb.PrefillResponse) -> bool:
             """True if ``response`` answered an earlier call with the same request_id."""
             return any(r.request_id and r.request_id == request.request_id and o == response
                        for _, r, o in self.answered)

@@ -15,8 +15,8 @@ from service.metrics import RETRY_EVICTION_REASONS
 from tests.reliability.budget import BUDGET
 
 
-def response(n: int) -> pb.StepResponse:
-    return pb.StepResponse(outputs=[pb.ItemOutput(seq_id=f"s{i}", seq_len=i)
+def response(n: int) -> pb.PrefillResponse:
+    return pb.PrefillResponse(outputs=[pb.ItemOutput(seq_id=f"s{i}", seq_len=i)
                                     for i in range(n)])
 
 
@@ -37,7 +37,7 @@ def test_bounds_and_answers(ops: list, max_entries: int, per_sequence: int,  # t
                               per_sequence=per_sequence, max_forgotten=10_000)
     evictions: list[str] = []
     cache = ResponseCache(config, evictions.append)
-    stored: dict[str, pb.StepResponse] = {}
+    stored: dict[str, pb.PrefillResponse] = {}
     for op in ops:
         if op[0] == "put":
             _, n, seqs, size = op

@@ -264,11 +264,22 @@ def test_serve_flags(pki: tuple[Authority, Authority], tmp_path: Path) -> None:
     assert executor.graphs.prefill_mode == "tc_piecewise"
 
 
+def test_optional_client_certificate_is_refused(pki: tuple[Authority, Authority]) -> None:
+    """Issue 19, defect 7: with a client CA but no --require-client-auth, gRPC accepted a
+    client certificate from any CA; the combination is refused instead."""
+    good, _ = pki
+    with pytest.raises(ValueError, match="needs --require-client-auth"):
+        TlsConfig(good.server_cert, good.server_key, client_ca=good.ca)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--tls-cert", "{cert}"], "both --tls-cert and --tls-key"),
     (["--tls-client-ca", "{ca}"], "need --tls-cert"),
     (["--tls-cert", "{cert}", "--tls-key", "{key}", "--require-client-auth"],
      "needs --tls-client-ca"),
+    # Issue 19, defect 7: an optional client certificate could not be verified.
+    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{ca}"],
+     "--tls-client-ca needs --require-client-auth"),
     (["--tls-cert", "/nonexistent.pem", "--tls-key", "{key}"], "cannot read"),
     (["--token-file", "{empty}"], "is empty"),
     (["--token-file", "/nonexistent"], "cannot read the token file"),

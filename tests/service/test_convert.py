@@ -110,6 +110,6 @@ def test_message_limits_fit_the_largest_valid_request() -> None:
     output = pb.ItemOutput(seq_id="x" * limits.max_seq_id_bytes, token_id=2**31 - 1,
                            logprob=-1.0, seq_len=2**31 - 1, top_logprobs=[
                                pb.TokenLogprob(token_id=2**31 - 1, logprob=-1.0)] * 20)
-    response = pb.StepResponse(outputs=[output] * limits.max_decode_items,
+    response = pb.PrefillResponse(outputs=[output] * limits.max_decode_items,
                                step=pb.StepInfo(fallback_reason="x" * 64))
     assert response.ByteSize() <= limits.max_send_bytes

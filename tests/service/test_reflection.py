@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from google.protobuf import descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -33,14 +34,14 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     # grpcurl list
     assert set(database.get_services()) == {
         "model_executor.v1.Executor", "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection"}
+        "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
     pool = descriptor_pool.DescriptorPool(database)
     # grpcurl describe model_executor.v1.Executor / model_executor.v1.PrefillItem
     executor = pool.FindServiceByName("model_executor.v1.Executor")
     assert [m.name for m in executor.methods] == ["Prefill", "Decode", "Release", "Capture",
                                                   "Health", "Session"]
     assert executor.FindMethodByName("Decode").output_type.full_name == \
-        "model_executor.v1.StepResponse"
+        "model_executor.v1.DecodeResponse"
     item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")
     assert [f.name for f in item.fields] == ["seq_id", "token_ids", "sample", "sampling"]
 
@@ -63,3 +64,28 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     check = call_json(server, pool, "grpc.health.v1.Health", "Check",
                       {"service": "model_executor.v1.Executor"})
     assert check == {"status": "SERVING"}
+
+
+def test_reflection_v1_is_served(server: ServerHarness) -> None:
+    """Issue 19: newer clients (grpcurl >= 1.9, buf curl) ask for grpc.reflection.v1 first;
+    only v1alpha was served. Its messages are v1alpha's, field for field."""
+    rpc = server.channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="model_executor.v1.Executor"),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+    listed, executor, v1 = list(rpc(iter(requests), timeout=10))
+    assert {s.name for s in listed.list_services_response.service} >= {
+        "model_executor.v1.Executor", "grpc.reflection.v1.ServerReflection"}
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in executor.file_descriptor_response.file_descriptor_proto]
+    assert "model_executor/v1/executor.proto" in {f.name for f in files}
+    [v1_file] = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                 for raw in v1.file_descriptor_response.file_descriptor_proto]
+    assert v1_file.package == "grpc.reflection.v1"
+    assert v1_file.service[0].method[0].output_type == \
+        ".grpc.reflection.v1.ServerReflectionResponse"

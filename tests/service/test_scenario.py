@@ -47,7 +47,7 @@ class Scheduler:
         self.fed = dict.fromkeys(self.prompts, 0)  # prompt tokens prefilled so far
         self.out: dict[str, list[int]] = {s: [] for s in self.prompts}
 
-    def prefill(self, chunks: dict[str, int]) -> pb.StepResponse:
+    def prefill(self, chunks: dict[str, int]) -> pb.PrefillResponse:
         items = []
         for seq, n in chunks.items():
             start = self.fed[seq]

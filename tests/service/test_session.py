@@ -35,7 +35,7 @@ def decode_last(seq_ids: list[str], num_steps: int = 0, request_id: str = ""
         pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=SEEDED) for s in seq_ids])
 
 
-def tokens_of(response: pb.StepResponse) -> list[tuple[str, int, int, tuple[int, ...]]]:
+def tokens_of(response: Any) -> list[tuple[str, int, int, tuple[int, ...]]]:
     return [(o.seq_id[1:], o.token_id, o.seq_len, tuple(s.token_id for s in o.steps))
             for o in response.outputs]
 

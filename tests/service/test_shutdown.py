@@ -69,7 +69,7 @@ class Process:
 
 @pytest.fixture
 def served() -> Iterator[Process]:
-    process = Process("--grace-period", "30")
+    process = Process("--grace-period", "30", "--drain-delay", "0.5")
     try:
         yield process
     finally:

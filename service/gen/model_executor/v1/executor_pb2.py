@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n model_executor/v1/executor.proto\x12\x11model_executor.v1\"\xa5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x42\x08\n\x06_top_pB\x07\n\x05_seed\"S\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05items\x18\x02 \x03(\x0b\x32\x1e.model_executor.v1.PrefillItem\"u\n\x0bPrefillItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06sample\x18\x03 \x01(\x08\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.model_executor.v1.SamplingParams\"d\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05items\x18\x02 \x03(\x0b\x32\x1d.model_executor.v1.DecodeItem\x12\x11\n\tnum_steps\x18\x03 \x01(\r\"\x95\x01\n\nDecodeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.model_executor.v1.SamplingParams\x12\x18\n\x10use_last_sampled\x18\x04 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xeb\x01\n\nItemOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.model_executor.v1.TokenLogprob\x12\x0f\n\x07seq_len\x18\x05 \x01(\x05\x12.\n\x05steps\x18\x06 \x03(\x0b\x32\x1f.model_executor.v1.SampledToken\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x42\x0b\n\t_token_idB\n\n\x08_logprob\"y\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.model_executor.v1.TokenLogprobB\n\n\x08_logprob\"\xc5\x01\n\x08StepInfo\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12%\n\x04path\x18\x02 \x01(\x0e\x32\x17.model_executor.v1.Path\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x15\n\rpadded_tokens\x18\x05 \x01(\x05\x12\x12\n\nforward_ms\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x05\"\x8f\x01\n\x0cStepResponse\x12.\n\x07outputs\x18\x01 \x03(\x0b\x32\x1d.model_executor.v1.ItemOutput\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x1b.model_executor.v1.StepInfo\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nexecute_ms\x18\x04 \x01(\x01\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\"<\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x17\n\x0funknown_seq_ids\x18\x02 \x03(\t\"I\n\x0e\x43\x61ptureRequest\x12(\n\x06phases\x18\x01 \x03(\x0e\x32\x18.model_executor.v1.Phase\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"B\n\x0f\x43\x61ptureResponse\x12/\n\x06phases\x18\x01 \x03(\x0b\x32\x1f.model_executor.v1.PhaseCapture\"\xa3\x01\n\x0cPhaseCapture\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x31\n\x07\x62uckets\x18\x03 \x03(\x0b\x32 .model_executor.v1.BucketCapture\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\"b\n\rBucketCapture\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x12\n\ncapture_ms\x18\x02 \x01(\x01\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\"\x0f\n\rHealthRequest\"\x83\x02\n\x0eHealthResponse\x12-\n\x05state\x18\x01 \x01(\x0e\x32\x1e.model_executor.v1.ServerState\x12+\n\x05model\x18\x02 \x01(\x0b\x32\x1c.model_executor.v1.ModelInfo\x12+\n\x02kv\x18\x03 \x01(\x0b\x32\x1f.model_executor.v1.KVCacheStats\x12.\n\x06graphs\x18\x04 \x03(\x0b\x32\x1e.model_executor.v1.GraphStatus\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x15\n\rpending_calls\x18\x07 \x01(\x05\"\x92\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\"|\n\x0cKVCacheStats\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\x03\x12\x13\n\x0b\x66ree_tokens\x18\x02 \x01(\x03\x12\x13\n\x0btotal_slots\x18\x03 \x01(\x05\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\x05\"\\\n\x0bGraphStatus\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61ptured_sizes\x18\x03 \x03(\x05\"\xdd\x01\n\x0eSessionRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x34\n\x07prefill\x18\x02 \x01(\x0b\x32!.model_executor.v1.PrefillRequestH\x00\x12\x32\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32 .model_executor.v1.DecodeRequestH\x00\x12\x34\n\x07release\x18\x04 \x01(\x0b\x32!.model_executor.v1.ReleaseRequestH\x00\x12\x17\n\x0f\x61\x63k_failed_step\x18\x05 \x01(\x04\x42\x04\n\x02op\"\xf6\x01\n\x0fSessionResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x32\n\x07prefill\x18\x02 \x01(\x0b\x32\x1f.model_executor.v1.StepResponseH\x00\x12\x31\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x1f.model_executor.v1.StepResponseH\x00\x12\x35\n\x07release\x18\x04 \x01(\x0b\x32\".model_executor.v1.ReleaseResponseH\x00\x12-\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.model_executor.v1.StepErrorH\x00\x42\x08\n\x06result\"M\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x11\n\tcode_name\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x0c*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*<\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0e\n\nPATH_GRAPH\x10\x01\x12\x0e\n\nPATH_EAGER\x10\x02*\xb1\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATE_STARTING\x10\x01\x12\x1a\n\x16SERVER_STATE_CAPTURING\x10\x02\x12\x16\n\x12SERVER_STATE_READY\x10\x03\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x04\x12\x1a\n\x16SERVER_STATE_UNHEALTHY\x10\x05\x32\xef\x03\n\x08\x45xecutor\x12M\n\x07Prefill\x12!.model_executor.v1.PrefillRequest\x1a\x1f.model_executor.v1.StepResponse\x12K\n\x06\x44\x65\x63ode\x12 .model_executor.v1.DecodeRequest\x1a\x1f.model_executor.v1.StepResponse\x12P\n\x07Release\x12!.model_executor.v1.ReleaseRequest\x1a\".model_executor.v1.ReleaseResponse\x12P\n\x07\x43\x61pture\x12!.model_executor.v1.CaptureRequest\x1a\".model_executor.v1.CaptureResponse\x12M\n\x06Health\x12 .model_executor.v1.HealthRequest\x1a!.model_executor.v1.HealthResponse\x12T\n\x07Session\x12!.model_executor.v1.SessionRequest\x1a\".model_executor.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n model_executor/v1/executor.proto\x12\x11model_executor.v1\"\xa5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x42\x08\n\x06_top_pB\x07\n\x05_seed\"S\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05items\x18\x02 \x03(\x0b\x32\x1e.model_executor.v1.PrefillItem\"u\n\x0bPrefillItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06sample\x18\x03 \x01(\x08\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.model_executor.v1.SamplingParams\"d\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05items\x18\x02 \x03(\x0b\x32\x1d.model_executor.v1.DecodeItem\x12\x11\n\tnum_steps\x18\x03 \x01(\r\"\x95\x01\n\nDecodeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.model_executor.v1.SamplingParams\x12\x18\n\x10use_last_sampled\x18\x04 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xeb\x01\n\nItemOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.model_executor.v1.TokenLogprob\x12\x0f\n\x07seq_len\x18\x05 \x01(\x05\x12.\n\x05steps\x18\x06 \x03(\x0b\x32\x1f.model_executor.v1.SampledToken\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x42\x0b\n\t_token_idB\n\n\x08_logprob\"y\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.model_executor.v1.TokenLogprobB\n\n\x08_logprob\"\xc5\x01\n\x08StepInfo\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12%\n\x04path\x18\x02 \x01(\x0e\x32\x17.model_executor.v1.Path\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x15\n\rpadded_tokens\x18\x05 \x01(\x05\x12\x12\n\nforward_ms\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x05\"\x92\x01\n\x0fPrefillResponse\x12.\n\x07outputs\x18\x01 \x03(\x0b\x32\x1d.model_executor.v1.ItemOutput\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x1b.model_executor.v1.StepInfo\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nexecute_ms\x18\x04 \x01(\x01\"\x91\x01\n\x0e\x44\x65\x63odeResponse\x12.\n\x07outputs\x18\x01 \x03(\x0b\x32\x1d.model_executor.v1.ItemOutput\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x1b.model_executor.v1.StepInfo\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nexecute_ms\x18\x04 \x01(\x01\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\"<\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x17\n\x0funknown_seq_ids\x18\x02 \x03(\t\"I\n\x0e\x43\x61ptureRequest\x12(\n\x06phases\x18\x01 \x03(\x0e\x32\x18.model_executor.v1.Phase\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"B\n\x0f\x43\x61ptureResponse\x12/\n\x06phases\x18\x01 \x03(\x0b\x32\x1f.model_executor.v1.PhaseCapture\"\xa3\x01\n\x0cPhaseCapture\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x31\n\x07\x62uckets\x18\x03 \x03(\x0b\x32 .model_executor.v1.BucketCapture\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\"b\n\rBucketCapture\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x12\n\ncapture_ms\x18\x02 \x01(\x01\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\"\x0f\n\rHealthRequest\"\x83\x02\n\x0eHealthResponse\x12-\n\x05state\x18\x01 \x01(\x0e\x32\x1e.model_executor.v1.ServerState\x12+\n\x05model\x18\x02 \x01(\x0b\x32\x1c.model_executor.v1.ModelInfo\x12+\n\x02kv\x18\x03 \x01(\x0b\x32\x1f.model_executor.v1.KVCacheStats\x12.\n\x06graphs\x18\x04 \x03(\x0b\x32\x1e.model_executor.v1.GraphStatus\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x15\n\rpending_calls\x18\x07 \x01(\x05\"\x92\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\"|\n\x0cKVCacheStats\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\x03\x12\x13\n\x0b\x66ree_tokens\x18\x02 \x01(\x03\x12\x13\n\x0btotal_slots\x18\x03 \x01(\x05\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\x05\"\\\n\x0bGraphStatus\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.model_executor.v1.Phase\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61ptured_sizes\x18\x03 \x03(\x05\"\xdd\x01\n\x0eSessionRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x34\n\x07prefill\x18\x02 \x01(\x0b\x32!.model_executor.v1.PrefillRequestH\x00\x12\x32\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32 .model_executor.v1.DecodeRequestH\x00\x12\x34\n\x07release\x18\x04 \x01(\x0b\x32!.model_executor.v1.ReleaseRequestH\x00\x12\x17\n\x0f\x61\x63k_failed_step\x18\x05 \x01(\x04\x42\x04\n\x02op\"\xfb\x01\n\x0fSessionResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x35\n\x07prefill\x18\x02 \x01(\x0b\x32\".model_executor.v1.PrefillResponseH\x00\x12\x33\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32!.model_executor.v1.DecodeResponseH\x00\x12\x35\n\x07release\x18\x04 \x01(\x0b\x32\".model_executor.v1.ReleaseResponseH\x00\x12-\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.model_executor.v1.StepErrorH\x00\x42\x08\n\x06result\"M\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x11\n\tcode_name\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x0c*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*<\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0e\n\nPATH_GRAPH\x10\x01\x12\x0e\n\nPATH_EAGER\x10\x02*\xb1\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATE_STARTING\x10\x01\x12\x1a\n\x16SERVER_STATE_CAPTURING\x10\x02\x12\x16\n\x12SERVER_STATE_READY\x10\x03\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x04\x12\x1a\n\x16SERVER_STATE_UNHEALTHY\x10\x05\x32\xf4\x03\n\x08\x45xecutor\x12P\n\x07Prefill\x12!.model_executor.v1.PrefillRequest\x1a\".model_executor.v1.PrefillResponse\x12M\n\x06\x44\x65\x63ode\x12 .model_executor.v1.DecodeRequest\x1a!.model_executor.v1.DecodeResponse\x12P\n\x07Release\x12!.model_executor.v1.ReleaseRequest\x1a\".model_executor.v1.ReleaseResponse\x12P\n\x07\x43\x61pture\x12!.model_executor.v1.CaptureRequest\x1a\".model_executor.v1.CaptureResponse\x12M\n\x06Health\x12 .model_executor.v1.HealthRequest\x1a!.model_executor.v1.HealthResponse\x12T\n\x07Session\x12!.model_executor.v1.SessionRequest\x1a\".model_executor.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'model_executor.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=3165
-  _globals['_PHASE']._serialized_end=3232
-  _globals['_PATH']._serialized_start=3234
-  _globals['_PATH']._serialized_end=3294
-  _globals['_SERVERSTATE']._serialized_start=3297
-  _globals['_SERVERSTATE']._serialized_end=3474
+  _globals['_PHASE']._serialized_start=3321
+  _globals['_PHASE']._serialized_end=3388
+  _globals['_PATH']._serialized_start=3390
+  _globals['_PATH']._serialized_end=3450
+  _globals['_SERVERSTATE']._serialized_start=3453
+  _globals['_SERVERSTATE']._serialized_end=3630
   _globals['_SAMPLINGPARAMS']._serialized_start=56
   _globals['_SAMPLINGPARAMS']._serialized_end=221
   _globals['_PREFILLREQUEST']._serialized_start=223
@@ -55,36 +55,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLEDTOKEN']._serialized_end=1091
   _globals['_STEPINFO']._serialized_start=1094
   _globals['_STEPINFO']._serialized_end=1291
-  _globals['_STEPRESPONSE']._serialized_start=1294
-  _globals['_STEPRESPONSE']._serialized_end=1437
-  _globals['_RELEASEREQUEST']._serialized_start=1439
-  _globals['_RELEASEREQUEST']._serialized_end=1492
-  _globals['_RELEASERESPONSE']._serialized_start=1494
-  _globals['_RELEASERESPONSE']._serialized_end=1554
-  _globals['_CAPTUREREQUEST']._serialized_start=1556
-  _globals['_CAPTUREREQUEST']._serialized_end=1629
-  _globals['_CAPTURERESPONSE']._serialized_start=1631
-  _globals['_CAPTURERESPONSE']._serialized_end=1697
-  _globals['_PHASECAPTURE']._serialized_start=1700
-  _globals['_PHASECAPTURE']._serialized_end=1863
-  _globals['_BUCKETCAPTURE']._serialized_start=1865
-  _globals['_BUCKETCAPTURE']._serialized_end=1963
-  _globals['_HEALTHREQUEST']._serialized_start=1965
-  _globals['_HEALTHREQUEST']._serialized_end=1980
-  _globals['_HEALTHRESPONSE']._serialized_start=1983
-  _globals['_HEALTHRESPONSE']._serialized_end=2242
-  _globals['_MODELINFO']._serialized_start=2245
-  _globals['_MODELINFO']._serialized_end=2391
-  _globals['_KVCACHESTATS']._serialized_start=2393
-  _globals['_KVCACHESTATS']._serialized_end=2517
-  _globals['_GRAPHSTATUS']._serialized_start=2519
-  _globals['_GRAPHSTATUS']._serialized_end=2611
-  _globals['_SESSIONREQUEST']._serialized_start=2614
-  _globals['_SESSIONREQUEST']._serialized_end=2835
-  _globals['_SESSIONRESPONSE']._serialized_start=2838
-  _globals['_SESSIONRESPONSE']._serialized_end=3084
-  _globals['_STEPERROR']._serialized_start=3086
-  _globals['_STEPERROR']._serialized_end=3163
-  _globals['_EXECUTOR']._serialized_start=3477
-  _globals['_EXECUTOR']._serialized_end=3972
+  _globals['_PREFILLRESPONSE']._serialized_start=1294
+  _globals['_PREFILLRESPONSE']._serialized_end=1440
+  _globals['_DECODERESPONSE']._serialized_start=1443
+  _globals['_DECODERESPONSE']._serialized_end=1588
+  _globals['_RELEASEREQUEST']._serialized_start=1590
+  _globals['_RELEASEREQUEST']._serialized_end=1643
+  _globals['_RELEASERESPONSE']._serialized_start=1645
+  _globals['_RELEASERESPONSE']._serialized_end=1705
+  _globals['_CAPTUREREQUEST']._serialized_start=1707
+  _globals['_CAPTUREREQUEST']._serialized_end=1780
+  _globals['_CAPTURERESPONSE']._serialized_start=1782
+  _globals['_CAPTURERESPONSE']._serialized_end=1848
+  _globals['_PHASECAPTURE']._serialized_start=1851
+  _globals['_PHASECAPTURE']._serialized_end=2014
+  _globals['_BUCKETCAPTURE']._serialized_start=2016
+  _globals['_BUCKETCAPTURE']._serialized_end=2114
+  _globals['_HEALTHREQUEST']._serialized_start=2116
+  _globals['_HEALTHREQUEST']._serialized_end=2131
+  _globals['_HEALTHRESPONSE']._serialized_start=2134
+  _globals['_HEALTHRESPONSE']._serialized_end=2393
+  _globals['_MODELINFO']._serialized_start=2396
+  _globals['_MODELINFO']._serialized_end=2542
+  _globals['_KVCACHESTATS']._serialized_start=2544
+  _globals['_KVCACHESTATS']._serialized_end=2668
+  _globals['_GRAPHSTATUS']._serialized_start=2670
+  _globals['_GRAPHSTATUS']._serialized_end=2762
+  _globals['_SESSIONREQUEST']._serialized_start=2765
+  _globals['_SESSIONREQUEST']._serialized_end=2986
+  _globals['_SESSIONRESPONSE']._serialized_start=2989
+  _globals['_SESSIONRESPONSE']._serialized_end=3240
+  _globals['_STEPERROR']._serialized_start=3242
+  _globals['_STEPERROR']._serialized_end=3319
+  _globals['_EXECUTOR']._serialized_start=3633
+  _globals['_EXECUTOR']._serialized_end=4133
 # @@protoc_insertion_point(module_scope)

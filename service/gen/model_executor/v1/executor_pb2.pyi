@@ -155,7 +155,19 @@ class StepInfo(_message.Message):
     num_steps: int
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
-class StepResponse(_message.Message):
+class PrefillResponse(_message.Message):
+    __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[ItemOutput]
+    step: StepInfo
+    queue_ms: float
+    execute_ms: float
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
     __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -311,11 +323,11 @@ class SessionResponse(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
-    prefill: StepResponse
-    decode: StepResponse
+    prefill: PrefillResponse
+    decode: DecodeResponse
     release: ReleaseResponse
     error: StepError
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[StepResponse, _Mapping]] = ..., decode: _Optional[_Union[StepResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "code_name", "message", "status")

@@ -27,6 +27,8 @@ if _version_not_supported:
 
 class ExecutorStub(object):
     """Executes prefill and decode steps for sequences named by the scheduler.
+    (Named `Executor`, not `ExecutorService`: external schedulers call
+    /model_executor.v1.Executor/<Method>; buf.yaml keeps that exception.)
     """
 
     def __init__(self, channel):
@@ -38,12 +40,12 @@ class ExecutorStub(object):
         self.Prefill = channel.unary_unary(
                 '/model_executor.v1.Executor/Prefill',
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=model__executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/model_executor.v1.Executor/Decode',
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=model__executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/model_executor.v1.Executor/Release',
@@ -69,6 +71,8 @@ class ExecutorStub(object):
 
 class ExecutorServicer(object):
     """Executes prefill and decode steps for sequences named by the scheduler.
+    (Named `Executor`, not `ExecutorService`: external schedulers call
+    /model_executor.v1.Executor/<Method>; buf.yaml keeps that exception.)
     """
 
     def Prefill(self, request, context):
@@ -88,7 +92,8 @@ class ExecutorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Frees everything the named sequences hold. Unknown ids are reported, not an error.
+        """Frees everything the named sequences hold. Unknown ids are reported, not an error;
+        empty or repeated ids are INVALID_ARGUMENT, as in Prefill and Decode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,12 +150,12 @@ def add_ExecutorServicer_to_server(servicer, server):
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.PrefillRequest.FromString,
-                    response_serializer=model__executor_dot_v1_dot_executor__pb2.StepResponse.SerializeToString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.PrefillResponse.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.DecodeRequest.FromString,
-                    response_serializer=model__executor_dot_v1_dot_executor__pb2.StepResponse.SerializeToString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -182,6 +187,8 @@ def add_ExecutorServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Executor(object):
     """Executes prefill and decode steps for sequences named by the scheduler.
+    (Named `Executor`, not `ExecutorService`: external schedulers call
+    /model_executor.v1.Executor/<Method>; buf.yaml keeps that exception.)
     """
 
     @staticmethod
@@ -200,7 +207,7 @@ class Executor(object):
             target,
             '/model_executor.v1.Executor/Prefill',
             model__executor_dot_v1_dot_executor__pb2.PrefillRequest.SerializeToString,
-            model__executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
+            model__executor_dot_v1_dot_executor__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,7 +234,7 @@ class Executor(object):
             target,
             '/model_executor.v1.Executor/Decode',
             model__executor_dot_v1_dot_executor__pb2.DecodeRequest.SerializeToString,
-            model__executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
+            model__executor_dot_v1_dot_executor__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
