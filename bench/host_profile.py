@@ -5,7 +5,7 @@ For each case (a phase, a graph mode, a size) on a model:
 * the median wall time of one ``Executor`` call, and its GPU time: the sum of its kernels'
   durations (torch profiler) and the idle gaps between them;
 * ``--kernels N``: the N kernels with the most GPU time per call;
-* host time per stage of a call (validate, allocate, build_batch, metadata, fill, replay,
+* host time per stage of a call (validate, allocate, build_batch, metadata, replay,
   logits, sample, release): what the host does before the GPU can start and after it ends;
 * capture memory: the phase's free-memory drop, per bucket, and what each allocator pool
   holds after capture (the graphs' shared pool vs the default one);
@@ -150,8 +150,8 @@ class StageClock:
     """Host time per stage of a step, by wrapping the executor's own calls in place.
 
     Launches return before the GPU finishes, so each stage's time is host work, except
-    ``sample``, whose device-to-host copy waits for the forward: a stage list whose sum
-    before ``sample`` is well below the GPU time is GPU-bound."""
+    ``complete``, which waits for the step's device work and the tokens' copy to the host:
+    a stage list whose sum before ``complete`` is well below the GPU time is GPU-bound."""
 
     def __init__(self, ex: Executor) -> None:
         import executor.executor as ex_module
@@ -162,10 +162,10 @@ class StageClock:
             (ex_module, "validate_prefill", "validate"), (ex_module, "validate_decode", "validate"),
             (ex.kv, "allocate", "allocate"), (ex, "build_batch", "build_batch"),
             (ex.attn, "build_metadata", "metadata"), (ex.attn, "refresh_metadata", "metadata"),
-            (ex.model, "compute_logits", "logits"), (ex, "sampler", "sample"),
-            (ex, "release", "release")]
+            (ex.model, "compute_logits", "logits"), (ex.sampler, "sample", "sample"),
+            (ex, "complete", "complete"), (ex, "release", "release")]
         if runner is not None:
-            targets += [(runner.inputs, "fill", "fill"), (runner.backend, "replay", "replay")]
+            targets += [(runner.backend, "replay", "replay")]
         for obj, attr, stage in targets:
             setattr(obj, attr, self._timed(getattr(obj, attr), stage))
 

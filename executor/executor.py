@@ -189,6 +189,7 @@ class Executor:
     def launch_prefill(self, items: Sequence[PrefillItem]) -> PendingStep:
         """Validate, allocate, run and sample a prefill without waiting for the device
         (see ``executor/steps.py``); ``complete`` gives its result."""
+        started = time.perf_counter()
         validate_prefill(items, self._seq_len, self.limits)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
@@ -214,13 +215,14 @@ class Executor:
             tuple(e.seq_len for e in alloc.extensions),
             tuple(by_row.get(i) for i in range(len(items))), tuple(params),
             tuple(frozenset() for _ in params), [] if sample is None else [sample], info,
-            had_last=had_last))
+            started=started, had_last=had_last))
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
         many decode steps, each reading the previous one's samples on the device (one
         graph replay per step, no host round trip); ``complete`` gives the result. An
         item without a token continues from its sequence's last sampled token."""
+        started = time.perf_counter()
         validate_decode(items, self._seq_len, self.limits, num_steps,
                         lambda sid: sid in self._last_sampled)
         alloc = self.kv.allocate([(it.seq_id, num_steps) for it in items])
@@ -252,7 +254,7 @@ class Executor:
             "decode", tuple(it.seq_id for it in items), alloc,
             tuple(e.seq_len for e in alloc.extensions), tuple(rows), tuple(params),
             tuple(frozenset(it.stop_token_ids) for it in items), samples, info,
-            had_last=had_last))
+            started=started, had_last=had_last))
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""

@@ -38,8 +38,8 @@ class PendingStep:
     params: tuple[SamplingParams, ...]  # per sampled row
     stops: tuple[frozenset[int], ...]  # per sampled row: stop token ids
     samples: list[DeviceSample]  # per decode step (one unless num_steps > 1)
-    info: StepInfo  # forward_ms is the launch's host time until completion fills it
-    started: float = field(default_factory=time.perf_counter)
+    info: StepInfo  # forward_ms: completion fills it in, from the launch's start
+    started: float = field(default_factory=time.perf_counter)  # when the launch began
     #: Sequences that had a last sampled token before this step, for ``abort``.
     had_last: dict[str, bool] = field(default_factory=dict)
     done: torch.cuda.Event | None = None  # recorded after the step's device work

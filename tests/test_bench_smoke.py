@@ -60,7 +60,7 @@ def test_host_profile_stage_clock_times_every_stage_of_a_step() -> None:
     for _ in range(3):
         step()
     assert {"validate", "allocate", "build_batch", "metadata", "logits", "sample",
-            "release"} <= set(clock.times)
+            "complete", "release"} <= set(clock.times)
     assert len(clock.times["sample"]) == 3 and all(t > 0 for t in clock.times["build_batch"])
     stats = ex.kv_stats()  # the wrapped release still frees every sequence
     assert stats.free_tokens == stats.total_tokens and stats.active_sequences == 0

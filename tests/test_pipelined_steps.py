@@ -15,7 +15,7 @@ import pytest
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
 from executor.config import CacheConfig, ExecutorConfig
-from executor.errors import InvalidRequest, OutOfResources
+from executor.errors import ContextLengthExceeded, InvalidRequest, OutOfResources
 from executor.executor import Executor
 from executor.steps import PendingStep
 
@@ -169,10 +169,12 @@ def test_aborted_steps_roll_back_newest_first_and_forget_their_samples() -> None
 
 
 def test_failed_launch_applies_nothing() -> None:
-    ex = make(kv_tokens=16)
-    ex.prefill([PrefillItem("a", [1, 2, 3])])
+    ex = make(kv_tokens=64)
+    ex.prefill([PrefillItem("a", [1, 2, 3]), PrefillItem("b", list(range(50)))])
     before = ex.kv_stats()
-    with pytest.raises(OutOfResources):
+    with pytest.raises(OutOfResources):  # 20 tokens asked, 11 free: retryable
+        ex.launch_decode([DecodeItem("a", None)], num_steps=20)
+    with pytest.raises(ContextLengthExceeded):  # past the pool itself: never fits
         ex.launch_decode([DecodeItem("a", None)], num_steps=100)
     with pytest.raises(InvalidRequest, match="num_steps"):
         ex.launch_decode([DecodeItem("a", None)], num_steps=0)
