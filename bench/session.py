@@ -1,0 +1,271 @@
+"""What a scheduler waits per token: unary Decode against a pipelined Session.
+
+``python -m bench.session --model DIR --device cuda --out DIR`` runs, per batch size, in
+one process and one server on one machine:
+
+* in-process: the executor's synchronous decode call (host work included) and the median
+  graph replay span (CUDA events): the GPU's busy time per step, the yardstick;
+* in-process, two steps launched ahead (``launch_decode`` / ``complete``);
+* over gRPC from this process (the server is a ``model-executor serve`` subprocess):
+  (a) unary Decode, one call at a time; (b) Session, one step in flight; (c) Session, two
+  steps in flight, decode items continuing from the device's last samples
+  (``use_last_sampled``), and three in flight; (d) unary Decode with ``num_steps`` = 8.
+
+Per token = wall time between the first and last measured answer / steps (a batch gets
+one token per sequence per step). Ratios are to the replay span measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from bench.grpc_overhead import _free_port, _tokens, _wait_ready
+from executor.api import DecodeItem, PrefillItem
+from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
+from executor.executor import Executor
+from executor.steps import PendingStep
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+CTX = 128
+
+
+def _config(model: str, device: str, batches: list[int], steps: int) -> ExecutorConfig:
+    cuda = device.startswith("cuda")
+    return ExecutorConfig(
+        model=ModelConfig(source=model), device=device,
+        cache=CacheConfig(kv_tokens=max(batches) * (CTX + steps + 120) * 2,
+                          max_sequences=max(batches) * 2, max_context=CTX + steps + 120),
+        graphs=GraphConfig(decode_mode="full" if cuda else "disabled", prefill_mode="disabled",
+                           decode_buckets=tuple(batches) if cuda else None),
+        attention_backend="triton" if cuda else "auto", max_decode_batch=max(batches))
+
+
+def in_process(config: ExecutorConfig, batches: list[int], steps: int) -> dict[str, Any]:
+    ex = Executor(config)
+    if config.is_cuda:
+        ex.capture(["decode"])
+    vocab = ex.model_info.vocab_size
+    out: dict[str, Any] = {}
+    for bs in batches:
+        ids = [f"p{bs}-{i}" for i in range(bs)]
+        res = ex.prefill([PrefillItem(s, _tokens(i, CTX, vocab)) for i, s in enumerate(ids)])
+        toks = [o.token_id for o in res.outputs]
+        ex.drain_replay_seconds()
+        times = []
+        for step in range(steps + 10):
+            t0 = time.perf_counter()
+            res = ex.decode([DecodeItem(s, t) for s, t in zip(ids, toks, strict=True)])
+            if step >= 10:
+                times.append(time.perf_counter() - t0)
+            toks = [o.token_id for o in res.outputs]
+        if config.is_cuda:
+            torch.cuda.synchronize()
+        spans = ex.drain_replay_seconds().get("decode", [])
+        # Two launched ahead: the next step is launched before the previous completes.
+        inflight: deque[PendingStep] = deque()
+        items = [DecodeItem(s, None) for s in ids]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            inflight.append(ex.launch_decode(items))
+            if len(inflight) > 1:
+                ex.complete(inflight.popleft())
+        while inflight:
+            ex.complete(inflight.popleft())
+        ahead = (time.perf_counter() - t0) / steps
+        ex.release(ids)
+        out[str(bs)] = {"call_ms": statistics.median(times) * 1e3,
+                        "span_ms": statistics.median(spans[10:]) * 1e3 if spans else None,
+                        "launched_ahead_ms": ahead * 1e3}
+    del ex
+    gc.collect()
+    if config.is_cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+class Client:
+    """The scheduler's side: decode loops over one channel."""
+
+    def __init__(self, target: str, vocab: int) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.ExecutorStub(self.channel)
+        self.vocab = vocab
+
+    def admit(self, ids: list[str]) -> list[int]:
+        res = self.stub.Prefill(pb.PrefillRequest(items=[
+            pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CTX, self.vocab), sample=True)
+            for i, s in enumerate(ids)]), timeout=120)
+        return [o.token_id for o in res.outputs]
+
+    def unary(self, ids: list[str], toks: list[int], steps: int, num_steps: int = 1
+              ) -> float:
+        stamps = []
+        for _ in range(steps + 10):
+            res = self.stub.Decode(pb.DecodeRequest(num_steps=num_steps, items=[
+                pb.DecodeItem(seq_id=s, token_id=t) for s, t in zip(ids, toks, strict=True)]),
+                timeout=60)
+            toks = [o.token_id for o in res.outputs]
+            stamps.append(time.perf_counter())
+        return (stamps[-1] - stamps[9]) / (steps * num_steps)
+
+    def session(self, ids: list[str], toks: list[int], steps: int, depth: int) -> float:
+        """``depth`` requests outstanding; with depth 1 each carries the tokens just read,
+        deeper ones continue from the device's last samples."""
+        window = threading.Semaphore(depth)
+        latest: dict[str, int] = dict(zip(ids, toks, strict=True))
+
+        def requests() -> Iterator[pb.SessionRequest]:
+            for n in range(steps + 10):
+                window.acquire()
+                if depth == 1:
+                    items = [pb.DecodeItem(seq_id=s, token_id=latest[s]) for s in ids]
+                else:
+                    items = [pb.DecodeItem(seq_id=s, use_last_sampled=True) for s in ids]
+                yield pb.SessionRequest(step=n + 1, decode=pb.DecodeRequest(items=items))
+
+        stamps = []
+        for response in self.stub.Session(requests(), timeout=600):
+            if response.WhichOneof("result") != "decode":
+                raise RuntimeError(f"session step failed: {response}")
+            latest.update((o.seq_id, o.token_id) for o in response.decode.outputs)
+            stamps.append(time.perf_counter())
+            window.release()
+        return (stamps[-1] - stamps[9]) / steps
+
+    def release(self, ids: list[str]) -> None:
+        self.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+
+
+def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
+              steps: int, vocab: int) -> dict[str, Any]:
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    args = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--device", device,
+            "--port", str(port), "--metrics-port", "-1",
+            "--max-sequences", str(config.cache.max_sequences),
+            "--max-context", str(config.cache.max_context),
+            "--kv-tokens", str(config.cache.kv_tokens),
+            "--max-decode-batch", str(max(batches)), "--prefill-graph", "disabled",
+            "--session-depth", "3", "--log-level", "WARNING"]
+    if config.is_cuda:
+        args += ["--attention-backend", "triton", "--decode-graph", "full"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out: dict[str, Any] = {}
+    try:
+        _wait_ready(target, proc, 900)
+        client = Client(target, vocab)
+        for bs in batches:
+            row: dict[str, float] = {}
+            for name, run in (
+                    ("unary", lambda i, t: client.unary(i, t, steps)),
+                    ("session_1", lambda i, t: client.session(i, t, steps, 1)),
+                    ("session_2", lambda i, t: client.session(i, t, steps, 2)),
+                    ("session_3", lambda i, t: client.session(i, t, steps, 3)),
+                    ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
+                ids = [f"{name}-{bs}-{i}" for i in range(bs)]
+                row[name + "_ms"] = run(ids, client.admit(ids)) * 1e3
+                client.release(ids)
+            out[str(bs)] = row
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def render(result: dict[str, Any], out: Path) -> str:
+    lines = [f"# Session vs unary: per-token time a scheduler sees ({result['device']}, "
+             f"commit {result['commit']})", "",
+             "| batch | GPU span | in-process call | in-process 2 ahead | (a) unary | "
+             "(b) session 1 | (c) session 2 | session 3 | (d) num_steps 8 | (c) / span |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for bs, ip in result["in_process"].items():
+        g = result["grpc"][bs]
+        span = ip["span_ms"]
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.3f} ms"
+
+        ratio = f"{g['session_2_ms'] / span:.2f}x" if span else "-"
+        lines.append(f"| {bs} | {ms(span)} | {ms(ip['call_ms'])} | {ms(ip['launched_ahead_ms'])} "
+                     f"| {ms(g['unary_ms'])} | {ms(g['session_1_ms'])} | {ms(g['session_2_ms'])}"
+                     f" | {ms(g['session_3_ms'])} | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
+    text = "\n".join(lines) + "\n"
+    (out / "session.md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        keys = ["unary_ms", "session_1_ms", "session_2_ms", "session_3_ms",
+                "unary_num_steps_8_ms"]
+        labels = ["(a) unary", "(b) session 1", "(c) session 2", "session 3", "(d) k=8"]
+        fig, axes = plt.subplots(1, len(result["grpc"]), figsize=(5 * len(result["grpc"]), 4))
+        for ax, (bs, g) in zip(list(axes) if len(result["grpc"]) > 1 else [axes],
+                               result["grpc"].items(), strict=True):
+            ax.bar(labels, [g[k] for k in keys], color="tab:blue")
+            span = result["in_process"][bs]["span_ms"]
+            if span:
+                ax.axhline(span, color="tab:red", label="GPU span (graph replay)")
+                ax.axhline(1.1 * span, color="tab:red", linestyle=":", label="1.10x span")
+            ax.set_title(f"batch {bs}")
+            ax.set_ylabel("ms per token (per sequence)")
+            ax.tick_params(axis="x", rotation=30)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "session.png", dpi=110)
+    except ImportError:
+        pass
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--out", type=Path, default=Path("results-local"))
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = _config(args.model, args.device, batches, args.steps)
+    inproc = in_process(config, batches, args.steps)
+    grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
+                          _vocab(args.model))
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else "cpu", "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
+              "model": args.model, "steps": args.steps, "in_process": inproc, "grpc": grpc_rows}
+    (args.out / "session.json").write_text(json.dumps(result, indent=2))
+    print(render(result, args.out))
+    return 0
+
+
+def _vocab(model: str) -> int:
+    from executor.model.loader import load_hf_config
+    from executor.model.named import resolve_model_source
+
+    return load_hf_config(resolve_model_source(model)).vocab_size
+
+
+if __name__ == "__main__":
+    sys.exit(main())
