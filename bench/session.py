@@ -49,8 +49,9 @@ def _config(model: str, device: str, batches: list[int], steps: int) -> Executor
     cuda = device.startswith("cuda")
     return ExecutorConfig(
         model=ModelConfig(source=model), device=device,
-        cache=CacheConfig(kv_tokens=max(batches) * (CTX + steps + 120) * 2,
-                          max_sequences=max(batches) * 2, max_context=CTX + steps + 120),
+        # In-process, a sequence takes steps + 10 decode steps, then steps launched ahead.
+        cache=CacheConfig(kv_tokens=max(batches) * (CTX + 2 * steps + 120) * 2,
+                          max_sequences=max(batches) * 2, max_context=CTX + 2 * steps + 120),
         graphs=GraphConfig(decode_mode="full" if cuda else "disabled", prefill_mode="disabled",
                            decode_buckets=tuple(batches) if cuda else None),
         attention_backend="triton" if cuda else "auto", max_decode_batch=max(batches))
@@ -106,6 +107,14 @@ class Client:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.vocab = vocab
+        self.seen: list[Any] = []  # the measured responses' StepInfo and execute_ms
+
+    def diagnostics(self) -> dict[str, Any]:
+        """What the server reported for the last run: graph steps and its own time."""
+        seen, self.seen = self.seen, []
+        return {"graph_steps": sum(s.path == pb.PATH_GRAPH for s, _ in seen) / len(seen),
+                "server_execute_ms": statistics.median(ms for _, ms in seen),
+                "server_forward_ms": statistics.median(s.forward_ms for s, _ in seen)}
 
     def admit(self, ids: list[str]) -> list[int]:
         res = self.stub.Prefill(pb.PrefillRequest(items=[
@@ -122,6 +131,7 @@ class Client:
                 timeout=60)
             toks = [o.token_id for o in res.outputs]
             stamps.append(time.perf_counter())
+            self.seen.append((res.step, res.execute_ms))
         return (stamps[-1] - stamps[9]) / (steps * num_steps)
 
     def session(self, ids: list[str], toks: list[int], steps: int, depth: int) -> float:
@@ -145,6 +155,7 @@ class Client:
                 raise RuntimeError(f"session step failed: {response}")
             latest.update((o.seq_id, o.token_id) for o in response.decode.outputs)
             stamps.append(time.perf_counter())
+            self.seen.append((response.decode.step, response.decode.execute_ms))
             window.release()
         return (stamps[-1] - stamps[9]) / steps
 
@@ -180,6 +191,7 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
                     ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
                 ids = [f"{name}-{bs}-{i}" for i in range(bs)]
                 row[name + "_ms"] = run(ids, client.admit(ids)) * 1e3
+                row.update({f"{name}_{k}": v for k, v in client.diagnostics().items()})
                 client.release(ids)
             out[str(bs)] = row
     finally:

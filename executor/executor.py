@@ -118,6 +118,10 @@ class Executor:
         self._last_sampled: set[str] = set()  # sequences whose last step sampled
         # Every batch's metadata goes to the device through one reused pinned buffer.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        # NOTE: every step runs on the device's current stream at start-up; events record
+        # on it without looking it up per step (that lookup costs more than the record).
+        self._stream = torch.cuda.current_stream(self.device) \
+            if self.device.type == "cuda" else None
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
                              config.decode_batch_limit, kv_tokens=num_tokens)
 
@@ -291,9 +295,9 @@ class Executor:
         """Start the copies of the step's samples to the host; mark its end on the device."""
         for sample in step.samples:
             sample.stage()
-        if self.device.type == "cuda":
+        if self._stream is not None:
             step.done = torch.cuda.Event()
-            step.done.record()
+            step.done.record(self._stream)
         return step
 
     def _remember_last(self, sample: DeviceSample, slots: list[int],

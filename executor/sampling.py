@@ -104,31 +104,26 @@ class DeviceSample:
     """One step's samples, still on the device (no host sync was needed to make them).
 
     ``tokens`` (B,) int64; ``logprobs`` (B,) float32 and ``top_ids``/``top_values`` (B, k)
-    when a row asked for them. ``to_output`` reads them on the host; ``stage`` first
-    starts an asynchronous copy into pinned memory and records an event, so a caller can
-    launch more work before it reads them."""
+    when a row asked for them. ``stage`` starts their asynchronous copy into pinned host
+    memory; the caller records an event after it and waits for that event before
+    ``to_output`` reads them (``executor/steps.py``), so it can launch more work first."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
-    _event: torch.cuda.Event | None = None
 
     def stage(self) -> None:
-        """Start the device-to-host copies (pinned, asynchronous) and record an event."""
+        """Start the device-to-host copies (pinned, asynchronous)."""
         if not self.tokens.is_cuda:
             return
         self.tokens = _pinned_copy(self.tokens)
         self.logprobs, self.top_ids, self.top_values = (
             None if t is None else _pinned_copy(t)
             for t in (self.logprobs, self.top_ids, self.top_values))
-        self._event = torch.cuda.Event()
-        self._event.record()
 
     def to_output(self, params: Sequence[SamplingParams]) -> SampleOutput:
-        """The host values (waits for the staged copies, or copies now)."""
-        if self._event is not None:
-            self._event.synchronize()
+        """The host values; a staged sample's copies must have finished (its event)."""
         n = len(params)
         tokens = self.tokens.tolist()
         if self.logprobs is None:

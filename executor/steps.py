@@ -63,6 +63,15 @@ class PendingStep:
         return [s.to_output(self.params) for s in self.samples]
 
     def outputs(self, sampled: list[SampleOutput]) -> tuple[ItemOutput, ...]:
+        if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
+            s = sampled[0]
+            return tuple(
+                ItemOutput(seq_id, None, None, (), seq_len) if row is None else
+                ItemOutput(seq_id, s.token_ids[row],
+                           s.logprobs[row] if self.params[row].logprobs else None,
+                           s.top_logprobs[row], seq_len)
+                for seq_id, seq_len, row in zip(self.seq_ids, self.seq_lens, self.rows,
+                                                strict=True))
         multi = len(sampled) > 1
         out = []
         for seq_id, seq_len, row in zip(self.seq_ids, self.seq_lens, self.rows, strict=True):

@@ -149,25 +149,34 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
             "num_steps", f"must be in [1, {MAX_DECODE_STEPS}] (0 or unset = 1), got {num_steps}"))
     unknown: list[tuple[str, str]] = []
     too_long: list[FieldViolation] = []
+    # Checked once per distinct parameter set: a batch usually shares a few of them.
+    sampling_ok: dict[SamplingParams, bool] = {}
+    vocab, room = limits.vocab_size, limits.servable_context - num_steps
     for i, it in enumerate(items):
         cached = seq_len(it.seq_id)
-        if it.token_id is not None:
-            v = _token_violation(it.token_id, f"items[{i}].token_id", limits.vocab_size)
-            if v is not None:
-                out.append(v)
+        token = it.token_id
+        if token is not None:
+            if not 0 <= token < vocab:
+                out.append(FieldViolation(f"items[{i}].token_id", f"token id {token} is "
+                                          f"outside the vocabulary [0, {vocab})"))
         elif cached is not None and not has_last_sample(it.seq_id):
             out.append(FieldViolation(
                 f"items[{i}].use_last_sampled",
                 f"sequence {it.seq_id!r} has no sampled token to continue from (its last step "
                 "did not sample, or was rolled back); give its token_id"))
         for k, tok in enumerate(it.stop_token_ids):
-            v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", limits.vocab_size)
+            v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", vocab)
             if v is not None:
                 out.append(v)
-        out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
-        if it.seq_id and cached is None:
-            unknown.append((it.seq_id, f"items[{i}].seq_id"))
-        elif cached is not None and cached + num_steps > limits.servable_context:
+        ok = sampling_ok.get(it.sampling)
+        if ok is None:
+            ok = sampling_ok[it.sampling] = not sampling_violations(it.sampling, "")
+        if not ok:
+            out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
+        if cached is None:
+            if it.seq_id:
+                unknown.append((it.seq_id, f"items[{i}].seq_id"))
+        elif cached > room:
             too_long.append(FieldViolation(
                 f"items[{i}].token_id",
                 f"sequence {it.seq_id!r} already holds {cached} tokens; "
