@@ -246,5 +246,9 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=None,
                           help="most tokens to generate (default: 16 with --tokens, 256 with "
                           "--prompt)")
+    generate.add_argument("--pipeline", type=int, default=0, metavar="N",
+                          help="send the decode steps over one Session, N in flight, each "
+                          "continuing from the token sampled last on the server (0: one "
+                          "unary Decode at a time)")
     _add_sampling(generate)
     generate.set_defaults(func=_generate)

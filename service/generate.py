@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,8 +51,11 @@ def generate(stub: pb_grpc.ExecutorStub, a: argparse.Namespace,
     if a.prompt is None:
         if a.chat or a.tokenizer:
             raise GenerateError("--chat and --tokenizer apply only with --prompt")
+        started = time.perf_counter()
         tokens, stop = _run(stub, a, seq_id, _token_ids(a.tokens), sampling, set(), None)
-        return {"seq_id": seq_id, "token_ids": tokens, "stop": stop}
+        seconds = time.perf_counter() - started
+        return {"seq_id": seq_id, "token_ids": tokens, "stop": stop,
+                "tokens_per_s": round(len(tokens) / seconds, 1) if seconds > 0 else None}
     tokenizer, stop_ids = load_tokenizer(stub, a)  # before anything is admitted
     prompt = encode(tokenizer, a.prompt, a.chat)
     stream = TextStream(tokenizer, sys.stdout)
@@ -61,15 +65,20 @@ def generate(stub: pb_grpc.ExecutorStub, a: argparse.Namespace,
     finally:
         stream.close()
     seconds = time.perf_counter() - started
-    print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated in {seconds:.2f} s, stopped "
-          f"at {stop}; seq_id {seq_id}]", file=sys.stderr)
+    rate = f", {len(tokens) / seconds:.1f} tokens/s" if seconds > 0 else ""
+    mode = f", pipelined {a.pipeline} deep" if a.pipeline else ""
+    print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated in {seconds:.2f} s{rate}"
+          f"{mode}, stopped at {stop}; seq_id {seq_id}]", file=sys.stderr)
     return None
 
 
 def _run(stub: pb_grpc.ExecutorStub, a: argparse.Namespace, seq_id: str, prompt: list[int],
          sampling: pb.SamplingParams, stop_ids: set[int],
          on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
-    """Prefill, then Decode until a stop token or --max-new-tokens; always Release."""
+    """Prefill, then Decode until a stop token or --max-new-tokens; always Release.
+    With ``--pipeline N``, the steps go over one Session, N in flight (``_session``)."""
+    if a.pipeline:
+        return _session(stub, a, seq_id, prompt, sampling, stop_ids, on_token)
 
     def rid(suffix: str) -> str:  # a request_id names one call (retries are deduplicated)
         return f"{a.request_id}-{suffix}" if a.request_id else ""
@@ -91,6 +100,54 @@ def _run(stub: pb_grpc.ExecutorStub, a: argparse.Namespace, seq_id: str, prompt:
     except BaseException:  # an error status, a deadline, Ctrl-C: release, then re-raise
         release(stub, seq_id, a.timeout, quiet=True)
         raise
+    release(stub, seq_id, a.timeout, quiet=False)
+    return tokens, "eos" if tokens and tokens[-1] in stop_ids else "length"
+
+
+def _session(stub: pb_grpc.ExecutorStub, a: argparse.Namespace, seq_id: str,
+             prompt: list[int], sampling: pb.SamplingParams, stop_ids: set[int],
+             on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
+    """The same over a Session: each decode step is sent before the previous one is
+    answered (up to ``a.pipeline`` in flight) and continues from the token its sequence
+    sampled last, on the server's device. Steps already sent past a stop are discarded;
+    the Release frees their KV too."""
+    window = threading.Semaphore(a.pipeline)
+    done = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        window.acquire()
+        yield pb.SessionRequest(step=1, prefill=pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id=seq_id, token_ids=prompt, sample=True, sampling=sampling)]))
+        for step in range(2, a.max_new_tokens + 1):
+            window.acquire()
+            if done.is_set():
+                return
+            yield pb.SessionRequest(step=step, decode=pb.DecodeRequest(items=[pb.DecodeItem(
+                seq_id=seq_id, use_last_sampled=True, sampling=sampling)]))
+
+    tokens: list[int] = []
+    call = stub.Session(requests(), timeout=a.timeout * a.max_new_tokens)
+    try:
+        for response in call:
+            kind = response.WhichOneof("result")
+            if kind == "error":
+                raise GenerateError(f"step {response.step} failed: "
+                                    f"{response.error.code_name}: {response.error.message}")
+            tokens.append(getattr(response, kind).outputs[0].token_id)
+            if on_token is not None:
+                on_token(tokens[-1])
+            if tokens[-1] in stop_ids or len(tokens) >= a.max_new_tokens:
+                break
+            window.release()
+    except BaseException:
+        done.set()
+        window.release()
+        call.cancel()
+        release(stub, seq_id, a.timeout, quiet=True)
+        raise
+    done.set()
+    window.release()  # let the request generator see the end
+    call.cancel()  # steps sent past the stop still apply on the server: released below
     release(stub, seq_id, a.timeout, quiet=False)
     return tokens, "eos" if tokens and tokens[-1] in stop_ids else "length"
 

@@ -110,3 +110,24 @@ def test_prompt_mode_needs_a_tokenizer_it_can_find(server: ServerHarness,
     err = capsys.readouterr().err
     assert "serves 'tiny'" in err and "--tokenizer DIR" in err
     assert server.kv() == baseline
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_pipelined_generate_equals_the_unary_loop_and_releases(
+        server: ServerHarness, capsys: pytest.CaptureFixture[str], depth: int) -> None:
+    """``--pipeline N`` sends the steps over one Session, N in flight: the same tokens as
+    the unary loop, a tokens/s figure, and the sequence released (steps sent past the
+    last token included)."""
+    baseline = server.kv()
+    runs = []
+    for extra in ([], ["--pipeline", str(depth)]):
+        assert main(["client", "--target", server.target, "generate", "--tokens", "4 8 15",
+                     "--max-new-tokens", "9", *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    unary, piped = runs
+    assert piped["token_ids"] == unary["token_ids"] and len(piped["token_ids"]) == 9
+    assert piped["stop"] == "length" and piped["tokens_per_s"] > 0
+    deadline = time.monotonic() + 10  # the release is queued behind the stream's steps
+    while server.kv() != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.kv() == baseline
