@@ -332,6 +332,9 @@ class Executor:
         missing = [p for p in phases if p not in self.runners]
         if missing:
             raise GraphsUnavailable(f"no graph runner for {', '.join(missing)} in this build")
+        # Steps launched ahead (a Session) may still be replaying graphs that a forced
+        # recapture releases: let them finish first.
+        torch.cuda.synchronize(self.device)
         return tuple(self.runners[p].capture_all(force=force, progress=progress)
                      for p in dict.fromkeys(phases))
 

@@ -136,3 +136,17 @@ def greedy_agrees(ex: Executor, eager: Executor) -> None:
         toks = check(ex.decode(items), eager.decode(items))
     for e in (ex, eager):
         e.release(list(toks))
+
+
+def clear_choices_agree(graph: StepResult, eager: StepResult) -> int:
+    """How many of a step's tokens the graph and eager runs agree on; asserts agreement
+    wherever the eager run's top-2 logprob margin is clear of bf16 noise (the items asked
+    for ``top_logprobs`` >= 2)."""
+    assert (graph.step.path, eager.step.path) == ("graph", "eager")
+    agree = 0
+    for og, oe in zip(graph.outputs, eager.outputs, strict=True):
+        (_, lp1), (_, lp2) = oe.top_logprobs[:2]
+        if lp1 - lp2 > 0.05:
+            assert og.token_id == oe.token_id, (og, oe)
+        agree += og.token_id == oe.token_id
+    return agree

@@ -14,6 +14,7 @@ from tests.gpu.helpers import (
     LOGIT_ATOL,
     LOGIT_RTOL,
     assert_same_greedy,
+    clear_choices_agree,
     gpu_model,
     graph_and_eager,
 )
@@ -93,13 +94,8 @@ def test_greedy_tokens_equal_eager_executor(ex: Executor, tmp_path: Path) -> Non
     for _ in range(30):
         items = [DecodeItem(s, t, params) for s, t in toks.items()]
         g, e = ex.decode(items), eager.decode(items)
-        assert (g.step.path, e.step.path) == ("graph", "eager")
-        for og, oe in zip(g.outputs, e.outputs, strict=True):
-            (_, lp1), (_, lp2) = oe.top_logprobs
-            if lp1 - lp2 > 0.05:
-                assert og.token_id == oe.token_id, (og, oe)
-            agree += og.token_id == oe.token_id
-            total += 1
+        agree += clear_choices_agree(g, e)
+        total += len(g.outputs)
         toks = {o.seq_id: int(o.token_id) for o in g.outputs}  # type: ignore[arg-type]
     assert agree / total > 0.97, (agree, total)
     for e in (ex, eager):

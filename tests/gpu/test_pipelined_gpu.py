@@ -13,7 +13,7 @@ from executor.api import DecodeItem, PrefillItem, SamplingParams, StepResult
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
 from executor.steps import PendingStep
-from tests.gpu.helpers import rand_tokens
+from tests.gpu.helpers import clear_choices_agree, rand_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -83,13 +83,8 @@ def test_last_token_in_the_decode_prologue_equals_eager(model_path: Path) -> Non
     for _ in range(10):
         g = graph.decode([DecodeItem(s, None, params) for s in toks])
         e = eager.decode([DecodeItem(s, t, params) for s, t in toks.items()])
-        assert (g.step.path, e.step.path) == ("graph", "eager")
-        for og, oe in zip(g.outputs, e.outputs, strict=True):
-            (_, lp1), (_, lp2) = oe.top_logprobs
-            if lp1 - lp2 > 0.05:
-                assert og.token_id == oe.token_id, (og, oe)
-            agree += og.token_id == oe.token_id
-            total += 1
+        agree += clear_choices_agree(g, e)
+        total += len(g.outputs)
         # Teacher forcing: the eager side is given the graph's tokens, which the graph side
         # reads from the device.
         toks = {o.seq_id: o.token_id for o in g.outputs}
