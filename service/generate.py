@@ -179,7 +179,12 @@ def tokenizer_dir(stub: pb_grpc.ExecutorStub, a: argparse.Namespace) -> Path:
         return Path(a.tokenizer)
     from executor.model.named import NAMED_MODELS, cached_model_dir, converted_dir
 
-    name = stub.Health(pb.HealthRequest(), timeout=a.timeout).model.name
+    health = stub.Health(pb.HealthRequest(), timeout=a.timeout)
+    name = health.model.name
+    if not name:  # the weights are not loaded yet
+        state = pb.ServerState.Name(health.state).removeprefix("SERVER_STATE_")
+        raise GenerateError(f"the server is {state.lower()} and does not report its model "
+                            "yet: retry once it is ready (or pass --tokenizer DIR)")
     if name in NAMED_MODELS:
         path = cached_model_dir(name)
         if path is None:
