@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -112,6 +113,11 @@ class SessionStream:
         self._launched: list[tuple[int, PendingStep]] = []  # executor thread only
         self._last_step: int | None = None
         self._launching: asyncio.Future[_Entry] | None = None  # the reader's current launch
+        # Answered steps whose metrics are recorded after their answer is sent.
+        self._unrecorded: list[tuple[_Entry, StepResult, float]] = []
+        # Per-step lines are DEBUG; asked once per stream, not per step (a filtered
+        # structlog call still builds a bound logger and runs a processor).
+        self._debug = logging.getLogger("model_executor.session").isEnabledFor(logging.DEBUG)
 
     # -- writer: the handler's generator ------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.SessionRequest],
@@ -127,10 +133,9 @@ class SessionStream:
                 if isinstance(entry, BaseException):
                     raise entry
                 response = await self._answer(entry)
-                log.debug("session step", step=entry.step, op=entry.op,
-                          result=response.WhichOneof("result"))
                 yield response
                 self._slots.release()
+                self._record()
         finally:
             if not finished:  # the stream ended early: launched steps still complete
                 reader.cancel()
@@ -179,6 +184,8 @@ class SessionStream:
         return await asyncio.get_running_loop().run_in_executor(None, pending.finish)
 
     def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
+        """The step's answer, kept for retries; its metrics are recorded by ``_record``
+        once the answer is sent (off the path to the scheduler's next step)."""
         execute_s = time.perf_counter() - entry.launched_at
         response = convert.step_response(
             result, 0.0, execute_s * 1e3,
@@ -186,12 +193,20 @@ class SessionStream:
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
         self._resolve(entry, response)
-        self._recorder.step(result.step, entry.items, execute_s)
-        self._recorder.replays(entry.replays)
-        self._recorder.retry_cache(*self._cache.size())
-        if entry.kv is not None:
-            self._update_kv(entry.kv)
+        self._unrecorded.append((entry, result, execute_s))
         return _stepped(entry.step, entry.op, response)
+
+    def _record(self) -> None:
+        for entry, result, execute_s in self._unrecorded:
+            self._recorder.step(result.step, entry.items, execute_s)
+            self._recorder.replays(entry.replays)
+            if entry.kv is not None:
+                self._update_kv(entry.kv)
+            if self._debug:
+                log.debug("session step", step=entry.step, op=entry.op)
+        if self._unrecorded:
+            self._recorder.retry_cache(*self._cache.size())
+        self._unrecorded.clear()
 
     async def _drain(self) -> None:
         """Complete what the gone stream launched, for the retry cache and metrics."""
@@ -212,6 +227,7 @@ class SessionStream:
                 except BaseException:  # nothing to tell a gone client; logged by metrics
                     log.warning("session step failed after its stream ended",
                                 step=entry.step, exc_info=True)
+                self._record()
 
     # -- reader ---------------------------------------------------------------------------
     async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:

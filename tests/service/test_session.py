@@ -242,3 +242,20 @@ def test_a_cancelled_stream_lets_launched_steps_apply_and_retries_learn_it(
     server.stub.Release(pb.ReleaseRequest(seq_ids=["ca"]), timeout=30)
     assert server.kv() == before
     assert_exact(server)
+
+
+def test_session_steps_are_counted_like_unary_ones(server: ServerHarness) -> None:
+    """Step metrics stay exact on the stream (recorded after each answer is sent)."""
+    def tokens() -> float:
+        return sum(v for (name, labels), v in server.scrape().items()
+                   if name == "model_executor_tokens_total" and ("phase", "decode") in labels)
+
+    before = tokens()
+    requests = [pb.SessionRequest(step=1, prefill=prefill("mt", prompt(12, 4))),
+                pb.SessionRequest(step=2, decode=decode_last(["mt"])),
+                pb.SessionRequest(step=3, decode=decode_last(["mt"], num_steps=3)),
+                pb.SessionRequest(step=4, release=pb.ReleaseRequest(seq_ids=["mt"]))]
+    responses = list(server.stub.Session(iter(requests), timeout=30))
+    assert [r.WhichOneof("result") for r in responses] == ["prefill", "decode", "decode",
+                                                          "release"]
+    assert tokens() - before == 1 + 3
