@@ -21,7 +21,6 @@ from service.config import ServerConfig
 from service.errors import StartupError
 from service.server import ExecutorServer
 from service.tls import TlsConfig
-from tests.reliability.certs import Authority
 from tests.service.harness import ServerHarness, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +64,9 @@ def test_cli_on_a_busy_port_exits_with_one_line(server: ServerHarness) -> None:
 
 def test_tls_key_not_matching_its_certificate(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("cryptography", reason="makes the test certificates")
+    from tests.reliability.certs import Authority  # needs cryptography (the test extra)
+
     a, b = Authority.make(tmp_path / "a", "a"), Authority.make(tmp_path / "b", "b")
     with pytest.raises(ValueError, match="does not match the certificate"):
         TlsConfig(a.server_cert, b.server_key)
