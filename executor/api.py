@@ -147,6 +147,14 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True)
+class TruncateResult:
+    """A truncated sequence's length now, and the KV token locations that were freed."""
+
+    seq_len: int
+    freed_tokens: int
+
+
+@dataclass(frozen=True)
 class KVStats:
     """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always."""
 

@@ -37,11 +37,18 @@ from executor.api import (
     SamplingParams,
     StepInfo,
     StepResult,
+    TruncateResult,
 )
 from executor.attention import create_backend, resolve_backend_name
 from executor.attention.base import AttentionShape
 from executor.config import ExecutorConfig
-from executor.errors import ConfigError, GraphsUnavailable
+from executor.errors import (
+    ConfigError,
+    FieldViolation,
+    GraphsUnavailable,
+    InvalidRequest,
+    SequenceNotFound,
+)
 from executor.forward_batch import ForwardBatch, PinnedStaging
 from executor.graphs.buckets import (
     default_decode_buckets,
@@ -317,6 +324,24 @@ class Executor:
             else:
                 unknown.append(sid)
         return ReleaseResult(released, tuple(unknown))
+
+    def truncate(self, seq_id: str, length: int) -> TruncateResult:
+        """Keep the first ``length`` tokens of ``seq_id`` and free the KV past them (roll back
+        a rejected draft, or rewind a conversation); Prefill and Decode then continue from
+        ``length``. A shorter sequence has no last sampled token to continue from: its next
+        decode gives its token. Atomic: an unknown sequence (NOT_FOUND) or a length outside
+        ``[0, current length]`` (INVALID_ARGUMENT) changes nothing."""
+        state = self.kv.get(seq_id)
+        if state is None:
+            raise SequenceNotFound([seq_id], ["seq_id"])
+        if not 0 <= length <= state.length:
+            raise InvalidRequest([FieldViolation(
+                "length", f"must be in [0, {state.length}] (sequence {seq_id!r} holds "
+                f"{state.length} tokens), got {length}")])
+        freed = self.kv.truncate(seq_id, length)
+        if freed:
+            self._last_sampled.discard(seq_id)
+        return TruncateResult(length, freed)
 
     def capture(self, phases: Sequence[Phase] = ("decode", "prefill"), force: bool = False,
                 progress: bool = False) -> tuple[PhaseCapture, ...]:

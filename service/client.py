@@ -62,6 +62,11 @@ def _release(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace)
                         timeout=a.timeout)
 
 
+def _truncate(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    return stub.Truncate(pb.TruncateRequest(seq_id=a.seq_id, length=a.length),
+                         timeout=a.timeout)
+
+
 def _capture(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
     phases = [f"PHASE_{p.upper()}" for p in a.phase]
     return stub.Capture(pb.CaptureRequest(phases=phases, force=a.force), timeout=a.timeout)
@@ -221,6 +226,11 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     release = cmds.add_parser("release", help="free sequences")
     release.add_argument("seq_ids", nargs="+")
     release.set_defaults(func=_release)
+
+    truncate = cmds.add_parser("truncate", help="keep a sequence's first LENGTH tokens")
+    truncate.add_argument("seq_id")
+    truncate.add_argument("length", type=int)
+    truncate.set_defaults(func=_truncate)
 
     capture = cmds.add_parser("capture", help="capture CUDA graphs")
     capture.add_argument("--phase", action="append", default=[], choices=("decode", "prefill"),

@@ -20,6 +20,7 @@ from executor.api import (
     ReleaseResult,
     SamplingParams,
     StepResult,
+    TruncateResult,
 )
 from executor.errors import FieldViolation, InvalidRequest
 from executor.validation import sampling_violations
@@ -125,6 +126,22 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
 def decode_steps(request: pb.DecodeRequest) -> int:
     """``num_steps`` (0 or unset: one step); the executor checks its range."""
     return request.num_steps or 1
+
+
+def truncate_args(request: pb.TruncateRequest, limits: RequestLimits) -> tuple[str, int]:
+    """(seq_id, length); the executor checks the length against the sequence."""
+    out = _Violations()
+    if not request.seq_id:
+        out.add("seq_id", "must be a non-empty string")
+    _check_seq_id(request.seq_id, "seq_id", limits, out)
+    if request.length < 0:
+        out.add("length", f"must be >= 0, got {request.length}")
+    out.raise_any()
+    return request.seq_id, request.length
+
+
+def truncate_response(result: TruncateResult) -> pb.TruncateResponse:
+    return pb.TruncateResponse(seq_len=result.seq_len, freed_tokens=result.freed_tokens)
 
 
 def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:

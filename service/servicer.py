@@ -193,6 +193,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
         return (await self._worker.run(run, _deadline(context))).value
 
+    async def Truncate(self, request: pb.TruncateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TruncateResponse:
+        self._require_ready()
+        seq_id, length = convert.truncate_args(request, self._limits)
+
+        def run(ex: ExecutorLike) -> pb.TruncateResponse:
+            result = ex.truncate(seq_id, length)
+            self._update_kv(ex.kv_stats())
+            return convert.truncate_response(result)
+
+        return (await self._worker.run(run, _deadline(context))).value
+
     async def Capture(self, request: pb.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> pb.CaptureResponse:
         self._require_ready()

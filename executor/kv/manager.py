@@ -129,6 +129,18 @@ class KVCacheManager:
             else:
                 self._seqs[ext.seq_id].length = ext.prefix_len
 
+    def truncate(self, seq_id: str, length: int) -> int:
+        """Keep the first ``length`` tokens of a known sequence (0 <= length <= its length)
+        and free the locations past them; returns how many were freed."""
+        state = self._seqs[seq_id]
+        if not 0 <= length <= state.length:
+            raise ValueError(f"cannot truncate {seq_id!r} of {state.length} tokens to {length}")
+        freed = state.length - length
+        if freed:
+            self.tokens.free(self.table.locations(state.slot, length, state.length))
+            state.length = length
+        return freed
+
     def release(self, seq_id: str) -> bool:
         """Free every location and the slot of ``seq_id``; False if it is unknown."""
         state = self._seqs.pop(seq_id, None)

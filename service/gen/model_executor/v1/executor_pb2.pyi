@@ -195,6 +195,22 @@ class ReleaseResponse(_message.Message):
     unknown_seq_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TruncateRequest(_message.Message):
+    __slots__ = ("seq_id", "length")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    length: int
+    def __init__(self, seq_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class TruncateResponse(_message.Message):
+    __slots__ = ("seq_len", "freed_tokens")
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_len: int
+    freed_tokens: int
+    def __init__(self, seq_len: _Optional[int] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
+
 class CaptureRequest(_message.Message):
     __slots__ = ("phases", "force")
     PHASES_FIELD_NUMBER: _ClassVar[int]

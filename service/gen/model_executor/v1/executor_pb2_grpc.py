@@ -67,6 +67,11 @@ class ExecutorStub(object):
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Truncate = channel.unary_unary(
+                '/model_executor.v1.Executor/Truncate',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.TruncateRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.TruncateResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer(object):
@@ -144,6 +149,18 @@ class ExecutorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Truncate(self, request, context):
+        """Keeps the first `length` tokens of a sequence and frees the KV locations past them
+        (roll back rejected draft tokens; rewind a conversation). Prefill and Decode then
+        continue from `length`; a sequence made shorter has no last sampled token, so its next
+        Decode gives `token_id`. NOT_FOUND for an unknown seq_id; INVALID_ARGUMENT for a
+        length outside [0, the sequence's length]; nothing changes on failure. Truncating to
+        the current length changes nothing, so a retry is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +193,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.SessionRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.SessionResponse.SerializeToString,
+            ),
+            'Truncate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Truncate,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.TruncateRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.TruncateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +365,33 @@ class Executor(object):
             '/model_executor.v1.Executor/Session',
             model__executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Truncate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/Truncate',
+            model__executor_dot_v1_dot_executor__pb2.TruncateRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.TruncateResponse.FromString,
             options,
             channel_credentials,
             insecure,
