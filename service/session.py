@@ -85,7 +85,7 @@ class _Entry:
     """One step on its way to its response."""
 
     step: int
-    op: str  # "prefill" | "decode" | "release"
+    op: str  # "prefill" | "decode" | "release" | "truncate"
     pending: PendingStep | None = None  # launched, to complete
     response: pb.SessionResponse | None = None  # ready (error, release, replayed)
     key: Key | None = None
@@ -94,8 +94,9 @@ class _Entry:
     launched_at: float = 0.0
     kv: KVStats | None = None
     replays: dict[Any, list[float]] = field(default_factory=dict)
-    # A release, run by the writer in step order; ``applied`` is set once it has run.
-    release: Callable[[ExecutorLike], pb.ReleaseResponse] | None = None
+    # A release or truncate, run by the writer in step order (after every earlier step
+    # has completed); ``applied`` is set once it has run.
+    ordered: Callable[[ExecutorLike], pb.SessionResponse] | None = None
     applied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -144,10 +145,9 @@ class SessionStream:
                 task.add_done_callback(_DRAINING.discard)
 
     async def _answer(self, entry: _Entry) -> pb.SessionResponse:
-        if entry.release is not None:
+        if entry.ordered is not None:
             try:
-                released = (await self._worker.run(entry.release)).value
-                entry.response = pb.SessionResponse(step=entry.step, release=released)
+                entry.response = (await self._worker.run(entry.ordered)).value
             except BaseException as exc:
                 self._failed = entry.step
                 self._recorder.error(exc)
@@ -219,7 +219,7 @@ class SessionStream:
                 except BaseException:  # it failed: nothing applied, nothing to answer
                     continue
             entry = self._queue.get_nowait()
-            if isinstance(entry, _Entry) and entry.release is not None:
+            if isinstance(entry, _Entry) and entry.ordered is not None:
                 entry.applied.set()  # never applied: its stream is gone
             elif isinstance(entry, _Entry) and entry.pending is not None:
                 try:
@@ -239,7 +239,7 @@ class SessionStream:
                 self._launching = asyncio.ensure_future(self._launch(request))
                 entry = await asyncio.shield(self._launching)
                 self._launching = None
-                if entry.release is None:  # a release queued itself, in order
+                if entry.ordered is None:  # an ordered step queued itself, in order
                     self._queue.put_nowait(entry)
             self._queue.put_nowait(None)
         except asyncio.CancelledError:
@@ -251,7 +251,8 @@ class SessionStream:
         step, op = request.step, request.WhichOneof("op")
         if op is None:
             raise InvalidRequest([FieldViolation(
-                "op", "a Session request needs one of prefill, decode or release")])
+                "op", "a Session request needs one of prefill, decode, release or "
+                "truncate")])
         if self._last_step is not None and step <= self._last_step:
             raise InvalidRequest([FieldViolation(
                 "step", f"step {step} is not greater than the previous step {self._last_step}")])
@@ -264,26 +265,36 @@ class SessionStream:
             self._failed = None
         try:
             self._require_ready()
-            if op == "release":
-                return await self._release(step, request.release)
+            if op in ("release", "truncate"):
+                return await self._ordered(step, op, request)
             return await self._launch_step(step, op, request)
         except BaseException as exc:
             self._failed = step
             self._recorder.error(exc)
             return _Entry(step, op, response=_error(step, exc))
 
-    async def _release(self, step: int, request: pb.ReleaseRequest) -> _Entry:
-        """A release runs when the writer reaches it, so after every earlier step has
-        completed; the reader launches nothing past it until then."""
-        seq_ids = convert.release_ids(request, self._limits)
+    async def _ordered(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
+        """A release or truncate runs when the writer reaches it, so after every earlier
+        step has completed; the reader launches nothing past it until then."""
+        run: Callable[[ExecutorLike], pb.SessionResponse]
+        if op == "release":
+            seq_ids = convert.release_ids(request.release, self._limits)
 
-        def run(ex: ExecutorLike) -> pb.ReleaseResponse:
-            result = ex.release(seq_ids)
-            self._cache.drop_sequences(seq_ids)
-            self._update_kv(ex.kv_stats())
-            return convert.release_response(result)
+            def run(ex: ExecutorLike) -> pb.SessionResponse:
+                result = ex.release(seq_ids)
+                self._cache.drop_sequences(seq_ids)
+                self._update_kv(ex.kv_stats())
+                return pb.SessionResponse(step=step, release=convert.release_response(result))
+        else:
+            seq_id, length = convert.truncate_args(request.truncate, self._limits)
 
-        entry = _Entry(step, "release", release=run)
+            def run(ex: ExecutorLike) -> pb.SessionResponse:
+                result = ex.truncate(seq_id, length)
+                self._update_kv(ex.kv_stats())
+                return pb.SessionResponse(step=step,
+                                          truncate=convert.truncate_response(result))
+
+        entry = _Entry(step, op, ordered=run)
         self._queue.put_nowait(entry)
         await entry.applied.wait()
         return entry

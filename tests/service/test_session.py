@@ -259,3 +259,27 @@ def test_session_steps_are_counted_like_unary_ones(server: ServerHarness) -> Non
     assert [r.WhichOneof("result") for r in responses] == ["prefill", "decode", "decode",
                                                           "release"]
     assert tokens() - before == 1 + 3
+
+
+def test_speculative_roll_back_inside_a_session(server: ServerHarness) -> None:
+    """Prefill a draft, truncate the rejected tail and continue, all on one stream: the
+    truncate applies after the steps before it and the decode after it sees the shorter
+    sequence."""
+    before = server.kv()
+    draft = pb.PrefillRequest(items=[pb.PrefillItem(seq_id="sp", token_ids=[7, 8, 9, 10],
+                                                    sample=False)])
+    requests = [pb.SessionRequest(step=1, prefill=prefill("sp", prompt(13, 5))),
+                pb.SessionRequest(step=2, prefill=draft),
+                pb.SessionRequest(step=3, truncate=pb.TruncateRequest(seq_id="sp", length=6)),
+                pb.SessionRequest(step=4, decode=pb.DecodeRequest(items=[
+                    pb.DecodeItem(seq_id="sp", token_id=8)])),
+                pb.SessionRequest(step=5, truncate=pb.TruncateRequest(seq_id="nope")),
+                pb.SessionRequest(step=6, release=pb.ReleaseRequest(seq_ids=["sp"]),
+                                  ack_failed_step=5)]
+    responses = list(server.stub.Session(iter(requests), timeout=30))
+    kinds = [r.WhichOneof("result") for r in responses]
+    assert kinds == ["prefill", "prefill", "truncate", "decode", "error", "release"]
+    assert (responses[2].truncate.seq_len, responses[2].truncate.freed_tokens) == (6, 3)
+    assert responses[3].decode.outputs[0].seq_len == 7
+    assert responses[4].error.code_name == "NOT_FOUND"
+    assert server.kv() == before

@@ -318,32 +318,36 @@ class GraphStatus(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "ack_failed_step")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "ack_failed_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     ACK_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillRequest
     decode: DecodeRequest
     release: ReleaseRequest
+    truncate: TruncateRequest
     ack_failed_step: int
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "error")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillResponse
     decode: DecodeResponse
     release: ReleaseResponse
+    truncate: TruncateResponse
     error: StepError
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "code_name", "message", "status")

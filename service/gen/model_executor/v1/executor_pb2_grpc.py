@@ -121,14 +121,14 @@ class ExecutorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Runs prefill, decode and release steps over one stream, pipelined: the server launches
-        a step as soon as it arrives, while earlier steps still run on the device, and answers
-        each step in step order. A decode item may continue from the token its sequence
+        """Runs prefill, decode, release and truncate steps over one stream, pipelined: the
+        server launches a step as soon as it arrives, while earlier steps still run on the
+        device, and answers each step in step order. A decode item may continue from the token its sequence
         sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
         send step N+1 before it has read step N's tokens and the device never waits for the
         RPC boundary. Rules:
         * Order: steps apply in the order sent; each is atomic, as the unary call. A
-        release is applied after every step sent before it has finished.
+        release or truncate is applied after every step sent before it has finished.
         * Depth: at most `--session-depth` steps (default 2) are launched and unanswered at
         once; the server reads the next request when one is answered.
         * Failure: a step that fails is answered with SessionResponse.error (the status the
