@@ -65,16 +65,16 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Temperature, top-k, top-p and min-p; filtered-out entries become -inf. (B, V) float32."""
     device, vocab = logits.device, logits.shape[-1]
     # Greedy rows are never drawn from; 1.0 keeps their (unused) row finite.
-    temps = _device_tensor([1.0 if p.is_greedy else p.temperature for p in params],
+    temps = device_tensor([1.0 if p.is_greedy else p.temperature for p in params],
                            torch.float32, device)
     x = logits / temps[:, None]
     if any(p.top_k > 0 for p in params):
         ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top = torch.topk(x, max(ks), dim=-1).values
-        kth = top.gather(1, _device_tensor(ks, torch.int64, device)[:, None] - 1)
+        kth = top.gather(1, device_tensor(ks, torch.int64, device)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = _device_tensor([p.top_p for p in params], torch.float32, device)
+        top_p = device_tensor([p.top_p for p in params], torch.float32, device)
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (keeps at least one).
@@ -82,9 +82,11 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0.0 for p in params):
-        min_p = _device_tensor([p.min_p for p in params], torch.float32, device)
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
+        # p_i >= min_p * p_max, compared as scaled logits: x_i - x_max >= log(min_p). The
+        # same test without a softmax, whose rounding makes every probability equal at a
+        # huge temperature (and min_p 1 then kept every token, not the top one).
+        log_min_p = device_tensor([p.min_p for p in params], torch.float32, device).log()
+        x = x.masked_fill(x < x.max(-1, keepdim=True).values + log_min_p[:, None],
                           float("-inf"))
     return x
 
@@ -143,7 +145,7 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _device_tensor(values: list[int] | list[float], dtype: torch.dtype,
+def device_tensor(values: list[int] | list[float], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
     """Host values on ``device`` without waiting for the device's queued work (a plain
     ``torch.tensor(..., device=cuda)`` synchronizes the stream)."""
@@ -173,10 +175,10 @@ class Sampler:
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         if sampled_rows:
             device = logits.device
-            rows = _device_tensor(sampled_rows, torch.int64, device)
+            rows = device_tensor(sampled_rows, torch.int64, device)
             sub_params = [params[i] for i in sampled_rows]
             filtered = apply_filters(logits.index_select(0, rows), sub_params)
-            keys = _device_tensor(
+            keys = device_tensor(
                 [_row_key(p.seed if p.seed is not None else self._rng.getrandbits(63),
                           positions[i]) for i, p in zip(sampled_rows, sub_params, strict=True)],
                 torch.int64, device)
