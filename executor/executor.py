@@ -64,7 +64,7 @@ from executor.kv.manager import Extension
 from executor.model.loader import load_hf_config, load_model
 from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED
-from executor.sampling import DeviceSample, Sampler
+from executor.sampling import DeviceSample, Sampler, device_tensor
 from executor.steps import PendingStep
 from executor.validation import Limits, validate_decode, validate_prefill
 
@@ -213,8 +213,8 @@ class Executor:
             positions = [alloc.extensions[i].seq_len for i in rows]
             sample, info = self._step(batch, decision, params, positions)
             if sample is not None:
-                slots = [alloc.extensions[i].slot for i in rows]
-                self._remember_last(sample, slots)
+                self._remember_last(sample, device_tensor(
+                    [alloc.extensions[i].slot for i in rows], torch.int64, self.device))
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -240,7 +240,6 @@ class Executor:
         had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
         params = [it.sampling for it in items]
         rows = list(range(len(items)))
-        slots = [e.slot for e in alloc.extensions]
         samples: list[DeviceSample] = []
         try:
             decision = self._decide("decode", len(items))
@@ -252,7 +251,7 @@ class Executor:
                 positions = [e.seq_len for e in sub.extensions]
                 sample, info = self._step(batch, decision, params, positions)
                 assert sample is not None
-                self._remember_last(sample, slots, batch.req_pool_indices)
+                self._remember_last(sample, batch.req_pool_indices)
                 samples.append(sample)
         except BaseException:
             self.kv.rollback(alloc)
@@ -307,12 +306,10 @@ class Executor:
             step.done.record(self._stream)
         return step
 
-    def _remember_last(self, sample: DeviceSample, slots: list[int],
-                       slots_on_device: torch.Tensor | None = None) -> None:
-        """Each sampled row's token becomes its sequence's last sampled token (device)."""
-        index = slots_on_device if slots_on_device is not None \
-            else _on_device(slots, self.device)
-        self.last_tokens.index_copy_(0, index[: len(slots)], sample.tokens)
+    def _remember_last(self, sample: DeviceSample, slots: torch.Tensor) -> None:
+        """Each sampled row's token becomes the last sampled token of the sequence in
+        ``slots`` (a device tensor, one slot per row)."""
+        self.last_tokens.index_copy_(0, slots, sample.tokens)
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
@@ -473,10 +470,3 @@ def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:
                  for e in alloc.extensions)
     locs = alloc.out_cache_loc.view(len(exts), num_steps)[:, step]
     return Allocation(exts, locs.contiguous())
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

@@ -106,6 +106,14 @@ class PackedSizes:
             return self.seqs + self.seq_pad
         return self.logits
 
+    def padding(self, field: str) -> int:
+        """Padding entries after ``field``'s real ones."""
+        if field in TOKEN_FIELDS:
+            return self.token_pad
+        if field in SEQUENCE_FIELDS:
+            return self.seq_pad
+        return 0
+
     def chunks(self) -> list[int]:
         """``split_with_sizes`` sizes: each field's real entries, then its padding."""
         out: list[int] = []
@@ -130,9 +138,7 @@ def pack_lists(fields: Mapping[str, Sequence[int]], sizes: PackedSizes,
     out = array("q")
     for name in FIELDS:
         out.extend(fields[name])
-        n = sizes.token_pad if name in TOKEN_FIELDS else (
-            sizes.seq_pad if name in SEQUENCE_FIELDS else 0)
-        if n:
+        if n := sizes.padding(name):
             out.extend(repeat(pads[name], n))
     return out
 
@@ -144,9 +150,7 @@ def pack_tensors(fields: Mapping[str, torch.Tensor], sizes: PackedSizes,
     parts: list[torch.Tensor] = []
     for name in FIELDS:
         parts.append(fields[name])
-        n = sizes.token_pad if name in TOKEN_FIELDS else (
-            sizes.seq_pad if name in SEQUENCE_FIELDS else 0)
-        if n:
+        if n := sizes.padding(name):
             parts.append(torch.full((n,), pads[name], dtype=torch.int64))
     return torch.cat(parts)
 

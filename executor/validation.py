@@ -88,10 +88,14 @@ def _common(seq_ids: Sequence[str], what: str) -> list[FieldViolation]:
     return out
 
 
+def _outside(token: int, vocab: int) -> str:
+    return f"token id {token} is outside the vocabulary [0, {vocab})"
+
+
 def _token_violation(token: int, field: str, vocab: int) -> FieldViolation | None:
     if 0 <= token < vocab:
         return None
-    return FieldViolation(field, f"token id {token} is outside the vocabulary [0, {vocab})")
+    return FieldViolation(field, _outside(token, vocab))
 
 
 def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int | None],
@@ -156,9 +160,8 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
         cached = seq_len(it.seq_id)
         token = it.token_id
         if token is not None:
-            if not 0 <= token < vocab:
-                out.append(FieldViolation(f"items[{i}].token_id", f"token id {token} is "
-                                          f"outside the vocabulary [0, {vocab})"))
+            if not 0 <= token < vocab:  # checked inline: this loop runs per decode step
+                out.append(FieldViolation(f"items[{i}].token_id", _outside(token, vocab)))
         elif cached is not None and not has_last_sample(it.seq_id):
             out.append(FieldViolation(
                 f"items[{i}].use_last_sampled",
