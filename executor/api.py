@@ -142,13 +142,28 @@ class StepResult:
 
 @dataclass(frozen=True)
 class ReleaseResult:
+    """Sequences released, ids that were unknown, and the KV token locations that went
+    back to the pool (a location a forked sequence still holds stays in use)."""
+
     released: int
     unknown_seq_ids: tuple[str, ...]
+    freed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """A forked sequence's length (its shared prefix) and the tokens it shares."""
+
+    seq_len: int
+    shared_tokens: int
+    #: The child can decode from the parent's last sampled token (``token_id=None``).
+    has_last_sampled: bool
 
 
 @dataclass(frozen=True)
 class TruncateResult:
-    """A truncated sequence's length now, and the KV token locations that were freed."""
+    """A truncated sequence's length now, and the KV token locations that went back to the
+    pool (locations past ``seq_len`` that another sequence still holds stay in use)."""
 
     seq_len: int
     freed_tokens: int
@@ -156,13 +171,16 @@ class TruncateResult:
 
 @dataclass(frozen=True)
 class KVStats:
-    """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always."""
+    """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always, with a
+    location that forked sequences share counted once (``shared_tokens`` of them)."""
 
     total_tokens: int
     free_tokens: int
     total_slots: int
     free_slots: int
     active_sequences: int
+    shared_tokens: int = 0  # locations held by more than one sequence
+    forked_sequences: int = 0  # live sequences created by Fork
 
     @property
     def used_tokens(self) -> int:

@@ -26,6 +26,7 @@ import torch
 from executor.api import (
     DecodeItem,
     ExecutorStatus,
+    ForkResult,
     GraphStatus,
     KVStats,
     ModelInfo,
@@ -313,14 +314,47 @@ class Executor:
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
-        released, unknown = 0, []
+        released, freed, unknown = 0, 0, []
         for sid in dict.fromkeys(seq_ids):  # de-duplicated, order kept
-            if self.kv.release(sid):
-                released += 1
-                self._last_sampled.discard(sid)
-            else:
+            n = self.kv.release(sid)
+            if n is None:
                 unknown.append(sid)
-        return ReleaseResult(released, tuple(unknown))
+            else:
+                released += 1
+                freed += n
+                self._last_sampled.discard(sid)
+        return ReleaseResult(released, tuple(unknown), freed)
+
+    def fork(self, parent_id: str, child_id: str, prefix_len: int | None = None) -> ForkResult:
+        """Admit ``child_id`` sharing the first ``prefix_len`` tokens (default: all) of
+        ``parent_id``'s KV: nothing is copied, the locations are reference-counted, and
+        what either sequence appends afterwards goes to fresh locations of its own. Prefill
+        and Decode continue the child from ``prefix_len``; a child that shares all of a
+        parent whose last step sampled also inherits that token, so its first decode may
+        use it (``token_id=None``). Atomic: unknown parent (NOT_FOUND), a child id in use
+        or ``prefix_len`` outside ``[0, parent length]`` (INVALID_ARGUMENT), no free slot
+        (RESOURCE_EXHAUSTED) change nothing."""
+        parent = self.kv.get(parent_id)
+        if parent is None:
+            raise SequenceNotFound([parent_id], ["parent_seq_id"])
+        violations = []
+        if child_id in self.kv:
+            violations.append(FieldViolation(
+                "child_seq_id", f"sequence {child_id!r} already exists; a fork needs a new "
+                "id (release it first to reuse the id)"))
+        length = parent.length if prefix_len is None else prefix_len
+        if not 0 <= length <= parent.length:
+            violations.append(FieldViolation(
+                "prefix_len", f"must be in [0, {parent.length}] (sequence {parent_id!r} "
+                f"holds {parent.length} tokens), got {length}"))
+        if violations:
+            raise InvalidRequest(violations)
+        child = self.kv.fork(parent_id, child_id, length)
+        inherits = length == parent.length and parent_id in self._last_sampled
+        if inherits:
+            self.last_tokens[child.slot] = self.last_tokens[parent.slot]  # on the device
+            self._last_sampled.add(child_id)
+        return ForkResult(length, length, inherits)
 
     def truncate(self, seq_id: str, length: int) -> TruncateResult:
         """Keep the first ``length`` tokens of ``seq_id`` and free the KV past them (roll back

@@ -13,6 +13,7 @@ from executor.api import (
     GREEDY,
     DecodeItem,
     ExecutorStatus,
+    ForkResult,
     ItemOutput,
     Phase,
     PhaseCapture,
@@ -144,6 +145,28 @@ def truncate_response(result: TruncateResult) -> pb.TruncateResponse:
     return pb.TruncateResponse(seq_len=result.seq_len, freed_tokens=result.freed_tokens)
 
 
+def fork_args(request: pb.ForkRequest, limits: RequestLimits) -> tuple[str, str, int | None]:
+    """(parent, child, prefix_len or None for all); the executor checks them against the
+    sequence table."""
+    out = _Violations()
+    _check_request_id(request.request_id, limits, out)
+    for name in ("parent_seq_id", "child_seq_id"):
+        value = getattr(request, name)
+        if not value:
+            out.add(name, "must be a non-empty string")
+        _check_seq_id(value, name, limits, out)
+    prefix = request.prefix_len if request.HasField("prefix_len") else None
+    if prefix is not None and prefix < 0:
+        out.add("prefix_len", f"must be >= 0 (or unset: the whole parent), got {prefix}")
+    out.raise_any()
+    return request.parent_seq_id, request.child_seq_id, prefix
+
+
+def fork_response(result: ForkResult) -> pb.ForkResponse:
+    return pb.ForkResponse(seq_len=result.seq_len, shared_tokens=result.shared_tokens,
+                           has_last_sampled=result.has_last_sampled)
+
+
 def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
     out = _Violations()
     _check_request_id(request.request_id, limits, out)
@@ -205,6 +228,8 @@ def _item_output(item: ItemOutput) -> pb.ItemOutput:
 
 # Prefill and Decode answer with distinct messages of the same fields (executor.proto).
 StepResponse = pb.PrefillResponse | pb.DecodeResponse
+#: What the retry cache keeps: a step's response, or a Fork's.
+CachedResponse = StepResponse | pb.ForkResponse
 StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
 
 
@@ -222,7 +247,8 @@ def step_response(result: StepResult, queue_ms: float, execute_ms: float,
 
 def release_response(result: ReleaseResult) -> pb.ReleaseResponse:
     return pb.ReleaseResponse(released=result.released,
-                              unknown_seq_ids=list(result.unknown_seq_ids))
+                              unknown_seq_ids=list(result.unknown_seq_ids),
+                              freed_tokens=result.freed_tokens)
 
 
 def capture_response(phases: Sequence[PhaseCapture]) -> pb.CaptureResponse:
@@ -252,7 +278,8 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         attention_backend=m.attention_backend))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
-        free_slots=kv.free_slots, active_sequences=kv.active_sequences))
+        free_slots=kv.free_slots, active_sequences=kv.active_sequences,
+        shared_tokens=kv.shared_tokens, forked_sequences=kv.forked_sequences))
     msg.graphs.extend(pb.GraphStatus(phase=PHASE_TO_PB[g.phase], mode=g.mode,
                                      captured_sizes=sorted(g.captured_sizes))
                       for g in status.graphs)

@@ -188,12 +188,14 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released", "unknown_seq_ids")
+    __slots__ = ("released", "unknown_seq_ids", "freed_tokens")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     released: int
     unknown_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    freed_tokens: int
+    def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
     __slots__ = ("seq_id", "length")
@@ -210,6 +212,28 @@ class TruncateResponse(_message.Message):
     seq_len: int
     freed_tokens: int
     def __init__(self, seq_len: _Optional[int] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("request_id", "parent_seq_id", "child_seq_id", "prefix_len")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    parent_seq_id: str
+    child_seq_id: str
+    prefix_len: int
+    def __init__(self, request_id: _Optional[str] = ..., parent_seq_id: _Optional[str] = ..., child_seq_id: _Optional[str] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("seq_len", "shared_tokens", "has_last_sampled")
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    seq_len: int
+    shared_tokens: int
+    has_last_sampled: bool
+    def __init__(self, seq_len: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., has_last_sampled: bool = ...) -> None: ...
 
 class CaptureRequest(_message.Message):
     __slots__ = ("phases", "force")
@@ -294,18 +318,22 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences")
+    __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences", "shared_tokens", "forked_sequences")
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     total_tokens: int
     free_tokens: int
     total_slots: int
     free_slots: int
     active_sequences: int
-    def __init__(self, total_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., active_sequences: _Optional[int] = ...) -> None: ...
+    shared_tokens: int
+    forked_sequences: int
+    def __init__(self, total_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., active_sequences: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., forked_sequences: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
     __slots__ = ("phase", "mode", "captured_sizes")
@@ -318,36 +346,40 @@ class GraphStatus(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "ack_failed_step")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "ack_failed_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     ACK_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillRequest
     decode: DecodeRequest
     release: ReleaseRequest
     truncate: TruncateRequest
+    fork: ForkRequest
     ack_failed_step: int
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "error")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillResponse
     decode: DecodeResponse
     release: ReleaseResponse
     truncate: TruncateResponse
+    fork: ForkResponse
     error: StepError
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "code_name", "message", "status")
