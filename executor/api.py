@@ -69,12 +69,15 @@ class PrefillItem:
     """Admit a new sequence (unknown ``seq_id``) or extend a known one with ``token_ids``.
 
     ``sample=False`` only fills the KV cache (a non-final chunk of a chunked prefill).
-    """
+    ``every_position`` (needs ``sample``) samples at each of ``token_ids``' positions as
+    the last one (speculative verification, prompt log-likelihoods)."""
 
     seq_id: str
     token_ids: Sequence[int]
     sample: bool = True
     sampling: SamplingParams = GREEDY
+    #: Sample at every new position, not only the last (``ItemOutput.positions``).
+    every_position: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...]
+    #: At a prefill position (``every_position``): the raw log-probability of the item's
+    #: next given token there; None at its last position.
+    next_token_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class ItemOutput:
     seq_len: int
     steps: tuple[SampledToken, ...] = ()
     stopped: bool = False
+    #: ``every_position`` prefill: one entry per new token, in order; the last one is
+    #: what ``token_id``, ``logprob`` and ``top_logprobs`` report.
+    positions: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -209,25 +209,26 @@ class Executor:
             rows = [i for i, it in enumerate(items) if it.sample]
             tokens = [t for it in items for t in it.token_ids]
             decision = self._decide("prefill", len(tokens))
-            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket)
-            params = [items[i].sampling for i in rows]
-            positions = [alloc.extensions[i].seq_len for i in rows]
-            sample, info = self._step(batch, decision, params, positions)
+            every = frozenset(i for i in rows if items[i].every_position)
+            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every)
+            plan = _SamplePlan.of(items, alloc, rows, every)
+            sample, info = self._step(batch, decision, plan.params, plan.positions,
+                                      plan.targets)
             if sample is not None:
                 self._remember_last(sample, device_tensor(
-                    [alloc.extensions[i].slot for i in rows], torch.int64, self.device))
+                    [alloc.extensions[i].slot for i in rows], torch.int64, self.device),
+                    None if not every else device_tensor(plan.last_rows, torch.int64,
+                                                         self.device))
         except BaseException:
             self.kv.rollback(alloc)
             raise
         for it in items:
             (self._last_sampled.add if it.sample else self._last_sampled.discard)(it.seq_id)
-        by_row = dict(zip(rows, range(len(rows)), strict=True))
         return self._pending(PendingStep(
             "prefill", tuple(it.seq_id for it in items), alloc,
-            tuple(e.seq_len for e in alloc.extensions),
-            tuple(by_row.get(i) for i in range(len(items))), tuple(params),
-            tuple(frozenset() for _ in params), [] if sample is None else [sample], info,
-            started=started, had_last=had_last))
+            tuple(e.seq_len for e in alloc.extensions), plan.item_rows, tuple(plan.params),
+            tuple(frozenset() for _ in plan.params), [] if sample is None else [sample],
+            info, started=started, had_last=had_last, position_rows=plan.position_rows))
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
@@ -307,10 +308,13 @@ class Executor:
             step.done.record(self._stream)
         return step
 
-    def _remember_last(self, sample: DeviceSample, slots: torch.Tensor) -> None:
-        """Each sampled row's token becomes the last sampled token of the sequence in
-        ``slots`` (a device tensor, one slot per row)."""
-        self.last_tokens.index_copy_(0, slots, sample.tokens)
+    def _remember_last(self, sample: DeviceSample, slots: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> None:
+        """Each sampled row's token (of ``rows``, where a sequence sampled several) becomes
+        the last sampled token of the sequence in ``slots`` (device tensors, one slot per
+        row)."""
+        tokens = sample.tokens if rows is None else sample.tokens.index_select(0, rows)
+        self.last_tokens.index_copy_(0, slots, tokens)
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
@@ -400,7 +404,8 @@ class Executor:
         return {phase: r.drain_replay_seconds() for phase, r in self.runners.items()}
 
     def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
-                    logits_rows: list[int], bucket: int | None = None) -> ForwardBatch:
+                    logits_rows: list[int], bucket: int | None = None,
+                    every_position: frozenset[int] = frozenset()) -> ForwardBatch:
         """Pack a batch for ``alloc`` and publish its new KV locations to the device
         request-slot table (part of the same transfer). ``logits_rows`` index the
         sequences whose last new token needs logits. With the captured ``bucket`` it will
@@ -409,7 +414,8 @@ class Executor:
         runner = self.runners.get(phase) if bucket is not None else None
         layout = runner.layout(bucket) if runner is not None and bucket is not None else None
         batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
-                                   self.table.max_context, self.staging, layout)
+                                   self.table.max_context, self.staging, layout,
+                                   every_position)
         if layout is None:
             self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
@@ -448,7 +454,8 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: list[int]) -> tuple[DeviceSample | None, StepInfo]:
+              positions: list[int], targets: list[int] | None = None
+              ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
         padded = 0
@@ -465,7 +472,7 @@ class Executor:
             logits = self.forward_logits(batch)
         else:
             self._forward_only(batch)  # fills the KV cache; no logits wanted
-        sample = self.sampler.sample(logits, params, positions) \
+        sample = self.sampler.sample(logits, params, positions, targets) \
             if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
@@ -495,6 +502,48 @@ class Executor:
         hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _SamplePlan:
+    """A prefill's sampled rows: one per sampling item, or one per new token of an
+    ``every_position`` item (its last row samples exactly as a plain item would)."""
+
+    params: list[SamplingParams]  # per row
+    positions: list[int]  # per row: the sampled token's index in its sequence
+    targets: list[int] | None  # per row: the item's next given token (-1: none)
+    item_rows: tuple[int | None, ...]  # per item: its last row, or None
+    position_rows: tuple[tuple[int, int] | None, ...]  # per item: (first row, count)
+    last_rows: list[int]  # per sampling item, in order: its last row
+
+    @staticmethod
+    def of(items: Sequence[PrefillItem], alloc: Allocation, rows: list[int],
+           every: frozenset[int]) -> _SamplePlan:
+        exts = alloc.extensions
+        if not every:  # the common case: a row per sampling item
+            by_item: dict[int, int] = {i: r for r, i in enumerate(rows)}
+            return _SamplePlan([items[i].sampling for i in rows],
+                               [exts[i].seq_len for i in rows], None,
+                               tuple(by_item.get(i) for i in range(len(items))), (),
+                               list(range(len(rows))))
+        params: list[SamplingParams] = []
+        positions: list[int] = []
+        targets: list[int] = []
+        item_rows: list[int | None] = [None] * len(items)
+        spans: list[tuple[int, int] | None] = [None] * len(items)
+        for i in rows:
+            it, e = items[i], exts[i]
+            n = e.new_len if i in every else 1
+            if i in every:
+                spans[i] = (len(params), n)
+                targets += [*it.token_ids[1:], -1]
+            else:
+                targets.append(-1)
+            params += [it.sampling] * n
+            positions += range(e.seq_len - n + 1, e.seq_len + 1)
+            item_rows[i] = len(params) - 1
+        last = [r for r in item_rows if r is not None]
+        return _SamplePlan(params, positions, targets, tuple(item_rows), tuple(spans), last)
 
 
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:

@@ -104,7 +104,8 @@ def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[Pre
     for i, item in enumerate(request.items):
         _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
         sampling = _sampling_of(item, f"items[{i}]", out)
-        items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling))
+        items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling,
+                                 item.every_position))
     out.raise_any()
     return items
 
@@ -223,6 +224,12 @@ def _item_output(item: ItemOutput) -> pb.ItemOutput:
         token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
         if s.logprob is not None:
             token.logprob = s.logprob
+    for s in item.positions:
+        token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+        if s.logprob is not None:
+            token.logprob = s.logprob
+        if s.next_token_logprob is not None:
+            token.next_token_logprob = s.next_token_logprob
     return msg
 
 

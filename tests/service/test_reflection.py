@@ -39,7 +39,7 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     # grpcurl describe model_executor.v1.Executor / model_executor.v1.PrefillItem
     executor = pool.FindServiceByName("model_executor.v1.Executor")
     assert [m.name for m in executor.methods] == ["Prefill", "Decode", "Release", "Capture",
-                                                  "Health", "Session", "Truncate"]
+                                                  "Health", "Session", "Truncate", "Fork"]
     assert executor.FindMethodByName("Decode").output_type.full_name == \
         "model_executor.v1.DecodeResponse"
     item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")

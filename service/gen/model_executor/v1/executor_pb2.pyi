@@ -66,16 +66,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample", "sampling")
+    __slots__ = ("seq_id", "token_ids", "sample", "sampling", "every_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EVERY_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    every_position: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., every_position: bool = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "items", "num_steps")
@@ -110,7 +112,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ItemOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped", "positions")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class ItemOutput(_message.Message):
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
@@ -125,17 +128,20 @@ class ItemOutput(_message.Message):
     seq_len: int
     steps: _containers.RepeatedCompositeFieldContainer[SampledToken]
     stopped: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ...) -> None: ...
+    positions: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ..., positions: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "next_token_logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    next_token_logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., next_token_logprob: _Optional[float] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps")
