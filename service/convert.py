@@ -7,7 +7,9 @@ duplicate and unknown seq_ids and context lengths are the executor's to check.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 from executor.api import (
     GREEDY,
@@ -112,6 +114,11 @@ def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[Pre
 
 def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[DecodeItem]:
     out = _Violations()
+    if request.packed_outputs:
+        for i, item in enumerate(request.items):
+            if item.sampling.top_logprobs:
+                out.add(f"items[{i}].sampling.top_logprobs", "packed_outputs carries no top "
+                        "log-probabilities: unset one of them")
     _check_request_id(request.request_id, limits, out)
     if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
         out.raise_any()
@@ -240,11 +247,39 @@ CachedResponse = StepResponse | pb.ForkResponse
 StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
 
 
+def _packed(outputs: Sequence[ItemOutput]) -> pb.PackedOutputs:
+    """Flat arrays of a decode's outputs (no message per item: a tenth of the time at
+    batch 64)."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    counts, want_logprobs = [], any(o.logprob is not None for o in outputs)
+    for o in outputs:
+        if o.steps:
+            tokens += [s.token_id for s in o.steps]
+            if want_logprobs:
+                logprobs += [math.nan if s.logprob is None else s.logprob for s in o.steps]
+            counts.append(len(o.steps))
+        else:
+            tokens.append(o.token_id if o.token_id is not None else -1)
+            if want_logprobs:
+                logprobs.append(math.nan if o.logprob is None else o.logprob)
+            counts.append(1)
+    return pb.PackedOutputs(token_ids=tokens, num_tokens=counts,
+                            seq_lens=[o.seq_len for o in outputs], logprobs=logprobs,
+                            stopped_items=[i for i, o in enumerate(outputs) if o.stopped])
+
+
 def step_response(result: StepResult, queue_ms: float, execute_ms: float,
-                  message: StepResponseType = pb.PrefillResponse) -> StepResponse:
+                  message: StepResponseType = pb.PrefillResponse,
+                  packed: bool = False) -> StepResponse:
     step = result.step
+    if packed:
+        assert message is pb.DecodeResponse
+        extra: dict[str, Any] = {"packed": _packed(result.outputs)}
+    else:
+        extra = {"outputs": [_item_output(item) for item in result.outputs]}
     return message(
-        outputs=[_item_output(item) for item in result.outputs],
+        **extra,
         step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
                          fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
                          padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,

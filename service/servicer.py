@@ -115,12 +115,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             "Decode", self._cache.key("Decode", request),
             lambda: convert.decode_items(request, self._limits),
             lambda ex, items: ex.decode(items, convert.decode_steps(request)),
-            pb.DecodeResponse, context)
+            pb.DecodeResponse, context, packed=request.packed_outputs)
 
     async def _step(self, method: str, key: Key | None, items_of: Callable[[], list[Item]],
                     call: Callable[[ExecutorLike, list[Item]], StepResult],
                     message: convert.StepResponseType,
-                    context: grpc.aio.ServicerContext) -> Any:
+                    context: grpc.aio.ServicerContext, packed: bool = False) -> Any:
         # A retry whose original finished is answered at once, in any state: it runs nothing.
         cached = self._cache.get_step(key) if key is not None else None
         if cached is not None:
@@ -139,7 +139,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
             execute_s = time.perf_counter() - started
             response = convert.step_response(result, (started - submitted) * 1e3,
-                                             execute_s * 1e3, message)
+                                             execute_s * 1e3, message, packed)
             if key is not None:
                 self._cache.put(key, [it.seq_id for it in items], response)
             self._recorder.step(result.step, len(items), execute_s)

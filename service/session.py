@@ -91,6 +91,7 @@ class _Entry:
     key: Key | None = None
     seq_ids: list[str] = field(default_factory=list)
     items: int = 0
+    packed: bool = False  # DecodeRequest.packed_outputs
     launched_at: float = 0.0
     kv: KVStats | None = None
     replays: dict[Any, list[float]] = field(default_factory=dict)
@@ -189,7 +190,7 @@ class SessionStream:
         execute_s = time.perf_counter() - entry.launched_at
         response = convert.step_response(
             result, 0.0, execute_s * 1e3,
-            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse)
+            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse, entry.packed)
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
         self._resolve(entry, response)
@@ -321,7 +322,8 @@ class SessionStream:
                             if isinstance(body, pb.PrefillRequest)
                             else convert.decode_items(body, self._limits))
         entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
-                       items=len(items))
+                       items=len(items), packed=isinstance(body, pb.DecodeRequest)
+                       and body.packed_outputs)
 
         def launch(ex: ExecutorLike) -> _Entry | concurrent.futures.Future[Any]:
             if self._failed is not None:  # a device failure was found meanwhile

@@ -80,14 +80,16 @@ class PrefillItem(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., every_position: bool = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "num_steps")
+    __slots__ = ("request_id", "items", "num_steps", "packed_outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     num_steps: int
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    packed_outputs: bool
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., packed_outputs: bool = ...) -> None: ...
 
 class DecodeItem(_message.Message):
     __slots__ = ("seq_id", "token_id", "sampling", "use_last_sampled", "stop_token_ids")
@@ -174,16 +176,32 @@ class PrefillResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
+    __slots__ = ("outputs", "step", "queue_ms", "execute_ms", "packed")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[ItemOutput]
     step: StepInfo
     queue_ms: float
     execute_ms: float
-    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+    packed: PackedOutputs
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., packed: _Optional[_Union[PackedOutputs, _Mapping]] = ...) -> None: ...
+
+class PackedOutputs(_message.Message):
+    __slots__ = ("token_ids", "num_tokens", "seq_lens", "logprobs", "stopped_items")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    stopped_items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stopped_items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "seq_ids")
