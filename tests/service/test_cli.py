@@ -37,6 +37,7 @@ def test_defaults_bind_loopback_and_serve_tiny() -> None:
                                "-1", "--no-capture-at-startup", "--dtype", "bfloat16")
     assert executor.max_decode_batch == 8 and server.metrics_port is None
     assert not executor.graphs.capture_at_startup and executor.model.dtype == "bfloat16"
+    assert server.rpc_log == "all" and configs("--rpc-log", "errors")[1].rpc_log == "errors"
 
 
 def test_graph_modes_resolve_per_device() -> None:
