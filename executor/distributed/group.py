@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 renames all_gather_into_tensor (deprecated there); the GPU hosts run 2.11.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: Process groups by name, for the custom ops (which cannot take a group object).
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
@@ -48,7 +51,7 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @torch.library.custom_op("model_executor::tp_all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
     out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=_GROUPS[group_name])
+    _gather_into(out, x.contiguous(), group=_GROUPS[group_name])
     return out
 
 
@@ -70,7 +73,7 @@ class TensorParallel:
     size: int = 1
     device_group_name: str | None = None
     control: dist.ProcessGroup | None = field(default=None, compare=False)
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @staticmethod
     def single() -> TensorParallel:
