@@ -103,9 +103,9 @@ def run(stub: object, prompt_a: list[int], prompt_b: list[int], decode_steps: in
     return out
 
 
-def assert_same(got: Transcript, want: Transcript, atol: float) -> None:
+def assert_same(got: Transcript, want: Transcript, atol: float) -> float:
     """Same tokens and KV accounting; log-probabilities within ``atol`` (all-reduce order
-    changes float32 rounding)."""
+    changes float32 rounding). Returns the largest difference seen."""
     assert got.tokens == want.tokens
     assert got.kv == want.kv and got.refused == want.refused
     worst = 0.0
@@ -121,3 +121,5 @@ def assert_same(got: Transcript, want: Transcript, atol: float) -> None:
             else:  # a near tie at the 5th place
                 assert abs(v - wtop[-1][1]) <= atol, (sid, top, wtop)
     assert worst <= atol, f"largest log-probability difference {worst}"
+    print(f"largest log-probability difference: {worst:.3g}")
+    return worst
