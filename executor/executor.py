@@ -130,6 +130,9 @@ class Executor:
         self.rank_memory_bytes = self.tp.gather_over_ranks(
             sum(p.numel() * p.element_size() for p in weights) + self.pool.nbytes)
         self.channel = StepChannel(self.tp, self.device) if self.tp.distributed else None
+        self.model_info = dataclasses.replace(self.model_info,
+                                              tensor_parallel_size=self.tp.size,
+                                              rank_memory_bytes=self.rank_memory_bytes)
 
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)

@@ -26,6 +26,7 @@ import torch
 
 from executor.config import ExecutorConfig
 from executor.distributed import group
+from executor.distributed.group import CollectiveFailed
 from executor.distributed.launch import (
     ChildWatch,
     Heartbeat,
@@ -48,7 +49,7 @@ from service.worker import ExecutorLike
 log = structlog.get_logger(__name__)
 
 
-class RankFailure(RuntimeError):
+class RankFailure(CollectiveFailed):
     """A tensor-parallel rank died, hung or lost its connection: the group cannot step."""
 
 
@@ -185,8 +186,11 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     except StartupError as exc:
         log.error("startup_failed", error=str(exc))
         return 1
-    log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",
-             metrics=server.metrics_port, world_size=rdv.world_size)
+    host = config.address.rsplit(":", 1)[0]
+    metrics = f"http://{host}:{server.metrics_port}/metrics" \
+        if server.metrics_port is not None else None
+    log.info("serving", grpc=f"{host}:{server.port}", metrics=metrics,
+             world_size=rdv.world_size, rank=0)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     booted = asyncio.create_task(server.wait_booted())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from executor.distributed.group import _GROUPS, TensorParallel
+from executor.distributed.group import _GROUPS, TensorParallel, collective
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -34,15 +34,17 @@ class StepChannel:
     def send(self, header: Header, packed: torch.Tensor | None = None) -> None:
         """Broadcast ``header`` and, for a step, its packed host buffer."""
         self._header.copy_(torch.tensor(header.encode(), dtype=torch.int64))
-        dist.broadcast(self._header, src=0, group=self._control)
-        if isinstance(header, StepHeader) and header.sizes.total:
-            assert packed is not None and packed.numel() >= header.sizes.total
-            dist.broadcast(packed[: header.sizes.total].contiguous(), src=0,
-                           group=self._control)
+        with collective("step broadcast"):
+            dist.broadcast(self._header, src=0, group=self._control)
+            if isinstance(header, StepHeader) and header.sizes.total:
+                assert packed is not None and packed.numel() >= header.sizes.total
+                dist.broadcast(packed[: header.sizes.total].contiguous(), src=0,
+                               group=self._control)
 
     def send_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each sampled row's (slot, token) to the other ranks' ``last_tokens``."""
-        dist.broadcast(torch.stack((slots, tokens)), src=0, group=self._device_group)
+        with collective("sampled-token broadcast"):
+            dist.broadcast(torch.stack((slots, tokens)), src=0, group=self._device_group)
 
     def agree(self, ok: bool) -> bool:
         """True only if every rank says ``ok`` (capture of one bucket)."""
@@ -51,19 +53,22 @@ class StepChannel:
     # -- other ranks ----------------------------------------------------------------------
     def receive(self) -> tuple[Header, torch.Tensor | None]:
         """The next header and, for a step, its packed host buffer (a new tensor)."""
-        dist.broadcast(self._header, src=0, group=self._control)
+        with collective("step broadcast"):
+            dist.broadcast(self._header, src=0, group=self._control)
         header = decode(self._header.tolist())
         if not isinstance(header, StepHeader) or not header.sizes.total:
             return header, None if not isinstance(header, StepHeader) else \
                 torch.empty(0, dtype=torch.int64)
         packed = torch.empty(header.sizes.total, dtype=torch.int64)
-        dist.broadcast(packed, src=0, group=self._control)
+        with collective("step broadcast"):
+            dist.broadcast(packed, src=0, group=self._control)
         return header, packed
 
     def receive_sampled(self, rows: int) -> torch.Tensor:
         """(2, rows) int64 on the device: slots, then tokens."""
         out = torch.empty(2, rows, dtype=torch.int64, device=self.device)
-        dist.broadcast(out, src=0, group=self._device_group)
+        with collective("sampled-token broadcast"):
+            dist.broadcast(out, src=0, group=self._device_group)
         return out
 
 

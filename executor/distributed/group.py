@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +37,25 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective failed: a rank died, hung past the timeout or lost its connection.
+    The group cannot step any more (the service treats this as fatal)."""
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn a backend's failure of collective ``what`` into ``CollectiveFailed``."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo raises plain RuntimeErrors, NCCL DistErrors
+        raise CollectiveFailed(f"tensor-parallel {what} failed: {exc}") from exc
+
+
 @torch.library.custom_op("model_executor::tp_all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     out = x.clone()
-    dist.all_reduce(out, group=_GROUPS[group_name])
+    with collective("all-reduce"):
+        dist.all_reduce(out, group=_GROUPS[group_name])
     return out
 
 
@@ -51,7 +67,8 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @torch.library.custom_op("model_executor::tp_all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
     out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
-    _gather_into(out, x.contiguous(), group=_GROUPS[group_name])
+    with collective("all-gather"):
+        _gather_into(out, x.contiguous(), group=_GROUPS[group_name])
     return out
 
 
@@ -112,7 +129,9 @@ class TensorParallel:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_GROUPS[self.device_group_name or ""])
+        with collective("agreement"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN,
+                            group=_GROUPS[self.device_group_name or ""])
         return int(t.item())
 
     def gather_over_ranks(self, value: int) -> tuple[int, ...]:

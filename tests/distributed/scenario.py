@@ -3,12 +3,14 @@
 Two sequences prefilled in chunks (a first chunk that only fills the KV cache), decoded
 together, then k steps in one call continuing from the tokens left on the device, one
 rolled back with Truncate and decoded again, a prefill refused for lack of KV (nothing
-applied), releases, and the same prompt admitted again into the freed locations.
+applied), releases, the same prompt admitted again into the freed locations, and a
+Session with two steps in flight.
 Every sampled token comes with its log-probability and top-5 alternatives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,7 +100,21 @@ def run(stub: object, prompt_a: list[int], prompt_b: list[int], decode_steps: in
         timeout=120)
     o = again.outputs[0]
     out.take("b2", o.token_id, o.logprob, _top(o.top_logprobs))
-    s.Release(pb.ReleaseRequest(seq_ids=["a", "b2"]), timeout=30)  # type: ignore[attr-defined]
+    # a Session with two steps in flight, each continuing from the token the one before
+    # it sampled, on the device(s): ranks other than 0 must have it too
+    def steps() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="p", token_ids=prompt_b[::-1], sample=True, sampling=LOGPROBS)]))
+        for n in range(2, 7):
+            yield pb.SessionRequest(step=n, decode=pb.DecodeRequest(items=[pb.DecodeItem(
+                seq_id="p", use_last_sampled=True, sampling=LOGPROBS)]))
+
+    for response in s.Session(steps(), timeout=120):  # type: ignore[attr-defined]
+        kind = response.WhichOneof("result")
+        assert kind in ("prefill", "decode"), response
+        o = getattr(response, kind).outputs[0]
+        out.take("p", o.token_id, o.logprob, _top(o.top_logprobs))
+    s.Release(pb.ReleaseRequest(seq_ids=["a", "b2", "p"]), timeout=30)  # type: ignore[attr-defined]
     _kv(s, out)
     return out
 

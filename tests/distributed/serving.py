@@ -46,6 +46,16 @@ class ServeProcess:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
+    @staticmethod
+    def start_follower(args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        """A rank other than 0 of a torchrun-style launch (it serves nothing)."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
+             "--metrics-port", "-1", *args],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                           **env},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:

@@ -12,12 +12,14 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.health import READINESS_SERVICE
@@ -34,12 +36,19 @@ PROMPT_A = [(i * 37) % 500 + 3 for i in range(40)]
 PROMPT_B = [5, 17, 99, 4, 250, 311, 8]
 
 
-def _run(args: list[str]) -> scenario.Transcript:
-    server = ServeProcess(args)
+def _run(args: list[str], world_size: int = 1) -> scenario.Transcript:
+    server = ServeProcess([*args, "--metrics-port", "0"])
     try:
         server.wait_ready()
         health = server.stub.Health(pb.HealthRequest(), timeout=10)
         assert health.state == pb.SERVER_STATE_READY
+        assert health.model.tensor_parallel_size == world_size
+        per_rank = list(health.model.rank_memory_bytes)
+        assert len(per_rank) == world_size and all(b > 0 for b in per_rank)
+        metrics = _scrape(str(server.events("serving")[0]["metrics"]))
+        assert metrics["model_executor_tensor_parallel_size"] == {(): world_size}
+        assert metrics["model_executor_rank_memory_bytes"] == {
+            (("rank", str(r)),): b for r, b in enumerate(per_rank)}
         return scenario.run(server.stub, PROMPT_A, PROMPT_B, kv_tokens=KV_TOKENS)
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]
@@ -56,8 +65,18 @@ def reference() -> scenario.Transcript:
 def test_tp2_matches_tp1_through_grpc(reference: scenario.Transcript) -> None:
     assert reference.refused == "RESOURCE_EXHAUSTED"
     assert reference.kv[-1][1] == reference.kv[-1][0] == KV_TOKENS  # all freed again
-    got = _run([*TINY, "--tensor-parallel-size", "2"])
+    got = _run([*TINY, "--tensor-parallel-size", "2"], world_size=2)
     scenario.assert_same(got, reference, LOGPROB_ATOL)
+
+
+def _scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    text = urllib.request.urlopen(url, timeout=10).read()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = \
+                sample.value
+    return out
 
 
 def _shm() -> set[str]:
@@ -135,3 +154,36 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tp2: ServeProcess) -> None:
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_rank_0_takes_the_other_ranks_with_it(tp2: ServeProcess) -> None:
+    pid = tp2.rank_pids[1]
+    tp2.proc.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal does
+    tp2.proc.wait(10)
+    deadline = time.monotonic() + 20
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "rank 1 outlived rank 0"
+
+
+def test_torchrun_style_launch_serves_and_stops_every_rank(tmp_path: Path) -> None:
+    """Two processes started by hand with the environment torchrun sets; rank 0 serves,
+    rank 1 follows; SIGTERM to rank 0 stops both cleanly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "WORLD_SIZE": "2"}
+    follower = ServeProcess.start_follower([*TINY], {**env, "RANK": "1", "LOCAL_RANK": "1"})
+    try:
+        leader = ServeProcess(TINY, env={**env, "RANK": "0", "LOCAL_RANK": "0"})
+        leader.wait_ready()
+        health = leader.stub.Health(pb.HealthRequest(), timeout=10)
+        assert health.model.tensor_parallel_size == 2
+        out = leader.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="t", token_ids=PROMPT_B, sample=True)]), timeout=60)
+        assert out.outputs[0].HasField("token_id")
+        assert leader.stop() == 0, "".join(leader.lines)[-3000:]
+        assert follower.wait(30) == 0
+    finally:
+        if follower.poll() is None:
+            follower.kill()
