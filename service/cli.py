@@ -292,7 +292,7 @@ def parallel_configs(args: argparse.Namespace, env: Mapping[str, str]
             raise ConfigError(f"--tensor-parallel-size {size} but the launcher started "
                               f"WORLD_SIZE={rendezvous.world_size} processes")
         size = rendezvous.world_size
-    return ParallelConfig(size or 1, args.collective_timeout,
+    return ParallelConfig(1 if size is None else size, args.collective_timeout,
                           heartbeat_timeout_s=args.rank_heartbeat_timeout), rendezvous
 
 

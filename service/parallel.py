@@ -117,6 +117,7 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
         return follower_main(rdv, executor_config, parallel, log_format, log_level)
     size = parallel.tensor_parallel_size if rdv is None else rdv.world_size
     try:  # before any process starts: a size the heads do not divide is one line
+        rank_device(executor_config.device, 0)
         check_divisible(load_hf_config(resolve_model_source(executor_config.model.source)),
                         size)
     except (ConfigError, ModelLoadError) as exc:

@@ -109,9 +109,10 @@ class Rendezvous:
 def rank_device(device: str, local_rank: int) -> str:
     """Each rank's device: ``cuda:<local rank>`` on CUDA (one GPU per process)."""
     if device.startswith("cuda"):
-        if device not in ("cuda", f"cuda:{local_rank}") and local_rank != 0:
+        if device != "cuda":
             raise ConfigError(f"--device {device} with tensor parallelism: each rank uses "
-                              "cuda:<LOCAL_RANK>; pass --device cuda")
+                              "cuda:<LOCAL_RANK> (set CUDA_VISIBLE_DEVICES to choose the "
+                              "GPUs); pass --device cuda")
         return f"cuda:{local_rank}"
     return device
 
