@@ -166,13 +166,15 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
 
     server = ExecutorServer(executor_config, config, executor_factory=factory)
 
-    async def rank_failed(rank: int, reason: str) -> None:
+    async def rank_failed(rank: int | None, reason: str) -> None:
         if failed:
             return
         failed.append(reason)
         log.error("rank_failed", failed_rank=rank, reason=reason, world_size=rdv.world_size)
-        text = f"tensor-parallel rank {rank} failed: {reason}"
-        server.worker.failure = RankFailure(text)  # calls not started refuse (UNAVAILABLE)
+        who = f"rank {rank}" if rank is not None else "a rank"
+        text = f"tensor-parallel {who} failed: {reason}"
+        if server.worker.failure is None:  # calls not started refuse (UNAVAILABLE)
+            server.worker.failure = RankFailure(text)
         await server.lifecycle.set(State.UNHEALTHY, text)
         await asyncio.sleep(config.drain_delay_s)  # probes see UNHEALTHY, then we go
         stop.set()
@@ -180,8 +182,20 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     def on_failure(rank: int, reason: str) -> None:  # from the watch threads
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(rank_failed(rank, reason)))
 
+    async def watch_fatal() -> None:
+        """A step whose collective failed or timed out (a rank hung inside a step while
+        its heartbeat went on) makes the worker record a fatal error: the same exit."""
+        while not stop.is_set():
+            failure = server.worker.failure
+            if failure is not None and not failed:
+                # The collective's error names the peer's address at best, not its rank.
+                await rank_failed(None, f"a step's collective failed: {failure}")
+                return
+            await asyncio.sleep(0.2)
+
     watch = ChildWatch(children, on_failure).start() if children else None
     beat = Heartbeat(store, 0, rdv.world_size, parallel, on_failure).start()
+    fatal_watch = asyncio.create_task(watch_fatal())
     try:
         await server.start()
     except StartupError as exc:
@@ -204,6 +218,7 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     if watch is not None and not failed:
         watch.expect_exit()
     beat.stop()
+    fatal_watch.cancel()
     await server.stop(0 if failed else None)
     booted.cancel()
     if not failed and not server.step_abandoned and built:

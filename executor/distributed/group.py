@@ -7,12 +7,11 @@ Two process groups over the same ranks:
   CUDA graphs (NCCL >= 2.9 supports capture; every rank must capture the same collectives
   in the same order, which running the same buckets on every rank gives).
 * ``control``: the control plane, always gloo over host memory: step headers and packed
-  steps, broadcast from rank 0. Its timeout is long: the other ranks wait on it for the
-  next step however long the scheduler is idle (a dead rank 0 closes the sockets, which
-  ends the wait at once). Rank 0 never waits on it for long: a broadcast's root only
-  writes to the sockets, and the step's data-plane collectives that follow are bounded by
-  the device group's timeout. Agreements (KV size, captured buckets) run on the device
-  group for the same reason.
+  steps, broadcast from rank 0. The other ranks' timeout on it is unbounded: they wait
+  for the next step however long the scheduler is idle (a dead rank 0 closes the sockets,
+  which ends the wait at once). Rank 0's is the data plane's: a gloo broadcast's root
+  waits for its receivers, so a hung rank fails rank 0's next send within the timeout.
+  Agreements (KV size, captured buckets) run on the device group.
 
 The collectives are ``torch.library`` custom ops taking the group by name: Dynamo keeps
 each one as a single opaque node (the tc_piecewise backend compiles around it), and the
@@ -162,7 +161,10 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
                             device_id=device if device.type == "cuda" else None)
     world = dist.group.WORLD
     assert world is not None
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # The timeout is each process's own: rank 0's sends are bounded like any collective
+    # (a gloo broadcast's root waits for its receivers), the others wait without bound.
+    control = dist.new_group(backend="gloo",
+                             timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
     name = f"tp{size}-device"
     _GROUPS[name] = world
     tp = TensorParallel(rank, size, name, control, device)

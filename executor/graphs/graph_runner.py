@@ -82,6 +82,13 @@ class GraphRunner:
         reported and skipped; the others stay usable."""
         from tqdm import tqdm
 
+        if self.agree is not None and not force:
+            # Every rank must capture the same buckets: if a bucket is captured on some
+            # ranks only (one failed there earlier), all start over together.
+            # NOTE: one agreement per bucket on every rank (a list, not a short-circuit).
+            here = [self.backend.has(b) for b in self.buckets]
+            everywhere = [self.agree(h) for h in here]
+            force = not self.agree(here == everywhere)
         if force:
             self.release()
         self.failed.clear()

@@ -84,9 +84,10 @@ def _shm() -> set[str]:
 
 
 @pytest.fixture
-def tp2() -> Iterator[ServeProcess]:
+def tp2(request: pytest.FixtureRequest) -> Iterator[ServeProcess]:
+    extra = getattr(request, "param", ["--rank-heartbeat-timeout", "3"])
     server = ServeProcess([*TINY, "--tensor-parallel-size", "2", "--drain-delay", "1.5",
-                           "--rank-heartbeat-timeout", "3"])
+                           *extra])
     try:
         server.wait_ready()
         yield server
@@ -99,7 +100,7 @@ def tp2() -> Iterator[ServeProcess]:
 
 
 def _assert_fails_and_exits(server: ServeProcess, rank_pid: int, why: str,
-                            shm_before: set[str]) -> None:
+                            shm_before: set[str], rank: int | None = 1) -> None:
     deadline = time.monotonic() + 30
     states = set()
     while time.monotonic() < deadline:
@@ -123,7 +124,7 @@ def _assert_fails_and_exits(server: ServeProcess, rank_pid: int, why: str,
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
     assert server.proc.wait(60) == 1
     failed = server.events("rank_failed")
-    assert failed and failed[0]["failed_rank"] == 1 and why in failed[0]["reason"], failed
+    assert failed and failed[0]["failed_rank"] == rank and why in failed[0]["reason"], failed
     deadline = time.monotonic() + 10
     while alive(rank_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -151,6 +152,27 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tp2: ServeProcess) -> None:
     os.kill(pid, signal.SIGSTOP)  # alive but silent: only the heartbeat can tell
     try:
         _assert_fails_and_exits(tp2, pid, "no heartbeat", before)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("tp2", [["--rank-heartbeat-timeout", "120",
+                                  "--collective-timeout", "3"]], indirect=True)
+def test_a_rank_hung_inside_a_step_fails_it_within_the_collective_timeout(
+        tp2: ServeProcess) -> None:
+    """The heartbeat is slower than the collective timeout here: the step finds it."""
+    before = _shm()
+    pid = tp2.rank_pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        tp2.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="h", token_ids=PROMPT_B, sample=True)]), timeout=60)
+    assert time.monotonic() - started < 30
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    try:
+        _assert_fails_and_exits(tp2, pid, "collective failed", before, rank=None)
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
