@@ -240,6 +240,9 @@ class ModelInfo:
     vocab_size: int
     max_context: int
     attention_backend: str  # what --attention-backend (often ``auto``) resolved to
+    tensor_parallel_size: int = 1  # ranks the model is split over
+    # bytes of weights and KV cache each rank holds, in rank order (measured at start-up)
+    rank_memory_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ Start-up reads top to bottom as a boot sequence:
     4. attention backend and sampler
     5. graph runners                    (capture happens on ``capture``)
 
+Under tensor parallelism (``tp``, ``executor/distributed``) every rank builds one: each
+loads its weight shard and allocates its KV shard (its KV heads). Rank 0 validates,
+allocates and samples; each step it runs reaches the other ranks first as a header and
+its packed batch (``StepChannel``), and they run the same forward (``follow``).
+
 Every public call validates completely, then allocates atomically, then runs; if the
 forward pass fails after allocation, the allocation is rolled back, so a call applies to
 all of its items or to none. The executor is not thread-safe: one thread drives it.
@@ -43,6 +48,16 @@ from executor.api import (
 from executor.attention import create_backend, resolve_backend_name
 from executor.attention.base import AttentionShape
 from executor.config import ExecutorConfig
+from executor.distributed.channel import StepChannel
+from executor.distributed.group import TensorParallel
+from executor.distributed.protocol import (
+    CaptureHeader,
+    ForkHeader,
+    Mode,
+    ShutdownHeader,
+    StepHeader,
+)
+from executor.distributed.sharding import local_spec
 from executor.errors import (
     ConfigError,
     FieldViolation,
@@ -74,8 +89,9 @@ CPU_DEFAULT_KV_TOKENS = 32768
 
 
 class Executor:
-    def __init__(self, config: ExecutorConfig) -> None:
+    def __init__(self, config: ExecutorConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
+        self.tp = tp or TensorParallel.single()
         # -- 1. device and dtype -------------------------------------------------------
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -86,7 +102,7 @@ class Executor:
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
         model_dir = resolve_model_source(source)  # tiny, a named model, or a directory
-        spec = load_hf_config(model_dir)
+        spec = local_spec(load_hf_config(model_dir), self.tp.size)  # this rank's heads
         max_context = config.cache.max_context or spec.max_position
         # Settled before the weights load: a backend that cannot serve here fails fast.
         shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
@@ -97,7 +113,7 @@ class Executor:
         self.boot_seconds = {"attention": time.perf_counter() - started}
         started = time.perf_counter()
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
-                                           spec)
+                                           spec, self.tp)
         self.model_info = ModelInfo(
             name=model_name(source, model_dir),
             architecture=spec.architecture,
@@ -110,11 +126,20 @@ class Executor:
         self.boot_seconds["weights"] = time.perf_counter() - started
 
         # -- 3. KV cache ---------------------------------------------------------------
-        num_tokens = self._kv_tokens(max_context)
+        # Every rank holds the same locations (of its own KV heads): the fewest any fits.
+        num_tokens = self.tp.min_over_ranks(self._kv_tokens(max_context))
         self.pool = KVPool(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device)
         self.table = ReqToTokenTable(config.cache.max_sequences, max_context, self.device)
         self.kv = KVCacheManager(self.table, num_tokens)
+        #: Bytes of weights and KV cache each rank holds, in rank order.
+        weights = self.model.parameters() if isinstance(self.model, torch.nn.Module) else ()
+        self.rank_memory_bytes = self.tp.gather_over_ranks(
+            sum(p.numel() * p.element_size() for p in weights) + self.pool.nbytes)
+        self.channel = StepChannel(self.tp, self.device) if self.tp.distributed else None
+        self.model_info = dataclasses.replace(self.model_info,
+                                              tensor_parallel_size=self.tp.size,
+                                              rank_memory_bytes=self.rank_memory_bytes)
 
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
@@ -176,14 +201,19 @@ class Executor:
         else:
             buckets = graphs.prefill_buckets or default_prefill_buckets(
                 self.config.max_prefill_tokens)
-        return GraphRunner(phase, self.model, self.attn, backend, normalize_buckets(buckets),
-                           self.limits.max_context, self.table, self.device,
-                           self.last_tokens)
+        runner = GraphRunner(phase, self.model, self.attn, backend,
+                             normalize_buckets(buckets), self.limits.max_context, self.table,
+                             self.device, self.last_tokens)
+        if self.channel is not None:  # a bucket failing on any rank fails on all
+            runner.agree = self.channel.agree
+        return runner
 
     def _model_key(self) -> str:
         """What a compiled forward depends on besides our code: layout, dtype, context
         (the RoPE table is a graph input) and the kernel choice."""
         raw = f"{self.spec!r}|{self.dtype}|{self.limits.max_context}|{self.model.kernels}"
+        if self.tp.distributed:  # the collectives are part of the compiled graph
+            raw += f"|tp{self.tp.rank}/{self.tp.size}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------------------------
@@ -315,6 +345,8 @@ class Executor:
         row)."""
         tokens = sample.tokens if rows is None else sample.tokens.index_select(0, rows)
         self.last_tokens.index_copy_(0, slots, tokens)
+        if self.channel is not None:  # the other ranks' decode prologues read it too
+            self.channel.send_sampled(slots, tokens)
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
@@ -358,6 +390,8 @@ class Executor:
         if inherits:
             self.last_tokens[child.slot] = self.last_tokens[parent.slot]  # on the device
             self._last_sampled.add(child_id)
+        if self.channel is not None:  # the other ranks' tables and last tokens too
+            self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
         return ForkResult(length, length, inherits)
 
     def truncate(self, seq_id: str, length: int) -> TruncateResult:
@@ -395,6 +429,8 @@ class Executor:
         # Steps launched ahead (a Session) may still be replaying graphs that a forced
         # recapture releases: let them finish first.
         torch.cuda.synchronize(self.device)
+        if self.channel is not None and self.tp.leads:  # every rank captures the same
+            self.channel.send(CaptureHeader(tuple(dict.fromkeys(phases)), force))
         return tuple(self.runners[p].capture_all(force=force, progress=progress)
                      for p in dict.fromkeys(phases))
 
@@ -459,25 +495,73 @@ class Executor:
         """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
         padded = 0
-        logits: torch.Tensor | None = None
+        runner = self.runners.get(batch.phase)
         if decision.bucket is not None:
-            # Graph logits are valid until the next replay: sampled right below.
-            logits = self.runners[batch.phase].replay(batch, decision.bucket)
+            mode = Mode.GRAPH
             padded = decision.bucket - (batch.batch_size if batch.phase == "decode"
                                         else batch.num_tokens)
-        elif (runner := self.runners.get(batch.phase)) is not None and runner.runs_uncaptured:
-            # Compiled pieces without graphs: still faster than the plain eager model.
-            logits = runner.run_uncaptured(batch)
-        elif params:
-            logits = self.forward_logits(batch)
+        elif runner is not None and runner.runs_uncaptured:
+            mode = Mode.UNCAPTURED
         else:
-            self._forward_only(batch)  # fills the KV cache; no logits wanted
+            mode = Mode.LOGITS if params else Mode.KV_ONLY
+        if self.channel is not None:  # the other ranks run the same forward
+            assert batch.sizes is not None
+            # Sequences sampled for: one row each, except an every_position item's many
+            # rows, of which only the last (the one target -1) keeps its token.
+            sampled = 0 if mode is Mode.KV_ONLY or not params else \
+                len(params) if targets is None else targets.count(-1)
+            self.channel.send(StepHeader(batch.phase, mode, decision.bucket, batch.sizes,
+                                         sampled), batch.packed)
+        logits = self._forward(batch, mode, decision.bucket)
         sample = self.sampler.sample(logits, params, positions, targets) \
             if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"
         return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
+
+    def _forward(self, batch: ForwardBatch, mode: Mode, bucket: int | None
+                 ) -> torch.Tensor | None:
+        """The forward as ``mode`` says; float32 logits of the sampled rows, or None."""
+        if mode is Mode.GRAPH:
+            assert bucket is not None
+            # Graph logits are valid until the next replay: sampled right after.
+            return self.runners[batch.phase].replay(batch, bucket)
+        if mode is Mode.UNCAPTURED:
+            # Compiled pieces without graphs: still faster than the plain eager model.
+            return self.runners[batch.phase].run_uncaptured(batch)
+        if mode is Mode.LOGITS:
+            return self.forward_logits(batch)
+        self._forward_only(batch)  # fills the KV cache; no logits wanted
+        return None
+
+    @torch.inference_mode()
+    def follow(self, header: StepHeader, packed: torch.Tensor) -> None:
+        """Run the step rank 0 sent (a rank other than 0): the same batch at the same KV
+        locations, the same forward; then take rank 0's sampled tokens."""
+        runner = self.runners.get(header.phase) if header.bucket is not None else None
+        layout = runner.layout(header.bucket) if runner is not None and \
+            header.bucket is not None else None
+        batch = ForwardBatch.from_packed(header.phase, packed, header.sizes, self.device,
+                                         self.staging, layout)
+        if layout is None:
+            self.table.write_device(batch.table_index, batch.out_cache_loc)
+        self._forward(batch, header.mode, header.bucket)
+        if header.sampled and self.channel is not None:
+            sampled = self.channel.receive_sampled(header.sampled)  # (2, sequences)
+            self.last_tokens.index_copy_(0, sampled[0], sampled[1])
+
+    def follow_fork(self, header: ForkHeader) -> None:
+        """A rank other than 0: rank 0 forked a sequence; copy its table row prefix (and
+        last sampled token) the same way."""
+        self.table.copy_prefix(header.parent, header.child, header.length)
+        if header.inherit:
+            self.last_tokens[header.child] = self.last_tokens[header.parent]
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""
+        if self.channel is not None and self.tp.leads:
+            self.channel.send(ShutdownHeader())
 
     def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""

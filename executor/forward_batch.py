@@ -106,6 +106,10 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None = None
     # The graph bucket the batch was packed for (``GraphLayout``); None when packed plain.
     bucket: int | None = None
+    # The packed host buffer and its sizes, as sent to the device (and, under tensor
+    # parallelism, to the other ranks: ``from_packed`` rebuilds the batch from them).
+    packed: torch.Tensor | None = None
+    sizes: PackedSizes | None = None
 
     @property
     def batch_size(self) -> int:
@@ -201,6 +205,29 @@ class ForwardBatch:
                  "out_cache_loc": alloc.out_cache_loc.to(torch.int64),
                  **{k: torch.tensor(v, dtype=torch.int64) for k, v in per_seq.items()}},
                 sizes, scratch)
+        return ForwardBatch._transfer(phase, flat, sizes, (slots, seq_lens, prefix, ext_lens),
+                                      device, staging, layout)
+
+    @staticmethod
+    def from_packed(phase: Phase, flat: torch.Tensor, sizes: PackedSizes,
+                    device: torch.device, staging: PinnedStaging | None = None,
+                    layout: GraphLayout | None = None) -> ForwardBatch:
+        """The batch whose packed host buffer (``packed``) and ``sizes`` another rank
+        sent: the same device transfer as ``build``, the host tuples read from ``flat``."""
+        views = split_packed(flat, sizes)
+        hosts = tuple(views[name].tolist() for name in
+                      ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens"))
+        return ForwardBatch._transfer(phase, flat, sizes, hosts, device, staging, layout)
+
+    @staticmethod
+    def _transfer(phase: Phase, flat: torch.Tensor, sizes: PackedSizes,
+                  hosts: tuple[list[int], ...], device: torch.device,
+                  staging: PinnedStaging | None, layout: GraphLayout | None
+                  ) -> ForwardBatch:
+        """Copy the packed host buffer ``flat`` to the device and split it into fields;
+        ``hosts``: the slots, sequence, prefix and extend lengths on the host."""
+        host = flat
+        slots, seq_lens, prefix, ext_lens = hosts
         if device.type == "cuda" and staging is None:
             flat = flat.pin_memory()  # pinned: the copy is asynchronous
         dest = None if layout is None else layout.dest
@@ -221,6 +248,8 @@ class ForwardBatch:
             extend_lens_host=tuple(ext_lens),
             decode_rows=views.get("decode_rows"),
             bucket=None if layout is None else layout.bucket,
+            packed=host,
+            sizes=sizes,
         )
 
 

@@ -72,7 +72,8 @@ def generate(out_dir: Path) -> dict[str, str]:
 def stale_files(generated: dict[str, str]) -> list[str]:
     """Unified diffs between ``generated`` and the committed files (empty if fresh)."""
     diffs = []
-    committed = {str(p.relative_to(GEN_ROOT)) for p in GEN_ROOT.rglob("*.py*")}
+    committed = {str(p.relative_to(GEN_ROOT)) for p in GEN_ROOT.rglob("*.py*")
+                 if p.suffix in (".py", ".pyi")}  # not __pycache__/*.pyc
     for name in sorted(set(generated) | committed):
         path = GEN_ROOT / name
         old = path.read_text() if path.exists() else ""

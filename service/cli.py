@@ -17,6 +17,7 @@ from executor.config import (
     GraphConfig,
     ModelConfig,
 )
+from executor.distributed.launch import ParallelConfig, Rendezvous
 from executor.errors import ConfigError
 from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
 from service import __version__
@@ -129,6 +130,19 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="mTLS: refuse clients without a certificate from --tls-client-ca")
     security.add_argument("--token-file", help="file holding the token every call needs")
     security.add_argument("--admin-token-file", help="file holding the token Capture needs")
+    parallel = p.add_argument_group(
+        "tensor parallelism", "One process per rank (GPU): --tensor-parallel-size N spawns "
+        "ranks 1..N-1 on this host; under torchrun (or any launcher that sets MASTER_ADDR, "
+        "MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK) every process joins that rendezvous "
+        "and rank 0 serves gRPC. NCCL on CUDA, gloo on CPU.")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                          help="ranks the model is split over (default: $WORLD_SIZE under "
+                          "a torchrun-style launch, else 1)")
+    parallel.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
+                          help="seconds a step's collective may wait for a rank before the "
+                          "server turns UNHEALTHY")
+    parallel.add_argument("--rank-heartbeat-timeout", type=float, default=15.0, metavar="S",
+                          help="seconds without a heartbeat after which a rank has failed")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "
@@ -253,13 +267,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         level = log_level(args.log_level, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        parallel, rendezvous = parallel_configs(args, os.environ)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if not _prepare_named_model(executor_config.model.source):
         return 1
     from service.logs import configure_logging
     from service.server import serve
 
     configure_logging(args.log_format, level)
+    if parallel.tensor_parallel_size > 1 or rendezvous is not None:
+        from service.parallel import run
+
+        return run(executor_config, server_config, parallel, rendezvous, args.log_format,
+                   level)
     return asyncio.run(serve(executor_config, server_config))
+
+
+def parallel_configs(args: argparse.Namespace, env: Mapping[str, str]
+                     ) -> tuple[ParallelConfig, Rendezvous | None]:
+    """``--tensor-parallel-size`` and a torchrun-style rendezvous in ``env``, if any."""
+    rendezvous = Rendezvous.from_env(env)
+    size = args.tensor_parallel_size
+    if rendezvous is not None:
+        if size is not None and size != rendezvous.world_size:
+            raise ConfigError(f"--tensor-parallel-size {size} but the launcher started "
+                              f"WORLD_SIZE={rendezvous.world_size} processes")
+        size = rendezvous.world_size
+    return ParallelConfig(1 if size is None else size, args.collective_timeout,
+                          heartbeat_timeout_s=args.rank_heartbeat_timeout), rendezvous
 
 
 if __name__ == "__main__":

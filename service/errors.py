@@ -269,12 +269,24 @@ _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:
-    """True if ``exc`` means the device (and so this process) can no longer serve."""
+    """True if ``exc`` means the device (and so this process) can no longer serve: also a
+    failed tensor-parallel collective (a rank died or timed out: the group cannot step)."""
     accelerator_error = _accelerator_error_class()
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
+    if isinstance(exc, _dist_error_class()):
+        return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(m in text for m in _FATAL_MARKERS)
+
+
+def _dist_error_class() -> tuple[type[BaseException], ...]:
+    import torch.distributed as dist
+
+    from executor.distributed.group import CollectiveFailed
+
+    cls = getattr(dist, "DistError", None)
+    return (CollectiveFailed, cls) if isinstance(cls, type) else (CollectiveFailed,)
 
 
 def _accelerator_error_class() -> type[BaseException] | None:

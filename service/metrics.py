@@ -114,6 +114,11 @@ class Metrics:
                                 ["version", "python", "torch", "grpcio"], registry=r)
         self.model_info = Gauge(p + "model_info", "The served model (always 1)",
                                 ["name", "architecture", "dtype", "device"], registry=r)
+        self.tensor_parallel_size = Gauge(p + "tensor_parallel_size", "Ranks the model is "
+                                          "split over (1: one process)", registry=r)
+        self.rank_memory_bytes = Gauge(p + "rank_memory_bytes", "Weights and KV cache held "
+                                       "by each tensor-parallel rank, at start-up", ["rank"],
+                                       registry=r)
         # -- gRPC (the go-grpc-prometheus names, so stock gRPC dashboards work) --------
         rpc_labels = ["grpc_service", "grpc_method", "grpc_type"]
         self.grpc_started = Counter("grpc_server_started", "RPCs started", rpc_labels,

@@ -109,6 +109,9 @@ class StatsRecorder:
     def model(self, info: ModelInfo) -> None:
         self.metrics.model_info.labels(info.name, info.architecture, info.dtype,
                                        info.device).set(1)
+        self.metrics.tensor_parallel_size.set(info.tensor_parallel_size)
+        for rank, size in enumerate(info.rank_memory_bytes):
+            self.metrics.rank_memory_bytes.labels(str(rank)).set(size)
 
     def rpc_started(self, service: str, method: str, rpc_type: str) -> None:
         self.metrics.grpc_started.labels(service, method, rpc_type).inc()

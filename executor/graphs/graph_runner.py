@@ -64,6 +64,9 @@ class GraphRunner:
         self.timer = ReplayTimer(device)
         # Test hook: called with each bucket before it is captured (fault injection).
         self.before_capture: Callable[[int], None] | None = None
+        # Tensor parallelism: True only if every rank captured the bucket (a collective;
+        # every rank captures the same buckets in the same order). None: one process.
+        self.agree: Callable[[bool], bool] | None = None
 
     def state(self) -> RunnerState:
         # Asked at every step; it changes only when capturing or releasing.
@@ -79,6 +82,13 @@ class GraphRunner:
         reported and skipped; the others stay usable."""
         from tqdm import tqdm
 
+        if self.agree is not None and not force:
+            # Every rank must capture the same buckets: if a bucket is captured on some
+            # ranks only (one failed there earlier), all start over together.
+            # NOTE: one agreement per bucket on every rank (a list, not a short-circuit).
+            here = [self.backend.has(b) for b in self.buckets]
+            everywhere = [self.agree(h) for h in here]
+            force = not self.agree(here == everywhere)
         if force:
             self.release()
         self.failed.clear()
@@ -93,7 +103,13 @@ class GraphRunner:
             static_bytes = self.memory.allocated_by(self._allocate_static_buffers)
             results = []
             for bucket in bar:
-                results.append(self._capture_one(bucket))
+                result = self._capture_one(bucket)
+                if self.agree is not None and not self.agree(result.ok) and result.ok:
+                    # Replaying it here alone would hang the ranks that have no graph.
+                    self.failed[bucket] = "capture failed on another tensor-parallel rank"
+                    result = BucketCapture(bucket, result.capture_ms, False,
+                                           self.failed[bucket], result.memory_bytes)
+                results.append(result)
                 free = torch.cuda.mem_get_info(self.device)[0]
                 bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
         bar.close()

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
+from executor.distributed.group import TensorParallel
+from executor.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from executor.model.base import register_model
 from executor.model.layers import (
     GatedMLP,
@@ -35,9 +37,13 @@ from executor.model.spec import ARCHITECTURES, ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """This rank's heads (``spec`` is per rank under tensor parallelism): the QKV rows of
+    its heads, the o_proj columns that read them, and an all-reduce of the partial sums."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.tp = layer_id, tp
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
@@ -58,14 +64,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_id, rotary)
+        self.self_attn = Attention(spec, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
@@ -80,7 +88,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.add_forward(hidden, residual, ops)
         hidden = self.self_attn(positions, hidden, backend, meta, ops)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual, ops)
-        return self.mlp(hidden, ops), residual
+        return self.tp.all_reduce(self.mlp(hidden, ops)), residual  # down_proj: row-parallel
 
 
 @register_model(*ARCHITECTURES)
@@ -93,21 +101,32 @@ class CausalLM(nn.Module):
     and plain torch otherwise. Both paths are traceable by Dynamo (the kernels are
     custom ops with fake impls under ``torch.compile``); ``"torch"`` leaves the fusion to
     the compiler instead. It is read at every forward: set it before capturing graphs.
+
+    Under tensor parallelism (``tp``, ``executor/distributed``) ``spec`` is one rank's
+    shape (``sharding.local_spec``), the embedding and LM head hold a slice of the
+    vocabulary, and ``compute_logits`` still returns the full vocabulary on every rank.
     """
 
-    def __init__(self, spec: ModelSpec, max_positions: int, kernels: KernelChoice = "auto"
-                 ) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, kernels: KernelChoice = "auto",
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel.single()
         prepare_kernels(kernels)
         self.spec = spec
         self.kernels: KernelChoice = kernels
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding
+        self.lm_head: nn.Linear | ParallelLMHead
+        if tp.distributed:
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, self.rotary, tp) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

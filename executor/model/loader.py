@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 import executor.model.llama  # noqa: F401 (registers the Llama family)
+from executor.distributed.group import TensorParallel
+from executor.distributed.sharding import copy_shard
 from executor.errors import ModelLoadError
 from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
@@ -98,14 +100,20 @@ def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, i
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int,
-               spec: ModelSpec | None = None) -> tuple[CausalModel, ModelSpec]:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors."""
+               spec: ModelSpec | None = None, tp: TensorParallel | None = None
+               ) -> tuple[CausalModel, ModelSpec]:
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors.
+
+    Under tensor parallelism ``spec`` is this rank's shape (``sharding.local_spec``) and
+    only this rank's slice of each split tensor is read (``sharding.copy_shard``)."""
     spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
     files = _weight_files(path)
     factory = model_factory(spec.architecture)
+    tp = tp or TensorParallel.single()
     with torch.device("meta"):
-        model = factory(spec, max_context)
+        model = factory(spec, max_context) if not tp.distributed \
+            else factory(spec, max_context, tp=tp)  # type: ignore[call-arg]
     model.materialize(dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
@@ -126,14 +134,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
                 if shard is not None:
                     rows = _shard_rows(spec, name)
                     target = target[rows[shard] : rows[shard + 1]]
-                tensor = f.get_tensor(hf_name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(
-                        f"shape mismatch for {hf_name!r} in {file.name}: expected "
-                        f"{tuple(target.shape)}, got {tuple(tensor.shape)}"
-                    )
                 with torch.no_grad():
-                    target.copy_(tensor.to(dtype))
+                    copy_shard(f, hf_name, name, target, tp.rank, tp.size, file.name)
                 loaded.add((name, shard))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:

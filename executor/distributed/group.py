@@ -1,0 +1,185 @@
+"""The tensor-parallel group of one executor and the collectives its model calls.
+
+Two process groups over the same ranks:
+
+* ``device``: the data plane. NCCL on CUDA, gloo on CPU. The model's all-reduces and the
+  logits all-gather run on it, on the device's current stream, so they can be captured in
+  CUDA graphs (NCCL >= 2.9 supports capture; every rank must capture the same collectives
+  in the same order, which running the same buckets on every rank gives).
+* ``control``: the control plane, always gloo over host memory: step headers and packed
+  steps, broadcast from rank 0. The other ranks' timeout on it is unbounded: they wait
+  for the next step however long the scheduler is idle (a dead rank 0 closes the sockets,
+  which ends the wait at once). Rank 0's is the data plane's: a gloo broadcast's root
+  waits for its receivers, so a hung rank fails rank 0's next send within the timeout.
+  Agreements (KV size, captured buckets) run on the device group.
+
+The collectives are ``torch.library`` custom ops taking the group by name: Dynamo keeps
+each one as a single opaque node (the tc_piecewise backend compiles around it), and the
+graph capture backends record whatever kernels it launches. ``TensorParallel.single()``
+is the world of one without any process group: its collectives return their input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renames all_gather_into_tensor (deprecated there); the GPU hosts run 2.11.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: Process groups by name, for the custom ops (which cannot take a group object).
+_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed: a rank died, hung past the timeout or lost its connection.
+    The group cannot step any more (the service treats this as fatal)."""
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn a backend's failure of collective ``what`` into ``CollectiveFailed``."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo raises plain RuntimeErrors, NCCL DistErrors
+        raise CollectiveFailed(f"tensor-parallel {what} failed: {exc}") from exc
+
+
+@torch.library.custom_op("model_executor::tp_all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.clone()
+    with collective("all-reduce"):
+        dist.all_reduce(out, group=_GROUPS[group_name])
+    return out
+
+
+@_all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("model_executor::tp_all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+    with collective("all-gather"):
+        _gather_into(out, x.contiguous(), group=_GROUPS[group_name])
+    return out
+
+
+@_all_gather.register_fake
+def _(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group and its two process groups.
+
+    ``distributed`` is False only for ``single()``: a world of one that never calls
+    ``torch.distributed``. A world of one *with* process groups (``init``) runs every
+    collective for real, which is how one GPU exercises the distributed path.
+    """
+
+    rank: int = 0
+    size: int = 1
+    device_group_name: str | None = None
+    control: dist.ProcessGroup | None = field(default=None, compare=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @staticmethod
+    def single() -> TensorParallel:
+        return TensorParallel()
+
+    @property
+    def distributed(self) -> bool:
+        return self.device_group_name is not None
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0: validates, allocates, samples and answers the scheduler."""
+        return self.rank == 0
+
+    @property
+    def control_group(self) -> dist.ProcessGroup:
+        if self.control is None:
+            raise RuntimeError("a single-process executor has no control group")
+        return self.control
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (a new tensor)."""
+        if self.device_group_name is None:
+            return x
+        return torch.ops.model_executor.tp_all_reduce(x, self.device_group_name)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (R, ...) stacked along dim 0 in rank order: (N * R, ...)."""
+        if self.device_group_name is None:
+            return x
+        return torch.ops.model_executor.tp_all_gather(x, self.device_group_name, self.size)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (a device-group collective, so it is
+        bounded by the group's timeout)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        with collective("agreement"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN,
+                            group=_GROUPS[self.device_group_name or ""])
+        return int(t.item())
+
+    def gather_over_ranks(self, value: int) -> tuple[int, ...]:
+        """Every rank's ``value``, in rank order (a device-group collective)."""
+        if not self.distributed:
+            return (value,)
+        out = self.all_gather(torch.tensor([value], dtype=torch.int64, device=self.device))
+        return tuple(int(v) for v in out.tolist())
+
+
+#: The other ranks wait on the control plane for the next step without a bound.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def init(rank: int, size: int, device: torch.device, store: dist.Store,
+         timeout: datetime.timedelta) -> TensorParallel:
+    """Join the default process group over ``store`` and make this rank's two groups.
+
+    ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
+    turns into an error on the others within it). A warm-up all-reduce runs on each
+    group, so NCCL's communicator exists before any graph captures a collective.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    world = dist.group.WORLD
+    assert world is not None
+    # The timeout is each process's own: rank 0's sends are bounded like any collective
+    # (a gloo broadcast's root waits for its receivers), the others wait without bound.
+    control = dist.new_group(backend="gloo",
+                             timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
+    name = f"tp{size}-device"
+    _GROUPS[name] = world
+    tp = TensorParallel(rank, size, name, control, device)
+    probe = tp.all_reduce(torch.ones(1, device=device))
+    if int(probe.item()) != size:
+        raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {size}")
+    dist.barrier(group=control)
+    return tp
+
+
+def shutdown(tp: TensorParallel) -> None:
+    """Leave the process groups (best effort: a peer may be gone)."""
+    if not tp.distributed or not dist.is_initialized():
+        return
+    _GROUPS.pop(tp.device_group_name or "", None)
+    # Tearing down after a peer died may raise anything.
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()

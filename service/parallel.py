@@ -1,0 +1,241 @@
+"""Serving with tensor parallelism: rank 0 runs the gRPC server, the other ranks follow.
+
+``run`` is what ``model-executor serve`` calls when ``--tensor-parallel-size`` is above 1
+or a torchrun-style environment names a rendezvous. Rank 0 serves exactly as one process
+does (``service/server.py``), with an executor factory that first joins the process
+group; every other rank builds its executor shard and runs ``follower.follow``.
+
+A failed rank (``executor/distributed/launch.py`` says how one is found) is logged with
+its number and reason (``rank_failed``); the server turns UNHEALTHY at once (liveness and
+readiness NOT_SERVING, new steps UNAVAILABLE), stays so for ``--drain-delay`` so probes
+see it, then drains and exits with code 1 after stopping every rank it spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import structlog
+import torch
+
+from executor.config import ExecutorConfig
+from executor.distributed import group
+from executor.distributed.group import CollectiveFailed
+from executor.distributed.launch import (
+    ChildWatch,
+    Heartbeat,
+    ParallelConfig,
+    Rendezvous,
+    die_with_parent,
+    rank_device,
+    spawn_context,
+)
+from executor.distributed.sharding import check_divisible
+from executor.errors import ConfigError, ModelLoadError
+from executor.model.loader import load_hf_config
+from executor.model.named import resolve_model_source
+from service.config import ServerConfig
+from service.errors import StartupError
+from service.health import State
+from service.server import ExecutorServer
+from service.worker import ExecutorLike
+
+log = structlog.get_logger(__name__)
+
+
+class RankFailure(CollectiveFailed):
+    """A tensor-parallel rank died, hung or lost its connection: the group cannot step."""
+
+
+def _executor_config(config: ExecutorConfig, local_rank: int) -> ExecutorConfig:
+    return dataclasses.replace(config, device=rank_device(config.device, local_rank))
+
+
+def _build(config: ExecutorConfig, rdv: Rendezvous, parallel: ParallelConfig,
+           store: Any) -> tuple[Any, group.TensorParallel]:
+    from executor.executor import Executor
+
+    cfg = _executor_config(config, rdv.local_rank)
+    tp = group.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
+                    parallel.collective_timeout)
+    return Executor(cfg, tp), tp
+
+
+def follower_main(rdv: Rendezvous, config: ExecutorConfig, parallel: ParallelConfig,
+                  log_format: str = "json", log_level: str = "INFO",
+                  spawned: bool = False) -> int:
+    """A rank other than 0: build the shard, follow rank 0 until SHUTDOWN; exit code."""
+    if spawned:
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is rank 0's
+    from service.logs import configure_logging
+
+    configure_logging(log_format, log_level)  # type: ignore[arg-type]
+    structlog.contextvars.bind_contextvars(rank=rdv.rank)
+
+    def lost(rank: int, reason: str) -> None:
+        log.error("rank_failed", failed_rank=rank, reason=reason)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    store = rdv.store(parallel.collective_timeout)
+    beat = Heartbeat(store, rdv.rank, rdv.world_size, parallel, lost).start()
+    try:
+        executor, tp = _build(config, rdv, parallel, store)
+        log.info("rank_ready", world_size=rdv.world_size, device=str(executor.device))
+        from executor.distributed.follower import follow
+
+        steps = follow(executor)
+    except Exception as exc:
+        log.error("rank_failed", failed_rank=rdv.rank, reason=f"{type(exc).__name__}: {exc}")
+        beat.stop()
+        return 1
+    beat.stop()
+    log.info("rank_stopped", steps=steps)
+    group.shutdown(tp)
+    return 0
+
+
+def _spawned_main(rank: int, size: int, port: int, config: ExecutorConfig,
+                  parallel: ParallelConfig, log_format: str, log_level: str) -> None:
+    rdv = Rendezvous("127.0.0.1", port, size, rank, rank)
+    sys.exit(follower_main(rdv, config, parallel, log_format, log_level, spawned=True))
+
+
+def run(executor_config: ExecutorConfig, server_config: ServerConfig,
+        parallel: ParallelConfig, rdv: Rendezvous | None = None, log_format: str = "json",
+        log_level: str = "INFO") -> int:
+    """Start (or join) the ranks; serve on rank 0. The process exit code."""
+    if rdv is not None and rdv.rank != 0:
+        return follower_main(rdv, executor_config, parallel, log_format, log_level)
+    size = parallel.tensor_parallel_size if rdv is None else rdv.world_size
+    try:  # before any process starts: a size the heads do not divide is one line
+        rank_device(executor_config.device, 0)
+        check_divisible(load_hf_config(resolve_model_source(executor_config.model.source)),
+                        size)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"model-executor: error: {exc}", file=sys.stderr)
+        return 2
+    children: dict[int, Any] = {}
+    if rdv is None:
+        import torch.distributed as dist
+
+        # Rank 0 hosts the store on a free loopback port before its children start.
+        host = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
+                             timeout=parallel.collective_timeout, wait_for_workers=False)
+        rdv = Rendezvous("127.0.0.1", host.port, size, 0, 0)
+        store: Any = dist.PrefixStore("model_executor", host)
+        ctx = spawn_context()
+        for rank in range(1, size):
+            proc = ctx.Process(target=_spawned_main, name=f"model-executor-rank{rank}",
+                               args=(rank, size, host.port, executor_config, parallel,
+                                     log_format, log_level))
+            proc.start()
+            children[rank] = proc
+        log.info("ranks_spawned", world_size=size,
+                 pids={r: p.pid for r, p in children.items()})
+    else:
+        store = rdv.store(parallel.collective_timeout)
+    try:
+        return asyncio.run(_serve(executor_config, server_config, parallel, rdv, store,
+                                  children))
+    finally:
+        if children:
+            codes = ChildWatch(children, lambda r, why: None).stop_all(timeout=10)
+            log.info("ranks_stopped", exit_codes=codes)
+
+
+async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
+                 parallel: ParallelConfig, rdv: Rendezvous, store: Any,
+                 children: dict[int, Any]) -> int:
+    built: list[tuple[Any, group.TensorParallel]] = []
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    failed: list[str] = []
+
+    def factory() -> ExecutorLike:
+        built.append(_build(executor_config, rdv, parallel, store))
+        return built[-1][0]  # type: ignore[no-any-return]
+
+    server = ExecutorServer(executor_config, config, executor_factory=factory)
+
+    async def rank_failed(rank: int | None, reason: str) -> None:
+        if failed:
+            return
+        failed.append(reason)
+        log.error("rank_failed", failed_rank=rank, reason=reason, world_size=rdv.world_size)
+        who = f"rank {rank}" if rank is not None else "a rank"
+        text = f"tensor-parallel {who} failed: {reason}"
+        if server.worker.failure is None:  # calls not started refuse (UNAVAILABLE)
+            server.worker.failure = RankFailure(text)
+        await server.lifecycle.set(State.UNHEALTHY, text)
+        await asyncio.sleep(config.drain_delay_s)  # probes see UNHEALTHY, then we go
+        stop.set()
+
+    def on_failure(rank: int, reason: str) -> None:  # from the watch threads
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(rank_failed(rank, reason)))
+
+    async def watch_fatal() -> None:
+        """A step whose collective failed or timed out (a rank hung inside a step while
+        its heartbeat went on) makes the worker record a fatal error: the same exit."""
+        while not stop.is_set():
+            failure = server.worker.failure
+            if failure is not None and not failed:
+                # The collective's error names the peer's address at best, not its rank.
+                await rank_failed(None, f"a step's collective failed: {failure}")
+                return
+            await asyncio.sleep(0.2)
+
+    watch = ChildWatch(children, on_failure).start() if children else None
+    beat = Heartbeat(store, 0, rdv.world_size, parallel, on_failure).start()
+    fatal_watch = asyncio.create_task(watch_fatal())
+    try:
+        await server.start()
+    except StartupError as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
+    host = config.address.rsplit(":", 1)[0]
+    metrics = f"http://{host}:{server.metrics_port}/metrics" \
+        if server.metrics_port is not None else None
+    log.info("serving", grpc=f"{host}:{server.port}", metrics=metrics,
+             world_size=rdv.world_size, rank=0)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    booted = asyncio.create_task(server.wait_booted())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if server.boot_error is not None and not stop.is_set():
+        failed.append(f"start-up failed: {server.boot_error}")
+    else:
+        await stopping
+    if watch is not None and not failed:
+        watch.expect_exit()
+    beat.stop()
+    fatal_watch.cancel()
+    await server.stop(0 if failed else None)
+    booted.cancel()
+    if not failed and not server.step_abandoned and built:
+        # The executor thread is done: tell the other ranks to leave their loop.
+        executor = built[0][0]
+        done = threading.Thread(target=executor.close, daemon=True)
+        done.start()
+        done.join(parallel.collective_timeout_s)
+    if watch is not None:
+        watch.expect_exit()
+    if server.step_abandoned or failed:
+        # A step may still block on a collective with a dead rank: do not wait for it.
+        if children:
+            ChildWatch(children, lambda r, why: None).stop_all(timeout=2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if failed else 0)
+    if built:
+        group.shutdown(built[0][1])
+    return 0

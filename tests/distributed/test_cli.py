@@ -1,0 +1,52 @@
+"""``serve``'s tensor-parallel flags: refusals are one line before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from executor.distributed.launch import rank_device
+from executor.errors import ConfigError
+from service.cli import build_parser, parallel_configs
+from tests.distributed.serving import ROOT
+
+
+def _args(*extra: str) -> object:
+    return build_parser().parse_args(["serve", *extra])
+
+
+def test_size_comes_from_the_flag_or_the_launcher() -> None:
+    parallel, rdv = parallel_configs(_args(), {})
+    assert parallel.tensor_parallel_size == 1 and rdv is None
+    parallel, rdv = parallel_configs(_args("--tensor-parallel-size", "4"), {})
+    assert parallel.tensor_parallel_size == 4 and rdv is None
+    env = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "8", "RANK": "3",
+           "LOCAL_RANK": "3"}
+    parallel, rdv = parallel_configs(_args(), env)
+    assert parallel.tensor_parallel_size == 8 and rdv is not None and rdv.rank == 3
+    with pytest.raises(ConfigError, match="WORLD_SIZE=8"):
+        parallel_configs(_args("--tensor-parallel-size", "2"), env)
+    with pytest.raises(ConfigError):
+        parallel_configs(_args("--tensor-parallel-size", "0"), {})
+
+
+def test_each_rank_gets_its_own_gpu() -> None:
+    assert rank_device("cuda", 3) == "cuda:3" and rank_device("cpu", 3) == "cpu"
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        rank_device("cuda:1", 0)
+
+
+def test_a_size_the_heads_do_not_divide_is_refused_before_any_rank_starts() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
+         "--metrics-port", "-1", "--tensor-parallel-size", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(ROOT)})
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == ("model-executor: error: --tensor-parallel-size 3 does not divide the "
+                         "model's 4 query heads, 2 KV heads and MLP width 256 (KV heads are "
+                         "not replicated); sizes that work: 1, 2"), done.stderr
+    assert "ranks_spawned" not in done.stdout + done.stderr

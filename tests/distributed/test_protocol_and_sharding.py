@@ -1,0 +1,153 @@
+"""The pieces of tensor parallelism that need no process group: the step header, the
+weight splits, the vocabulary shards and the rendezvous environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from executor.distributed.launch import ParallelConfig, Rendezvous, describe_exit
+from executor.distributed.protocol import (
+    HEADER_LEN,
+    CaptureHeader,
+    ForkHeader,
+    Mode,
+    ShutdownHeader,
+    StepHeader,
+    decode,
+)
+from executor.distributed.sharding import (
+    VocabShard,
+    check_divisible,
+    copy_shard,
+    local_spec,
+    valid_sizes,
+)
+from executor.errors import ConfigError, ModelLoadError
+from executor.model.loader import load_hf_config
+from executor.model.tiny import ensure_tiny_model
+from executor.packing import PackedSizes
+
+
+@given(tokens=st.integers(0, 300), pad=st.integers(0, 64), logits=st.integers(0, 40),
+       decode_phase=st.booleans(), bucket=st.one_of(st.none(), st.integers(1, 512)),
+       mode=st.sampled_from(list(Mode)), sampled=st.integers(0, 300))
+def test_step_header_round_trips(tokens: int, pad: int, logits: int, decode_phase: bool,
+                                 bucket: int | None, mode: Mode, sampled: int) -> None:
+    seqs = tokens if decode_phase else max(1, tokens // 3)
+    sizes = PackedSizes(tokens, pad, seqs, pad if decode_phase else 0, logits, decode_phase)
+    header = StepHeader("decode" if decode_phase else "prefill", mode, bucket, sizes, sampled)
+    encoded = header.encode()
+    assert len(encoded) == HEADER_LEN
+    assert decode(encoded) == header
+
+
+def test_other_headers_round_trip_and_garbage_is_refused() -> None:
+    for header in (CaptureHeader(("decode",), True), CaptureHeader(("prefill", "decode"), False),
+                   ForkHeader(3, 7, 120, True), ForkHeader(0, 1, 0, False), ShutdownHeader()):
+        assert decode(header.encode()) == header
+    with pytest.raises(ValueError, match="unknown operation"):
+        decode([99] + [0] * (HEADER_LEN - 1))
+    bad = StepHeader("prefill", Mode.LOGITS, None, PackedSizes(4, 0, 1, 0, 1), 1).encode()
+    bad[-1] += 1  # the total no longer matches the sizes
+    with pytest.raises(ValueError, match="add up"):
+        decode(bad)
+    with pytest.raises(ValueError, match="entries"):
+        decode([1, 2])
+
+
+def test_heads_that_do_not_divide_are_refused_in_one_line() -> None:
+    spec = load_hf_config(ensure_tiny_model())  # 4 query heads, 2 KV heads, MLP 256
+    assert valid_sizes(spec) == [1, 2]
+    with pytest.raises(ConfigError) as err:
+        check_divisible(spec, 4)
+    message = str(err.value)
+    assert "\n" not in message and "2 KV heads" in message and "sizes that work: 1, 2" in message
+    half = local_spec(spec, 2)
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (2, 1, 128)
+    assert (half.vocab_size, half.hidden_size, half.head_dim) == (512, 128, 32)
+
+
+@given(vocab=st.integers(1, 1000), size=st.integers(1, 8))
+def test_vocab_shards_cover_the_vocabulary_once(vocab: int, size: int) -> None:
+    shards = [VocabShard.of(vocab, r, size) for r in range(size)]
+    covered = [t for s in shards for t in range(s.start, s.end)]
+    assert covered == list(range(vocab))
+    assert all(s.end - s.start <= s.rows == shards[0].rows for s in shards)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "q": torch.randn(12, 6, generator=g),  # column-parallel rows
+        "o": torch.randn(6, 12, generator=g),  # row-parallel columns
+        "embed": torch.randn(10, 6, generator=g),  # vocabulary rows, 10 = not a multiple of 3
+        "norm": torch.randn(6, generator=g),  # replicated
+    }
+    path = tmp_path_factory.mktemp("ckpt") / "w.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+NAMES = {"q": "layers.0.self_attn.qkv_proj.weight", "o": "layers.0.self_attn.o_proj.weight",
+         "embed": "embed_tokens.weight", "norm": "layers.0.input_layernorm.weight"}
+
+
+@settings(max_examples=20, deadline=None)
+@given(size=st.sampled_from([1, 2, 3]))
+def test_rank_slices_reassemble_the_checkpoint(
+        checkpoint: tuple[Path, dict[str, torch.Tensor]], size: int) -> None:
+    path, full = checkpoint
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for key, name in NAMES.items():
+            parts = []
+            for rank in range(size):
+                shape = list(full[key].shape)
+                if key == "q":
+                    shape[0] //= size
+                elif key == "o":
+                    shape[1] //= size
+                elif key == "embed":
+                    shape[0] = VocabShard.of(10, rank, size).rows
+                target = torch.full(shape, float("nan"))
+                copy_shard(f, key, name, target, rank, size, path.name)
+                parts.append(target)
+            if key == "norm":
+                assert all(torch.equal(p, full[key]) for p in parts)
+                continue
+            joined = torch.cat(parts, dim=1 if key == "o" else 0)
+            if key == "embed":
+                assert torch.equal(joined[:10], full[key]) and not joined[10:].any()
+            else:
+                assert torch.equal(joined, full[key])
+
+
+def test_a_slice_of_the_wrong_shape_is_a_load_error(
+        checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = checkpoint
+    with safe_open(str(path), framework="pt", device="cpu") as f, \
+            pytest.raises(ModelLoadError, match="split 2 ways"):
+        copy_shard(f, "q", NAMES["q"], torch.empty(5, 6), 0, 2, path.name)
+
+
+def test_rendezvous_from_a_torchrun_environment() -> None:
+    assert Rendezvous.from_env({}) is None
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "2",
+           "LOCAL_RANK": "0"}
+    assert Rendezvous.from_env(env) == Rendezvous("10.0.0.1", 29500, 4, 2, 0, False)
+    agent = Rendezvous.from_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert agent is not None and agent.agent_store
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        Rendezvous.from_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="not in"):
+        Rendezvous.from_env({**env, "RANK": "4"})
+    with pytest.raises(ConfigError):
+        ParallelConfig(0)
+    assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(3) == "exited with code 3"

@@ -1,0 +1,44 @@
+"""World size 1 through the distributed code path on CPU (gloo): the same tokens as the
+plain executor, and the collectives really run (the GPU twin, with NCCL and graphs, is
+``tests/gpu/test_tensor_parallel_gpu.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from executor.config import CacheConfig, ExecutorConfig, ModelConfig
+from executor.distributed.layers import ParallelLMHead, VocabParallelEmbedding
+from executor.executor import Executor
+from tests.distributed.world import transcript, world_of_one
+
+PROMPTS = [[3, 9, 27, 81, 243, 17, 51], [5, 25, 125, 113, 53], [7] * 12]
+
+
+def test_world_of_one_gives_the_plain_executors_tokens() -> None:
+    cfg = ExecutorConfig(model=ModelConfig(source="tiny"), device="cpu",
+                         cache=CacheConfig(kv_tokens=256, max_sequences=4, max_context=128),
+                         max_prefill_tokens=256, max_decode_batch=4)
+    want = transcript(Executor(cfg), PROMPTS)
+    calls: list[str] = []
+    with world_of_one(torch.device("cpu")) as tp:
+        ex = Executor(cfg, tp)
+        assert isinstance(ex.model.embed_tokens, VocabParallelEmbedding)  # type: ignore[attr-defined]
+        assert isinstance(ex.model.lm_head, ParallelLMHead)  # type: ignore[attr-defined]
+        assert ex.channel is not None and ex.rank_memory_bytes[0] > 0
+        # count the collectives one forward runs: embedding, 2 per layer, the LM head
+        original_reduce, original_gather = tp.all_reduce, tp.all_gather
+        object.__setattr__(tp, "all_reduce",
+                           lambda x: (calls.append("reduce"), original_reduce(x))[1])
+        object.__setattr__(tp, "all_gather",
+                           lambda x: (calls.append("gather"), original_gather(x))[1])
+        try:
+            got = transcript(ex, PROMPTS)
+        finally:
+            object.__delattr__(tp, "all_reduce")
+            object.__delattr__(tp, "all_gather")
+    assert got == want
+    layers = ex.spec.num_layers
+    forwards = calls.count("reduce") // (1 + 2 * layers)
+    assert calls.count("reduce") == forwards * (1 + 2 * layers)
+    assert forwards == 2 + 6 + 4  # two prefill chunks, 6 decode steps, 4 in one call
+    assert calls.count("gather") == forwards - 1  # the KV-only chunk computes no logits
