@@ -133,6 +133,49 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
 
 
+# -- skinny GEMM -------------------------------------------------------------------------
+SKINNY_SHAPES = [(1, 64, 64), (2, 96, 40), (3, 24, 200), (4, 130, 72)]  # M, N, K
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_skinny_gemm(dtype: torch.dtype, m: int, n: int, k: int, silu_mul: bool) -> None:
+    """Against the float32 product of the same (rounded) inputs: one rounding of a float32
+    sum, so within an ulp of the dtype; the SiLU-and-mul input rounds like the kernel's."""
+    from executor.kernels.skinny_gemm import Tile, skinny_gemm
+
+    x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, seed=13, scale=2.0)
+    w = _randn(n, k, dtype=dtype, seed=14, scale=k**-0.5)
+    a = kernels.silu_and_mul(x) if silu_mul else x
+    ref = (a.float() @ w.float().T).to(dtype)
+    for tile in (None, Tile(2, 32), Tile(16, 64)):  # masked columns and K chunks
+        got = skinny_gemm(x, w, silu_mul=silu_mul, tile=tile)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-3
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
+    from executor.kernels import skinny_gemm
+
+    dt = torch.float16
+    plain = torch.nn.Linear(32, 48, bias=False).to(dt)
+    biased = torch.nn.Linear(32, 48, bias=True).to(dt)
+    x = _randn(skinny_gemm.MAX_ROWS, 32, dtype=dt, seed=15)
+    many = _randn(skinny_gemm.MAX_ROWS + 1, 32, dtype=dt, seed=16)
+    assert skinny_gemm.serves(x, plain) and not skinny_gemm.serves(many, plain)
+    assert not skinny_gemm.serves(x, biased) and not skinny_gemm.serves(x.float(), plain)
+    for inp, layer in ((x, plain), (many, plain), (x, biased)):
+        torch.testing.assert_close(skinny_gemm.linear(layer, inp), layer(inp),
+                                   atol=2e-3, rtol=2e-3)
+    down = torch.nn.Linear(16, 32, bias=False).to(dt)
+    gate_up = _randn(2, 32, dtype=dt, seed=17)
+    torch.testing.assert_close(
+        skinny_gemm.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
+        down(TORCH_OPS.silu_and_mul(gate_up)), atol=2e-3, rtol=2e-3)
+
+
 # -- argmax ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("rows", "cols", "block"), [(1, 1000, 128), (3, 5000, 256), (2, 7, 8),
                                                      (4, 300, 64), (2, 64, 64)])
@@ -271,7 +314,11 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
     layers = ex.spec.num_layers
     # Per forward: 2 norms and 1 RoPE and 1 SiLU-and-mul per layer (the first layer's
     # input norm has no residual to add; the final norm adds the last one).
+    # The projections go through ``linear`` (qkv, o, gate_up) and the down projection
+    # through ``silu_and_mul_linear``, which fuses SiLU-and-mul at decode's 2 rows
+    # (skinny GEMM) and calls it at the prefill's 10.
     assert calls == {"rms_norm": 3, "add_rms_norm": 3 * 2 * layers, "rope_qk": 3 * layers,
-                     "silu_and_mul": 3 * layers}, calls
+                     "silu_and_mul": layers, "linear": 3 * 3 * layers,
+                     "silu_and_mul_linear": 3 * layers}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)

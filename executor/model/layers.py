@@ -8,7 +8,10 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
   tightly. Used on CPU, for float32, and as the reference of the kernels' tests.
 * ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
   q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
-  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ.
+  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
+  decode-sized batches (``skinny_gemm.MAX_ROWS``) the projections of plain ``nn.Linear``
+  layers run as a skinny GEMM too, the down projection with SiLU-and-mul fused in: the
+  GEMM outputs then differ from cuBLAS by summation order (an ulp at most per output).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
@@ -60,6 +63,14 @@ class LayerOps(Protocol):
         """``silu(gate) * up`` for ``gate_up`` ``(T, 2 * I)`` -> ``(T, I)``."""
         ...
 
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` for a projection ``layer`` (``(T, in)`` -> ``(T, out)``)."""
+        ...
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """``layer(silu_and_mul(gate_up))``: the down projection of a gated MLP."""
+        ...
+
 
 class TorchOps:
     """Plain PyTorch, following the Hugging Face modules op for op."""
@@ -87,6 +98,12 @@ class TorchOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)  # type: ignore[no-any-return]
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        return layer(self.silu_and_mul(gate_up))  # type: ignore[no-any-return]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +141,17 @@ class TritonOps:
         from executor import kernels
 
         return kernels.silu_and_mul(gate_up)
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # Decode-sized batches of plain nn.Linear layers: the skinny GEMM; else layer(x).
+        from executor import kernels
+
+        return kernels.linear(layer, x)
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        from executor import kernels
+
+        return kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
 
 
 TORCH_OPS = TorchOps()
@@ -239,4 +267,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return ops.silu_and_mul_linear(ops.linear(self.gate_up_proj, x), self.down_proj)

@@ -52,13 +52,14 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(self.qkv_proj, x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return ops.linear(self.o_proj, out.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):

@@ -178,6 +178,38 @@ def test_argmax_rows_equals_torch_argmax(rows: int, cols: int) -> None:
     assert greedy.token_ids == x.argmax(-1).tolist()
 
 
+# -- skinny GEMM (decode projections) ----------------------------------------------------
+# (in, out) of the projections of SmolLM2-135M (hidden 576, 9/3 heads), Llama-3.2-1B and
+# Llama-3.1-8B (qkv, o, gate_up, down), and odd sizes (masked columns and K chunks).
+SKINNY_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576),
+                 (2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048),
+                 (4096, 6144), (14336, 4096), (1000, 77), (200, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None:
+    """Against the float32 product of the same inputs (SiLU-and-mul by the unfused kernel):
+    one rounding of a float32 sum, so at most about an ulp of the dtype apart; and
+    against cuBLAS (``F.linear``), which rounds the same sum in another order."""
+    from executor.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+
+    for m in range(1, MAX_ROWS + 1):
+        x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, scale=2.0)
+        w = _randn(n, k, dtype=dtype, scale=k**-0.5)
+        a = kernels.silu_and_mul(x) if silu_mul else x
+        ref32 = a.float() @ w.float().T
+        got = skinny_gemm(x, w, silu_mul=silu_mul)
+        assert got.shape == (m, n) and got.dtype == dtype and not got.isnan().any()
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        err = (got.float() - ref32).abs()
+        assert (err <= ulp * ref32.abs() + 1e-3).all(), err.max()
+        torch.testing.assert_close(got, torch.nn.functional.linear(a, w),
+                                   atol=2e-3, rtol=2 * ulp)
+        assert torch.equal(skinny_gemm(x, w, silu_mul=silu_mul), got)  # deterministic
+
+
 def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
     for dtype in DTYPES:
         assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS
