@@ -6,9 +6,10 @@ records them), so the grouping is tested on CPU (``tests/test_kernel_classes.py`
 
 GEMM kernels carry no hint of which projection they compute (qkv and o often run the same
 cuBLAS kernel), so their role comes from their position: a step's GEMMs form
-``4 * layers + 1`` groups (consecutive GEMM kernels, e.g. a split-K GEMM and its reduce,
-are one group) in the order qkv, o, gate_up, down per layer, then the LM head. Every
-other kernel is classed by its name.
+``4 * layers + 1`` groups (a GEMM kernel and the split-K reduce kernels after it are one
+group) in the order qkv, o, gate_up, down per layer, then the LM head. Every other kernel
+is classed by its name. A GEMM with a fused prologue (``skinny_gemm``'s norm or
+SiLU-and-mul) counts under its projection.
 """
 
 from __future__ import annotations
@@ -63,14 +64,13 @@ def classify(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
     number ``4 * num_layers + 1``, positions say nothing: every GEMM is then ``gemm``."""
     by_name = [name_class(k.name) for k in kernels]
     classes = list(by_name)
-    groups, prev_gemm = -1, False
-    for i, cls in enumerate(classes):
-        is_gemm = cls == "gemm"
-        if is_gemm and not prev_gemm:
+    groups = -1
+    for i, (cls, k) in enumerate(zip(by_name, kernels, strict=True)):
+        if cls != "gemm":
+            continue
+        if "reduce" not in k.name.lower() or groups < 0:  # a reduce joins its GEMM's group
             groups += 1
-        if is_gemm:
-            classes[i] = "lm_head" if groups == 4 * num_layers else GEMM_ROLES[groups % 4]
-        prev_gemm = is_gemm
+        classes[i] = "lm_head" if groups == 4 * num_layers else GEMM_ROLES[groups % 4]
     if groups + 1 != 4 * num_layers + 1:
         return by_name
     return classes

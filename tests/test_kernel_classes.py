@@ -39,6 +39,18 @@ def test_gemm_roles_follow_their_position() -> None:
     assert classes[-1] == "other"
 
 
+def test_adjacent_fused_gemms_are_separate_projections() -> None:
+    """skinny GEMMs with the norms fused in: o and gate_up launch back to back."""
+    layer = ["_skinny_gemm_kernel", "_rope_kernel", "_decode_split_kernel",
+             "_decode_reduce_kernel", "_skinny_gemm_kernel", "_skinny_gemm_kernel",
+             "_skinny_gemm_kernel"]
+    names = layer * 2 + ["_rms_norm_kernel", "nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT"]
+    classes = classify([Kernel(n, i, i + 0.5) for i, n in enumerate(names)], 2)
+    gemms = [c for n, c in zip(names, classes, strict=True) if "gemm" in n or "nvjet" in n]
+    assert gemms == ["qkv", "o", "gate_up", "down"] * 2 + ["lm_head"]
+    assert classes[2:4] == ["attention", "attention"]
+
+
 def test_a_step_that_does_not_fit_the_layer_count_keeps_gemms_unsplit() -> None:
     classes = classify(_step(2), 3)
     assert "qkv" not in classes and classes.count("gemm") == 11

@@ -156,6 +156,36 @@ def test_skinny_gemm(dtype: torch.dtype, m: int, n: int, k: int, silu_mul: bool)
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm(dtype: torch.dtype, m: int, n: int, k: int, with_residual: bool
+                          ) -> None:
+    """The fused norm rounds like the norm kernels: its new residual is bit-identical and
+    the product is within an ulp of the float32 product of the norm kernel's output."""
+    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+
+    x = _randn(m, k, dtype=dtype, seed=18, scale=2.0)
+    res = _randn(m, k, dtype=dtype, seed=19, scale=3.0) if with_residual else None
+    nw = _norm_weight(k, dtype, seed=20)
+    w = _randn(n, k, dtype=dtype, seed=21, scale=k**-0.5)
+    x_before = x.clone()
+    if res is None:
+        normed, ref_res = kernels.rms_norm(x, nw, EPS), None
+    else:
+        normed, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+    ref = (normed.float() @ w.float().T).to(dtype)
+    for tile in (None, Tile(2, 32), Tile(16, 64)):
+        got, got_res = skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        if ref_res is None:
+            assert got_res is None
+        else:
+            assert got_res is not None and torch.equal(got_res, ref_res)
+    assert torch.equal(x, x_before), "the input was written"
+
+
 def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
     from executor.kernels import skinny_gemm
 
@@ -314,11 +344,16 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
     layers = ex.spec.num_layers
     # Per forward: 2 norms and 1 RoPE and 1 SiLU-and-mul per layer (the first layer's
     # input norm has no residual to add; the final norm adds the last one).
-    # The projections go through ``linear`` (qkv, o, gate_up) and the down projection
-    # through ``silu_and_mul_linear``, which fuses SiLU-and-mul at decode's 2 rows
-    # (skinny GEMM) and calls it at the prefill's 10.
-    assert calls == {"rms_norm": 3, "add_rms_norm": 3 * 2 * layers, "rope_qk": 3 * layers,
-                     "silu_and_mul": layers, "linear": 3 * 3 * layers,
-                     "silu_and_mul_linear": 3 * layers}, calls
+    # Each norm goes with the projection after it (``add_rms_norm_linear``: qkv, gate_up),
+    # o through ``linear``, down through ``silu_and_mul_linear``; at decode's 2 rows they
+    # are skinny GEMMs with the norm or SiLU-and-mul fused in, at the prefill's 10 rows they
+    # call the separate kernels (counted only when called through ``kernels``).
+    # The final norm (add_rms_norm) runs once per forward; a qkv projection with a bias
+    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel at decode.
+    decode_norms = layers if ex.spec.features.qkv_bias else 0  # per decode step
+    assert calls == {"add_rms_norm_linear": 3 * 2 * layers, "linear": 3 * layers,
+                     "silu_and_mul_linear": 3 * layers, "rope_qk": 3 * layers,
+                     "silu_and_mul": layers, "rms_norm": 1 + 2 * min(decode_norms, 1),
+                     "add_rms_norm": 2 * layers + 2 * (1 + max(decode_norms - 1, 0))}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)

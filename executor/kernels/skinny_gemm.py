@@ -17,6 +17,12 @@ kernel choice does).
 ``executor.kernels.activation`` rounds it (so the GEMM sees the same input as the unfused
 path): one launch instead of SiLU-and-mul, the down GEMM and its split-K reduce.
 
+RMSNorm prologues: the input is the residual stream before its norm, ``x`` (and the
+residual to add): each program first sums the squares of its rows (L2-resident), then
+normalizes each chunk as it loads it, rounded exactly as ``executor.kernels.norm`` rounds;
+program 0 also writes the new residual ``x + residual``. One launch instead of the norm
+kernel and the GEMM (the qkv and gate_up projections follow a norm).
+
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
 by an ulp of the activation dtype.
@@ -37,37 +43,72 @@ from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 MAX_ROWS = 4
 
 
+# The input prologue (constexpr ``PROLOGUE``): what the kernel computes from its input
+# rows before the product. The RMSNorm ones round like executor.kernels.norm.
+PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
+
+
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr,  # (M, K) rows, unit column stride; (M, 2K) gate|up when SILU_MUL
+    x_ptr,  # (M, K) rows, unit column stride; (M, 2K) gate|up for SILU_MUL
+    res_ptr,  # (M, K) residual in (ADD_RMS_NORM)
+    nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
     w_ptr,  # (N, K) row-major, as nn.Linear stores it
     out_ptr,  # (M, N)
+    res_out_ptr,  # (M, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
     M, N, K,
-    stride_xm, stride_wn, stride_om,
-    SILU_MUL: tl.constexpr,
+    stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+    inv_k,  # 1 / K, for the norm's mean
+    eps,
+    PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     act_ty = out_ptr.dtype.element_ty
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
+    r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+    if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
+        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            x_mask = mask_m[:, None] & (ks < K)[None, :]
+            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
+                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+                tl.store(ro_rows + ks[None, :], s, mask=x_mask & (offs_m[:, None] * 0 + pid == 0))
+            s32 = s.to(tl.float32)
+            ssq += tl.sum(s32 * s32, axis=1)
+        rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x_mask = mask_m[:, None] & mask_k[None, :]
-        if SILU_MUL:
+        if PROLOGUE == 1:  # silu(gate) * up, rounded like executor.kernels.activation
             g = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
             u = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
             act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
             x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+        elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
+            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 3:
+                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+            nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+            y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
+            x = (y * nw[None, :]).to(act_ty).to(tl.float32)
         else:
             x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
         if BLOCK_M == 1:
@@ -113,28 +154,55 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
     """``x @ weight.T`` for ``x`` (M, K) and ``weight`` (N, K); with ``silu_mul``, ``x`` is
     (M, 2K) gate|up and the product is ``silu_and_mul(x) @ weight.T``. A new (M, N) tensor.
     Rows of ``x`` and ``weight`` must have unit column stride."""
-    assert x.dim() == 2 and x.stride(-1) == 1, "x must be (M, K) with contiguous rows"
+    k = weight.shape[1]
+    assert x.dim() == 2 and x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape)
+    return _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile)[0]
+
+
+def skinny_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, tile: Tile | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x [+ residual]) @ weight.T, x + residual)`` in one launch: the norm of
+    ``executor.kernels.norm`` (same roundings) fused into the GEMM's input; the new
+    residual is None without one. New tensors; inputs untouched."""
+    assert x.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+    prologue = RMS_NORM if residual is None else ADD_RMS_NORM
+    return _launch(x, residual, norm_weight, eps, weight, prologue, tile)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    assert x.stride(-1) == 1, "x must have contiguous rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be (N, K) row-major"
     m = x.shape[0]
     n, k = weight.shape
-    assert x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape, silu_mul)
+    for t in (residual, norm_weight):
+        assert t is None or t.dtype == x.dtype, "inputs must share the activation dtype"
     assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m == 0 or n == 0 or k == 0:  # nothing to launch (an empty sum is zero)
+        if res_out is not None and residual is not None:
+            res_out.copy_(x + residual)
+        return out.zero_(), res_out
     tile = tile or default_tile(m, n, k)
     block_m = next_power_of_2(m)
+    res_in = residual if residual is not None else x
+    res_dst = res_out if res_out is not None else out
+    nw = norm_weight if norm_weight is not None else x
+    strides = (x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
-    key = (x.dtype, m, n, k, x.stride(0), weight.stride(0), out.stride(0), silu_mul,
-           block_m, tile.block_n, tile.block_k)
+    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k)
     _launcher(tile.num_warps).launch(
         (cdiv(n, tile.block_n), 1, 1), key,
-        (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0)),
-        {"SILU_MUL": silu_mul, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
+        (x, res_in, nw, weight, out, res_dst, m, n, k, *strides, 1.0 / k, eps),
+        {"PROLOGUE": prologue, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
          "BLOCK_K": tile.block_k})
-    return out
+    return out, res_out
 
 
 def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:
@@ -160,3 +228,22 @@ def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,
     if serves(gate_up, layer) and gate_up.shape[1] == 2 * layer.weight.shape[1]:  # type: ignore[index]
         return skinny_gemm(gate_up, layer.weight, silu_mul=True)  # type: ignore[arg-type]
     return layer(silu_and_mul(gate_up))  # type: ignore[no-any-return]
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, layer: torch.nn.Module,
+                        norm: Callable[..., torch.Tensor],
+                        add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer(rms_norm(x + residual)), x + residual)`` (without a residual: the norm of
+    ``x``, and ``x`` as the residual), one ``skinny_norm_gemm`` launch where it serves;
+    else ``norm``/``add_norm`` (the norm kernels) then ``linear``."""
+    if serves(x, layer) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+        out, res_out = skinny_norm_gemm(x, residual, norm_weight, eps,
+                                        layer.weight)  # type: ignore[arg-type]
+        return out, res_out if res_out is not None else x
+    if residual is None:
+        return linear(layer, norm(x, norm_weight, eps)), x
+    normed, residual = add_norm(x, residual, norm_weight, eps)
+    return linear(layer, normed), residual

@@ -10,8 +10,9 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
   q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
   about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
   decode-sized batches (``skinny_gemm.MAX_ROWS``) the projections of plain ``nn.Linear``
-  layers run as a skinny GEMM too, the down projection with SiLU-and-mul fused in: the
-  GEMM outputs then differ from cuBLAS by summation order (an ulp at most per output).
+  layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before them fused in
+  and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by summation order
+  (about an ulp per output).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
@@ -67,6 +68,13 @@ class LayerOps(Protocol):
         """``layer(x)`` for a projection ``layer`` (``(T, in)`` -> ``(T, out)``)."""
         ...
 
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(rms_norm(x + residual)), x + residual)``: a pre-norm projection; with
+        ``residual=None`` the norm of ``x`` alone, and ``x`` is the residual."""
+        ...
+
     def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """``layer(silu_and_mul(gate_up))``: the down projection of a gated MLP."""
         ...
@@ -101,6 +109,14 @@ class TorchOps:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)  # type: ignore[no-any-return]
+
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return layer(self.rms_norm(x, weight, eps)), x
+        normed, residual = self.add_rms_norm(x, residual, weight, eps)
+        return layer(normed), residual
 
     def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         return layer(self.silu_and_mul(gate_up))  # type: ignore[no-any-return]
@@ -148,6 +164,14 @@ class TritonOps:
 
         return kernels.linear(layer, x)
 
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        from executor import kernels
+
+        return kernels.add_rms_norm_linear(x, residual, weight, eps, layer, kernels.rms_norm,
+                                           kernels.add_rms_norm)
+
     def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         from executor import kernels
 
@@ -194,6 +218,12 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x + residual), x + residual)``: the pre-norm residual step."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: nn.Module,
+                       ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(self(x + residual)), x + residual)``: the residual step and the
+        projection after it (``residual=None``: ``x`` alone, and ``x`` is the residual)."""
+        return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, layer)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -267,4 +297,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return ops.silu_and_mul_linear(ops.linear(self.gate_up_proj, x), self.down_proj)
+        return self.down(ops.linear(self.gate_up_proj, x), ops)
+
+    def down(self, gate_up: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """The MLP after its gate_up projection: ``gate_up`` ``(T, 2 * I)`` -> ``(T, hidden)``."""
+        return ops.silu_and_mul_linear(gate_up, self.down_proj)

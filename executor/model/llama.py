@@ -12,7 +12,8 @@ norm) does the add and the norm in one step. The sums are the same as Hugging Fa
 The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
 forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
 Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM.
+add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at decode-sized batches each norm is
+fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = ops.linear(self.qkv_proj, x)
+        return self.attend(positions, ops.linear(self.qkv_proj, x), backend, meta, ops)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, backend: AttentionBackend,
+               meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
+        """Everything after the qkv projection: ``qkv`` ``(T, q + 2 * kv)`` -> ``(T, hidden)``."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -74,14 +79,15 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: the previous layer's MLP output (the embeddings for the first layer,
-        with ``residual=None``); returns ``(mlp_out, residual)``, not yet added."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden, ops), hidden
-        else:
-            hidden, residual = self.input_layernorm.add_forward(hidden, residual, ops)
-        hidden = self.self_attn(positions, hidden, backend, meta, ops)
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual, ops)
-        return self.mlp(hidden, ops), residual
+        with ``residual=None``); returns ``(mlp_out, residual)``, not yet added. Each norm
+        goes with the projection after it (``linear_forward``: one kernel where the ops
+        fuse them)."""
+        qkv, residual = self.input_layernorm.linear_forward(
+            hidden, residual, self.self_attn.qkv_proj, ops)
+        hidden = self.self_attn.attend(positions, qkv, backend, meta, ops)
+        gate_up, residual = self.post_attention_layernorm.linear_forward(
+            hidden, residual, self.mlp.gate_up_proj, ops)
+        return self.mlp.down(gate_up, ops), residual
 
 
 @register_model(*ARCHITECTURES)

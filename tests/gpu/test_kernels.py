@@ -210,6 +210,38 @@ def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None
         assert torch.equal(skinny_gemm(x, w, silu_mul=silu_mul), got)  # deterministic
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: bool) -> None:
+    """The fused norm against the norm kernels: the new residual bit-identical, the product
+    within about an ulp of the float32 product of the norm kernel's output."""
+    from executor.kernels.skinny_gemm import MAX_ROWS, skinny_norm_gemm
+
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for m in range(1, MAX_ROWS + 1):
+        x = _randn(m, k, dtype=dtype, scale=2.0)
+        res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
+        nw, w = _norm_weight(k, dtype), _randn(n, k, dtype=dtype, scale=k**-0.5)
+        x_before = x.clone()
+        if res is None:
+            normed, ref_res = kernels.rms_norm(x, nw, EPS), None
+        else:
+            normed, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+        ref32 = normed.float() @ w.float().T
+        got, got_res = skinny_norm_gemm(x, res, nw, EPS, w)
+        assert got.shape == (m, n) and not got.isnan().any()
+        # the norm's float32 sum of squares runs in another order: its rounded output can
+        # differ by an ulp in a few elements, hence twice the GEMM's own bound
+        err = (got.float() - ref32).abs()
+        assert (err <= 2 * ulp * ref32.abs() + 2e-3).all(), err.max()
+        if ref_res is None:
+            assert got_res is None
+        else:
+            assert got_res is not None and torch.equal(got_res, ref_res)
+        assert torch.equal(x, x_before)
+
+
 def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
     for dtype in DTYPES:
         assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS
