@@ -6,7 +6,7 @@
 # BASE: a checkout of the code to compare with (it needs bench/kernel_table.py and
 # bench/kernel_classes.py copied in if it predates them); without it, no A/B and no
 # "before" tables; BASE_COMMIT names it in the results. Logs go to $OUT/log.txt and $OUT/gpu_tests.log; JSON to $OUT.
-# STEPS (default "tests skinny tables ab small") picks the parts.
+# STEPS (default "tests skinny tables ab small") picks the parts; TESTS the test files.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results-local}
@@ -38,12 +38,12 @@ for name in ('llama-3.2-1b', 'smollm2-135m'):
 
 if has skinny; then
   log "skinny GEMM vs cuBLAS, 1B"
-  timeout 150 python3 -m bench.skinny_gemm --shape llama-3.2-1b --sweep --out "$OUT" 2>&1 | tee -a "$LOG"
+  timeout 120 python3 -m bench.skinny_gemm --shape llama-3.2-1b --sweep --out "$OUT" 2>&1 | tee -a "$LOG"
 fi
 if has tests; then
   log "GPU tests"
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_kernels.py \
-    tests/gpu/test_decode_graphs.py tests/gpu/test_prefill_graphs.py 2>&1 > "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu/test_kernels.py \
+    tests/gpu/test_decode_graphs.py} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?" | tee -a "$LOG"
   tail -n 15 "$OUT/gpu_tests.log" | tee -a "$LOG"
 fi
@@ -52,7 +52,7 @@ if has tables; then
     dir=$here; [ "$side" = base ] && dir=$BASE
     [ -z "$dir" ] && continue
     log "kernel table 1B ($side)"
-    tree "$dir" timeout 150 python3 -m bench.kernel_table --model llama-3.2-1b --label "$side" \
+    tree "$dir" timeout 120 python3 -m bench.kernel_table --model llama-3.2-1b --label "$side" \
       --out "$OUT" 2>&1 | grep -v "^|" | tee -a "$LOG"
   done
 fi
@@ -62,7 +62,7 @@ if has ab && [ -n "$BASE" ]; then
     for side in base new; do
       dir=$here; [ "$side" = base ] && dir=$BASE
       echo -n "$side round $round: " | tee -a "$LOG"
-      tree "$dir" timeout 60 python3 -m bench.step_latency "$MODELS/llama-3.2-1b" --rounds 3 \
+      tree "$dir" timeout 45 python3 -m bench.step_latency "$MODELS/llama-3.2-1b" --rounds 3 \
         --calls 40 2>&1 | tail -n 1 | tee -a "$LOG"
     done
   done
@@ -72,7 +72,7 @@ if has small; then
     dir=$here; [ "$side" = base ] && dir=$BASE
     [ -z "$dir" ] && continue
     log "kernel table SmolLM2-135M shape ($side)"
-    tree "$dir" timeout 100 python3 -m bench.kernel_table --model smollm2-135m --label "$side" \
+    tree "$dir" timeout 90 python3 -m bench.kernel_table --model smollm2-135m --label "$side" \
       --case decode:1 --case decode:8 --case prefill:128 --out "$OUT" 2>&1 | grep -v "^|" \
       | tee -a "$LOG"
   done
