@@ -6,7 +6,9 @@
 # BASE: a checkout of the code to compare with (it needs bench/kernel_table.py and
 # bench/kernel_classes.py copied in if it predates them); without it, no A/B and no
 # "before" tables; BASE_COMMIT names it in the results. Logs go to $OUT/log.txt and $OUT/gpu_tests.log; JSON to $OUT.
-# STEPS (default "tests skinny tables ab small") picks the parts; TESTS the test files.
+# STEPS (default "tests skinny tables ab small") picks the parts; TESTS the test files and
+# TESTS_K a -k filter; AB_ROUNDS and AB_ORDER the A/B processes; SHAPES the shapes written.
+# "skinny" sweeps the skinny GEMM's tiles and writes them into this tree's kernels.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results-local}
@@ -33,17 +35,19 @@ log "writing bench shapes"
 python3 -c "
 from pathlib import Path
 from bench import shapes
-for name in ('llama-3.2-1b', 'smollm2-135m'):
+for name in '${SHAPES:-llama-3.2-1b smollm2-135m}'.split():
     print(shapes.write_shape(name, Path('$MODELS')))" 2>&1 | tee -a "$LOG"
 
-if has skinny; then
-  log "skinny GEMM vs cuBLAS, 1B"
-  timeout 120 python3 -m bench.skinny_gemm --shape llama-3.2-1b --sweep --out "$OUT" 2>&1 | tee -a "$LOG"
+if has skinny; then  # tune the tiles: they land in this tree's kernels (and in $OUT)
+  log "skinny GEMM tile sweep, 1B"
+  timeout 120 python3 -m bench.skinny_gemm --shape llama-3.2-1b \
+    --tiles-out executor/kernels/skinny_tiles.json --out "$OUT" 2>&1 | tee -a "$LOG"
+  cp executor/kernels/skinny_tiles.json "$OUT/" 2>/dev/null
 fi
 if has tests; then
   log "GPU tests"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu/test_kernels.py \
-    tests/gpu/test_decode_graphs.py} > "$OUT/gpu_tests.log" 2>&1
+    tests/gpu/test_decode_graphs.py} ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?" | tee -a "$LOG"
   tail -n 15 "$OUT/gpu_tests.log" | tee -a "$LOG"
 fi
@@ -58,8 +62,8 @@ if has tables; then
 fi
 if has ab && [ -n "$BASE" ]; then
   log "A/B call latency, 1B (base, new alternating)"
-  for round in 1 2; do
-    for side in base new; do
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for side in ${AB_ORDER:-base new}; do
       dir=$here; [ "$side" = base ] && dir=$BASE
       echo -n "$side round $round: " | tee -a "$LOG"
       tree "$dir" timeout 45 python3 -m bench.step_latency "$MODELS/llama-3.2-1b" --rounds 3 \

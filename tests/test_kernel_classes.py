@@ -61,8 +61,13 @@ def test_step_table_sums_time_and_idle() -> None:
     table = step_table(list(reversed(step)), 2)  # order of the input does not matter
     assert table["down"] == {"us": 32.0, "n": 4.0}
     assert table["idle"]["us"] == pytest.approx(2.0 * (len(step) - 1))
-    busy = sum(r["us"] for c, r in table.items() if c != "idle")
+    assert table["wait"] == {"us": 0.0, "n": 0.0}
+    busy = sum(r["us"] for c, r in table.items() if c not in ("idle", "wait"))
     assert busy + table["idle"]["us"] == step[-1].end_us - step[0].start_us
+    late = [*step[:3], *(Kernel(k.name, k.start_us + 50, k.end_us + 50) for k in step[3:])]
+    table = step_table(late, 2)  # the host held the GPU back once (a 52 us gap)
+    assert table["wait"] == {"us": 52.0, "n": 1.0}
+    assert table["idle"]["us"] == pytest.approx(2.0 * (len(step) - 2))
 
 
 def test_bytes_and_floor_of_the_1b_shape() -> None:
@@ -91,4 +96,5 @@ def test_markdown_lists_classes_with_bandwidth() -> None:
             "floor_by": "bytes", "kernels_per_step": 180.0, "classes": table}
     text = markdown_case("decode:1", case, case)
     assert "| gate_up | 16 | 128.0 | 128.0 |" in text
-    assert "1.79x" in text and "| idle |" in text
+    idle_ms = table["idle"]["us"] / 1e3
+    assert f"{(1.2 + idle_ms) / 0.84:.2f}x" in text and "| idle |" in text

@@ -186,6 +186,28 @@ def test_skinny_norm_gemm(dtype: torch.dtype, m: int, n: int, k: int, with_resid
     assert torch.equal(x, x_before), "the input was written"
 
 
+def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor.kernels import skinny_gemm as sg
+
+    path = tmp_path / "tiles.json"
+    path.write_text('{"tiles": [{"prologue": 3, "n": 96, "k": 40, "tile": [8, 64, 4]},'
+                    ' {"prologue": 0, "n": 96, "k": 40, "tile": [4, 32, 8]}]}')
+    monkeypatch.setattr(sg, "TILES_FILE", path)
+    monkeypatch.setattr(sg, "_TUNED", None)
+    assert sg.pick_tile(sg.ADD_RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)
+    assert sg.pick_tile(sg.RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)  # its add-norm twin's
+    assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.Tile(4, 32, 8)
+    assert sg.pick_tile(sg.PLAIN, 2, 96, 40) == sg.default_tile(2, 96, 40)  # tuned at M = 1
+    assert sg.pick_tile(sg.SILU_MUL, 1, 96, 40) == sg.default_tile(1, 96, 40, sg.SILU_MUL)
+    x = _randn(1, 40, dtype=torch.float32, seed=22)
+    w = _randn(96, 40, dtype=torch.float32, seed=23)
+    torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(sg, "TILES_FILE", tmp_path / "absent.json")
+    monkeypatch.setattr(sg, "_TUNED", None)
+    assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.default_tile(1, 96, 40)
+
+
 def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
     from executor.kernels import skinny_gemm
 
@@ -310,8 +332,8 @@ def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
     ex.model.kernels = choice
     prompts = {f"{tag}a": [3, 17, 99, 4, 250, 8, 41], f"{tag}b": [5, 6, 7]}
     out = [_step_logits(ex, "prefill", prompts)]
-    for step in range(2):
-        out.append(_step_logits(ex, "decode", {s: [11 + step] for s in prompts}))
+    out.append(_step_logits(ex, "decode", {s: [11] for s in prompts}))
+    out.append(_step_logits(ex, "decode", {f"{tag}a": [12]}))  # one row: the skinny GEMMs
     ex.release(list(prompts))
     return out
 
@@ -345,15 +367,15 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
     # Per forward: 2 norms and 1 RoPE and 1 SiLU-and-mul per layer (the first layer's
     # input norm has no residual to add; the final norm adds the last one).
     # Each norm goes with the projection after it (``add_rms_norm_linear``: qkv, gate_up),
-    # o through ``linear``, down through ``silu_and_mul_linear``; at decode's 2 rows they
-    # are skinny GEMMs with the norm or SiLU-and-mul fused in, at the prefill's 10 rows they
-    # call the separate kernels (counted only when called through ``kernels``).
+    # o through ``linear``, down through ``silu_and_mul_linear``. The one-row decode runs
+    # them as skinny GEMMs with the norm or SiLU-and-mul fused in; the prefill and the
+    # two-row decode call the separate kernels (counted when called through ``kernels``).
     # The final norm (add_rms_norm) runs once per forward; a qkv projection with a bias
-    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel at decode.
-    decode_norms = layers if ex.spec.features.qkv_bias else 0  # per decode step
+    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel.
+    bias = ex.spec.features.qkv_bias
     assert calls == {"add_rms_norm_linear": 3 * 2 * layers, "linear": 3 * layers,
                      "silu_and_mul_linear": 3 * layers, "rope_qk": 3 * layers,
-                     "silu_and_mul": layers, "rms_norm": 1 + 2 * min(decode_norms, 1),
-                     "add_rms_norm": 2 * layers + 2 * (1 + max(decode_norms - 1, 0))}, calls
+                     "silu_and_mul": 2 * layers, "rms_norm": 2 + (1 if bias else 0),
+                     "add_rms_norm": 4 * layers + (layers if bias else 1)}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)

@@ -30,8 +30,10 @@ by an ulp of the activation dtype.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -39,8 +41,10 @@ import triton.language as tl
 
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
-# Rows up to which the skinny kernel serves (decode at small batch); more rows go to cuBLAS.
-MAX_ROWS = 4
+# Rows up to which the skinny kernel serves; more rows go to cuBLAS. Measured on an H100
+# (1B shape, bench.skinny_gemm): ahead of cuBLAS at M = 1, behind it from M = 2 (the CUDA
+# cores do M products per weight element).
+MAX_ROWS = 1
 
 
 # The input prologue (constexpr ``PROLOGUE``): what the kernel computes from its input
@@ -128,16 +132,46 @@ class Tile:
     num_warps: int = 4
 
 
-def default_tile(m: int, n: int, k: int) -> Tile:
-    """At least about 4 programs per SM of an H100 (132 SMs) over the columns, and a chunk
-    of about 8192 weight elements (16 KB of bf16, 8 x 16-byte loads per thread of 4 warps)
-    in flight per program; fewer K per chunk as rows grow (M x chunk products in registers)."""
-    block_n = max(2, min(32, next_power_of_2(max(1, n // 512)) if n >= 1024 else 2))
-    while block_n > 2 and cdiv(n, block_n) < 512:
-        block_n //= 2
+# Tuned tiles at M = 1, by (prologue, N, K): written by ``bench.skinny_gemm --tiles-out``
+# from a sweep on the GPU (each candidate checked against F.linear) and shipped beside this
+# module; shapes missing from it take ``default_tile``.
+TILES_FILE = Path(__file__).with_name("skinny_tiles.json")
+_TUNED: dict[tuple[int, int, int], Tile] | None = None
+
+
+def tuned_tiles() -> dict[tuple[int, int, int], Tile]:
+    """The tuned tiles of ``TILES_FILE`` (read once, at the first launch)."""
+    global _TUNED
+    if _TUNED is None:
+        _TUNED = {}
+        if TILES_FILE.is_file():
+            for row in json.loads(TILES_FILE.read_text())["tiles"]:
+                _TUNED[(row["prologue"], row["n"], row["k"])] = Tile(*row["tile"])
+    return _TUNED
+
+
+def pick_tile(prologue: int, m: int, n: int, k: int) -> Tile:
+    """The tuned tile of this shape at M = 1 if there is one, else ``default_tile``."""
+    if m == 1:  # the first layer's norm (no residual) takes its add-norm twin's tile
+        tuned = tuned_tiles().get((ADD_RMS_NORM if prologue == RMS_NORM else prologue, n, k))
+        if tuned is not None:
+            return tuned
+    return default_tile(m, n, k, prologue)
+
+
+def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
+    """Untuned shapes. Plain and SiLU inputs: 2 columns per program and chunks of up to 4096
+    (best at M = 1 on an H100 for the 1B projections: many small programs keep the most
+    loads in flight). RMSNorm inputs: each program reads its input rows twice (from L2),
+    so wider programs (about 768 of them) keep that traffic below the weight's. Fewer K
+    per chunk as rows grow (M x chunk products sit in registers)."""
     block_m = next_power_of_2(m)
-    block_k = max(64, min(next_power_of_2(k), 8192 // block_n // block_m))
-    return Tile(block_n, block_k)
+    if prologue >= RMS_NORM:
+        block_n = max(2, min(32, 1 << max(0, (n // 768).bit_length() - 1)))
+        block_k = max(64, min(next_power_of_2(k), 8192 // block_n // block_m))
+        return Tile(block_n, block_k, 4)
+    block_k = max(64, min(next_power_of_2(k), 4096 // block_m))
+    return Tile(2, block_k, 8 if k <= 2048 else 4)
 
 
 _LAUNCHERS: dict[int, FastLauncher] = {}
@@ -189,7 +223,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         if res_out is not None and residual is not None:
             res_out.copy_(x + residual)
         return out.zero_(), res_out
-    tile = tile or default_tile(m, n, k)
+    tile = tile or pick_tile(prologue, m, n, k)
     block_m = next_power_of_2(m)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
