@@ -160,18 +160,17 @@ def pick_tile(prologue: int, m: int, n: int, k: int) -> Tile:
 
 
 def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
-    """Untuned shapes. Plain and SiLU inputs: 2 columns per program and chunks of up to 4096
-    (best at M = 1 on an H100 for the 1B projections: many small programs keep the most
-    loads in flight). RMSNorm inputs: each program reads its input rows twice (from L2),
-    so wider programs (about 768 of them) keep that traffic below the weight's. Fewer K
-    per chunk as rows grow (M x chunk products sit in registers)."""
+    """Untuned shapes, by the H100 sweep of the 1B projections at M = 1 (``bench.skinny_gemm``,
+    ``bench/results/2026-11-25-h100-kernels``): chunks of up to 2048 columns; plain inputs
+    2 output columns per program with 8 warps (o: 5.5 us), fused prologues 4 columns with
+    4 warps (qkv 8.1, gate_up 29.0 against its best 28.9, down 17.5 us): each program of
+    those also reads its input rows (the norm reads them twice), so fewer, wider programs.
+    Fewer K per chunk as rows grow (M x chunk products sit in registers)."""
     block_m = next_power_of_2(m)
-    if prologue >= RMS_NORM:
-        block_n = max(2, min(32, 1 << max(0, (n // 768).bit_length() - 1)))
-        block_k = max(64, min(next_power_of_2(k), 8192 // block_n // block_m))
-        return Tile(block_n, block_k, 4)
-    block_k = max(64, min(next_power_of_2(k), 4096 // block_m))
-    return Tile(2, block_k, 8 if k <= 2048 else 4)
+    block_k = max(64, min(next_power_of_2(k), 2048 // block_m))
+    if prologue == PLAIN:
+        return Tile(2, block_k, 8)
+    return Tile(4, block_k, 4)
 
 
 _LAUNCHERS: dict[int, FastLauncher] = {}

@@ -242,6 +242,29 @@ def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: boo
         assert torch.equal(x, x_before)
 
 
+def test_every_tuned_tile_matches_the_unfused_path() -> None:
+    """The tiles of ``skinny_tiles.json`` (a re-tune rewrites them) on their own shapes."""
+    from executor.kernels import skinny_gemm as sg
+
+    dt = torch.bfloat16
+    assert sg.tuned_tiles(), "no tuned tiles shipped"
+    for (prologue, n, k), tile in sg.tuned_tiles().items():
+        w = _randn(n, k, dtype=dt, scale=k**-0.5)
+        if prologue == sg.SILU_MUL:
+            g = _randn(1, 2 * k, dtype=dt, scale=2.0)
+            got, ref = sg.skinny_gemm(g, w, silu_mul=True), kernels.silu_and_mul(g) @ w.T
+        elif prologue in (sg.RMS_NORM, sg.ADD_RMS_NORM):
+            x, r, nw = _randn(1, k, dtype=dt), _randn(1, k, dtype=dt, scale=3.0), \
+                _norm_weight(k, dt)
+            got = sg.skinny_norm_gemm(x, r, nw, EPS, w)[0]
+            ref = kernels.add_rms_norm(x, r, nw, EPS)[0] @ w.T
+        else:
+            x = _randn(1, k, dtype=dt)
+            got, ref = sg.skinny_gemm(x, w), x @ w.T
+        assert sg.pick_tile(prologue, 1, n, k) == tile
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2**-6, msg=str((prologue, n, k)))
+
+
 def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
     for dtype in DTYPES:
         assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS
