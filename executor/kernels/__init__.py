@@ -5,7 +5,7 @@
 * ``rope``: rotate-half RoPE on q and k in one launch, with Qwen3's per-head q/k norm
   fused in when the model has one.
 * ``activation``: SiLU-and-mul over the fused gate/up output.
-* ``skinny_gemm``: the projections at decode-sized batches (few rows), with the RMSNorm
+* ``skinny_gemm``: the projections at one row (decode at batch 1), with the RMSNorm
   before qkv and gate_up and the SiLU-and-mul before down fused into their input.
 
 Every kernel reproduces Hugging Face's fp16/bf16 op-by-op rounding (see each module), so

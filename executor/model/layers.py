@@ -9,10 +9,10 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
 * ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
   q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
   about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
-  decode-sized batches (``skinny_gemm.MAX_ROWS``) the projections of plain ``nn.Linear``
-  layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before them fused in
-  and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by summation order
-  (about an ulp per output).
+  one row (decode at batch 1, ``skinny_gemm.MAX_ROWS``) the projections of plain
+  ``nn.Linear`` layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before
+  them fused in and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by
+  summation order (about an ulp per output).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
@@ -159,7 +159,7 @@ class TritonOps:
         return kernels.silu_and_mul(gate_up)
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # Decode-sized batches of plain nn.Linear layers: the skinny GEMM; else layer(x).
+        # One row (decode at batch 1) of a plain nn.Linear: the skinny GEMM; else layer(x).
         from executor import kernels
 
         return kernels.linear(layer, x)

@@ -12,8 +12,8 @@ norm) does the add and the norm in one step. The sums are the same as Hugging Fa
 The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
 forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
 Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at decode-sized batches each norm is
-fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
+add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at one row (decode at batch 1) each
+norm is fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
 """
 
 from __future__ import annotations
