@@ -318,6 +318,35 @@ def test_dynamo_traces_the_fused_ops_as_custom_op_nodes() -> None:
         assert any(s.startswith(f"model_executor.{name}") for s in seen), (name, seen)
 
 
+def test_dynamo_traces_the_projection_ops_without_guarding_the_token_count() -> None:
+    """Under torch.compile the projections stay F.linear (the norm and SiLU kernels their
+    custom ops), and one dynamic graph serves every token count above one (Dynamo itself
+    specializes sizes 0 and 1: one more graph for a single row)."""
+    dt, h, inter = torch.float16, 32, 48
+    norm_w = _norm_weight(h, dt, seed=24)
+    gate_up = torch.nn.Linear(h, 2 * inter, bias=False).to(dt)
+    down = torch.nn.Linear(inter, h, bias=False).to(dt)
+
+    def block(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = select_ops("triton", x)
+        gu, res = ops.add_rms_norm_linear(x, r, norm_w, EPS, gate_up)
+        return ops.silu_and_mul_linear(gu, down), ops.linear(down, gu[:, :inter]) + res[:, :h]
+
+    graphs: list[int] = []
+
+    def recording(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=recording, dynamic=True)
+    for t in (5, 3, 2, 1):
+        x, r = _randn(t, h, dtype=dt, seed=t), _randn(t, h, dtype=dt, seed=t + 1)
+        for g, e in zip(compiled(x, r), block(x, r), strict=True):
+            torch.testing.assert_close(g, e, atol=2e-3, rtol=2e-3)
+        assert len(graphs) == (1 if t > 1 else 2), (t, graphs)
+
+
 # -- whole tiny models: fused path vs torch path -----------------------------------------
 def _step_logits(ex: Executor, phase: Phase, chunks: dict[str, list[int]]) -> torch.Tensor:
     """One packed batch extending each sequence by its chunk: logits of every new token."""

@@ -241,11 +241,15 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
 def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:
     """Whether ``skinny_gemm`` takes ``layer(x)``: a plain bias-free ``nn.Linear`` (any
     other module, e.g. a tensor-parallel linear, keeps its own forward), few rows, same
-    dtype, outside a Dynamo trace (a compiled graph keeps ``F.linear``)."""
+    dtype, outside a Dynamo trace (a compiled graph keeps ``F.linear``).
+
+    NOTE: the Dynamo check comes first: under a trace with a dynamic token count, testing
+    ``x.shape[0]`` would add a guard on it (a recompile, or a specialized piece)."""
+    if torch.compiler.is_compiling():
+        return False
     return (type(layer) is torch.nn.Linear and layer.bias is None
             and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
-            and x.dtype == layer.weight.dtype and layer.weight.stride(-1) == 1
-            and not torch.compiler.is_compiling())
+            and x.dtype == layer.weight.dtype and layer.weight.stride(-1) == 1)
 
 
 def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
