@@ -56,10 +56,10 @@ class Pipelined:
             self.results.append(self.ex.complete(self.inflight.popleft()))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_pipelined_steps_equal_synchronous_calls(seed: int) -> None:
     """Random mixes of prefill, chunked extend, decode (continuing from the device's last
-    sampled token), multi-step decode and release over many sequences."""
+    sampled token), multi-step decode, fork, truncate and release over many sequences."""
     rng = random.Random(seed)
     ref, ex = make(), make()
     pipe = Pipelined(ex, depth=2)
@@ -67,9 +67,9 @@ def test_pipelined_steps_equal_synchronous_calls(seed: int) -> None:
     last: dict[str, int | None] = {}  # reference's last sampled token (None: did not sample)
     for step in range(40):
         live = [s for s in last]
-        kind = rng.choice(["prefill", "decode", "decode", "multi", "release"] if live
-                          else ["prefill"])
-        if kind == "prefill" and len(live) > 12:  # 16 slots
+        kind = rng.choice(["prefill", "decode", "decode", "multi", "release", "fork",
+                           "truncate"] if live else ["prefill"])
+        if kind in ("prefill", "fork") and len(live) > 12:  # 16 slots
             kind = "release"
         if kind == "prefill":
             new = [f"s{step}-{i}" for i in range(rng.randint(1, 3))]
@@ -96,6 +96,21 @@ def test_pipelined_steps_equal_synchronous_calls(seed: int) -> None:
             pipe.launch(ex.launch_decode(items, num_steps=k))
             for out in expected[-1].outputs:
                 last[out.seq_id] = out.token_id
+        elif kind == "fork":  # no drain: a fork reads host state and orders on the device
+            parent = rng.choice(live)
+            length = ref.kv.get(parent).length  # type: ignore[union-attr]
+            prefix = length if rng.random() < 0.5 else rng.randint(0, length)
+            child = f"f{step}"
+            assert ex.fork(parent, child, prefix) == ref.fork(parent, child, prefix)
+            last[child] = last[parent] if prefix == length else None
+        elif kind == "truncate":  # ordered after the in-flight steps, as a Session does
+            s = rng.choice(live)
+            length = ref.kv.get(s).length  # type: ignore[union-attr]
+            keep = rng.randint(0, length)
+            pipe.drain()
+            assert ex.truncate(s, keep) == ref.truncate(s, keep)
+            if keep < length:
+                last[s] = None
         else:  # a release is ordered after the sequence's in-flight steps
             gone = rng.sample(live, k=1)
             pipe.drain()
