@@ -87,13 +87,14 @@ def test_pipelined_steps_equal_synchronous_calls(seed: int) -> None:
             p = {s: params(rng) for s in chosen}
             # The reference gives every token; the pipelined executor continues from the
             # device wherever the sequence's last step sampled.
-            ref_items, items = [], []
+            ref_items: list[DecodeItem] = []
+            dec_items: list[DecodeItem] = []
             for s in chosen:
                 tok = last[s] if last[s] is not None else rng.randrange(512)
                 ref_items.append(DecodeItem(s, tok, p[s]))
-                items.append(DecodeItem(s, None if last[s] is not None else tok, p[s]))
+                dec_items.append(DecodeItem(s, None if last[s] is not None else tok, p[s]))
             expected.append(ref.decode(ref_items, num_steps=k))
-            pipe.launch(ex.launch_decode(items, num_steps=k))
+            pipe.launch(ex.launch_decode(dec_items, num_steps=k))
             for out in expected[-1].outputs:
                 last[out.seq_id] = out.token_id
         elif kind == "fork":  # no drain: a fork reads host state and orders on the device
