@@ -9,7 +9,8 @@ one process and one server on one machine:
 * over gRPC from this process (the server is a ``model-executor serve`` subprocess):
   (a) unary Decode, one call at a time; (b) Session, one step in flight; (c) Session, two
   steps in flight, decode items continuing from the device's last samples
-  (``use_last_sampled``), and three in flight; (d) unary Decode with ``num_steps`` = 8.
+  (``use_last_sampled``), three in flight, and two with ``packed_outputs``; (d) unary
+  Decode with ``num_steps`` = 8.
 
 Per token = wall time between the first and last measured answer / steps (a batch gets
 one token per sequence per step). Ratios are to the replay span measured in the same run.
@@ -134,9 +135,11 @@ class Client:
             self.seen.append((res.step, res.execute_ms))
         return (stamps[-1] - stamps[9]) / (steps * num_steps)
 
-    def session(self, ids: list[str], toks: list[int], steps: int, depth: int) -> float:
+    def session(self, ids: list[str], toks: list[int], steps: int, depth: int,
+                packed: bool = False) -> float:
         """``depth`` requests outstanding; with depth 1 each carries the tokens just read,
-        deeper ones continue from the device's last samples."""
+        deeper ones continue from the device's last samples. ``packed``: the answers come
+        as flat arrays (``packed_outputs``)."""
         window = threading.Semaphore(depth)
         latest: dict[str, int] = dict(zip(ids, toks, strict=True))
 
@@ -147,13 +150,17 @@ class Client:
                     items = [pb.DecodeItem(seq_id=s, token_id=latest[s]) for s in ids]
                 else:
                     items = [pb.DecodeItem(seq_id=s, use_last_sampled=True) for s in ids]
-                yield pb.SessionRequest(step=n + 1, decode=pb.DecodeRequest(items=items))
+                yield pb.SessionRequest(step=n + 1, decode=pb.DecodeRequest(
+                    items=items, packed_outputs=packed))
 
         stamps = []
         for response in self.stub.Session(requests(), timeout=600):
             if response.WhichOneof("result") != "decode":
                 raise RuntimeError(f"session step failed: {response}")
-            latest.update((o.seq_id, o.token_id) for o in response.decode.outputs)
+            if packed:
+                latest.update(zip(ids, response.decode.packed.token_ids, strict=True))
+            else:
+                latest.update((o.seq_id, o.token_id) for o in response.decode.outputs)
             stamps.append(time.perf_counter())
             self.seen.append((response.decode.step, response.decode.execute_ms))
             window.release()
@@ -188,6 +195,7 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
                     ("session_1", lambda i, t: client.session(i, t, steps, 1)),
                     ("session_2", lambda i, t: client.session(i, t, steps, 2)),
                     ("session_3", lambda i, t: client.session(i, t, steps, 3)),
+                    ("session_2_packed", lambda i, t: client.session(i, t, steps, 2, True)),
                     ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
                 ids = [f"{name}-{bs}-{i}" for i in range(bs)]
                 row[name + "_ms"] = run(ids, client.admit(ids)) * 1e3
@@ -207,8 +215,9 @@ def render(result: dict[str, Any], out: Path) -> str:
     lines = [f"# Session vs unary: per-token time a scheduler sees ({result['device']}, "
              f"commit {result['commit']})", "",
              "| batch | GPU span | in-process call | in-process 2 ahead | (a) unary | "
-             "(b) session 1 | (c) session 2 | session 3 | (d) num_steps 8 | (c) / span |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(b) session 1 | (c) session 2 | session 3 | session 2 packed | "
+             "(d) num_steps 8 | (c) / span |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for bs, ip in result["in_process"].items():
         g = result["grpc"][bs]
         span = ip["span_ms"]
@@ -219,7 +228,8 @@ def render(result: dict[str, Any], out: Path) -> str:
         ratio = f"{g['session_2_ms'] / span:.2f}x" if span else "-"
         lines.append(f"| {bs} | {ms(span)} | {ms(ip['call_ms'])} | {ms(ip['launched_ahead_ms'])} "
                      f"| {ms(g['unary_ms'])} | {ms(g['session_1_ms'])} | {ms(g['session_2_ms'])}"
-                     f" | {ms(g['session_3_ms'])} | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
+                     f" | {ms(g['session_3_ms'])} | {ms(g.get('session_2_packed_ms'))}"
+                     f" | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
     text = "\n".join(lines) + "\n"
     (out / "session.md").write_text(text)
     try:

@@ -69,12 +69,15 @@ class PrefillItem:
     """Admit a new sequence (unknown ``seq_id``) or extend a known one with ``token_ids``.
 
     ``sample=False`` only fills the KV cache (a non-final chunk of a chunked prefill).
-    """
+    ``every_position`` (needs ``sample``) samples at each of ``token_ids``' positions as
+    the last one (speculative verification, prompt log-likelihoods)."""
 
     seq_id: str
     token_ids: Sequence[int]
     sample: bool = True
     sampling: SamplingParams = GREEDY
+    #: Sample at every new position, not only the last (``ItemOutput.positions``).
+    every_position: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...]
+    #: At a prefill position (``every_position``): the raw log-probability of the item's
+    #: next given token there; None at its last position.
+    next_token_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class ItemOutput:
     seq_len: int
     steps: tuple[SampledToken, ...] = ()
     stopped: bool = False
+    #: ``every_position`` prefill: one entry per new token, in order; the last one is
+    #: what ``token_id``, ``logprob`` and ``top_logprobs`` report.
+    positions: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,13 +151,28 @@ class StepResult:
 
 @dataclass(frozen=True)
 class ReleaseResult:
+    """Sequences released, ids that were unknown, and the KV token locations that went
+    back to the pool (a location a forked sequence still holds stays in use)."""
+
     released: int
     unknown_seq_ids: tuple[str, ...]
+    freed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """A forked sequence's length (its shared prefix) and the tokens it shares."""
+
+    seq_len: int
+    shared_tokens: int
+    #: The child can decode from the parent's last sampled token (``token_id=None``).
+    has_last_sampled: bool
 
 
 @dataclass(frozen=True)
 class TruncateResult:
-    """A truncated sequence's length now, and the KV token locations that were freed."""
+    """A truncated sequence's length now, and the KV token locations that went back to the
+    pool (locations past ``seq_len`` that another sequence still holds stay in use)."""
 
     seq_len: int
     freed_tokens: int
@@ -156,13 +180,16 @@ class TruncateResult:
 
 @dataclass(frozen=True)
 class KVStats:
-    """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always."""
+    """KV-cache accounting; ``free_tokens + used_tokens == total_tokens`` always, with a
+    location that forked sequences share counted once (``shared_tokens`` of them)."""
 
     total_tokens: int
     free_tokens: int
     total_slots: int
     free_slots: int
     active_sequences: int
+    shared_tokens: int = 0  # locations held by more than one sequence
+    forked_sequences: int = 0  # live sequences created by Fork
 
     @property
     def used_tokens(self) -> int:

@@ -43,14 +43,14 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class SequenceNotFound(ExecutorError):
-    """A ``seq_id`` that must exist (decode, truncate) is unknown. Maps to NOT_FOUND."""
+    """A ``seq_id`` that must exist (decode, truncate, fork) is unknown. Maps to NOT_FOUND."""
 
     def __init__(self, seq_ids: list[str], field_names: list[str]) -> None:
         self.seq_ids = list(seq_ids)
         self.field_names = list(field_names)
         super().__init__(
             f"unknown seq_id(s) {self.seq_ids!r}: only sequences admitted by Prefill and not "
-            "yet released can be decoded or truncated"
+            "yet released can be decoded, truncated or forked"
         )
 
 

@@ -31,6 +31,7 @@ import torch
 from executor.api import (
     DecodeItem,
     ExecutorStatus,
+    ForkResult,
     GraphStatus,
     KVStats,
     ModelInfo,
@@ -49,7 +50,13 @@ from executor.attention.base import AttentionShape
 from executor.config import ExecutorConfig
 from executor.distributed.channel import StepChannel
 from executor.distributed.group import TensorParallel
-from executor.distributed.protocol import CaptureHeader, Mode, ShutdownHeader, StepHeader
+from executor.distributed.protocol import (
+    CaptureHeader,
+    ForkHeader,
+    Mode,
+    ShutdownHeader,
+    StepHeader,
+)
 from executor.distributed.sharding import local_spec
 from executor.errors import (
     ConfigError,
@@ -232,25 +239,26 @@ class Executor:
             rows = [i for i, it in enumerate(items) if it.sample]
             tokens = [t for it in items for t in it.token_ids]
             decision = self._decide("prefill", len(tokens))
-            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket)
-            params = [items[i].sampling for i in rows]
-            positions = [alloc.extensions[i].seq_len for i in rows]
-            sample, info = self._step(batch, decision, params, positions)
+            every = frozenset(i for i in rows if items[i].every_position)
+            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every)
+            plan = _SamplePlan.of(items, alloc, rows, every)
+            sample, info = self._step(batch, decision, plan.params, plan.positions,
+                                      plan.targets, remembered=len(rows))
             if sample is not None:
                 self._remember_last(sample, device_tensor(
-                    [alloc.extensions[i].slot for i in rows], torch.int64, self.device))
+                    [alloc.extensions[i].slot for i in rows], torch.int64, self.device),
+                    None if not every else device_tensor(plan.last_rows, torch.int64,
+                                                         self.device))
         except BaseException:
             self.kv.rollback(alloc)
             raise
         for it in items:
             (self._last_sampled.add if it.sample else self._last_sampled.discard)(it.seq_id)
-        by_row = dict(zip(rows, range(len(rows)), strict=True))
         return self._pending(PendingStep(
             "prefill", tuple(it.seq_id for it in items), alloc,
-            tuple(e.seq_len for e in alloc.extensions),
-            tuple(by_row.get(i) for i in range(len(items))), tuple(params),
-            tuple(frozenset() for _ in params), [] if sample is None else [sample], info,
-            started=started, had_last=had_last))
+            tuple(e.seq_len for e in alloc.extensions), plan.item_rows, tuple(plan.params),
+            tuple(frozenset() for _ in plan.params), [] if sample is None else [sample],
+            info, started=started, had_last=had_last, position_rows=plan.position_rows))
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
@@ -330,23 +338,61 @@ class Executor:
             step.done.record(self._stream)
         return step
 
-    def _remember_last(self, sample: DeviceSample, slots: torch.Tensor) -> None:
-        """Each sampled row's token becomes the last sampled token of the sequence in
-        ``slots`` (a device tensor, one slot per row)."""
-        self.last_tokens.index_copy_(0, slots, sample.tokens)
+    def _remember_last(self, sample: DeviceSample, slots: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> None:
+        """Each sampled row's token (of ``rows``, where a sequence sampled several) becomes
+        the last sampled token of the sequence in ``slots`` (device tensors, one slot per
+        row)."""
+        tokens = sample.tokens if rows is None else sample.tokens.index_select(0, rows)
+        self.last_tokens.index_copy_(0, slots, tokens)
         if self.channel is not None:  # the other ranks' decode prologues read it too
-            self.channel.send_sampled(slots, sample.tokens)
+            self.channel.send_sampled(slots, tokens)
 
     def release(self, seq_ids: Sequence[str]) -> ReleaseResult:
         """Free everything the sequences hold; unknown ids are reported, not an error."""
-        released, unknown = 0, []
+        released, freed, unknown = 0, 0, []
         for sid in dict.fromkeys(seq_ids):  # de-duplicated, order kept
-            if self.kv.release(sid):
-                released += 1
-                self._last_sampled.discard(sid)
-            else:
+            n = self.kv.release(sid)
+            if n is None:
                 unknown.append(sid)
-        return ReleaseResult(released, tuple(unknown))
+            else:
+                released += 1
+                freed += n
+                self._last_sampled.discard(sid)
+        return ReleaseResult(released, tuple(unknown), freed)
+
+    def fork(self, parent_id: str, child_id: str, prefix_len: int | None = None) -> ForkResult:
+        """Admit ``child_id`` sharing the first ``prefix_len`` tokens (default: all) of
+        ``parent_id``'s KV: nothing is copied, the locations are reference-counted, and
+        what either sequence appends afterwards goes to fresh locations of its own. Prefill
+        and Decode continue the child from ``prefix_len``; a child that shares all of a
+        parent whose last step sampled also inherits that token, so its first decode may
+        use it (``token_id=None``). Atomic: unknown parent (NOT_FOUND), a child id in use
+        or ``prefix_len`` outside ``[0, parent length]`` (INVALID_ARGUMENT), no free slot
+        (RESOURCE_EXHAUSTED) change nothing."""
+        parent = self.kv.get(parent_id)
+        if parent is None:
+            raise SequenceNotFound([parent_id], ["parent_seq_id"])
+        violations = []
+        if child_id in self.kv:
+            violations.append(FieldViolation(
+                "child_seq_id", f"sequence {child_id!r} already exists; a fork needs a new "
+                "id (release it first to reuse the id)"))
+        length = parent.length if prefix_len is None else prefix_len
+        if not 0 <= length <= parent.length:
+            violations.append(FieldViolation(
+                "prefix_len", f"must be in [0, {parent.length}] (sequence {parent_id!r} "
+                f"holds {parent.length} tokens), got {length}"))
+        if violations:
+            raise InvalidRequest(violations)
+        child = self.kv.fork(parent_id, child_id, length)
+        inherits = length == parent.length and parent_id in self._last_sampled
+        if inherits:
+            self.last_tokens[child.slot] = self.last_tokens[parent.slot]  # on the device
+            self._last_sampled.add(child_id)
+        if self.channel is not None:  # the other ranks' tables and last tokens follow
+            self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
+        return ForkResult(length, length, inherits)
 
     def truncate(self, seq_id: str, length: int) -> TruncateResult:
         """Keep the first ``length`` tokens of ``seq_id`` and free the KV past them (roll back
@@ -394,7 +440,8 @@ class Executor:
         return {phase: r.drain_replay_seconds() for phase, r in self.runners.items()}
 
     def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
-                    logits_rows: list[int], bucket: int | None = None) -> ForwardBatch:
+                    logits_rows: list[int], bucket: int | None = None,
+                    every_position: frozenset[int] = frozenset()) -> ForwardBatch:
         """Pack a batch for ``alloc`` and publish its new KV locations to the device
         request-slot table (part of the same transfer). ``logits_rows`` index the
         sequences whose last new token needs logits. With the captured ``bucket`` it will
@@ -403,7 +450,8 @@ class Executor:
         runner = self.runners.get(phase) if bucket is not None else None
         layout = runner.layout(bucket) if runner is not None and bucket is not None else None
         batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
-                                   self.table.max_context, self.staging, layout)
+                                   self.table.max_context, self.staging, layout,
+                                   every_position)
         if layout is None:
             self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
@@ -442,8 +490,11 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: list[int]) -> tuple[DeviceSample | None, StepInfo]:
-        """Run the forward (graph, compiled pieces or eager) and sample on the device."""
+              positions: list[int], targets: list[int] | None = None,
+              remembered: int | None = None) -> tuple[DeviceSample | None, StepInfo]:
+        """Run the forward (graph, compiled pieces or eager) and sample on the device.
+        ``remembered``: the sequences whose last sampled token the step keeps (default:
+        one per row), which the other ranks then receive."""
         start = time.perf_counter()
         padded = 0
         runner = self.runners.get(batch.phase)
@@ -457,11 +508,12 @@ class Executor:
             mode = Mode.LOGITS if params else Mode.KV_ONLY
         if self.channel is not None:  # the other ranks run the same forward
             assert batch.sizes is not None
+            sampled = remembered if remembered is not None else len(params)
             self.channel.send(StepHeader(batch.phase, mode, decision.bucket, batch.sizes,
-                                         sampled=mode is not Mode.KV_ONLY and bool(params)),
-                              batch.packed)
+                                         sampled if mode is not Mode.KV_ONLY and params
+                                         else 0), batch.packed)
         logits = self._forward(batch, mode, decision.bucket)
-        sample = self.sampler.sample(logits, params, positions) \
+        sample = self.sampler.sample(logits, params, positions, targets) \
             if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
@@ -496,8 +548,15 @@ class Executor:
             self.table.write_device(batch.table_index, batch.out_cache_loc)
         self._forward(batch, header.mode, header.bucket)
         if header.sampled and self.channel is not None:
-            sampled = self.channel.receive_sampled(header.sizes.logits)  # (2, S)
+            sampled = self.channel.receive_sampled(header.sampled)  # (2, sequences)
             self.last_tokens.index_copy_(0, sampled[0], sampled[1])
+
+    def follow_fork(self, header: ForkHeader) -> None:
+        """Apply a fork rank 0 made (a rank other than 0): the child's table prefix and,
+        if it inherits one, its last sampled token, in stream order like rank 0's."""
+        self.table.copy_prefix(header.src_slot, header.dst_slot, header.length)
+        if header.inherits:
+            self.last_tokens[header.dst_slot] = self.last_tokens[header.src_slot]
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""
@@ -527,6 +586,48 @@ class Executor:
         hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _SamplePlan:
+    """A prefill's sampled rows: one per sampling item, or one per new token of an
+    ``every_position`` item (its last row samples exactly as a plain item would)."""
+
+    params: list[SamplingParams]  # per row
+    positions: list[int]  # per row: the sampled token's index in its sequence
+    targets: list[int] | None  # per row: the item's next given token (-1: none)
+    item_rows: tuple[int | None, ...]  # per item: its last row, or None
+    position_rows: tuple[tuple[int, int] | None, ...]  # per item: (first row, count)
+    last_rows: list[int]  # per sampling item, in order: its last row
+
+    @staticmethod
+    def of(items: Sequence[PrefillItem], alloc: Allocation, rows: list[int],
+           every: frozenset[int]) -> _SamplePlan:
+        exts = alloc.extensions
+        if not every:  # the common case: a row per sampling item
+            by_item: dict[int, int] = {i: r for r, i in enumerate(rows)}
+            return _SamplePlan([items[i].sampling for i in rows],
+                               [exts[i].seq_len for i in rows], None,
+                               tuple(by_item.get(i) for i in range(len(items))), (),
+                               list(range(len(rows))))
+        params: list[SamplingParams] = []
+        positions: list[int] = []
+        targets: list[int] = []
+        item_rows: list[int | None] = [None] * len(items)
+        spans: list[tuple[int, int] | None] = [None] * len(items)
+        for i in rows:
+            it, e = items[i], exts[i]
+            n = e.new_len if i in every else 1
+            if i in every:
+                spans[i] = (len(params), n)
+                targets += [*it.token_ids[1:], -1]
+            else:
+                targets.append(-1)
+            params += [it.sampling] * n
+            positions += range(e.seq_len - n + 1, e.seq_len + 1)
+            item_rows[i] = len(params) - 1
+        last = [r for r in item_rows if r is not None]
+        return _SamplePlan(params, positions, targets, tuple(item_rows), tuple(spans), last)
 
 
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:

@@ -137,11 +137,13 @@ class ForwardBatch:
         table_width: int,
         staging: PinnedStaging | None = None,
         layout: GraphLayout | None = None,
+        every_position: frozenset[int] = frozenset(),
     ) -> ForwardBatch:
         """Pack a batch from the tokens of each sequence (in ``alloc`` order).
 
         ``logits_rows`` are indices into ``alloc.extensions`` of sequences that need the
-        logits of their last new token. ``table_width`` is the request-slot table's row
+        logits of their last new token (of every new token, for those in
+        ``every_position``), in that order. ``table_width`` is the request-slot table's row
         length (``table_index``). With ``staging`` (CUDA), the metadata travels through
         its pinned buffer. With ``layout``, the batch is packed for one graph bucket:
         padded to it and landing in the layout's fixed device buffer, so a captured
@@ -158,7 +160,10 @@ class ForwardBatch:
         for n in ext_lens:
             starts.append(acc)
             acc += n
-        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
+        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows] if not every_position \
+            else [r for i in logits_rows for r in (
+                range(starts[i], starts[i] + ext_lens[i]) if i in every_position
+                else (starts[i] + ext_lens[i] - 1,))]
         b = len(exts)
         sizes = PackedSizes.of(acc, b, len(last_rows), None if layout is None else layout.bucket,
                                decode=phase == "decode" and acc == b)

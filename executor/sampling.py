@@ -16,9 +16,10 @@ per-row generator objects and no host sync.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +40,9 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[tuple[tuple[int, float], ...]]
+    #: Per row, the raw log-probability of the row's target token (``Sampler.sample``'s
+    #: ``targets``), None where it has none; empty when no targets were given.
+    target_logprobs: list[float | None] = field(default_factory=list)
 
 
 def _row_key(seed: int, position: int) -> int:
@@ -114,29 +118,33 @@ class DeviceSample:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
+    #: (B,) float32 log-probabilities of given target tokens (NaN where a row has none).
+    target_logprobs: torch.Tensor | None = None
 
     def stage(self) -> None:
         """Start the device-to-host copies (pinned, asynchronous)."""
         if not self.tokens.is_cuda:
             return
         self.tokens = _pinned_copy(self.tokens)
-        self.logprobs, self.top_ids, self.top_values = (
+        self.logprobs, self.top_ids, self.top_values, self.target_logprobs = (
             None if t is None else _pinned_copy(t)
-            for t in (self.logprobs, self.top_ids, self.top_values))
+            for t in (self.logprobs, self.top_ids, self.top_values, self.target_logprobs))
 
     def to_output(self, params: Sequence[SamplingParams]) -> SampleOutput:
         """The host values; a staged sample's copies must have finished (its event)."""
         n = len(params)
         tokens = self.tokens.tolist()
+        targets: list[float | None] = [] if self.target_logprobs is None else [
+            None if math.isnan(x) else x for x in self.target_logprobs.tolist()]
         if self.logprobs is None:
-            return SampleOutput(tokens, [0.0] * n, [()] * n)
+            return SampleOutput(tokens, [0.0] * n, [()] * n, targets)
         top_ids: list[list[int]] = [[] for _ in params]
         top_vals: list[list[float]] = [[] for _ in params]
         if self.top_ids is not None and self.top_values is not None:
             top_ids, top_vals = self.top_ids.tolist(), self.top_values.tolist()
         tops = [tuple(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs],
                           strict=True)) for i, p in enumerate(params)]
-        return SampleOutput(tokens, self.logprobs.tolist(), tops)
+        return SampleOutput(tokens, self.logprobs.tolist(), tops, targets)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -167,9 +175,12 @@ class Sampler:
         return self.sample(logits, params, positions).to_output(params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> DeviceSample:
+               positions: Sequence[int], targets: Sequence[int] | None = None
+               ) -> DeviceSample:
         """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
-        in its sequence (it keys the seeded noise). Everything stays on the device."""
+        in its sequence (it keys the seeded noise). With ``targets`` (a token id per row,
+        or -1), also the raw log-probability of each row's target (a prompt's next token:
+        its log-likelihood). Everything stays on the device."""
         tokens = argmax_rows(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
@@ -185,12 +196,19 @@ class Sampler:
             noise = exponential_noise(keys, logits.shape[-1])
             drawn = argmax_rows(filtered.softmax(-1) / noise)
             tokens = tokens.index_copy(0, rows, drawn)
-        if not want_logprobs:
+        if not want_logprobs and targets is None:
             return DeviceSample(tokens)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        target_logprobs = None
+        if targets is not None:
+            ids = device_tensor(list(targets), torch.int64, logits.device)
+            picked = raw_logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
+            target_logprobs = torch.where(ids >= 0, picked, torch.nan)
+        if not want_logprobs:
+            return DeviceSample(tokens, target_logprobs=target_logprobs)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         k = max(p.top_logprobs for p in params)
         if k == 0:
-            return DeviceSample(tokens, chosen)
+            return DeviceSample(tokens, chosen, target_logprobs=target_logprobs)
         top = torch.topk(raw_logprobs, k, dim=-1)
-        return DeviceSample(tokens, chosen, top.indices, top.values)
+        return DeviceSample(tokens, chosen, top.indices, top.values, target_logprobs)

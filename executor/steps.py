@@ -44,6 +44,9 @@ class PendingStep:
     had_last: dict[str, bool] = field(default_factory=dict)
     done: torch.cuda.Event | None = None  # recorded after the step's device work
     finished: bool = False
+    #: Per item of an ``every_position`` prefill: (first row, rows), or None; empty when
+    #: no item asked.
+    position_rows: tuple[tuple[int, int] | None, ...] = ()
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -63,6 +66,8 @@ class PendingStep:
         return [s.to_output(self.params) for s in self.samples]
 
     def outputs(self, sampled: list[SampleOutput]) -> tuple[ItemOutput, ...]:
+        if self.position_rows:
+            return self._position_outputs(sampled[0])
         if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
             s = sampled[0]
             return tuple(
@@ -91,4 +96,22 @@ class PendingStep:
             last = tokens[-1]
             out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,
                                   seq_len, tuple(tokens) if multi else (), stopped))
+        return tuple(out)
+
+    def _position_outputs(self, s: SampleOutput) -> tuple[ItemOutput, ...]:
+        """A prefill with ``every_position`` items: each lists a token per position."""
+        out = []
+        for seq_id, seq_len, row, span in zip(self.seq_ids, self.seq_lens, self.rows,
+                                              self.position_rows, strict=True):
+            if row is None:
+                out.append(ItemOutput(seq_id, None, None, (), seq_len))
+                continue
+            want_logprob = self.params[row].logprobs
+            positions = () if span is None else tuple(
+                SampledToken(s.token_ids[r], s.logprobs[r] if want_logprob else None,
+                             s.top_logprobs[r], s.target_logprobs[r])
+                for r in range(span[0], span[0] + span[1]))
+            out.append(ItemOutput(seq_id, s.token_ids[row],
+                                  s.logprobs[row] if want_logprob else None,
+                                  s.top_logprobs[row], seq_len, positions=positions))
         return tuple(out)

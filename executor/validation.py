@@ -21,6 +21,11 @@ from executor.errors import ContextLengthExceeded, FieldViolation, InvalidReques
 
 #: Most decode steps one call may run (``num_steps``).
 MAX_DECODE_STEPS = 256
+#: Most positions one prefill call may sample at with ``every_position``: their float32
+#: logits are held at once (1024 rows of a 128k vocabulary: 0.5 GB).
+MAX_POSITION_ROWS = 1024
+#: Most top log-probabilities one prefill call may return over its positions.
+MAX_POSITION_TOP_LOGPROBS = 8192
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
                 f"items[{i}].token_ids",
                 f"sequence {it.seq_id!r} would reach {cached + n} tokens ({cached} cached + "
                 f"{n} new); {limits.context_limit_text()}"))
+    out.extend(_every_position_violations(items))
     if total > limits.max_prefill_tokens:
         out.append(FieldViolation(
             "items", f"{total} tokens in one call; at most {limits.max_prefill_tokens} "
@@ -136,6 +142,30 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
         raise InvalidRequest(out + too_long)
     if too_long:
         raise ContextLengthExceeded(too_long)
+
+
+def _every_position_violations(items: Sequence[PrefillItem]) -> list[FieldViolation]:
+    """``every_position`` needs ``sample``, and a call's positions and their top
+    log-probabilities are bounded."""
+    out: list[FieldViolation] = []
+    rows = tops = 0
+    for i, it in enumerate(items):
+        if not it.every_position:
+            continue
+        if not it.sample:
+            out.append(FieldViolation(f"items[{i}].every_position",
+                                      "needs sample: it samples at every new position"))
+        rows += len(it.token_ids)
+        tops += len(it.token_ids) * it.sampling.top_logprobs
+    if rows > MAX_POSITION_ROWS:
+        out.append(FieldViolation(
+            "items", f"{rows} every_position tokens in one call; at most "
+            f"{MAX_POSITION_ROWS} (send the rest in the next call)"))
+    if tops > MAX_POSITION_TOP_LOGPROBS:
+        out.append(FieldViolation(
+            "items", f"every_position items ask for {tops} top log-probabilities in all "
+            f"(tokens x top_logprobs); at most {MAX_POSITION_TOP_LOGPROBS}"))
+    return out
 
 
 def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | None],

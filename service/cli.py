@@ -144,6 +144,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--rank-heartbeat-timeout", type=float, default=15.0, metavar="S",
                           help="seconds without a heartbeat after which a rank has failed")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
+    net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
+                     help="one INFO line per call, or only for calls that fail (cheaper "
+                          "per step; the metrics count every call either way)")
     net.add_argument("--log-level", type=str.upper, default=None,
                      choices=LOG_LEVELS,
                      help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)")
@@ -209,7 +212,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         retry_cache=RetryCacheConfig(max_entries=args.retry_cache_entries,
                                      max_bytes=int(args.retry_cache_mib * MiB),
                                      per_sequence=args.retry_cache_per_sequence),
-        session_depth=args.session_depth)
+        session_depth=args.session_depth, rpc_log=args.rpc_log)
     return executor_config, server_config
 
 

@@ -67,6 +67,14 @@ def _truncate(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace
                          timeout=a.timeout)
 
 
+def _fork(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    request = pb.ForkRequest(request_id=a.request_id, parent_seq_id=a.parent,
+                             child_seq_id=a.child)
+    if a.prefix_len is not None:
+        request.prefix_len = a.prefix_len
+    return stub.Fork(request, timeout=a.timeout)
+
+
 def _capture(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
     phases = [f"PHASE_{p.upper()}" for p in a.phase]
     return stub.Capture(pb.CaptureRequest(phases=phases, force=a.force), timeout=a.timeout)
@@ -231,6 +239,13 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     truncate.add_argument("seq_id")
     truncate.add_argument("length", type=int)
     truncate.set_defaults(func=_truncate)
+
+    fork = cmds.add_parser("fork", help="start CHILD sharing PARENT's prefix KV")
+    fork.add_argument("parent")
+    fork.add_argument("child")
+    fork.add_argument("--prefix-len", type=int, default=None,
+                      help="parent tokens to share (default: all of them)")
+    fork.set_defaults(func=_fork)
 
     capture = cmds.add_parser("capture", help="capture CUDA graphs")
     capture.add_argument("--phase", action="append", default=[], choices=("decode", "prefill"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from executor.config import ExecutorConfig
 from service.auth import AuthConfig
@@ -62,6 +63,8 @@ class ServerConfig:
     tls / auth: transport security and bearer tokens (``service/tls.py``, ``service/auth.py``).
     retry_cache: the idempotent-retry cache (``service/idempotency.py``).
     session_depth: steps a Session stream may have launched and unanswered at once.
+    rpc_log: "all" logs one INFO line per call; "errors" only calls that did not succeed
+        (a successful step's line costs ~0.1 ms of the server's CPU per call).
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +80,7 @@ class ServerConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     retry_cache: RetryCacheConfig = field(default_factory=RetryCacheConfig)
     session_depth: int = 2
+    rpc_log: Literal["all", "errors"] = "all"
 
     def __post_init__(self) -> None:
         if not 1 <= self.session_depth <= 16:

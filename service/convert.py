@@ -7,12 +7,15 @@ duplicate and unknown seq_ids and context lengths are the executor's to check.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 from executor.api import (
     GREEDY,
     DecodeItem,
     ExecutorStatus,
+    ForkResult,
     ItemOutput,
     Phase,
     PhaseCapture,
@@ -103,13 +106,19 @@ def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[Pre
     for i, item in enumerate(request.items):
         _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
         sampling = _sampling_of(item, f"items[{i}]", out)
-        items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling))
+        items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling,
+                                 item.every_position))
     out.raise_any()
     return items
 
 
 def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[DecodeItem]:
     out = _Violations()
+    if request.packed_outputs:
+        for i, item in enumerate(request.items):
+            if item.sampling.top_logprobs:
+                out.add(f"items[{i}].sampling.top_logprobs", "packed_outputs carries no top "
+                        "log-probabilities: unset one of them")
     _check_request_id(request.request_id, limits, out)
     if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
         out.raise_any()
@@ -142,6 +151,28 @@ def truncate_args(request: pb.TruncateRequest, limits: RequestLimits) -> tuple[s
 
 def truncate_response(result: TruncateResult) -> pb.TruncateResponse:
     return pb.TruncateResponse(seq_len=result.seq_len, freed_tokens=result.freed_tokens)
+
+
+def fork_args(request: pb.ForkRequest, limits: RequestLimits) -> tuple[str, str, int | None]:
+    """(parent, child, prefix_len or None for all); the executor checks them against the
+    sequence table."""
+    out = _Violations()
+    _check_request_id(request.request_id, limits, out)
+    for name in ("parent_seq_id", "child_seq_id"):
+        value = getattr(request, name)
+        if not value:
+            out.add(name, "must be a non-empty string")
+        _check_seq_id(value, name, limits, out)
+    prefix = request.prefix_len if request.HasField("prefix_len") else None
+    if prefix is not None and prefix < 0:
+        out.add("prefix_len", f"must be >= 0 (or unset: the whole parent), got {prefix}")
+    out.raise_any()
+    return request.parent_seq_id, request.child_seq_id, prefix
+
+
+def fork_response(result: ForkResult) -> pb.ForkResponse:
+    return pb.ForkResponse(seq_len=result.seq_len, shared_tokens=result.shared_tokens,
+                           has_last_sampled=result.has_last_sampled)
 
 
 def release_ids(request: pb.ReleaseRequest, limits: RequestLimits) -> list[str]:
@@ -200,19 +231,55 @@ def _item_output(item: ItemOutput) -> pb.ItemOutput:
         token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
         if s.logprob is not None:
             token.logprob = s.logprob
+    for s in item.positions:
+        token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+        if s.logprob is not None:
+            token.logprob = s.logprob
+        if s.next_token_logprob is not None:
+            token.next_token_logprob = s.next_token_logprob
     return msg
 
 
 # Prefill and Decode answer with distinct messages of the same fields (executor.proto).
 StepResponse = pb.PrefillResponse | pb.DecodeResponse
+#: What the retry cache keeps: a step's response, or a Fork's.
+CachedResponse = StepResponse | pb.ForkResponse
 StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
 
 
+def _packed(outputs: Sequence[ItemOutput]) -> pb.PackedOutputs:
+    """Flat arrays of a decode's outputs (no message per item: a fifth of the time at
+    batch 64)."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    counts, want_logprobs = [], any(o.logprob is not None for o in outputs)
+    for o in outputs:
+        if o.steps:
+            tokens += [s.token_id for s in o.steps]
+            if want_logprobs:
+                logprobs += [math.nan if s.logprob is None else s.logprob for s in o.steps]
+            counts.append(len(o.steps))
+        else:
+            tokens.append(o.token_id if o.token_id is not None else -1)
+            if want_logprobs:
+                logprobs.append(math.nan if o.logprob is None else o.logprob)
+            counts.append(1)
+    return pb.PackedOutputs(token_ids=tokens, num_tokens=counts,
+                            seq_lens=[o.seq_len for o in outputs], logprobs=logprobs,
+                            stopped_items=[i for i, o in enumerate(outputs) if o.stopped])
+
+
 def step_response(result: StepResult, queue_ms: float, execute_ms: float,
-                  message: StepResponseType = pb.PrefillResponse) -> StepResponse:
+                  message: StepResponseType = pb.PrefillResponse,
+                  packed: bool = False) -> StepResponse:
     step = result.step
+    if packed:
+        assert message is pb.DecodeResponse
+        extra: dict[str, Any] = {"packed": _packed(result.outputs)}
+    else:
+        extra = {"outputs": [_item_output(item) for item in result.outputs]}
     return message(
-        outputs=[_item_output(item) for item in result.outputs],
+        **extra,
         step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
                          fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
                          padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
@@ -222,7 +289,8 @@ def step_response(result: StepResult, queue_ms: float, execute_ms: float,
 
 def release_response(result: ReleaseResult) -> pb.ReleaseResponse:
     return pb.ReleaseResponse(released=result.released,
-                              unknown_seq_ids=list(result.unknown_seq_ids))
+                              unknown_seq_ids=list(result.unknown_seq_ids),
+                              freed_tokens=result.freed_tokens)
 
 
 def capture_response(phases: Sequence[PhaseCapture]) -> pb.CaptureResponse:
@@ -253,7 +321,8 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         rank_memory_bytes=m.rank_memory_bytes))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
-        free_slots=kv.free_slots, active_sequences=kv.active_sequences))
+        free_slots=kv.free_slots, active_sequences=kv.active_sequences,
+        shared_tokens=kv.shared_tokens, forked_sequences=kv.forked_sequences))
     msg.graphs.extend(pb.GraphStatus(phase=PHASE_TO_PB[g.phase], mode=g.mode,
                                      captured_sizes=sorted(g.captured_sizes))
                       for g in status.graphs)

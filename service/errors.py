@@ -143,8 +143,8 @@ def _not_found(exc: SequenceNotFound) -> status_pb2.Status:
                                        metadata={"unknown_seq_ids": str(total)})
     named = ", ".join(repr(_cut(s, 40)) for s in exc.seq_ids[:3])
     message = (f"{total} unknown seq_id(s): {named}{_more(total, min(3, total), 'ids')}; "
-               "only sequences admitted by Prefill and not yet released can be decoded or "
-               "truncated")
+               "only sequences admitted by Prefill and not yet released can be decoded, "
+               "truncated or forked")
     return status_pb2.Status(code=code_pb2.NOT_FOUND, message=message,
                              details=_pack(*infos, info))
 

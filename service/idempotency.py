@@ -1,4 +1,4 @@
-"""Idempotent retries: recent Prefill/Decode responses kept by ``request_id``.
+"""Idempotent retries: recent Prefill/Decode/Fork responses kept by ``request_id``.
 
 A scheduler whose call timed out cannot tell whether the step ran. It retries with the same
 ``request_id``; if the first call succeeded, the retry gets the first call's response and the
@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 
 from executor.errors import FieldViolation, InvalidRequest
 from service.config import RetryCacheConfig
-from service.convert import StepResponse
+from service.convert import CachedResponse, StepResponse
 from service.errors import ResponseExpired
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
@@ -73,7 +73,7 @@ def digest(method: str, request: Message) -> bytes:
 @dataclass
 class _Entry:
     digest: bytes
-    response: StepResponse
+    response: CachedResponse
     seq_ids: tuple[str, ...]
     size: int
 
@@ -93,7 +93,8 @@ class ResponseCache:
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def key(self, method: str, request: pb.PrefillRequest | pb.DecodeRequest) -> Key | None:
+    def key(self, method: str,
+            request: pb.PrefillRequest | pb.DecodeRequest | pb.ForkRequest) -> Key | None:
         """The call's key; None when it has no request_id or the cache is off."""
         if not self.enabled or not request.request_id:
             return None
@@ -104,7 +105,7 @@ class ResponseCache:
         with self._lock:
             return len(self._entries), self._bytes
 
-    def get(self, key: Key) -> StepResponse | None:
+    def get(self, key: Key) -> CachedResponse | None:
         """The original response of a retry; None for a call not seen (or not succeeded).
 
         Raises RequestIdReused for a different call under a used id, ResponseExpired for a
@@ -123,7 +124,14 @@ class ResponseCache:
             raise RequestIdReused(key.request_id)
         raise ResponseExpired(key.request_id, _WHY[forgotten[1]])
 
-    def put(self, key: Key, seq_ids: Iterable[str], response: StepResponse) -> None:
+    def get_step(self, key: Key) -> StepResponse | None:
+        """``get`` for a Prefill or Decode key (its digest names the method, so it never
+        finds another method's response)."""
+        response = self.get(key)
+        assert not isinstance(response, pb.ForkResponse)
+        return response
+
+    def put(self, key: Key, seq_ids: Iterable[str], response: CachedResponse) -> None:
         """Keep the response of a call that succeeded, then enforce the bounds."""
         size = response.ByteSize() + len(key.request_id) + _ENTRY_OVERHEAD_BYTES
         evicted: list[str] = []

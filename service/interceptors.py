@@ -120,8 +120,9 @@ class _HandlerCache:
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, recorder: StatsRecorder,
                  on_fatal: Callable[[BaseException], Awaitable[None]],
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, log_successes: bool = True) -> None:
         self._recorder = recorder
+        self._log_successes = log_successes
         self._on_fatal = on_fatal
         self._admission = admission
         self._handlers = _HandlerCache(self._wrap)
@@ -245,6 +246,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             if held is not None:
                 log.warning("auth_refused", **fields, held_back=held,
                             every_s=AUTH_LOG_INTERVAL_S)
+        if code is grpc.StatusCode.OK and not self._log_successes:
+            return  # --rpc-log errors: the metrics still count the call
         if f"{call.service}/{call.method}" in QUIET_RPCS:
             log.debug("rpc", **fields)
         else:

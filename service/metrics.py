@@ -80,6 +80,10 @@ class Metrics:
         self.kv_slots = Gauge(p + "kv_slots", "Sequence slots", ["state"], registry=r)
         self.active_sequences = Gauge(p + "active_sequences", "Sequences admitted and not "
                                       "released", registry=r)
+        self.kv_shared_tokens = Gauge(p + "kv_shared_tokens", "KV token locations held by "
+                                      "more than one sequence (Fork)", registry=r)
+        self.forked_sequences = Gauge(p + "forked_sequences", "Live sequences created by "
+                                      "Fork", registry=r)
         self.kv_allocation_failures = Counter(p + "kv_allocation_failures", "Calls refused "
                                               "for lack of KV tokens or sequence slots",
                                               ["resource"], registry=r)
@@ -148,7 +152,7 @@ class Metrics:
             self.overload_refusals.labels(kind)
         for kind in CALL_KINDS:
             self.calls_in_flight.labels(kind)
-        for method in STEP_METHODS:
+        for method in (*STEP_METHODS, "Fork"):
             self.retry_replays.labels(method)
         for reason in RETRY_EVICTION_REASONS:
             self.retry_evictions.labels(reason)

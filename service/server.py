@@ -131,7 +131,8 @@ class ExecutorServer:
         # maximum_concurrent_rpcs is not set: it would count probes with everything else.
         server = grpc.aio.server(
             interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
-                                             self._admission(self.recorder.calls_in_flight)),
+                                             self._admission(self.recorder.calls_in_flight),
+                                             log_successes=config.rpc_log == "all"),
                           AuthInterceptor(config.auth), ParseInterceptor()],
             options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from executor.api import (
     DecodeItem,
@@ -52,6 +53,7 @@ _WHY_NOT_READY: dict[State, str] = {
 
 
 Item = TypeVar("Item", PrefillItem, DecodeItem)
+R = TypeVar("R", bound=Message)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -113,14 +115,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             "Decode", self._cache.key("Decode", request),
             lambda: convert.decode_items(request, self._limits),
             lambda ex, items: ex.decode(items, convert.decode_steps(request)),
-            pb.DecodeResponse, context)
+            pb.DecodeResponse, context, packed=request.packed_outputs)
 
     async def _step(self, method: str, key: Key | None, items_of: Callable[[], list[Item]],
                     call: Callable[[ExecutorLike, list[Item]], StepResult],
                     message: convert.StepResponseType,
-                    context: grpc.aio.ServicerContext) -> Any:
+                    context: grpc.aio.ServicerContext, packed: bool = False) -> Any:
         # A retry whose original finished is answered at once, in any state: it runs nothing.
-        cached = self._cache.get(key) if key is not None else None
+        cached = self._cache.get_step(key) if key is not None else None
         if cached is not None:
             return self._replayed(method, cached)
         self._require_ready()
@@ -128,7 +130,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         submitted = time.perf_counter()
 
         def run(ex: ExecutorLike) -> tuple[convert.StepResponse, bool] | Future[Any]:
-            if key is not None and (original := self._cache.get(key)) is not None:
+            if key is not None and (original := self._cache.get_step(key)) is not None:
                 return original, True  # the original ran while this retry waited
             if key is not None and (launched := self._inflight.get(key)) is not None:
                 return launched  # a Session launched the original: wait for its answer
@@ -137,7 +139,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
             execute_s = time.perf_counter() - started
             response = convert.step_response(result, (started - submitted) * 1e3,
-                                             execute_s * 1e3, message)
+                                             execute_s * 1e3, message, packed)
             if key is not None:
                 self._cache.put(key, [it.seq_id for it in items], response)
             self._recorder.step(result.step, len(items), execute_s)
@@ -162,8 +164,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 fallback_reason=response.step.fallback_reason)
         return response
 
-    def _replayed(self, method: str, response: convert.StepResponse
-                  ) -> convert.StepResponse:
+    def _replayed(self, method: str, response: R) -> R:
         structlog.contextvars.bind_contextvars(replayed=True)
         self._recorder.retry_replayed(method)
         return response
@@ -204,6 +205,30 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             return convert.truncate_response(result)
 
         return (await self._worker.run(run, _deadline(context))).value
+
+    async def Fork(self, request: pb.ForkRequest,
+                   context: grpc.aio.ServicerContext) -> pb.ForkResponse:
+        key = self._cache.key("Fork", request)
+        cached = self._cache.get(key) if key is not None else None
+        if isinstance(cached, pb.ForkResponse):  # the original applied: never run twice
+            return self._replayed("Fork", cached)
+        self._require_ready()
+        parent, child, prefix = convert.fork_args(request, self._limits)
+        structlog.contextvars.bind_contextvars(parent=parent, child=child)
+
+        def run(ex: ExecutorLike) -> tuple[pb.ForkResponse, bool]:
+            if key is not None and isinstance(original := self._cache.get(key),
+                                              pb.ForkResponse):
+                return original, True  # the original ran while this retry waited
+            response = convert.fork_response(ex.fork(parent, child, prefix))
+            if key is not None:
+                self._cache.put(key, [child], response)
+                self._recorder.retry_cache(*self._cache.size())
+            self._update_kv(ex.kv_stats())
+            return response, False
+
+        response, replayed = (await self._worker.run(run, _deadline(context))).value
+        return self._replayed("Fork", response) if replayed else response
 
     async def Capture(self, request: pb.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> pb.CaptureResponse:

@@ -85,16 +85,17 @@ class _Entry:
     """One step on its way to its response."""
 
     step: int
-    op: str  # "prefill" | "decode" | "release" | "truncate"
+    op: str  # "prefill" | "decode" | "release" | "truncate" | "fork"
     pending: PendingStep | None = None  # launched, to complete
     response: pb.SessionResponse | None = None  # ready (error, release, replayed)
     key: Key | None = None
     seq_ids: list[str] = field(default_factory=list)
     items: int = 0
+    packed: bool = False  # DecodeRequest.packed_outputs
     launched_at: float = 0.0
     kv: KVStats | None = None
     replays: dict[Any, list[float]] = field(default_factory=dict)
-    # A release or truncate, run by the writer in step order (after every earlier step
+    # A release, truncate or fork, run by the writer in step order (after every earlier step
     # has completed); ``applied`` is set once it has run.
     ordered: Callable[[ExecutorLike], pb.SessionResponse] | None = None
     applied: asyncio.Event = field(default_factory=asyncio.Event)
@@ -189,7 +190,7 @@ class SessionStream:
         execute_s = time.perf_counter() - entry.launched_at
         response = convert.step_response(
             result, 0.0, execute_s * 1e3,
-            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse)
+            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse, entry.packed)
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
         self._resolve(entry, response)
@@ -251,8 +252,8 @@ class SessionStream:
         step, op = request.step, request.WhichOneof("op")
         if op is None:
             raise InvalidRequest([FieldViolation(
-                "op", "a Session request needs one of prefill, decode, release or "
-                "truncate")])
+                "op", "a Session request needs one of prefill, decode, release, "
+                "truncate or fork")])
         if self._last_step is not None and step <= self._last_step:
             raise InvalidRequest([FieldViolation(
                 "step", f"step {step} is not greater than the previous step {self._last_step}")])
@@ -265,7 +266,7 @@ class SessionStream:
             self._failed = None
         try:
             self._require_ready()
-            if op in ("release", "truncate"):
+            if op in ("release", "truncate", "fork"):
                 return await self._ordered(step, op, request)
             return await self._launch_step(step, op, request)
         except BaseException as exc:
@@ -274,8 +275,8 @@ class SessionStream:
             return _Entry(step, op, response=_error(step, exc))
 
     async def _ordered(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
-        """A release or truncate runs when the writer reaches it, so after every earlier
-        step has completed; the reader launches nothing past it until then."""
+        """A release, truncate or fork runs when the writer reaches it, so after every
+        earlier step has completed; the reader launches nothing past it until then."""
         run: Callable[[ExecutorLike], pb.SessionResponse]
         if op == "release":
             seq_ids = convert.release_ids(request.release, self._limits)
@@ -285,6 +286,20 @@ class SessionStream:
                 self._cache.drop_sequences(seq_ids)
                 self._update_kv(ex.kv_stats())
                 return pb.SessionResponse(step=step, release=convert.release_response(result))
+        elif op == "fork":
+            parent, child, prefix = convert.fork_args(request.fork, self._limits)
+            key = self._cache.key("Fork", request.fork)
+
+            def run(ex: ExecutorLike) -> pb.SessionResponse:
+                if key is not None and isinstance(original := self._cache.get(key),
+                                                  pb.ForkResponse):
+                    self._recorder.retry_replayed("Fork")
+                    return pb.SessionResponse(step=step, fork=original)
+                response = convert.fork_response(ex.fork(parent, child, prefix))
+                if key is not None:
+                    self._cache.put(key, [child], response)
+                self._update_kv(ex.kv_stats())
+                return pb.SessionResponse(step=step, fork=response)
         else:
             seq_id, length = convert.truncate_args(request.truncate, self._limits)
 
@@ -307,13 +322,14 @@ class SessionStream:
                             if isinstance(body, pb.PrefillRequest)
                             else convert.decode_items(body, self._limits))
         entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
-                       items=len(items))
+                       items=len(items), packed=isinstance(body, pb.DecodeRequest)
+                       and body.packed_outputs)
 
         def launch(ex: ExecutorLike) -> _Entry | concurrent.futures.Future[Any]:
             if self._failed is not None:  # a device failure was found meanwhile
                 raise StepAborted(f"step {self._failed} failed; nothing of this step applied")
             if key is not None:  # a retry: answered by its original, never run twice
-                if (cached := self._cache.get(key)) is not None:
+                if (cached := self._cache.get_step(key)) is not None:
                     entry.response = _stepped(step, op, cached)
                     return entry
                 if (original := self._inflight.get(key)) is not None:

@@ -58,6 +58,8 @@ class StatsRecorder:
         m.kv_slots.labels("free").set(kv.free_slots)
         m.kv_usage_ratio.set(kv.usage_ratio)
         m.active_sequences.set(kv.active_sequences)
+        m.kv_shared_tokens.set(kv.shared_tokens)
+        m.forked_sequences.set(kv.forked_sequences)
 
     def capture(self, phases: Sequence[PhaseCapture], force: bool) -> None:
         """A capture's cost. Without ``force`` only missing buckets were captured, so the

@@ -12,10 +12,12 @@ from executor.kv.pool import KVPool, ReqToTokenTable
 
 
 def paged_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-               head_dim: int, seed: int, dtype: torch.dtype = torch.float16
-               ) -> tuple[KVPool, ReqToTokenTable, ForwardBatch]:
+               head_dim: int, seed: int, dtype: torch.dtype = torch.float16,
+               shared: int = 0) -> tuple[KVPool, ReqToTokenTable, ForwardBatch]:
     """A two-layer pool full of random K/V, sequences at scattered locations in scattered
-    slots; every table entry past a sequence's length is stale (a valid other location)."""
+    slots; every table entry past a sequence's length is stale (a valid other location).
+    ``shared``: every later sequence's first ``shared`` prefix tokens are the first
+    sequence's locations (forks of it)."""
     del heads  # the pool has kv_heads only; kept so cases read (heads, kv_heads, head_dim)
     gen = torch.Generator().manual_seed(seed)
     batch, total = len(prefix_lens), sum(prefix_lens) + sum(new_lens)
@@ -31,8 +33,14 @@ def paged_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads
     slots = torch.randperm(batch + 2, generator=gen)[:batch].tolist()
     locs = (torch.randperm(num_locations, generator=gen)[:total] + 1).tolist()
     exts, new_locs = [], []
+    first: list[int] = []
     for i, (slot, p, n) in enumerate(zip(slots, prefix_lens, new_lens, strict=True)):
         seq_locs, locs = locs[: p + n], locs[p + n :]
+        if i and shared:
+            k = min(shared, p, prefix_lens[0])
+            seq_locs[:k] = first[:k]
+        if i == 0:
+            first = seq_locs
         table.device_table[slot, : p + n] = torch.tensor(seq_locs, dtype=torch.int32)
         new_locs.extend(seq_locs[p:])
         exts.append(Extension(f"s{i}", slot, p, n, p == 0))

@@ -65,3 +65,22 @@ def test_host_profile_stage_clock_times_every_stage_of_a_step() -> None:
     stats = ex.kv_stats()  # the wrapped release still frees every sequence
     assert stats.free_tokens == stats.total_tokens and stats.active_sequences == 0
     assert clock.report(3, [1.0] * 3).startswith("  host stages (us per call): validate ")
+
+
+def test_kv_primitives_bench_runs_on_cpu(tmp_path: Path) -> None:
+    """``bench.kv_primitives`` on the tiny model: forks use fewer KV tokens than full
+    prefills, a perfect drafter gets every draft accepted, and speculative decoding gives
+    Decode's tokens (float32: the verify path and the decode path agree exactly here)."""
+    from bench.kv_primitives import main as kv_main
+
+    assert kv_main(["--device", "cpu", "--out", str(tmp_path), "--children", "3", "--prefix",
+                    "40", "--suffix", "3", "--rounds", "2", "--spec-tokens", "10",
+                    "--spec-k", "4"]) == 0
+    result = json.loads((tmp_path / "kv_primitives.json").read_text())
+    shared = result["shared_prefix"]
+    assert (shared["full_kv_tokens"], shared["fork_kv_tokens"]) == (3 * 43, 40 + 3 * 3)
+    runs = {r["drafter"]: r for r in result["speculative"]["runs"]}
+    assert runs["perfect"]["verify_calls"] == 2  # the prefill gives 1 token, each call 4 + 1
+    assert runs["half"]["accepted_drafts_per_call"] < runs["perfect"]["accepted_drafts_per_call"]
+    assert all(r["tokens_matching_reference"] == 11 for r in runs.values())
+    assert "| 4 | perfect |" in (tmp_path / "kv_primitives.md").read_text()

@@ -44,16 +44,18 @@ def _qkv(tokens: int, heads: int, kv_heads: int, dim: int, seed: int
     return q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
 
 
-@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "dim"), [
-    ([5, 40, 130], [1, 1, 1], 8, 2, 16),  # decode
-    ([0], [9], 4, 1, 16),  # one prefill
-    ([0, 20, 70], [70, 5, 1], 4, 2, 16),  # prefill, chunked prefill, a decode-like row
-    ([65, 0], [3, 1], 8, 8, 32),  # a one-token prefill (phase prefill, no prefix)
+@pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "dim", "shared"), [
+    ([5, 40, 130], [1, 1, 1], 8, 2, 16, 0),  # decode
+    ([0], [9], 4, 1, 16, 0),  # one prefill
+    ([0, 20, 70], [70, 5, 1], 4, 2, 16, 0),  # prefill, chunked prefill, a decode-like row
+    ([65, 0], [3, 1], 8, 8, 32, 0),  # a one-token prefill (phase prefill, no prefix)
+    ([60, 60, 33], [1, 1, 1], 8, 2, 16, 40),  # forks: decode over a shared prefix
+    ([50, 20, 50], [6, 3, 1], 4, 2, 16, 20),  # forks extended over a shared prefix
 ])
 def test_eager_equals_torch_native(prefix_lens: list[int], new_lens: list[int], heads: int,
-                                   kv_heads: int, dim: int) -> None:
+                                   kv_heads: int, dim: int, shared: int) -> None:
     pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, dim, seed=1,
-                                    dtype=DTYPE)
+                                    dtype=DTYPE, shared=shared)
     shape = AttentionShape(heads, kv_heads, dim, dim**-0.5)
     q, k, v = _qkv(batch.num_tokens, heads, kv_heads, dim, seed=2)
     expect_k = pool.k_buffer.clone()

@@ -40,8 +40,9 @@ LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 
 
 def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-           head_dim: int, seed: int = 0, num_sms: int | None = None) -> None:
-    pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed)
+           head_dim: int, seed: int = 0, num_sms: int | None = None, shared: int = 0) -> None:
+    pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed,
+                                    shared=shared)
     shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(seed + 1)
     # q/k/v as views of one fused QKV projection, like the model passes them.
@@ -103,6 +104,17 @@ def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, h
 def test_extend_interpreted(prefix_lens: list[int], new_lens: list[int], heads: int,
                             kv_heads: int, head_dim: int) -> None:
     _check(prefix_lens, new_lens, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize(("prefix_lens", "new_lens"), [
+    ([60, 60, 33], [1, 1, 1]),  # forks decoding over a shared prefix
+    ([50, 20, 50], [6, 3, 1]),  # forks extended over a shared prefix
+])
+def test_forks_sharing_a_prefix_interpreted(prefix_lens: list[int], new_lens: list[int]
+                                            ) -> None:
+    """Sequences whose table rows point at the same prefix locations (Fork): read as
+    any other location, no copy."""
+    _check(prefix_lens, new_lens, 4, 2, 16, shared=40)
 
 
 def test_decode_graph_hooks_interpreted() -> None:

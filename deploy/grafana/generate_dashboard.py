@@ -174,11 +174,17 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             extra={"min": 0, "max": 1, "thresholdsStyle": "line"}),
         Panel("Active sequences and free slots", "timeseries", (
             Query(f"model_executor_active_sequences{{{SEL}}}", "active {{instance}}"),
-            Query(f'model_executor_kv_slots{{{SEL}, state="free"}}', "free slots {{instance}}")),
-            "Sequences admitted and not released, and sequence slots still free."),
+            Query(f'model_executor_kv_slots{{{SEL}, state="free"}}', "free slots {{instance}}"),
+            Query(f"model_executor_forked_sequences{{{SEL}}}", "forked {{instance}}")),
+            "Sequences admitted and not released (forked: created by Fork), and sequence "
+            "slots still free."),
         Panel("KV token locations", "timeseries", (Query(
             f"sum by (state) (model_executor_kv_tokens{{{SEL}}})", "{{state}}"),),
             "KV token locations used and free, over the selected instances.", stack=True),
+        Panel("Shared KV token locations", "timeseries", (Query(
+            f"model_executor_kv_shared_tokens{{{SEL}}}", "shared {{instance}}"),),
+            "Used locations held by more than one sequence (Fork shares a prefix); each "
+            "counts once among the used ones."),
         Panel("Refused for lack of KV", "timeseries", (Query(
             f"sum by (resource) (rate(model_executor_kv_allocation_failures_total{{{SEL}}}"
             f"[{RATE}]))", "{{resource}}"),),

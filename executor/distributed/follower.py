@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from executor.distributed.protocol import CaptureHeader, StepHeader
+from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
 
 if TYPE_CHECKING:
     from executor.executor import Executor
@@ -26,6 +26,8 @@ def follow(executor: Executor) -> int:
             assert packed is not None
             executor.follow(header, packed)
             steps += 1
+        elif isinstance(header, ForkHeader):
+            executor.follow_fork(header)
         elif isinstance(header, CaptureHeader):
             executor.capture(header.phases, header.force)
         else:

@@ -6,9 +6,12 @@ the other ranks need to run the same forward: the token ids, positions, the KV l
 rank 0 allocated and where they go in the request-slot table. Nothing else about
 sequences crosses: allocation, release and truncation live on rank 0 only.
 
-    STEP     phase, how the forward runs (``Mode``), bucket, the packed sizes, and
-             whether rank 0 samples (then its tokens follow on the device group, so every
-             rank's ``last_tokens`` stays the same)
+    STEP     phase, how the forward runs (``Mode``), bucket, the packed sizes, and how
+             many sequences' sampled tokens follow on the device group (so every rank's
+             ``last_tokens`` stays the same)
+    FORK     a forked sequence's slot-table prefix (source slot, destination slot, tokens)
+             and whether it inherits its parent's last sampled token: the only change to
+             device state outside a step
     CAPTURE  which phases, force
     SHUTDOWN leave the loop
 """
@@ -30,6 +33,7 @@ class Op(enum.IntEnum):
     STEP = 1
     CAPTURE = 2
     SHUTDOWN = 3
+    FORK = 4
 
 
 class Mode(enum.IntEnum):
@@ -47,13 +51,15 @@ class StepHeader:
     mode: Mode
     bucket: int | None
     sizes: PackedSizes
-    sampled: bool  # rank 0 samples this step: its tokens follow on the device group
+    # Sequences whose last sampled token rank 0 keeps after this step (0: it samples
+    # nothing); that many (slot, token) pairs follow on the device group.
+    sampled: int
 
     def encode(self) -> list[int]:
         s = self.sizes
         values = [Op.STEP, _PHASES.index(self.phase), self.mode,
                   -1 if self.bucket is None else self.bucket, s.tokens, s.token_pad,
-                  s.seqs, s.seq_pad, s.logits, int(s.has_decode_rows), int(self.sampled),
+                  s.seqs, s.seq_pad, s.logits, int(s.has_decode_rows), self.sampled,
                   s.total]
         return [int(v) for v in values]
 
@@ -70,12 +76,24 @@ class CaptureHeader:
 
 
 @dataclass(frozen=True)
+class ForkHeader:
+    src_slot: int
+    dst_slot: int
+    length: int  # the first ``length`` table cells of ``src_slot`` are copied
+    inherits: bool  # the child's last sampled token is the parent's
+
+    def encode(self) -> list[int]:
+        return _padded([Op.FORK, self.src_slot, self.dst_slot, self.length,
+                        int(self.inherits)])
+
+
+@dataclass(frozen=True)
 class ShutdownHeader:
     def encode(self) -> list[int]:
         return _padded([Op.SHUTDOWN])
 
 
-Header = StepHeader | CaptureHeader | ShutdownHeader
+Header = StepHeader | CaptureHeader | ForkHeader | ShutdownHeader
 
 
 def _padded(values: Sequence[int]) -> list[int]:
@@ -94,10 +112,12 @@ def decode(values: Sequence[int]) -> Header:
         if sizes.total != total:
             raise ValueError(f"step header sizes add up to {sizes.total}, not {total}")
         return StepHeader(_PHASES[phase], Mode(mode), None if bucket < 0 else bucket, sizes,
-                          bool(sampled))
+                          sampled)
     if op == Op.CAPTURE:
         phases = tuple(_PHASES[i] for i in values[3:5] if i >= 0)
         return CaptureHeader(phases, bool(values[2]))
+    if op == Op.FORK:
+        return ForkHeader(values[1], values[2], values[3], bool(values[4]))
     if op == Op.SHUTDOWN:
         return ShutdownHeader()
     raise ValueError(f"unknown operation {op} in a header")

@@ -3,6 +3,12 @@
 Both are free-stacks: O(n) to allocate or free n items, no fragmentation (page size 1),
 and ``free + used == total`` by construction. They never allocate partially: ``alloc``
 either returns everything asked for or raises before changing anything.
+
+Token locations can be shared (``Fork``): a location held by k sequences has ``k - 1``
+extra references, and ``free`` drops one reference, returning the location to the pool
+only with its last one. Unshared locations (the common case) carry no reference count at
+all, so allocation never touches the counts and a free with nothing shared anywhere is
+the plain stack push.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ class TokenAllocator:
         # compact), freeing puts locations back just before it.
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
         self._head = 0
+        # References beyond the first, by location (0 for free and singly held ones).
+        self._extra = torch.zeros(size + 1, dtype=torch.int32)
+        self._extra_total = 0  # sum of ``_extra``: 0 means nothing is shared
+        #: Locations held by more than one sequence.
+        self.num_shared = 0
 
     @property
     def num_free(self) -> int:
@@ -47,15 +58,46 @@ class TokenAllocator:
         self._head += n
         return out
 
-    def free(self, locations: torch.Tensor) -> None:
-        """Return locations to the pool. The caller guarantees they were allocated."""
+    def share(self, locations: torch.Tensor) -> None:
+        """Add one holder to each of ``locations`` (distinct, allocated): a forked sequence
+        now holds them too."""
         n = int(locations.numel())
         if n == 0:
             return
+        extra = self._extra[locations]
+        self.num_shared += int((extra == 0).sum())
+        self._extra[locations] = extra + 1
+        self._extra_total += n
+
+    def references(self, locations: torch.Tensor) -> torch.Tensor:
+        """How many sequences hold each of ``locations`` (allocated ones; for checks)."""
+        return self._extra[locations] + 1
+
+    def free(self, locations: torch.Tensor) -> int:
+        """Drop one holder of each of ``locations`` (distinct; the caller guarantees they
+        were allocated) and return to the pool those it was the last holder of; returns
+        how many went back."""
+        n = int(locations.numel())
+        if n == 0:
+            return 0
+        if self._extra_total:
+            extra = self._extra[locations]
+            shared = extra > 0
+            if bool(shared.any()):
+                held = locations[shared]
+                left = extra[shared] - 1
+                self._extra[held] = left
+                self._extra_total -= int(held.numel())
+                self.num_shared -= int((left == 0).sum())
+                locations = locations[~shared]
+                n = int(locations.numel())
+                if n == 0:
+                    return 0
         if n > self._head:
             raise RuntimeError("KV accounting broken: freeing more locations than are in use")
         self._head -= n
         self._free[self._head : self._head + n] = locations
+        return n
 
 
 class SlotAllocator:

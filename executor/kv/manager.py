@@ -2,9 +2,12 @@
 
 Invariants (checked by ``check_invariants`` in tests after every operation):
 
-* ``free + used == total`` for token locations and for slots;
-* every live sequence of length ``n`` owns exactly the locations in
-  ``table[slot, :n]``, and no location is owned twice;
+* ``free + used == total`` for token locations and for slots, a location shared by
+  forked sequences counted once;
+* every live sequence of length ``n`` holds exactly the locations in ``table[slot, :n]``;
+  a location held by k sequences has k references, and is free only when k is 0;
+* allocation hands out free locations only, so appends never write a location that a
+  live sequence holds (a fork shares its prefix; what it appends is its own);
 * ``allocate`` is all-or-nothing, and ``rollback`` undoes one allocation exactly.
 """
 
@@ -63,6 +66,7 @@ class KVCacheManager:
         self.tokens = TokenAllocator(num_locations)
         self.slots = SlotAllocator(table.max_sequences)
         self._seqs: dict[str, SequenceState] = {}
+        self._forked: set[str] = set()  # live sequences created by ``fork``
 
     # -- queries ---------------------------------------------------------------------
     def get(self, seq_id: str) -> SequenceState | None:
@@ -81,6 +85,8 @@ class KVCacheManager:
             total_slots=self.slots.size,
             free_slots=self.slots.num_free,
             active_sequences=len(self._seqs),
+            shared_tokens=self.tokens.num_shared,
+            forked_sequences=len(self._forked),
         )
 
     # -- mutations -------------------------------------------------------------------
@@ -129,41 +135,67 @@ class KVCacheManager:
             else:
                 self._seqs[ext.seq_id].length = ext.prefix_len
 
+    def fork(self, parent_id: str, child_id: str, prefix_len: int) -> SequenceState:
+        """A new sequence ``child_id`` whose first ``prefix_len`` tokens share the KV
+        locations of ``parent_id``'s (nothing is copied; the locations gain a holder).
+        Raises OutOfResources when no slot is free, before changing anything. Callers
+        validate the ids and ``0 <= prefix_len <= parent length`` first."""
+        parent = self._seqs[parent_id]
+        if child_id in self._seqs or not 0 <= prefix_len <= parent.length:
+            raise ValueError(f"cannot fork {child_id!r} from {parent_id!r} of "
+                             f"{parent.length} tokens at {prefix_len}")
+        (slot,) = self.slots.alloc(1)  # the only step that can fail
+        self.tokens.share(self.table.locations(parent.slot, 0, prefix_len))
+        self.table.copy_prefix(parent.slot, slot, prefix_len)
+        child = SequenceState(child_id, slot, prefix_len)
+        self._seqs[child_id] = child
+        self._forked.add(child_id)
+        return child
+
     def truncate(self, seq_id: str, length: int) -> int:
         """Keep the first ``length`` tokens of a known sequence (0 <= length <= its length)
-        and free the locations past them; returns how many were freed."""
+        and drop its hold on the locations past them; returns how many of those went back
+        to the pool (a location another sequence still holds stays in use)."""
         state = self._seqs[seq_id]
         if not 0 <= length <= state.length:
             raise ValueError(f"cannot truncate {seq_id!r} of {state.length} tokens to {length}")
-        freed = state.length - length
-        if freed:
-            self.tokens.free(self.table.locations(state.slot, length, state.length))
+        freed = 0
+        if length < state.length:
+            freed = self.tokens.free(self.table.locations(state.slot, length, state.length))
             state.length = length
         return freed
 
-    def release(self, seq_id: str) -> bool:
-        """Free every location and the slot of ``seq_id``; False if it is unknown."""
+    def release(self, seq_id: str) -> int | None:
+        """Drop ``seq_id``'s hold on its locations and free its slot; returns how many
+        locations went back to the pool, or None if the sequence is unknown."""
         state = self._seqs.pop(seq_id, None)
         if state is None:
-            return False
-        self.tokens.free(self.table.locations(state.slot, 0, state.length))
+            return None
+        self._forked.discard(seq_id)
+        freed = self.tokens.free(self.table.locations(state.slot, 0, state.length))
         self.slots.free(state.slot)
-        return True
+        return freed
 
     # -- test support ----------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if accounting is off (cheap enough to call in tests)."""
-        used = sum(s.length for s in self._seqs.values())
-        assert self.tokens.num_free + used == self.tokens.size, (
-            f"free {self.tokens.num_free} + used {used} != total {self.tokens.size}"
-        )
-        assert self.slots.num_free + len(self._seqs) == self.slots.size
         owned = [self.table.locations(s.slot, 0, s.length) for s in self._seqs.values()]
-        if owned:
-            all_locs = torch.cat(owned)
-            assert int(all_locs.unique().numel()) == int(all_locs.numel()), "location owned twice"
-            assert int(all_locs.min()) >= 1, "reserved location handed out"
+        all_locs = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+        held, holders = all_locs.unique(return_counts=True)
+        assert self.tokens.num_free + int(held.numel()) == self.tokens.size, (
+            f"free {self.tokens.num_free} + used {int(held.numel())} != total "
+            f"{self.tokens.size}")
+        assert self.slots.num_free + len(self._seqs) == self.slots.size
+        for s in self._seqs.values():
+            mine = self.table.locations(s.slot, 0, s.length)
+            assert int(mine.unique().numel()) == s.length, f"{s.seq_id} holds a location twice"
+        if held.numel():
+            assert int(held.min()) >= 1, "reserved location handed out"
             free = self.tokens.free_locations()
-            assert not bool(torch.isin(all_locs, free).any()), "owned location is also free"
+            assert not bool(torch.isin(held, free).any()), "held location is also free"
+            assert torch.equal(self.tokens.references(held), holders.to(torch.int32)), \
+                "reference counts differ from the sequences holding each location"
+        assert self.tokens.num_shared == int((holders > 1).sum()), "shared count is off"
+        assert self._forked <= set(self._seqs), "a released sequence still counts as forked"
         slots = [s.slot for s in self._seqs.values()]
         assert len(set(slots)) == len(slots), "slot owned twice"

@@ -103,6 +103,14 @@ class ReqToTokenTable:
         ``table_index`` may hold ``scratch_index`` (padding rows)."""
         self._device_flat.index_copy_(0, table_index, out_cache_loc.to(torch.int32))
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row ``dst`` starts with the first ``n`` locations of row ``src`` (a fork), in the
+        host mirror and, in stream order after every batch launched so far, on the device."""
+        if n == 0:
+            return
+        self.host_table[dst, :n] = self.host_table[src, :n]
+        self.device_table[dst, :n].copy_(self.device_table[src, :n], non_blocking=True)
+
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of tokens ``start..end-1`` of ``slot``."""
         return self.host_table[slot, start:end].to(torch.int64)

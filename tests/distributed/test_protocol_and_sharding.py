@@ -16,6 +16,7 @@ from executor.distributed.launch import ParallelConfig, Rendezvous, describe_exi
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
+    ForkHeader,
     Mode,
     ShutdownHeader,
     StepHeader,
@@ -36,9 +37,9 @@ from executor.packing import PackedSizes
 
 @given(tokens=st.integers(0, 300), pad=st.integers(0, 64), logits=st.integers(0, 40),
        decode_phase=st.booleans(), bucket=st.one_of(st.none(), st.integers(1, 512)),
-       mode=st.sampled_from(list(Mode)), sampled=st.booleans())
+       mode=st.sampled_from(list(Mode)), sampled=st.integers(0, 300))
 def test_step_header_round_trips(tokens: int, pad: int, logits: int, decode_phase: bool,
-                                 bucket: int | None, mode: Mode, sampled: bool) -> None:
+                                 bucket: int | None, mode: Mode, sampled: int) -> None:
     seqs = tokens if decode_phase else max(1, tokens // 3)
     sizes = PackedSizes(tokens, pad, seqs, pad if decode_phase else 0, logits, decode_phase)
     header = StepHeader("decode" if decode_phase else "prefill", mode, bucket, sizes, sampled)
@@ -49,11 +50,11 @@ def test_step_header_round_trips(tokens: int, pad: int, logits: int, decode_phas
 
 def test_other_headers_round_trip_and_garbage_is_refused() -> None:
     for header in (CaptureHeader(("decode",), True), CaptureHeader(("prefill", "decode"), False),
-                   ShutdownHeader()):
+                   ForkHeader(3, 7, 129, True), ForkHeader(0, 1, 0, False), ShutdownHeader()):
         assert decode(header.encode()) == header
     with pytest.raises(ValueError, match="unknown operation"):
         decode([99] + [0] * (HEADER_LEN - 1))
-    bad = StepHeader("prefill", Mode.LOGITS, None, PackedSizes(4, 0, 1, 0, 1), True).encode()
+    bad = StepHeader("prefill", Mode.LOGITS, None, PackedSizes(4, 0, 1, 0, 1), 1).encode()
     bad[-1] += 1  # the total no longer matches the sizes
     with pytest.raises(ValueError, match="add up"):
         decode(bad)

@@ -31,7 +31,7 @@ from tests.distributed.serving import ServeProcess, alive
 LOGPROB_ATOL = 1e-4
 KV_TOKENS = 160
 TINY = ["--model", "tiny", "--kv-tokens", str(KV_TOKENS), "--max-context", "128",
-        "--max-sequences", "4", "--drain-delay", "0"]
+        "--max-sequences", "8", "--drain-delay", "0"]
 PROMPT_A = [(i * 37) % 500 + 3 for i in range(40)]
 PROMPT_B = [5, 17, 99, 4, 250, 311, 8]
 

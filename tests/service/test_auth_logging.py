@@ -99,3 +99,28 @@ def test_log_level_from_the_environment() -> None:
     assert log_level("WARNING", {LOG_LEVEL_ENV: "debug"}) == "WARNING"
     with pytest.raises(ValueError, match=LOG_LEVEL_ENV):
         log_level(None, {LOG_LEVEL_ENV: "chatty"})
+
+
+def test_rpc_log_errors_keeps_only_failed_calls(log_lines: io.StringIO) -> None:
+    """``--rpc-log errors``: successful steps write no line (they are still counted), a
+    refused call still does."""
+    harness = ServerHarness(server_config=ServerConfig(port=0, metrics_port=0,
+                                                       rpc_log="errors"))
+    try:
+        harness.wait_ready()
+        log_lines.truncate(0)
+        log_lines.seek(0)
+        harness.stub.Prefill(pb.PrefillRequest(items=[
+            pb.PrefillItem(seq_id="q", token_ids=[1, 2], sample=True)]), timeout=30)
+        harness.stub.Release(pb.ReleaseRequest(seq_ids=["q"]), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            harness.stub.Decode(pb.DecodeRequest(items=[
+                pb.DecodeItem(seq_id="gone", token_id=1)]), timeout=30)
+        rpcs = [e for e in _events(log_lines) if e.get("event") == "rpc"]
+        assert [(e["rpc"], e["code"]) for e in rpcs] == [("Executor/Decode", "NOT_FOUND")]
+        counted = harness.scrape()
+        assert counted[("grpc_server_handled_total", (
+            ("grpc_code", "OK"), ("grpc_method", "Prefill"),
+            ("grpc_service", "model_executor.v1.Executor"), ("grpc_type", "unary")))] == 1
+    finally:
+        harness.close()

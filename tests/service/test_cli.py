@@ -37,6 +37,7 @@ def test_defaults_bind_loopback_and_serve_tiny() -> None:
                                "-1", "--no-capture-at-startup", "--dtype", "bfloat16")
     assert executor.max_decode_batch == 8 and server.metrics_port is None
     assert not executor.graphs.capture_at_startup and executor.model.dtype == "bfloat16"
+    assert server.rpc_log == "all" and configs("--rpc-log", "errors")[1].rpc_log == "errors"
 
 
 def test_graph_modes_resolve_per_device() -> None:
@@ -72,8 +73,11 @@ def test_client_commands(server: ServerHarness, capsys: pytest.CaptureFixture[st
     assert first["seq_len"] == 3 and "logprob" in first
     assert main([*base, "decode", "--seq-id", "cli", "--token", str(first["token_id"])]) == 0
     assert json.loads(capsys.readouterr().out)["outputs"][0]["seq_len"] == 4
-    assert main([*base, "release", "cli", "ghost"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"released": 1, "unknown_seq_ids": ["ghost"]}
+    assert main([*base, "fork", "cli", "kid", "--prefix-len", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"seq_len": 2, "shared_tokens": 2}
+    assert main([*base, "release", "cli", "ghost", "kid"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"released": 2, "unknown_seq_ids": ["ghost"],
+                                                   "freed_tokens": 4}
 
     assert main([*base, "generate", "--tokens", "1 2 3", "--max-new-tokens", "4"]) == 0
     generated = json.loads(capsys.readouterr().out)["token_ids"]

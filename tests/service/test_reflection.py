@@ -39,11 +39,12 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     # grpcurl describe model_executor.v1.Executor / model_executor.v1.PrefillItem
     executor = pool.FindServiceByName("model_executor.v1.Executor")
     assert [m.name for m in executor.methods] == ["Prefill", "Decode", "Release", "Capture",
-                                                  "Health", "Session", "Truncate"]
+                                                  "Health", "Session", "Truncate", "Fork"]
     assert executor.FindMethodByName("Decode").output_type.full_name == \
         "model_executor.v1.DecodeResponse"
     item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")
-    assert [f.name for f in item.fields] == ["seq_id", "token_ids", "sample", "sampling"]
+    assert [f.name for f in item.fields] == ["seq_id", "token_ids", "sample", "sampling",
+                                              "every_position"]
 
     # grpcurl -d '{...}' ... model_executor.v1.Executor/Prefill, then Decode and Release
     step = call_json(server, pool, "model_executor.v1.Executor", "Prefill", {
@@ -57,7 +58,7 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     assert step["outputs"][0]["seq_len"] == 4
     released = call_json(server, pool, "model_executor.v1.Executor", "Release",
                          {"seq_ids": ["refl"]})
-    assert released == {"released": 1}
+    assert released == {"released": 1, "freed_tokens": 4}
     health = call_json(server, pool, "model_executor.v1.Executor", "Health", {})
     assert health["state"] == "SERVER_STATE_READY"
     # the standard health service, described and called the same way

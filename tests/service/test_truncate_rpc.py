@@ -47,3 +47,30 @@ def test_bad_truncates_are_refused_and_change_nothing(server: ServerHarness, seq
     assert info.value.code() == code and text in str(info.value.details())
     assert server.kv() == before
     server.stub.Release(pb.ReleaseRequest(seq_ids=["tb"]), timeout=30)
+
+
+def test_verify_a_draft_with_every_position_then_roll_back(server: ServerHarness) -> None:
+    """Speculative decoding over the wire: one Prefill scores every draft position
+    (PrefillItem.every_position), a Truncate drops the rejected tail."""
+    before = server.kv()
+    first = server.stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id="sv", token_ids=[8, 6, 7, 5, 3], sample=True)]),
+        timeout=30).outputs[0]
+    draft = [first.token_id, 11, 12, 13]
+    out = server.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id="sv", token_ids=draft, sample=True, every_position=True,
+        sampling=pb.SamplingParams(logprobs=True, top_logprobs=2))]), timeout=30).outputs[0]
+    assert len(out.positions) == 4 and out.seq_len == 9
+    assert all(p.HasField("next_token_logprob") for p in out.positions[:3])
+    assert not out.positions[3].HasField("next_token_logprob")
+    assert all(len(p.top_logprobs) == 2 and p.HasField("logprob") for p in out.positions)
+    assert out.token_id == out.positions[-1].token_id
+    accepted = next((i for i in range(3) if draft[i + 1] != out.positions[i].token_id), 3)
+    server.stub.Truncate(pb.TruncateRequest(seq_id="sv", length=6 + accepted), timeout=30)
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="sv", token_ids=[1], sample=False, every_position=True)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "every_position: needs sample" in str(info.value.details())
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["sv"]), timeout=30)
+    assert server.kv() == before

@@ -66,26 +66,30 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample", "sampling")
+    __slots__ = ("seq_id", "token_ids", "sample", "sampling", "every_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EVERY_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    every_position: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., every_position: bool = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "num_steps")
+    __slots__ = ("request_id", "items", "num_steps", "packed_outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     num_steps: int
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    packed_outputs: bool
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., packed_outputs: bool = ...) -> None: ...
 
 class DecodeItem(_message.Message):
     __slots__ = ("seq_id", "token_id", "sampling", "use_last_sampled", "stop_token_ids")
@@ -110,7 +114,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ItemOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped", "positions")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,7 @@ class ItemOutput(_message.Message):
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
@@ -125,17 +130,20 @@ class ItemOutput(_message.Message):
     seq_len: int
     steps: _containers.RepeatedCompositeFieldContainer[SampledToken]
     stopped: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ...) -> None: ...
+    positions: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ..., positions: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "next_token_logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    next_token_logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., next_token_logprob: _Optional[float] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps")
@@ -168,16 +176,32 @@ class PrefillResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
+    __slots__ = ("outputs", "step", "queue_ms", "execute_ms", "packed")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[ItemOutput]
     step: StepInfo
     queue_ms: float
     execute_ms: float
-    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+    packed: PackedOutputs
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ItemOutput, _Mapping]]] = ..., step: _Optional[_Union[StepInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., packed: _Optional[_Union[PackedOutputs, _Mapping]] = ...) -> None: ...
+
+class PackedOutputs(_message.Message):
+    __slots__ = ("token_ids", "num_tokens", "seq_lens", "logprobs", "stopped_items")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    stopped_items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stopped_items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "seq_ids")
@@ -188,12 +212,14 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released", "unknown_seq_ids")
+    __slots__ = ("released", "unknown_seq_ids", "freed_tokens")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     released: int
     unknown_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    freed_tokens: int
+    def __init__(self, released: _Optional[int] = ..., unknown_seq_ids: _Optional[_Iterable[str]] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
     __slots__ = ("seq_id", "length")
@@ -210,6 +236,28 @@ class TruncateResponse(_message.Message):
     seq_len: int
     freed_tokens: int
     def __init__(self, seq_len: _Optional[int] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("request_id", "parent_seq_id", "child_seq_id", "prefix_len")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    parent_seq_id: str
+    child_seq_id: str
+    prefix_len: int
+    def __init__(self, request_id: _Optional[str] = ..., parent_seq_id: _Optional[str] = ..., child_seq_id: _Optional[str] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("seq_len", "shared_tokens", "has_last_sampled")
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    seq_len: int
+    shared_tokens: int
+    has_last_sampled: bool
+    def __init__(self, seq_len: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., has_last_sampled: bool = ...) -> None: ...
 
 class CaptureRequest(_message.Message):
     __slots__ = ("phases", "force")
@@ -298,18 +346,22 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences")
+    __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences", "shared_tokens", "forked_sequences")
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     total_tokens: int
     free_tokens: int
     total_slots: int
     free_slots: int
     active_sequences: int
-    def __init__(self, total_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., active_sequences: _Optional[int] = ...) -> None: ...
+    shared_tokens: int
+    forked_sequences: int
+    def __init__(self, total_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., active_sequences: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., forked_sequences: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
     __slots__ = ("phase", "mode", "captured_sizes")
@@ -322,36 +374,40 @@ class GraphStatus(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "ack_failed_step")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "ack_failed_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     ACK_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillRequest
     decode: DecodeRequest
     release: ReleaseRequest
     truncate: TruncateRequest
+    fork: ForkRequest
     ack_failed_step: int
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "error")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillResponse
     decode: DecodeResponse
     release: ReleaseResponse
     truncate: TruncateResponse
+    fork: ForkResponse
     error: StepError
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "code_name", "message", "status")

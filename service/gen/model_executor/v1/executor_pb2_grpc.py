@@ -72,6 +72,11 @@ class ExecutorStub(object):
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.TruncateRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.TruncateResponse.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/model_executor.v1.Executor/Fork',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.ForkRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.ForkResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer(object):
@@ -121,14 +126,15 @@ class ExecutorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Runs prefill, decode, release and truncate steps over one stream, pipelined: the
+        """Runs prefill, decode, release, truncate and fork steps over one stream, pipelined: the
         server launches a step as soon as it arrives, while earlier steps still run on the
         device, and answers each step in step order. A decode item may continue from the token its sequence
         sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
         send step N+1 before it has read step N's tokens and the device never waits for the
         RPC boundary. Rules:
         * Order: steps apply in the order sent; each is atomic, as the unary call. A
-        release or truncate is applied after every step sent before it has finished.
+        release, truncate or fork is applied after every step sent before it has
+        finished.
         * Depth: at most `--session-depth` steps (default 2) are launched and unanswered at
         once; the server reads the next request when one is answered.
         * Failure: a step that fails is answered with SessionResponse.error (the status the
@@ -156,6 +162,20 @@ class ExecutorServicer(object):
         Decode gives `token_id`. NOT_FOUND for an unknown seq_id; INVALID_ARGUMENT for a
         length outside [0, the sequence's length]; nothing changes on failure. Truncating to
         the current length changes nothing, so a retry is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """Admits child_seq_id sharing the first prefix_len tokens of parent_seq_id's KV cache
+        (parallel sampling, beam search, a shared system prompt): nothing is copied; the
+        shared locations are reference-counted and freed when the last sequence holding them
+        is released or truncated below them. What either sequence appends afterwards is its
+        own. Prefill and Decode continue the child from prefix_len. NOT_FOUND for an unknown
+        parent; INVALID_ARGUMENT for a child id in use or a prefix_len outside [0, the
+        parent's length]; RESOURCE_EXHAUSTED (SEQUENCE_SLOTS_EXHAUSTED) when no sequence slot
+        is free; nothing changes on failure. Give it a request_id to make a retry safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +218,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Truncate,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.TruncateRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.TruncateResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.ForkRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.ForkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +417,33 @@ class Executor(object):
             '/model_executor.v1.Executor/Truncate',
             model__executor_dot_v1_dot_executor__pb2.TruncateRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.TruncateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/Fork',
+            model__executor_dot_v1_dot_executor__pb2.ForkRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.ForkResponse.FromString,
             options,
             channel_credentials,
             insecure,

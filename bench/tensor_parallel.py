@@ -1,0 +1,248 @@
+"""Tensor parallelism on several GPUs of one host: TP = 1 against TP = N, one machine, one run.
+
+``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2 --out DIR``
+
+For each shape (random bf16 weights, ``bench.shapes``) and each TP size, a real
+``model-executor serve --tensor-parallel-size N`` (decode graphs ``full``, prefill graphs
+``breakable``, Triton attention) is started and driven over gRPC:
+
+* decode at batch 1, 8 and 64 (context 512): the graph replay's time per step, read from
+  the server's ``model_executor_graph_replay_seconds`` histogram (CUDA events on rank 0,
+  all-reduces included), and the executor's step time (``StepInfo.forward_ms``, medians);
+* prefill of 2048 tokens (one sequence): ``forward_ms``, median of 3.
+
+Beside them, measured in the same run: the HBM read bandwidth of GPU 0, the per-rank floor
+(weight bytes / N / bandwidth) and the NCCL all-reduce time of one layer's activation
+(batch x hidden, bf16) across N GPUs (two per layer). Writes ``tensor_parallel.json`` and
+``tensor_parallel.md``. Needs N GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from bench.grpc_overhead import _free_port, _tokens, _wait_ready
+from bench.shapes import spec, weight_bytes, write_shape
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+BATCHES = (1, 8, 64)
+CONTEXT = 512
+PREFILL = 2048
+STEPS = 40
+
+
+def _replay_seconds(metrics_port: int) -> tuple[float, float]:
+    """(sum, count) of the decode graph replays so far."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith('model_executor_graph_replay_seconds_sum{phase="decode"}'):
+            total = float(line.split()[-1])
+        elif line.startswith('model_executor_graph_replay_seconds_count{phase="decode"}'):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def serve(model: Path, tp: int, extra: list[str] | None = None
+          ) -> tuple[subprocess.Popen[bytes], str, int]:
+    port, metrics = _free_port(), _free_port()
+    env = dict(os.environ)
+    if tp == 1:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--device",
+            "cuda", "--tensor-parallel-size", str(tp), "--port", str(port), "--metrics-port",
+            str(metrics), "--decode-graph", "full", "--prefill-graph", "breakable",
+            "--attention-backend", "triton", "--max-sequences", "80", "--max-context",
+            str(PREFILL + 64), "--kv-tokens", str(80 * (PREFILL + 64)),
+            "--max-prefill-tokens", str(PREFILL), "--max-decode-batch", str(max(BATCHES)),
+            "--drain-delay", "0", "--log-level", "WARNING", *(extra or [])]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target = f"127.0.0.1:{port}"
+    _wait_ready(target, proc, 900)
+    return proc, target, metrics
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def measure(model: Path, tp: int, vocab: int) -> dict[str, Any]:
+    proc, target, metrics = serve(model, tp)
+    out: dict[str, Any] = {"tp": tp}
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.ExecutorStub(channel)
+            for bs in BATCHES:
+                ids = [f"d{bs}-{i}" for i in range(bs)]
+                stub.Prefill(pb.PrefillRequest(items=[
+                    pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CONTEXT, vocab), sample=True)
+                    for i, s in enumerate(ids)]), timeout=300)
+                decode = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s, use_last_sampled=True)
+                                                 for s in ids])
+                for _ in range(5):
+                    stub.Decode(decode, timeout=60)
+                before = _replay_seconds(metrics)
+                forward = [stub.Decode(decode, timeout=60).step for _ in range(STEPS)]
+                after = _replay_seconds(metrics)
+                assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
+                out[f"decode_bs{bs}"] = {
+                    "replay_ms_mean": (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                    * 1e3,
+                    "forward_ms_median": statistics.median(s.forward_ms for s in forward)}
+                stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+            times = []
+            for r in range(4):
+                res = stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+                    seq_id=f"pf{r}", token_ids=_tokens(100 + r, PREFILL, vocab), sample=True)]),
+                    timeout=300)
+                times.append(res.step.forward_ms)
+                out["prefill_path"] = pb.Path.Name(res.step.path)
+                stub.Release(pb.ReleaseRequest(seq_ids=[f"pf{r}"]), timeout=60)
+            out[f"prefill_{PREFILL}_ms_median"] = statistics.median(times[1:])
+    finally:
+        stop(proc)
+    return out
+
+
+def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden: int,
+                      queue: Any) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    result = {}
+    for rows in sizes:
+        x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(100):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        result[rows] = statistics.median(times)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def allreduce_us(world: int, hidden: int) -> dict[str, float]:
+    """Median NCCL all-reduce time (µs, CUDA events on each rank) of (rows, hidden) bf16."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    sizes = [*BATCHES, PREFILL]
+    port = _free_port()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, hidden, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return {str(k): v for k, v in result.items()}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Tensor parallelism ({result['device']} x{result['gpus']}, commit "
+             f"{result['commit']})", "",
+             f"HBM read bandwidth (GPU 0): {result['read_gbs']:.0f} GB/s. Decode at context "
+             f"{CONTEXT}; replay = graph replay per step on rank 0 (all-reduces included); "
+             "floor = weight bytes per rank / bandwidth.", ""]
+    for shape, runs in result["shapes"].items():
+        lines += [f"## {shape}", "",
+                  "| TP | floor ms | " + " | ".join(f"bs{b} replay ms (x floor)"
+                                                    for b in BATCHES)
+                  + f" | prefill {PREFILL} ms |",
+                  "|---:|---:|" + "---:|" * len(BATCHES) + "---:|"]
+        for run in runs["runs"]:
+            floor = run["floor_ms"]
+            cells = [f"{run[f'decode_bs{b}']['replay_ms_mean']:.3f} "
+                     f"({run[f'decode_bs{b}']['replay_ms_mean'] / floor:.2f}x)"
+                     for b in BATCHES]
+            lines.append(f"| {run['tp']} | {floor:.3f} | " + " | ".join(cells)
+                         + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
+        ratio = runs.get("bs1_ratio")
+        if ratio is not None:
+            lines += ["", f"Decode batch 1, TP = {runs['runs'][-1]['tp']} / TP = 1: "
+                      f"{ratio:.2f} (target for the 8B: <= 0.6)."]
+        ar = runs.get("allreduce_us")
+        if ar:
+            lines += ["", "All-reduce of one (rows, hidden) bf16 activation, µs (two per "
+                      "layer): " + ", ".join(f"{k} rows {v:.1f}" for k, v in ar.items()) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.tensor_parallel needs CUDA GPUs")
+    from bench.hardware import read_bandwidth_gbs
+
+    sizes = [int(t) for t in a.tp.split(",")]
+    if max(sizes) > torch.cuda.device_count():
+        raise SystemExit(f"TP {max(sizes)} needs {max(sizes)} GPUs; "
+                         f"{torch.cuda.device_count()} here")
+    read_gbs = read_bandwidth_gbs()
+    torch.cuda.empty_cache()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0),
+                              "gpus": torch.cuda.device_count(), "read_gbs": read_gbs,
+                              "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
+                              "shapes": {}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    for shape in a.shapes.split(","):
+        started = time.perf_counter()
+        model = write_shape(shape, a.models)
+        s = spec(shape)
+        runs = []
+        for tp in sizes:
+            run = measure(model, tp, s.vocab_size)
+            run["floor_ms"] = weight_bytes(shape) / tp / (read_gbs * 1e9) * 1e3
+            runs.append(run)
+            print(json.dumps({shape: run}), flush=True)
+        entry: dict[str, Any] = {"runs": runs, "seconds": time.perf_counter() - started}
+        if len(runs) > 1:
+            entry["bs1_ratio"] = (runs[-1]["decode_bs1"]["replay_ms_mean"]
+                                  / runs[0]["decode_bs1"]["replay_ms_mean"])
+            entry["allreduce_us"] = allreduce_us(sizes[-1], s.hidden_size)
+        result["shapes"][shape] = entry
+        (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (a.out / "tensor_parallel.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Tensor parallelism on two GPUs (marker ``gpu``; skips with fewer): a real
+``serve --tensor-parallel-size 2`` on the random-weight Llama-3.2-1B shape (bf16) against
+``--tensor-parallel-size 1``, both replaying graphs with the all-reduces captured inside.
+
+Both servers get the same calls, lockstep, and decode the TP = 1 server's tokens, so one
+near-tie cannot send them down different paths. bf16 tolerance: wherever the TP = 1 top-2
+log-probability margin exceeds 0.05 the tokens must be equal, and every sampled token's
+log-probability within 0.1 (all-reduce order changes bf16 rounding)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from bench.shapes import write_shape
+from bench.tensor_parallel import serve, stop
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (tensor parallelism)")]
+
+SCORED = pb.SamplingParams(logprobs=True, top_logprobs=2)
+MARGIN, LOGPROB_ATOL = 0.05, 0.1
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_shape("llama-3.2-1b", tmp_path_factory.mktemp("tp"))
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["breakable", "tc_piecewise"])
+def servers(request: pytest.FixtureRequest, model: Path
+            ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
+    extra = ["--prefill-graph", request.param]
+    procs: list[subprocess.Popen[bytes]] = []
+    stubs = []
+    try:
+        for tp in (1, 2):
+            proc, target, _ = serve(model, tp, extra)
+            procs.append(proc)
+            stubs.append(pb_grpc.ExecutorStub(grpc.insecure_channel(target)))
+        yield stubs[0], stubs[1]
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def _agree(ref: pb.ItemOutput, got: pb.ItemOutput) -> bool:
+    (_, lp1), (_, lp2) = [(t.token_id, t.logprob) for t in ref.top_logprobs]
+    if lp1 - lp2 > MARGIN:
+        assert got.token_id == ref.token_id, (ref, got)
+    assert got.logprob == pytest.approx(ref.logprob, abs=LOGPROB_ATOL)
+    assert got.seq_len == ref.seq_len
+    return got.token_id == ref.token_id
+
+
+def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
+                                                    pb_grpc.ExecutorStub]) -> None:
+    """Chunked prefill (graph pieces), 12 decode steps at batch 3 (full decode graph), a
+    4-step decode from the tokens on the device, Release: TP = 2 reproduces TP = 1."""
+    ref, tp2 = servers
+    prompts = {"a": _tokens(1, 300), "b": _tokens(2, 45), "c": _tokens(3, 700)}
+    agree = total = 0
+
+    def both(method: str, request: object) -> tuple[object, object]:
+        return (getattr(ref, method)(request, timeout=120),
+                getattr(tp2, method)(request, timeout=120))
+
+    both("Prefill", pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[: len(p) // 2]) for s, p in prompts.items()]))
+    r, g = both("Prefill", pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[len(p) // 2:], sample=True, sampling=SCORED)
+        for s, p in prompts.items()]))
+    for resp in (r, g):
+        assert resp.step.path == pb.PATH_GRAPH  # type: ignore[attr-defined]
+    last = {}
+    for ro, go in zip(r.outputs, g.outputs, strict=True):  # type: ignore[attr-defined]
+        agree += _agree(ro, go)
+        total += 1
+        last[ro.seq_id] = ro.token_id
+    for _ in range(12):
+        r, g = both("Decode", pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id=s, token_id=t, sampling=SCORED) for s, t in last.items()]))
+        assert r.step.path == g.step.path == pb.PATH_GRAPH  # type: ignore[attr-defined]
+        for ro, go in zip(r.outputs, g.outputs, strict=True):  # type: ignore[attr-defined]
+            agree += _agree(ro, go)
+            total += 1
+            last[ro.seq_id] = ro.token_id
+    assert agree >= total - 2, f"{agree} of {total} tokens agree"
+    r, g = both("Decode", pb.DecodeRequest(num_steps=4, items=[
+        pb.DecodeItem(seq_id=s, token_id=t) for s, t in last.items()]))
+    assert [o.seq_len for o in g.outputs] == [o.seq_len for o in r.outputs]  # type: ignore[attr-defined]
+    both("Release", pb.ReleaseRequest(seq_ids=list(prompts)))
+    kv = [stub.Health(pb.HealthRequest(), timeout=10).kv for stub in (ref, tp2)]
+    assert [k.free_tokens for k in kv] == [k.total_tokens for k in kv]
