@@ -1,6 +1,6 @@
 """World size 1 through the distributed code path on CPU (gloo): the same tokens as the
 plain executor, and the collectives really run (the GPU twin, with NCCL and graphs, is
-``tests/gpu/test_tensor_parallel_gpu.py``)."""
+``tests/gpu/test_tensor_parallel_world1_gpu.py``)."""
 
 from __future__ import annotations
 
