@@ -131,7 +131,10 @@ def _assert_fails_and_exits(server: ServeProcess, rank_pid: int, why: str,
     assert not alive(rank_pid), "the failed rank's process was left behind"
     leaked = {n for n in _shm() - shm_before if n.startswith(("torch_", "nccl", "gloo"))}
     assert not leaked
-    with socket.socket() as s:  # the gRPC port is free again
+    with socket.socket() as s:  # nothing listens on the gRPC port any more
+        # (SO_REUSEADDR, as gRPC's own listener: the test's closed connections may leave
+        # the port in TIME_WAIT, which is not a listener)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", server.port))
 
 
