@@ -169,6 +169,9 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     async def rank_failed(rank: int | None, reason: str) -> None:
         if failed:
             return
+        if stop.is_set():  # shutting down (a signal to the whole process group, say)
+            log.info("rank_exited_during_shutdown", failed_rank=rank, reason=reason)
+            return
         failed.append(reason)
         log.error("rank_failed", failed_rank=rank, reason=reason, world_size=rdv.world_size)
         who = f"rank {rank}" if rank is not None else "a rank"
@@ -221,7 +224,8 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     fatal_watch.cancel()
     await server.stop(0 if failed else None)
     booted.cancel()
-    if not failed and not server.step_abandoned and built:
+    if not failed and not server.step_abandoned and built and \
+            all(p.is_alive() for p in children.values()):
         # The executor thread is done: tell the other ranks to leave their loop.
         executor = built[0][0]
         done = threading.Thread(target=executor.close, daemon=True)
