@@ -118,6 +118,9 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
     size = parallel.tensor_parallel_size if rdv is None else rdv.world_size
     try:  # before any process starts: a size the heads do not divide is one line
         rank_device(executor_config.device, 0)
+        if rdv is None and executor_config.is_cuda and torch.cuda.device_count() < size:
+            raise ConfigError(f"--tensor-parallel-size {size} needs {size} GPUs on this host "
+                              f"(one per rank); {torch.cuda.device_count()} are visible")
         check_divisible(load_hf_config(resolve_model_source(executor_config.model.source)),
                         size)
     except (ConfigError, ModelLoadError) as exc:
