@@ -21,7 +21,16 @@ LLAMA_3_1_8B: dict[str, Any] = dict(
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
-SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
+# SmolLM2-135M (the default served model) with random weights: small and odd (hidden
+# 576, 9 query and 3 KV heads), where the step is kernel count rather than bytes.
+SMOLLM2_135M: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_theta=100000.0,
+)
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B,
+          "smollm2-135m": SMOLLM2_135M}
 
 
 def hf_config(name: str) -> Any:
@@ -78,9 +87,10 @@ def model(name: str, root: Path) -> tuple[Path, Any]:
 
 def label(name: str) -> str:
     """Short name in tables: ``1B``, ``8B``, ``tiny``."""
-    return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B"}.get(name, name)
+    return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B", "smollm2-135m": "135M"}.get(name, name)
 
 
 def title(name: str) -> str:
     return {"llama-3.2-1b": "Llama-3.2-1B shape", "llama-3.1-8b": "Llama-3.1-8B shape",
+            "smollm2-135m": "SmolLM2-135M shape",
             "tiny": "embedded tiny model"}.get(name, name)

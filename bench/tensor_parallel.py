@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -69,8 +70,11 @@ def serve(model: Path, tp: int, extra: list[str] | None = None
             "--attention-backend", "triton", "--max-sequences", "80", "--max-context",
             str(PREFILL + 64), "--kv-tokens", str(80 * (PREFILL + 64)),
             "--max-prefill-tokens", str(PREFILL), "--max-decode-batch", str(max(BATCHES)),
-            "--drain-delay", "0", "--log-level", "WARNING", *(extra or [])]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            "--drain-delay", "0", *(extra or [])]
+    # The server's log (JSON lines) goes to a file: a pipe nobody reads could fill up.
+    log = open(Path(tempfile.gettempdir()) / f"tp{tp}-serve-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
     target = f"127.0.0.1:{port}"
     _wait_ready(target, proc, 900)
     return proc, target, metrics
@@ -92,9 +96,13 @@ def measure(model: Path, tp: int, vocab: int) -> dict[str, Any]:
             stub = pb_grpc.ExecutorStub(channel)
             for bs in BATCHES:
                 ids = [f"d{bs}-{i}" for i in range(bs)]
-                stub.Prefill(pb.PrefillRequest(items=[
-                    pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CONTEXT, vocab), sample=True)
-                    for i, s in enumerate(ids)]), timeout=300)
+                per_call = PREFILL // CONTEXT  # calls of at most --max-prefill-tokens
+                for start in range(0, bs, per_call):
+                    stub.Prefill(pb.PrefillRequest(items=[
+                        pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CONTEXT, vocab),
+                                       sample=True)
+                        for i, s in enumerate(ids) if start <= i < start + per_call]),
+                        timeout=300)
                 decode = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s, use_last_sampled=True)
                                                  for s in ids])
                 for _ in range(5):

@@ -243,7 +243,7 @@ class Executor:
             batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every)
             plan = _SamplePlan.of(items, alloc, rows, every)
             sample, info = self._step(batch, decision, plan.params, plan.positions,
-                                      plan.targets, remembered=len(rows))
+                                      plan.targets)
             if sample is not None:
                 self._remember_last(sample, device_tensor(
                     [alloc.extensions[i].slot for i in rows], torch.int64, self.device),
@@ -390,7 +390,7 @@ class Executor:
         if inherits:
             self.last_tokens[child.slot] = self.last_tokens[parent.slot]  # on the device
             self._last_sampled.add(child_id)
-        if self.channel is not None:  # the other ranks' tables and last tokens follow
+        if self.channel is not None:  # the other ranks' tables and last tokens too
             self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
         return ForkResult(length, length, inherits)
 
@@ -490,11 +490,9 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: list[int], targets: list[int] | None = None,
-              remembered: int | None = None) -> tuple[DeviceSample | None, StepInfo]:
-        """Run the forward (graph, compiled pieces or eager) and sample on the device.
-        ``remembered``: the sequences whose last sampled token the step keeps (default:
-        one per row), which the other ranks then receive."""
+              positions: list[int], targets: list[int] | None = None
+              ) -> tuple[DeviceSample | None, StepInfo]:
+        """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
         padded = 0
         runner = self.runners.get(batch.phase)
@@ -508,10 +506,12 @@ class Executor:
             mode = Mode.LOGITS if params else Mode.KV_ONLY
         if self.channel is not None:  # the other ranks run the same forward
             assert batch.sizes is not None
-            sampled = remembered if remembered is not None else len(params)
+            # Sequences sampled for: one row each, except an every_position item's many
+            # rows, of which only the last (the one target -1) keeps its token.
+            sampled = 0 if mode is Mode.KV_ONLY or not params else \
+                len(params) if targets is None else targets.count(-1)
             self.channel.send(StepHeader(batch.phase, mode, decision.bucket, batch.sizes,
-                                         sampled if mode is not Mode.KV_ONLY and params
-                                         else 0), batch.packed)
+                                         sampled), batch.packed)
         logits = self._forward(batch, mode, decision.bucket)
         sample = self.sampler.sample(logits, params, positions, targets) \
             if logits is not None and params else None
@@ -552,11 +552,11 @@ class Executor:
             self.last_tokens.index_copy_(0, sampled[0], sampled[1])
 
     def follow_fork(self, header: ForkHeader) -> None:
-        """Apply a fork rank 0 made (a rank other than 0): the child's table prefix and,
-        if it inherits one, its last sampled token, in stream order like rank 0's."""
-        self.table.copy_prefix(header.src_slot, header.dst_slot, header.length)
-        if header.inherits:
-            self.last_tokens[header.dst_slot] = self.last_tokens[header.src_slot]
+        """A rank other than 0: rank 0 forked a sequence; copy its table row prefix (and
+        last sampled token) the same way."""
+        self.table.copy_prefix(header.parent, header.child, header.length)
+        if header.inherit:
+            self.last_tokens[header.child] = self.last_tokens[header.parent]
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""

@@ -40,7 +40,8 @@ def missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # requested, device, dtype, shape, probe result -> backend (installed)
 INSTALLED_TABLE = [
-    ("auto", CUDA, BF16, LLAMA, WORKS, "flashinfer"),
+    # auto never picks FlashInfer (measured slower than Triton in most configurations)
+    ("auto", CUDA, BF16, LLAMA, WORKS, "triton"),
     ("auto", CUDA, BF16, LLAMA, BROKEN, "triton"),
     ("auto", CUDA, BF16, ODD_HEAD, WORKS, "triton"),  # head size FlashInfer lacks
     ("auto", CUDA, F32, LLAMA, WORKS, "torch_native"),  # neither kernel does fp32
@@ -64,29 +65,24 @@ def test_resolution_with_flashinfer_installed(requested: str, device: torch.devi
         return probe_says
 
     assert resolve_backend_name(requested, device, dtype, shape, probe) == expect
-    # The probe (which compiles kernels on a GPU) runs only when FlashInfer is a candidate.
-    candidate = requested in ("auto", "flashinfer") and device.type == "cuda" \
+    # The probe (which compiles kernels on a GPU) runs only when FlashInfer is named.
+    candidate = requested == "flashinfer" and device.type == "cuda" \
         and dtype != F32 and shape.head_dim in flashinfer_backend.FLASHINFER_HEAD_DIMS
     assert probed == ([(device, dtype, shape)] if candidate else [])
 
 
-@pytest.mark.usefixtures("missing")
-def test_auto_without_flashinfer_picks_triton_on_cuda(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("flashinfer_installed", [True, False])
+def test_auto_picks_triton_on_cuda_and_never_probes_flashinfer(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        flashinfer_installed: bool) -> None:
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_installed", lambda: flashinfer_installed)
+
     def probe(*_: object) -> str | None:
-        raise AssertionError("no probe when FlashInfer is not installed")
+        raise AssertionError("auto must not probe FlashInfer")
 
     with caplog.at_level(logging.INFO, logger="executor.attention"):
         assert resolve_backend_name("auto", CUDA, BF16, LLAMA, probe) == "triton"
-    (record,) = caplog.records
-    assert record.levelno == logging.INFO and "not installed" in record.getMessage()
-
-
-@pytest.mark.usefixtures("installed")
-def test_auto_warns_when_installed_flashinfer_fails(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="executor.attention"):
-        assert resolve_backend_name("auto", CUDA, BF16, LLAMA, lambda *_: BROKEN) == "triton"
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING and BROKEN in record.getMessage()
+    assert caplog.records == []
 
 
 # requested, device, dtype, shape, probe result -> error text (installed)

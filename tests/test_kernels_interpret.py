@@ -133,6 +133,101 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
 
 
+# -- skinny GEMM -------------------------------------------------------------------------
+SKINNY_SHAPES = [(1, 64, 64), (2, 96, 40), (3, 24, 200), (4, 130, 72)]  # M, N, K
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_skinny_gemm(dtype: torch.dtype, m: int, n: int, k: int, silu_mul: bool) -> None:
+    """Against the float32 product of the same (rounded) inputs: one rounding of a float32
+    sum, so within an ulp of the dtype; the SiLU-and-mul input rounds like the kernel's."""
+    from executor.kernels.skinny_gemm import Tile, skinny_gemm
+
+    x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, seed=13, scale=2.0)
+    w = _randn(n, k, dtype=dtype, seed=14, scale=k**-0.5)
+    a = kernels.silu_and_mul(x) if silu_mul else x
+    ref = (a.float() @ w.float().T).to(dtype)
+    for tile in (None, Tile(2, 32), Tile(16, 64)):  # masked columns and K chunks
+        got = skinny_gemm(x, w, silu_mul=silu_mul, tile=tile)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-3
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm(dtype: torch.dtype, m: int, n: int, k: int, with_residual: bool
+                          ) -> None:
+    """The fused norm rounds like the norm kernels: its new residual is bit-identical and
+    the product is within an ulp of the float32 product of the norm kernel's output."""
+    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+
+    x = _randn(m, k, dtype=dtype, seed=18, scale=2.0)
+    res = _randn(m, k, dtype=dtype, seed=19, scale=3.0) if with_residual else None
+    nw = _norm_weight(k, dtype, seed=20)
+    w = _randn(n, k, dtype=dtype, seed=21, scale=k**-0.5)
+    x_before = x.clone()
+    if res is None:
+        normed, ref_res = kernels.rms_norm(x, nw, EPS), None
+    else:
+        normed, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+    ref = (normed.float() @ w.float().T).to(dtype)
+    for tile in (None, Tile(2, 32), Tile(16, 64)):
+        got, got_res = skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        if ref_res is None:
+            assert got_res is None
+        else:
+            assert got_res is not None and torch.equal(got_res, ref_res)
+    assert torch.equal(x, x_before), "the input was written"
+
+
+def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor.kernels import skinny_gemm as sg
+
+    path = tmp_path / "tiles.json"
+    path.write_text('{"tiles": [{"prologue": 3, "n": 96, "k": 40, "tile": [8, 64, 4]},'
+                    ' {"prologue": 0, "n": 96, "k": 40, "tile": [4, 32, 8]}]}')
+    monkeypatch.setattr(sg, "TILES_FILE", path)
+    monkeypatch.setattr(sg, "_TUNED", None)
+    assert sg.pick_tile(sg.ADD_RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)
+    assert sg.pick_tile(sg.RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)  # its add-norm twin's
+    assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.Tile(4, 32, 8)
+    assert sg.pick_tile(sg.PLAIN, 2, 96, 40) == sg.default_tile(2, 96, 40)  # tuned at M = 1
+    assert sg.pick_tile(sg.SILU_MUL, 1, 96, 40) == sg.default_tile(1, 96, 40, sg.SILU_MUL)
+    x = _randn(1, 40, dtype=torch.float32, seed=22)
+    w = _randn(96, 40, dtype=torch.float32, seed=23)
+    torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(sg, "TILES_FILE", tmp_path / "absent.json")
+    monkeypatch.setattr(sg, "_TUNED", None)
+    assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.default_tile(1, 96, 40)
+
+
+def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
+    from executor.kernels import skinny_gemm
+
+    dt = torch.float16
+    plain = torch.nn.Linear(32, 48, bias=False).to(dt)
+    biased = torch.nn.Linear(32, 48, bias=True).to(dt)
+    x = _randn(skinny_gemm.MAX_ROWS, 32, dtype=dt, seed=15)
+    many = _randn(skinny_gemm.MAX_ROWS + 1, 32, dtype=dt, seed=16)
+    assert skinny_gemm.serves(x, plain) and not skinny_gemm.serves(many, plain)
+    assert not skinny_gemm.serves(x, biased) and not skinny_gemm.serves(x.float(), plain)
+    for inp, layer in ((x, plain), (many, plain), (x, biased)):
+        torch.testing.assert_close(skinny_gemm.linear(layer, inp), layer(inp),
+                                   atol=2e-3, rtol=2e-3)
+    down = torch.nn.Linear(16, 32, bias=False).to(dt)
+    gate_up = _randn(2, 32, dtype=dt, seed=17)
+    torch.testing.assert_close(
+        skinny_gemm.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
+        down(TORCH_OPS.silu_and_mul(gate_up)), atol=2e-3, rtol=2e-3)
+
+
 # -- argmax ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("rows", "cols", "block"), [(1, 1000, 128), (3, 5000, 256), (2, 7, 8),
                                                      (4, 300, 64), (2, 64, 64)])
@@ -223,6 +318,35 @@ def test_dynamo_traces_the_fused_ops_as_custom_op_nodes() -> None:
         assert any(s.startswith(f"model_executor.{name}") for s in seen), (name, seen)
 
 
+def test_dynamo_traces_the_projection_ops_without_guarding_the_token_count() -> None:
+    """Under torch.compile the projections stay F.linear (the norm and SiLU kernels their
+    custom ops), and one dynamic graph serves every token count above one (Dynamo itself
+    specializes sizes 0 and 1: one more graph for a single row)."""
+    dt, h, inter = torch.float16, 32, 48
+    norm_w = _norm_weight(h, dt, seed=24)
+    gate_up = torch.nn.Linear(h, 2 * inter, bias=False).to(dt)
+    down = torch.nn.Linear(inter, h, bias=False).to(dt)
+
+    def block(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = select_ops("triton", x)
+        gu, res = ops.add_rms_norm_linear(x, r, norm_w, EPS, gate_up)
+        return ops.silu_and_mul_linear(gu, down), ops.linear(down, gu[:, :inter]) + res[:, :h]
+
+    graphs: list[int] = []
+
+    def recording(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=recording, dynamic=True)
+    for t in (5, 3, 2, 1):
+        x, r = _randn(t, h, dtype=dt, seed=t), _randn(t, h, dtype=dt, seed=t + 1)
+        for g, e in zip(compiled(x, r), block(x, r), strict=True):
+            torch.testing.assert_close(g, e, atol=2e-3, rtol=2e-3)
+        assert len(graphs) == (1 if t > 1 else 2), (t, graphs)
+
+
 # -- whole tiny models: fused path vs torch path -----------------------------------------
 def _step_logits(ex: Executor, phase: Phase, chunks: dict[str, list[int]]) -> torch.Tensor:
     """One packed batch extending each sequence by its chunk: logits of every new token."""
@@ -237,8 +361,8 @@ def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
     ex.model.kernels = choice
     prompts = {f"{tag}a": [3, 17, 99, 4, 250, 8, 41], f"{tag}b": [5, 6, 7]}
     out = [_step_logits(ex, "prefill", prompts)]
-    for step in range(2):
-        out.append(_step_logits(ex, "decode", {s: [11 + step] for s in prompts}))
+    out.append(_step_logits(ex, "decode", {s: [11] for s in prompts}))
+    out.append(_step_logits(ex, "decode", {f"{tag}a": [12]}))  # one row: the skinny GEMMs
     ex.release(list(prompts))
     return out
 
@@ -271,7 +395,16 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
     layers = ex.spec.num_layers
     # Per forward: 2 norms and 1 RoPE and 1 SiLU-and-mul per layer (the first layer's
     # input norm has no residual to add; the final norm adds the last one).
-    assert calls == {"rms_norm": 3, "add_rms_norm": 3 * 2 * layers, "rope_qk": 3 * layers,
-                     "silu_and_mul": 3 * layers}, calls
+    # Each norm goes with the projection after it (``add_rms_norm_linear``: qkv, gate_up),
+    # o through ``linear``, down through ``silu_and_mul_linear``. The one-row decode runs
+    # them as skinny GEMMs with the norm or SiLU-and-mul fused in; the prefill and the
+    # two-row decode call the separate kernels (counted when called through ``kernels``).
+    # The final norm (add_rms_norm) runs once per forward; a qkv projection with a bias
+    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel.
+    bias = ex.spec.features.qkv_bias
+    assert calls == {"add_rms_norm_linear": 3 * 2 * layers, "linear": 3 * layers,
+                     "silu_and_mul_linear": 3 * layers, "rope_qk": 3 * layers,
+                     "silu_and_mul": 2 * layers, "rms_norm": 2 + (1 if bias else 0),
+                     "add_rms_norm": 4 * layers + (layers if bias else 1)}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)

@@ -21,6 +21,7 @@ from executor.distributed.group import _GROUPS, TensorParallel, collective
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
+    ForkHeader,
     Header,
     ShutdownHeader,
     StepHeader,
@@ -90,4 +91,4 @@ class StepChannel:
         return out
 
 
-__all__ = ["CaptureHeader", "ShutdownHeader", "StepChannel", "StepHeader"]
+__all__ = ["CaptureHeader", "ForkHeader", "ShutdownHeader", "StepChannel", "StepHeader"]

@@ -26,9 +26,9 @@ def follow(executor: Executor) -> int:
             assert packed is not None
             executor.follow(header, packed)
             steps += 1
-        elif isinstance(header, ForkHeader):
-            executor.follow_fork(header)
         elif isinstance(header, CaptureHeader):
             executor.capture(header.phases, header.force)
+        elif isinstance(header, ForkHeader):
+            executor.follow_fork(header)
         else:
             return steps

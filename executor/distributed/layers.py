@@ -40,8 +40,10 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, vocab)
+        s, n = hidden.shape[0], self.tp.size
+        if s == 0:  # a step that samples nothing: every rank has no rows, so all skip
+            return hidden.new_empty(0, self.vocab)
         local = nn.functional.linear(hidden, self.weight)  # (S, rows)
         gathered = self.tp.all_gather(local)  # (N * S, rows), rank-major
-        s, n = hidden.shape[0], self.tp.size
-        full = gathered.view(n, s, self.shard.rows).transpose(0, 1).reshape(s, -1)
+        full = gathered.view(n, s, self.shard.rows).transpose(0, 1).reshape(s, n * self.shard.rows)
         return full[:, : self.vocab]

@@ -3,15 +3,15 @@
 One int64 tensor of ``HEADER_LEN`` entries, no pickling. A step's header is followed by
 its packed batch (``executor.packing``: ``sizes.total`` int64 entries), which is all
 the other ranks need to run the same forward: the token ids, positions, the KV locations
-rank 0 allocated and where they go in the request-slot table. Nothing else about
-sequences crosses: allocation, release and truncation live on rank 0 only.
+rank 0 allocated and where they go in the request-slot table. Allocation, release and
+truncation live on rank 0 only; a fork is the one table change outside a step.
 
     STEP     phase, how the forward runs (``Mode``), bucket, the packed sizes, and how
-             many sequences' sampled tokens follow on the device group (so every rank's
-             ``last_tokens`` stays the same)
-    FORK     a forked sequence's slot-table prefix (source slot, destination slot, tokens)
-             and whether it inherits its parent's last sampled token: the only change to
-             device state outside a step
+             many sequences rank 0 samples for (then their (slot, token) pairs follow on
+             the device group, so every rank's ``last_tokens`` stays the same; an
+             ``every_position`` item samples at many rows but keeps one last token)
+    FORK     copy a prefix of one request-slot table row to another (and the parent's last
+             sampled token, when the child inherits it)
     CAPTURE  which phases, force
     SHUTDOWN leave the loop
 """
@@ -51,15 +51,15 @@ class StepHeader:
     mode: Mode
     bucket: int | None
     sizes: PackedSizes
-    # Sequences whose last sampled token rank 0 keeps after this step (0: it samples
-    # nothing); that many (slot, token) pairs follow on the device group.
+    #: Sequences rank 0 samples for in this step (0: none): their tokens follow on the
+    #: device group.
     sampled: int
 
     def encode(self) -> list[int]:
         s = self.sizes
         values = [Op.STEP, _PHASES.index(self.phase), self.mode,
                   -1 if self.bucket is None else self.bucket, s.tokens, s.token_pad,
-                  s.seqs, s.seq_pad, s.logits, int(s.has_decode_rows), self.sampled,
+                  s.seqs, s.seq_pad, s.logits, int(s.has_decode_rows), int(self.sampled),
                   s.total]
         return [int(v) for v in values]
 
@@ -77,14 +77,16 @@ class CaptureHeader:
 
 @dataclass(frozen=True)
 class ForkHeader:
-    src_slot: int
-    dst_slot: int
-    length: int  # the first ``length`` table cells of ``src_slot`` are copied
-    inherits: bool  # the child's last sampled token is the parent's
+    """Row ``child`` of the request-slot table starts with the first ``length`` entries of
+    row ``parent``; with ``inherit``, ``last_tokens[child] = last_tokens[parent]``."""
+
+    parent: int
+    child: int
+    length: int
+    inherit: bool
 
     def encode(self) -> list[int]:
-        return _padded([Op.FORK, self.src_slot, self.dst_slot, self.length,
-                        int(self.inherits)])
+        return _padded([Op.FORK, self.parent, self.child, self.length, int(self.inherit)])
 
 
 @dataclass(frozen=True)

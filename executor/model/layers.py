@@ -8,7 +8,11 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
   tightly. Used on CPU, for float32, and as the reference of the kernels' tests.
 * ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
   q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
-  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ.
+  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
+  one row (decode at batch 1, ``skinny_gemm.MAX_ROWS``) the projections of plain
+  ``nn.Linear`` layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before
+  them fused in and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by
+  summation order (about an ulp per output).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
@@ -60,6 +64,21 @@ class LayerOps(Protocol):
         """``silu(gate) * up`` for ``gate_up`` ``(T, 2 * I)`` -> ``(T, I)``."""
         ...
 
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` for a projection ``layer`` (``(T, in)`` -> ``(T, out)``)."""
+        ...
+
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(rms_norm(x + residual)), x + residual)``: a pre-norm projection; with
+        ``residual=None`` the norm of ``x`` alone, and ``x`` is the residual."""
+        ...
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """``layer(silu_and_mul(gate_up))``: the down projection of a gated MLP."""
+        ...
+
 
 class TorchOps:
     """Plain PyTorch, following the Hugging Face modules op for op."""
@@ -87,6 +106,20 @@ class TorchOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)  # type: ignore[no-any-return]
+
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return layer(self.rms_norm(x, weight, eps)), x
+        normed, residual = self.add_rms_norm(x, residual, weight, eps)
+        return layer(normed), residual
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        return layer(self.silu_and_mul(gate_up))  # type: ignore[no-any-return]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +157,25 @@ class TritonOps:
         from executor import kernels
 
         return kernels.silu_and_mul(gate_up)
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # One row (decode at batch 1) of a plain nn.Linear: the skinny GEMM; else layer(x).
+        from executor import kernels
+
+        return kernels.linear(layer, x)
+
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor, eps: float, layer: nn.Module
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        from executor import kernels
+
+        return kernels.add_rms_norm_linear(x, residual, weight, eps, layer, kernels.rms_norm,
+                                           kernels.add_rms_norm)
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        from executor import kernels
+
+        return kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
 
 
 TORCH_OPS = TorchOps()
@@ -166,6 +218,12 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x + residual), x + residual)``: the pre-norm residual step."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: nn.Module,
+                       ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(self(x + residual)), x + residual)``: the residual step and the
+        projection after it (``residual=None``: ``x`` alone, and ``x`` is the residual)."""
+        return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, layer)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -239,4 +297,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down(ops.linear(self.gate_up_proj, x), ops)
+
+    def down(self, gate_up: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """The MLP after its gate_up projection: ``gate_up`` ``(T, 2 * I)`` -> ``(T, hidden)``."""
+        return ops.silu_and_mul_linear(gate_up, self.down_proj)

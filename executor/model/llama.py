@@ -12,7 +12,8 @@ norm) does the add and the norm in one step. The sums are the same as Hugging Fa
 The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
 forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
 Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM.
+add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at one row (decode at batch 1) each
+norm is fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
 """
 
 from __future__ import annotations
@@ -57,14 +58,19 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, ops.linear(self.qkv_proj, x), backend, meta, ops)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, backend: AttentionBackend,
+               meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
+        """Everything after the qkv projection: ``qkv`` ``(T, q + 2 * kv)`` -> ``(T, hidden)``."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        return self.tp.all_reduce(ops.linear(self.o_proj, out.reshape(t, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
@@ -81,14 +87,16 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: the previous layer's MLP output (the embeddings for the first layer,
-        with ``residual=None``); returns ``(mlp_out, residual)``, not yet added."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden, ops), hidden
-        else:
-            hidden, residual = self.input_layernorm.add_forward(hidden, residual, ops)
-        hidden = self.self_attn(positions, hidden, backend, meta, ops)
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual, ops)
-        return self.tp.all_reduce(self.mlp(hidden, ops)), residual  # down_proj: row-parallel
+        with ``residual=None``); returns ``(mlp_out, residual)``, not yet added. Each norm
+        goes with the projection after it (``linear_forward``: one kernel where the ops
+        fuse them). Under tensor parallelism o_proj and down_proj are row-parallel: their
+        partial sums are all-reduced."""
+        qkv, residual = self.input_layernorm.linear_forward(
+            hidden, residual, self.self_attn.qkv_proj, ops)
+        hidden = self.self_attn.attend(positions, qkv, backend, meta, ops)
+        gate_up, residual = self.post_attention_layernorm.linear_forward(
+            hidden, residual, self.mlp.gate_up_proj, ops)
+        return self.tp.all_reduce(self.mlp.down(gate_up, ops)), residual
 
 
 @register_model(*ARCHITECTURES)

@@ -50,7 +50,7 @@ def test_step_header_round_trips(tokens: int, pad: int, logits: int, decode_phas
 
 def test_other_headers_round_trip_and_garbage_is_refused() -> None:
     for header in (CaptureHeader(("decode",), True), CaptureHeader(("prefill", "decode"), False),
-                   ForkHeader(3, 7, 129, True), ForkHeader(0, 1, 0, False), ShutdownHeader()):
+                   ForkHeader(3, 7, 120, True), ForkHeader(0, 1, 0, False), ShutdownHeader()):
         assert decode(header.encode()) == header
     with pytest.raises(ValueError, match="unknown operation"):
         decode([99] + [0] * (HEADER_LEN - 1))

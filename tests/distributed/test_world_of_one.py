@@ -1,6 +1,6 @@
 """World size 1 through the distributed code path on CPU (gloo): the same tokens as the
 plain executor, and the collectives really run (the GPU twin, with NCCL and graphs, is
-``tests/gpu/test_tensor_parallel_world1_gpu.py``)."""
+``tests/gpu/test_tensor_parallel_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,23 @@ def test_world_of_one_gives_the_plain_executors_tokens() -> None:
     assert calls.count("reduce") == forwards * (1 + 2 * layers)
     assert forwards == 2 + 6 + 4  # two prefill chunks, 6 decode steps, 4 in one call
     assert calls.count("gather") == forwards - 1  # the KV-only chunk computes no logits
+
+
+def test_lm_head_with_no_rows_runs_no_collective() -> None:
+    """A graph-replayed prefill chunk that samples nothing asks the LM head for 0 rows
+    (on two H100s this crashed a rank: a 0-row reshape(-1)); every rank has the same row
+    count, so every rank skips the all-gather."""
+    with world_of_one(torch.device("cpu")) as tp:
+        head = ParallelLMHead(10, 4, tp)
+        torch.nn.init.normal_(head.weight)
+        gathered: list[int] = []
+        original = tp.all_gather
+        object.__setattr__(tp, "all_gather",
+                           lambda x: (gathered.append(x.shape[0]), original(x))[1])
+        try:
+            assert head(torch.empty(0, 4)).shape == (0, 10) and gathered == []
+            hidden = torch.randn(3, 4)
+            torch.testing.assert_close(head(hidden), hidden @ head.weight.T)
+            assert gathered == [3]
+        finally:
+            object.__delattr__(tp, "all_gather")

@@ -178,6 +178,93 @@ def test_argmax_rows_equals_torch_argmax(rows: int, cols: int) -> None:
     assert greedy.token_ids == x.argmax(-1).tolist()
 
 
+# -- skinny GEMM (decode projections) ----------------------------------------------------
+# (in, out) of the projections of SmolLM2-135M (hidden 576, 9/3 heads), Llama-3.2-1B and
+# Llama-3.1-8B (qkv, o, gate_up, down), and odd sizes (masked columns and K chunks).
+SKINNY_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576),
+                 (2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048),
+                 (4096, 6144), (14336, 4096), (1000, 77), (200, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None:
+    """Against the float32 product of the same inputs (SiLU-and-mul by the unfused kernel):
+    one rounding of a float32 sum, so at most about an ulp of the dtype apart; and
+    against cuBLAS (``F.linear``), which rounds the same sum in another order."""
+    from executor.kernels.skinny_gemm import skinny_gemm
+
+    for m in (1, 3):  # the model uses M = 1 (MAX_ROWS); 3 covers the kernel's row blocks
+        x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, scale=2.0)
+        w = _randn(n, k, dtype=dtype, scale=k**-0.5)
+        a = kernels.silu_and_mul(x) if silu_mul else x
+        ref32 = a.float() @ w.float().T
+        got = skinny_gemm(x, w, silu_mul=silu_mul)
+        assert got.shape == (m, n) and got.dtype == dtype and not got.isnan().any()
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        err = (got.float() - ref32).abs()
+        assert (err <= ulp * ref32.abs() + 1e-3).all(), err.max()
+        torch.testing.assert_close(got, torch.nn.functional.linear(a, w),
+                                   atol=2e-3, rtol=2 * ulp)
+        assert torch.equal(skinny_gemm(x, w, silu_mul=silu_mul), got)  # deterministic
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: bool) -> None:
+    """The fused norm against the norm kernels: the new residual bit-identical, the product
+    within about an ulp of the float32 product of the norm kernel's output."""
+    from executor.kernels.skinny_gemm import skinny_norm_gemm
+
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for m in (1, 3):
+        x = _randn(m, k, dtype=dtype, scale=2.0)
+        res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
+        nw, w = _norm_weight(k, dtype), _randn(n, k, dtype=dtype, scale=k**-0.5)
+        x_before = x.clone()
+        if res is None:
+            normed, ref_res = kernels.rms_norm(x, nw, EPS), None
+        else:
+            normed, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+        ref32 = normed.float() @ w.float().T
+        got, got_res = skinny_norm_gemm(x, res, nw, EPS, w)
+        assert got.shape == (m, n) and not got.isnan().any()
+        # the norm's float32 sum of squares runs in another order: its rounded output can
+        # differ by an ulp in a few elements, hence twice the GEMM's own bound
+        err = (got.float() - ref32).abs()
+        assert (err <= 2 * ulp * ref32.abs() + 2e-3).all(), err.max()
+        if ref_res is None:
+            assert got_res is None
+        else:
+            assert got_res is not None and torch.equal(got_res, ref_res)
+        assert torch.equal(x, x_before)
+
+
+def test_every_tuned_tile_matches_the_unfused_path() -> None:
+    """The tiles of ``skinny_tiles.json`` (a re-tune rewrites them) on their own shapes."""
+    from executor.kernels import skinny_gemm as sg
+
+    dt = torch.bfloat16
+    assert sg.tuned_tiles(), "no tuned tiles shipped"
+    for (prologue, n, k), tile in sg.tuned_tiles().items():
+        w = _randn(n, k, dtype=dt, scale=k**-0.5)
+        if prologue == sg.SILU_MUL:
+            g = _randn(1, 2 * k, dtype=dt, scale=2.0)
+            got, ref = sg.skinny_gemm(g, w, silu_mul=True), kernels.silu_and_mul(g) @ w.T
+        elif prologue in (sg.RMS_NORM, sg.ADD_RMS_NORM):
+            x, r, nw = _randn(1, k, dtype=dt), _randn(1, k, dtype=dt, scale=3.0), \
+                _norm_weight(k, dt)
+            got = sg.skinny_norm_gemm(x, r, nw, EPS, w)[0]
+            ref = kernels.add_rms_norm(x, r, nw, EPS)[0] @ w.T
+        else:
+            x = _randn(1, k, dtype=dt)
+            got, ref = sg.skinny_gemm(x, w), x @ w.T
+        assert sg.pick_tile(prologue, 1, n, k) == tile
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2**-6, msg=str((prologue, n, k)))
+
+
 def test_auto_picks_the_kernels_for_half_precision_on_cuda() -> None:
     for dtype in DTYPES:
         assert select_ops("auto", torch.empty(1, dtype=dtype, device=DEVICE)) is TRITON_OPS
@@ -217,7 +304,8 @@ def _step_logits(ex: Executor, phase: Phase, chunks: dict[str, list[int]]) -> to
 
 
 def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
-    """A packed prefill of three prompts, then four decode steps: logits of each batch."""
+    """A packed prefill of three prompts, four decode steps of all three and two of one:
+    the logits of each batch."""
     ex.model.kernels = choice
     gen = torch.Generator().manual_seed(0)
     prompts = {f"{tag}{i}": torch.randint(0, 256, (n,), generator=gen).tolist()
@@ -225,6 +313,8 @@ def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
     out = [_step_logits(ex, "prefill", prompts)]
     for step in range(4):
         out.append(_step_logits(ex, "decode", {s: [17 + step] for s in prompts}))
+    for step in range(2):  # one row: the skinny GEMMs with the norms and SiLU fused in
+        out.append(_step_logits(ex, "decode", {f"{tag}0": [30 + step]}))
     ex.release(list(prompts))
     return out
 

@@ -1,0 +1,140 @@
+"""The skinny GEMM (``executor.kernels.skinny_gemm``) against what it replaces, at M = 1.
+
+``python -m bench.skinny_gemm --shape llama-3.2-1b [--sweep] [--tiles-out FILE]`` on a
+CUDA machine. For each layer projection with the input prologue the model uses (qkv and
+gate_up: residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfused
+path (the norm or SiLU kernel, then cuBLAS ``F.linear``) and the skinny kernel with its
+tile (tuned or default). ``--sweep`` times every tile of a small grid, each checked against
+the unfused output first; ``--tiles-out`` merges the best tile per (prologue, N, K) into a
+JSON file that ``skinny_gemm.TILES_FILE`` can be. Times are CUDA-graph replays over weight
+copies that exceed the L2 cache (``bench.gemm.replay_us``), so each call reads its weight
+from HBM; the weight-read floor uses the bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench import hardware, shapes
+from bench.gemm import _L2_BYTES, projections, replay_us
+
+# (block_n, block_k, num_warps) candidates at M = 1
+SWEEP = [(2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4),
+         (8, 512, 4), (8, 1024, 4), (16, 512, 4), (32, 256, 4)]
+EPS = 1e-5
+
+
+def _cases(k: int, proj: str) -> tuple[int, Callable[..., Any], Callable[..., Any]]:
+    """``(prologue, unfused(w), fused(w, tile))`` for one projection at M = 1."""
+    from executor import kernels
+    from executor.kernels import skinny_gemm as sg
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    if proj in ("qkv", "gate_up"):
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        res = torch.randn(1, k, device=dev, dtype=dt) * 3
+        nw = (1 + 0.2 * torch.randn(k, device=dev)).to(dt)
+        return (sg.ADD_RMS_NORM,
+                lambda w: F.linear(kernels.add_rms_norm(x, res, nw, EPS)[0], w),
+                lambda w, tile=None: sg.skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)[0])
+    if proj == "down":
+        g = torch.randn(1, 2 * k, device=dev, dtype=dt) * 2
+        return (sg.SILU_MUL, lambda w: F.linear(kernels.silu_and_mul(g), w),
+                lambda w, tile=None: sg.skinny_gemm(g, w, silu_mul=True, tile=tile))
+    x = torch.randn(1, k, device=dev, dtype=dt)
+    return (sg.PLAIN, lambda w: F.linear(x, w),
+            lambda w, tile=None: sg.skinny_gemm(x, w, tile=tile))
+
+
+def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
+    from executor.kernels.skinny_gemm import Tile, pick_tile
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    bw = hardware.read_bandwidth_gbs() * 1e9
+    rows = []
+    for name, (k, n) in projections(spec).items():
+        if name == "lm_head":
+            continue
+        copies = max(2, -(-_L2_BYTES // (k * n * 2)) + 1)
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(copies)]
+        prologue, unfused, fused = _cases(k, name)
+        tile = pick_tile(prologue, 1, n, k)
+        row: dict[str, Any] = {
+            "proj": name, "prologue": prologue, "n": n, "k": k,
+            "floor_us": k * n * 2 / bw * 1e6, "unfused_us": replay_us(unfused, weights),
+            "skinny_us": replay_us(functools.partial(fused, tile=tile), weights),
+            "tile": [tile.block_n, tile.block_k, tile.num_warps]}
+        if sweep:
+            ref = unfused(weights[0])
+            results: dict[str, float | str] = {}
+            for cand in SWEEP:
+                t = Tile(*cand)
+                try:
+                    torch.testing.assert_close(fused(weights[0], t), ref, atol=2e-3,
+                                               rtol=2**-6)
+                    results[str(list(cand))] = replay_us(functools.partial(fused, tile=t), weights)
+                except Exception as exc:  # a wrong or failing candidate is reported, not used
+                    results[str(list(cand))] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            timed = {c: us for c, us in results.items() if isinstance(us, float)}
+            best = min(timed, key=lambda c: timed[c])
+            row.update(sweep=results, best_tile=json.loads(best), best_us=timed[best])
+        rows.append(row)
+        print(_line(row), flush=True)
+        del weights
+    return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    best = (f"  best {row['best_us']:6.1f} tile {row['best_tile']}" if "best_us" in row else "")
+    bad = [c for c, us in row.get("sweep", {}).items() if not isinstance(us, float)]
+    return (f"{row['proj']:8} N={row['n']:<6} K={row['k']:<6} floor {row['floor_us']:6.1f} us"
+            f"  unfused {row['unfused_us']:6.1f}  skinny {row['skinny_us']:6.1f} tile "
+            f"{row['tile']}{best}" + (f"  FAILED {bad}" if bad else ""))
+
+
+def write_tiles(path: Path, rows: list[dict[str, Any]], device: str) -> None:
+    """Merge the best tiles into ``path`` (rows of other shapes kept)."""
+    old = json.loads(path.read_text())["tiles"] if path.is_file() else []
+    keep = {(r["prologue"], r["n"], r["k"]): r for r in old}
+    for r in rows:
+        keep[(r["prologue"], r["n"], r["k"])] = {
+            "prologue": r["prologue"], "n": r["n"], "k": r["k"], "tile": r["best_tile"],
+            "us": round(r["best_us"], 2), "unfused_us": round(r["unfused_us"], 2),
+            "proj": r["proj"], "device": device}
+    path.write_text(json.dumps({"tiles": sorted(keep.values(), key=lambda r: (
+        r["prologue"], r["n"], r["k"]))}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="time a grid of tiles, keep the best")
+    ap.add_argument("--tiles-out", type=Path, help="merge the best tiles into this JSON")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.skinny_gemm needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = measure(shapes.spec(args.shape), args.sweep or args.tiles_out is not None)
+    device = torch.cuda.get_device_name()
+    if args.tiles_out is not None:
+        write_tiles(args.tiles_out, rows, device)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": device, "torch": torch.__version__, "shape": args.shape}
+        (args.out / f"skinny_gemm-{args.shape}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

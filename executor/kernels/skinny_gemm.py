@@ -1,0 +1,286 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Skinny GEMM for decode: ``x @ W.T`` with few rows (``M <= MAX_ROWS``), optionally with
+SiLU-and-mul fused into its input.
+
+At batch 1 a decoder layer's projections are matrix-vector products that only stream the
+weight once; cuBLAS picks tensor-core tiles (and split-K with a second reduce kernel for the
+down projection) that reached 1.3-2.6 TB/s on an H100 for the Llama-3.2-1B shapes. Here
+each program owns ``BLOCK_N`` output columns, reads their weight rows ``(BLOCK_N, K)`` in
+``BLOCK_K`` chunks with 16-byte loads and reduces on the CUDA cores in float32. There is no
+split-K: every output is summed by one program in a fixed order, so results are
+deterministic (the order, hence the last bit, may differ between batch sizes, as cuBLAS's
+kernel choice does).
+
+``SILU_MUL``: the input is the fused gate/up output ``(M, 2K)`` and each chunk of
+``silu(gate) * up`` is computed as it is loaded, rounded exactly as
+``executor.kernels.activation`` rounds it (so the GEMM sees the same input as the unfused
+path): one launch instead of SiLU-and-mul, the down GEMM and its split-K reduce.
+
+RMSNorm prologues: the input is the residual stream before its norm, ``x`` (and the
+residual to add): each program first sums the squares of its rows (L2-resident), then
+normalizes each chunk as it loads it, rounded exactly as ``executor.kernels.norm`` rounds;
+program 0 also writes the new residual ``x + residual``. One launch instead of the norm
+kernel and the GEMM (the qkv and gate_up projections follow a norm).
+
+Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
+end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
+by an ulp of the activation dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+
+# Rows up to which the skinny kernel serves; more rows go to cuBLAS. Measured on an H100
+# (1B shape, bench.skinny_gemm): ahead of cuBLAS at M = 1, behind it from M = 2 (the CUDA
+# cores do M products per weight element).
+MAX_ROWS = 1
+
+
+# The input prologue (constexpr ``PROLOGUE``): what the kernel computes from its input
+# rows before the product. The RMSNorm ones round like executor.kernels.norm.
+PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,  # (M, K) rows, unit column stride; (M, 2K) gate|up for SILU_MUL
+    res_ptr,  # (M, K) residual in (ADD_RMS_NORM)
+    nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
+    w_ptr,  # (N, K) row-major, as nn.Linear stores it
+    out_ptr,  # (M, N)
+    res_out_ptr,  # (M, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
+    M, N, K,
+    stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+    inv_k,  # 1 / K, for the norm's mean
+    eps,
+    PROLOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    act_ty = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
+    r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+    if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
+        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            x_mask = mask_m[:, None] & (ks < K)[None, :]
+            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
+                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+                tl.store(ro_rows + ks[None, :], s, mask=x_mask & (offs_m[:, None] * 0 + pid == 0))
+            s32 = s.to(tl.float32)
+            ssq += tl.sum(s32 * s32, axis=1)
+        rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x_mask = mask_m[:, None] & mask_k[None, :]
+        if PROLOGUE == 1:  # silu(gate) * up, rounded like executor.kernels.activation
+            g = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            u = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+            x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+        elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
+            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 3:
+                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+            nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+            y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
+            x = (y * nw[None, :]).to(act_ty).to(tl.float32)
+        else:
+            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(act_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape: output columns and K chunk per program, warps per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+# Tuned tiles at M = 1, by (prologue, N, K): written by ``bench.skinny_gemm --tiles-out``
+# from a sweep on the GPU (each candidate checked against F.linear) and shipped beside this
+# module; shapes missing from it take ``default_tile``.
+TILES_FILE = Path(__file__).with_name("skinny_tiles.json")
+_TUNED: dict[tuple[int, int, int], Tile] | None = None
+
+
+def tuned_tiles() -> dict[tuple[int, int, int], Tile]:
+    """The tuned tiles of ``TILES_FILE`` (read once, at the first launch)."""
+    global _TUNED
+    if _TUNED is None:
+        _TUNED = {}
+        if TILES_FILE.is_file():
+            for row in json.loads(TILES_FILE.read_text())["tiles"]:
+                _TUNED[(row["prologue"], row["n"], row["k"])] = Tile(*row["tile"])
+    return _TUNED
+
+
+def pick_tile(prologue: int, m: int, n: int, k: int) -> Tile:
+    """The tuned tile of this shape at M = 1 if there is one, else ``default_tile``."""
+    if m == 1:  # the first layer's norm (no residual) takes its add-norm twin's tile
+        tuned = tuned_tiles().get((ADD_RMS_NORM if prologue == RMS_NORM else prologue, n, k))
+        if tuned is not None:
+            return tuned
+    return default_tile(m, n, k, prologue)
+
+
+def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
+    """Untuned shapes, by the H100 sweep of the 1B projections at M = 1 (``bench.skinny_gemm``,
+    ``bench/results/2026-11-25-h100-kernels``): chunks of up to 2048 columns; plain inputs
+    2 output columns per program with 8 warps (o: 5.5 us), fused prologues 4 columns with
+    4 warps (qkv 8.1, gate_up 29.0 against its best 28.9, down 17.5 us): each program of
+    those also reads its input rows (the norm reads them twice), so fewer, wider programs.
+    Fewer K per chunk as rows grow (M x chunk products sit in registers)."""
+    block_m = next_power_of_2(m)
+    block_k = max(64, min(next_power_of_2(k), 2048 // block_m))
+    if prologue == PLAIN:
+        return Tile(2, block_k, 8)
+    return Tile(4, block_k, 4)
+
+
+_LAUNCHERS: dict[int, FastLauncher] = {}
+
+
+def _launcher(num_warps: int) -> FastLauncher:
+    if num_warps not in _LAUNCHERS:
+        _LAUNCHERS[num_warps] = FastLauncher(_skinny_gemm_kernel, num_warps=num_warps)
+    return _LAUNCHERS[num_warps]
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+                tile: Tile | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` (M, K) and ``weight`` (N, K); with ``silu_mul``, ``x`` is
+    (M, 2K) gate|up and the product is ``silu_and_mul(x) @ weight.T``. A new (M, N) tensor.
+    Rows of ``x`` and ``weight`` must have unit column stride."""
+    k = weight.shape[1]
+    assert x.dim() == 2 and x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape)
+    return _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile)[0]
+
+
+def skinny_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, tile: Tile | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x [+ residual]) @ weight.T, x + residual)`` in one launch: the norm of
+    ``executor.kernels.norm`` (same roundings) fused into the GEMM's input; the new
+    residual is None without one. New tensors; inputs untouched."""
+    assert x.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+    prologue = RMS_NORM if residual is None else ADD_RMS_NORM
+    return _launch(x, residual, norm_weight, eps, weight, prologue, tile)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    assert x.stride(-1) == 1, "x must have contiguous rows"
+    assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be (N, K) row-major"
+    m = x.shape[0]
+    n, k = weight.shape
+    for t in (residual, norm_weight):
+        assert t is None or t.dtype == x.dtype, "inputs must share the activation dtype"
+    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m == 0 or n == 0 or k == 0:  # nothing to launch (an empty sum is zero)
+        if res_out is not None and residual is not None:
+            res_out.copy_(x + residual)
+        return out.zero_(), res_out
+    tile = tile or pick_tile(prologue, m, n, k)
+    block_m = next_power_of_2(m)
+    res_in = residual if residual is not None else x
+    res_dst = res_out if res_out is not None else out
+    nw = norm_weight if norm_weight is not None else x
+    strides = (x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0))
+    # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
+    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k)
+    _launcher(tile.num_warps).launch(
+        (cdiv(n, tile.block_n), 1, 1), key,
+        (x, res_in, nw, weight, out, res_dst, m, n, k, *strides, 1.0 / k, eps),
+        {"PROLOGUE": prologue, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
+         "BLOCK_K": tile.block_k})
+    return out, res_out
+
+
+def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:
+    """Whether ``skinny_gemm`` takes ``layer(x)``: a plain bias-free ``nn.Linear`` (any
+    other module, e.g. a tensor-parallel linear, keeps its own forward), few rows, same
+    dtype, outside a Dynamo trace (a compiled graph keeps ``F.linear``).
+
+    NOTE: the Dynamo check comes first: under a trace with a dynamic token count, testing
+    ``x.shape[0]`` would add a guard on it (a recompile, or a specialized piece)."""
+    if torch.compiler.is_compiling():
+        return False
+    return (type(layer) is torch.nn.Linear and layer.bias is None
+            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
+            and x.dtype == layer.weight.dtype and layer.weight.stride(-1) == 1)
+
+
+def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, through ``skinny_gemm`` where it serves."""
+    if serves(x, layer):
+        return skinny_gemm(x, layer.weight)  # type: ignore[arg-type]
+    return layer(x)  # type: ignore[no-any-return]
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,
+                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it serves."""
+    if serves(gate_up, layer) and gate_up.shape[1] == 2 * layer.weight.shape[1]:  # type: ignore[index]
+        return skinny_gemm(gate_up, layer.weight, silu_mul=True)  # type: ignore[arg-type]
+    return layer(silu_and_mul(gate_up))  # type: ignore[no-any-return]
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, layer: torch.nn.Module,
+                        norm: Callable[..., torch.Tensor],
+                        add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer(rms_norm(x + residual)), x + residual)`` (without a residual: the norm of
+    ``x``, and ``x`` as the residual), one ``skinny_norm_gemm`` launch where it serves;
+    else ``norm``/``add_norm`` (the norm kernels) then ``linear``."""
+    if serves(x, layer) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+        out, res_out = skinny_norm_gemm(x, residual, norm_weight, eps,
+                                        layer.weight)  # type: ignore[arg-type]
+        return out, res_out if res_out is not None else x
+    if residual is None:
+        return linear(layer, norm(x, norm_weight, eps)), x
+    normed, residual = add_norm(x, residual, norm_weight, eps)
+    return linear(layer, normed), residual
