@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import time
 from typing import Any
 
 import torch
@@ -78,3 +79,31 @@ def test_headers_and_packed_steps_cross_between_processes() -> None:
     want = [(h, None if p is None else p.tolist()) for h, p in _messages()]
     assert received[:-1] == want
     assert received[-1] == ("sampled", [[4, 0, 2], [17, 99, 5]])
+
+
+def _slow_rank(rank: int, port: int, out: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(5)  # loading its weights, longer than the collective timeout
+    tp.settle()
+    out.put((rank, tp.min_over_ranks(10 + rank)))
+    group.shutdown(tp)
+
+
+def test_settle_waits_for_a_rank_slower_than_the_collective_timeout() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe
+    procs = [ctx.Process(target=_slow_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert got == [(0, 10), (1, 10)] and [p.exitcode for p in procs] == [0, 0]
