@@ -127,6 +127,7 @@ class Executor:
 
         # -- 3. KV cache ---------------------------------------------------------------
         # Every rank holds the same locations (of its own KV heads): the fewest any fits.
+        self.tp.settle()  # ranks load their slices at different speeds
         num_tokens = self.tp.min_over_ranks(self._kv_tokens(max_context))
         self.pool = KVPool(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device)

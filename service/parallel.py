@@ -118,6 +118,9 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
     size = parallel.tensor_parallel_size if rdv is None else rdv.world_size
     try:  # before any process starts: a size the heads do not divide is one line
         rank_device(executor_config.device, 0)
+        if rdv is None and executor_config.is_cuda and torch.cuda.device_count() < size:
+            raise ConfigError(f"--tensor-parallel-size {size} needs {size} GPUs on this host "
+                              f"(one per rank); {torch.cuda.device_count()} are visible")
         check_divisible(load_hf_config(resolve_model_source(executor_config.model.source)),
                         size)
     except (ConfigError, ModelLoadError) as exc:
@@ -168,6 +171,9 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
 
     async def rank_failed(rank: int | None, reason: str) -> None:
         if failed:
+            return
+        if stop.is_set():  # shutting down (a signal to the whole process group, say)
+            log.info("rank_exited_during_shutdown", failed_rank=rank, reason=reason)
             return
         failed.append(reason)
         log.error("rank_failed", failed_rank=rank, reason=reason, world_size=rdv.world_size)
@@ -221,7 +227,8 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
     fatal_watch.cancel()
     await server.stop(0 if failed else None)
     booted.cancel()
-    if not failed and not server.step_abandoned and built:
+    if not failed and not server.step_abandoned and built and \
+            all(p.is_alive() for p in children.values()):
         # The executor thread is done: tell the other ranks to leave their loop.
         executor = built[0][0]
         done = threading.Thread(target=executor.close, daemon=True)

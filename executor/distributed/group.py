@@ -90,6 +90,7 @@ class TensorParallel:
     device_group_name: str | None = None
     control: dist.ProcessGroup | None = field(default=None, compare=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    startup: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @staticmethod
     def single() -> TensorParallel:
@@ -122,6 +123,16 @@ class TensorParallel:
             return x
         return torch.ops.model_executor.tp_all_gather(x, self.device_group_name, self.size)
 
+    def settle(self) -> None:
+        """Wait (up to ``STARTUP_TIMEOUT``) until every rank gets here: after start-up
+        work whose length differs between ranks (loading weight slices from shared
+        storage), so that the data-plane collectives after it, bounded by the much
+        shorter collective timeout, do not wait for a slow rank. A rank that dies
+        meanwhile is found by the watches of ``launch.py``, not by this wait."""
+        if self.startup is not None:
+            with collective("start-up barrier"):
+                dist.barrier(group=self.startup)
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a device-group collective, so it is
         bounded by the group's timeout)."""
@@ -141,6 +152,8 @@ class TensorParallel:
         return tuple(int(v) for v in out.tolist())
 
 
+#: How long ``settle`` waits for the slowest rank (loading a large checkpoint's slices).
+STARTUP_TIMEOUT = datetime.timedelta(hours=1)
 #: The other ranks wait on the control plane for the next step without a bound.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
@@ -165,9 +178,11 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     # (a gloo broadcast's root waits for its receivers), the others wait without bound.
     control = dist.new_group(backend="gloo",
                              timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
+    # Only for ``settle``: start-up work whose length differs between ranks.
+    startup = dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
     name = f"tp{size}-device"
     _GROUPS[name] = world
-    tp = TensorParallel(rank, size, name, control, device)
+    tp = TensorParallel(rank, size, name, control, device, startup)
     probe = tp.all_reduce(torch.ones(1, device=device))
     if int(probe.item()) != size:
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {size}")

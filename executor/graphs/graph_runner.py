@@ -83,12 +83,7 @@ class GraphRunner:
         from tqdm import tqdm
 
         if self.agree is not None and not force:
-            # Every rank must capture the same buckets: if a bucket is captured on some
-            # ranks only (one failed there earlier), all start over together.
-            # NOTE: one agreement per bucket on every rank (a list, not a short-circuit).
-            here = [self.backend.has(b) for b in self.buckets]
-            everywhere = [self.agree(h) for h in here]
-            force = not self.agree(here == everywhere)
+            force = ranks_differ([self.backend.has(b) for b in self.buckets], self.agree)
         if force:
             self.release()
         self.failed.clear()
@@ -220,3 +215,13 @@ class GraphRunner:
         self.prologue.release()
         self._meta.clear()
         self._state = None
+
+
+def ranks_differ(captured: list[bool], agree: Callable[[bool], bool]) -> bool:
+    """True, on every rank, if some bucket is captured on some ranks only (one failed
+    there earlier): then all ranks must start over together, or their captures (and the
+    collectives inside) would no longer pair up. ``captured``: this rank's, per bucket;
+    ``agree``: the all-ranks AND (a collective). NOTE: every rank makes the same number of
+    ``agree`` calls (a list, never a short-circuit)."""
+    everywhere = [agree(c) for c in captured]
+    return not agree(captured == everywhere)

@@ -3,8 +3,9 @@
 Two sequences prefilled in chunks (a first chunk that only fills the KV cache), decoded
 together, then k steps in one call continuing from the tokens left on the device, one
 rolled back with Truncate and decoded again, a prefill refused for lack of KV (nothing
-applied), releases, the same prompt admitted again into the freed locations, and a
-Session with two steps in flight.
+applied), releases, the same prompt admitted again into the freed locations, a Session
+with two steps in flight, two forks (whole and half) decoded on, and an every_position
+prefill continued from its last token.
 Every sampled token comes with its log-probability and top-5 alternatives.
 """
 
@@ -114,7 +115,32 @@ def run(stub: object, prompt_a: list[int], prompt_b: list[int], decode_steps: in
         assert kind in ("prefill", "decode"), response
         o = getattr(response, kind).outputs[0]
         out.take("p", o.token_id, o.logprob, _top(o.top_logprobs))
-    s.Release(pb.ReleaseRequest(seq_ids=["a", "b2", "p"]), timeout=30)  # type: ignore[attr-defined]
+    # Fork: the child shares all of 'p' (and its last sampled token, on the device(s)) and
+    # a second child shares half; each continues on its own
+    s.Fork(pb.ForkRequest(parent_seq_id="p", child_seq_id="p-all"), timeout=30)  # type: ignore[attr-defined]
+    half = (len(prompt_b) + 5) // 2
+    s.Fork(pb.ForkRequest(parent_seq_id="p", child_seq_id="p-half",  # type: ignore[attr-defined]
+                          prefix_len=half), timeout=30)
+    step = s.Decode(pb.DecodeRequest(items=[  # type: ignore[attr-defined]
+        pb.DecodeItem(seq_id="p-all", use_last_sampled=True, sampling=LOGPROBS),
+        pb.DecodeItem(seq_id="p-half", token_id=11, sampling=LOGPROBS)], num_steps=3),
+        timeout=120)
+    for o in step.outputs:
+        for t in o.steps:
+            out.take(o.seq_id, t.token_id, t.logprob, _top(t.top_logprobs))
+    _kv(s, out)
+    # every_position: a token after each of the prompt's tokens (speculative verification)
+    scored = s.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(  # type: ignore[attr-defined]
+        seq_id="v", token_ids=prompt_b, sample=True, every_position=True,
+        sampling=LOGPROBS)]), timeout=120)
+    for t in scored.outputs[0].positions:
+        out.take("v", t.token_id, t.logprob, _top(t.top_logprobs))
+    step = s.Decode(pb.DecodeRequest(items=[pb.DecodeItem(  # type: ignore[attr-defined]
+        seq_id="v", use_last_sampled=True, sampling=LOGPROBS)]), timeout=120)
+    o = step.outputs[0]
+    out.take("v", o.token_id, o.logprob, _top(o.top_logprobs))
+    s.Release(pb.ReleaseRequest(  # type: ignore[attr-defined]
+        seq_ids=["a", "b2", "p", "p-all", "p-half", "v"]), timeout=30)
     _kv(s, out)
     return out
 

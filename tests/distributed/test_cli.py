@@ -50,3 +50,20 @@ def test_a_size_the_heads_do_not_divide_is_refused_before_any_rank_starts() -> N
                          "model's 4 query heads, 2 KV heads and MLP width 256 (KV heads are "
                          "not replicated); sizes that work: 1, 2"), done.stderr
     assert "ranks_spawned" not in done.stdout + done.stderr
+
+
+def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from executor.config import ExecutorConfig
+    from executor.distributed.launch import ParallelConfig
+    from service.config import ServerConfig
+    from service.parallel import run
+
+    size = max(2, torch.cuda.device_count() + 1)
+    config = ExecutorConfig(device="cuda")
+    assert run(config, ServerConfig(port=0, metrics_port=None), ParallelConfig(size)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"model-executor: error: --tensor-parallel-size {size} needs {size} GPUs "
+                   f"on this host (one per rank); {torch.cuda.device_count()} are visible")

@@ -31,7 +31,7 @@ from tests.distributed.serving import ServeProcess, alive
 LOGPROB_ATOL = 1e-4
 KV_TOKENS = 160
 TINY = ["--model", "tiny", "--kv-tokens", str(KV_TOKENS), "--max-context", "128",
-        "--max-sequences", "4", "--drain-delay", "0"]
+        "--max-sequences", "8", "--drain-delay", "0"]
 PROMPT_A = [(i * 37) % 500 + 3 for i in range(40)]
 PROMPT_B = [5, 17, 99, 4, 250, 311, 8]
 
@@ -131,7 +131,10 @@ def _assert_fails_and_exits(server: ServeProcess, rank_pid: int, why: str,
     assert not alive(rank_pid), "the failed rank's process was left behind"
     leaked = {n for n in _shm() - shm_before if n.startswith(("torch_", "nccl", "gloo"))}
     assert not leaked
-    with socket.socket() as s:  # the gRPC port is free again
+    with socket.socket() as s:  # nothing listens on the gRPC port any more
+        # (SO_REUSEADDR, as gRPC's own listener: the test's closed connections may leave
+        # the port in TIME_WAIT, which is not a listener)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", server.port))
 
 

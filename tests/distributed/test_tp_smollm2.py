@@ -23,7 +23,7 @@ NAME = "smollm2-135m"
 LOGPROB_ATOL = 1e-4
 KV_TOKENS = 160
 ARGS = ["--model", NAME, "--dtype", "float32", "--kv-tokens", str(KV_TOKENS),
-        "--max-context", "128", "--max-sequences", "4", "--max-prefill-tokens", "256",
+        "--max-context", "128", "--max-sequences", "8", "--max-prefill-tokens", "256",
         "--drain-delay", "0"]
 # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_A = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]

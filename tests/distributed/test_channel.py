@@ -1,0 +1,109 @@
+"""The step channel between two real processes (gloo): every kind of header arrives as
+sent, with its packed buffer inside the header's broadcast or after it, and the sampled
+tokens land on the other rank."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor.distributed import group
+from executor.distributed.channel import StepChannel
+from executor.distributed.protocol import (
+    CaptureHeader,
+    ForkHeader,
+    Mode,
+    ShutdownHeader,
+    StepHeader,
+)
+from executor.packing import PackedSizes
+
+INLINE = 64
+
+
+def _messages() -> list[tuple[Any, torch.Tensor | None]]:
+    small = PackedSizes(5, 3, 2, 0, 2)  # 8 * 4 + 2 * 5 + 2 = 44 entries: inline
+    large = PackedSizes(30, 2, 3, 0, 3)  # 32 * 4 + 15 + 3 = 146 entries: a second message
+    return [
+        (StepHeader("prefill", Mode.LOGITS, None, small, 2), torch.arange(small.total)),
+        (StepHeader("decode", Mode.GRAPH, 8, large, 3), torch.arange(large.total) * 7),
+        (StepHeader("prefill", Mode.KV_ONLY, None, PackedSizes(0, 0, 0, 0, 0), 0),
+         torch.empty(0, dtype=torch.int64)),
+        (ForkHeader(1, 2, 33, True), None),
+        (CaptureHeader(("decode", "prefill"), False), None),
+        (ShutdownHeader(), None),
+    ]
+
+
+def _rank(rank: int, port: int, out: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=60))
+    channel = StepChannel(tp, torch.device("cpu"), inline=INLINE)
+    received = []
+    for header, packed in _messages():
+        if rank == 0:
+            channel.send(header, packed)
+        else:
+            got, got_packed = channel.receive()
+            received.append((got, None if got_packed is None else got_packed.tolist()))
+    slots, tokens = torch.tensor([4, 0, 2]), torch.tensor([17, 99, 5])
+    if rank == 0:
+        channel.send_sampled(slots, tokens)
+    else:
+        received.append(("sampled", channel.receive_sampled(3).tolist()))
+        out.put(received)
+    group.shutdown(tp)
+
+
+def test_headers_and_packed_steps_cross_between_processes() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe  # free the port for rank 0's store
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        received = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    want = [(h, None if p is None else p.tolist()) for h, p in _messages()]
+    assert received[:-1] == want
+    assert received[-1] == ("sampled", [[4, 0, 2], [17, 99, 5]])
+
+
+def _slow_rank(rank: int, port: int, out: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(5)  # loading its weights, longer than the collective timeout
+    tp.settle()
+    out.put((rank, tp.min_over_ranks(10 + rank)))
+    group.shutdown(tp)
+
+
+def test_settle_waits_for_a_rank_slower_than_the_collective_timeout() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe
+    procs = [ctx.Process(target=_slow_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert got == [(0, 10), (1, 10)] and [p.exitcode for p in procs] == [0, 0]
