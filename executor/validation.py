@@ -183,8 +183,9 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
             "num_steps", f"must be in [1, {MAX_DECODE_STEPS}] (0 or unset = 1), got {num_steps}"))
     unknown: list[tuple[str, str]] = []
     too_long: list[FieldViolation] = []
-    # Checked once per distinct parameter set: a batch usually shares a few of them.
-    sampling_ok: dict[SamplingParams, bool] = {}
+    # Checked once per distinct parameter object: a batch usually shares a few of them
+    # (keyed by identity: hashing a frozen dataclass per item costs more than the check).
+    sampling_ok: dict[int, bool] = {}
     vocab, room = limits.vocab_size, limits.servable_context - num_steps
     for i, it in enumerate(items):
         cached = seq_len(it.seq_id)
@@ -201,9 +202,9 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
             v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", vocab)
             if v is not None:
                 out.append(v)
-        ok = sampling_ok.get(it.sampling)
+        ok = sampling_ok.get(id(it.sampling))
         if ok is None:
-            ok = sampling_ok[it.sampling] = not sampling_violations(it.sampling, "")
+            ok = sampling_ok[id(it.sampling)] = not sampling_violations(it.sampling, "")
         if not ok:
             out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
         if cached is None:

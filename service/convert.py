@@ -122,12 +122,19 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
     _check_request_id(request.request_id, limits, out)
     if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
         out.raise_any()
+    # This loop runs once per decode step over every item (64 at batch 64): field paths
+    # are only formatted for a violation, and an item without sampling is GREEDY.
     items = []
+    short_ids = limits.max_seq_id_bytes // 4  # UTF-8 takes at most 4 bytes a character
     for i, item in enumerate(request.items):
-        _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
-        sampling = _sampling_of(item, f"items[{i}]", out)
-        token = None if item.use_last_sampled else item.token_id
-        items.append(DecodeItem(item.seq_id, token, sampling, tuple(item.stop_token_ids)))
+        seq_id = item.seq_id
+        if len(seq_id) > short_ids:
+            _check_seq_id(seq_id, f"items[{i}].seq_id", limits, out)
+        sampling = _sampling_of(item, f"items[{i}]", out) if item.HasField("sampling") \
+            else GREEDY
+        stops = item.stop_token_ids
+        items.append(DecodeItem(seq_id, None if item.use_last_sampled else item.token_id,
+                                sampling, tuple(stops) if stops else ()))
     out.raise_any()
     return items
 

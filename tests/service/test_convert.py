@@ -113,3 +113,23 @@ def test_message_limits_fit_the_largest_valid_request() -> None:
     response = pb.PrefillResponse(outputs=[output] * limits.max_decode_items,
                                step=pb.StepInfo(fallback_reason="x" * 64))
     assert response.ByteSize() <= limits.max_send_bytes
+
+
+@pytest.mark.parametrize(("seq_id", "ok"), [
+    ("😀" * 64, True),  # 256 bytes: the most an id may take
+    ("😀" * 65, False),  # 260 bytes in 65 characters
+    ("é" * 128, True), ("é" * 129, False), ("x" * 256, True), ("x" * 257, False),
+])
+def test_decode_item_ids_are_checked_in_bytes(seq_id: str, ok: bool) -> None:
+    """decode_items skips the byte count for ids too short to exceed it (a character takes
+    at most 4 bytes); the limit still holds in bytes at every length."""
+    limits = LIMITS
+    request = pb.DecodeRequest(items=[pb.DecodeItem(seq_id="ok", token_id=1),
+                                      pb.DecodeItem(seq_id=seq_id, token_id=2)])
+    if ok:
+        items = convert.decode_items(request, limits)
+        assert [it.seq_id for it in items] == ["ok", seq_id]
+        assert items[1].sampling is GREEDY and items[1].stop_token_ids == ()
+    else:
+        with pytest.raises(InvalidRequest, match=r"items\[1\]\.seq_id: at most 256 bytes"):
+            convert.decode_items(request, limits)
