@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,9 +32,10 @@ class SequenceState:
     length: int  # tokens whose K/V are in the cache
 
 
-@dataclass(frozen=True)
-class Extension:
-    """One sequence's part of an allocation: tokens ``prefix_len .. prefix_len+new_len-1``."""
+class Extension(NamedTuple):
+    """One sequence's part of an allocation: tokens ``prefix_len .. prefix_len+new_len-1``.
+    (A named tuple: a decode step makes one per sequence, and a tuple is built in a third
+    of a frozen dataclass's time.)"""
 
     seq_id: str
     slot: int
