@@ -131,6 +131,12 @@ class ResponseCache:
         assert not isinstance(response, pb.ForkResponse)
         return response
 
+    def get_fork(self, key: Key) -> pb.ForkResponse | None:
+        """``get`` for a Fork key."""
+        response = self.get(key)
+        assert response is None or isinstance(response, pb.ForkResponse)
+        return response
+
     def put(self, key: Key, seq_ids: Iterable[str], response: CachedResponse) -> None:
         """Keep the response of a call that succeeded, then enforce the bounds."""
         size = response.ByteSize() + len(key.request_id) + _ENTRY_OVERHEAD_BYTES

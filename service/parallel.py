@@ -43,7 +43,7 @@ from executor.model.named import resolve_model_source
 from service.config import ServerConfig
 from service.errors import StartupError
 from service.health import State
-from service.server import ExecutorServer
+from service.server import ExecutorServer, run_until_signal
 from service.worker import ExecutorLike
 
 log = structlog.get_logger(__name__)
@@ -212,21 +212,13 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         if server.metrics_port is not None else None
     log.info("serving", grpc=f"{host}:{server.port}", metrics=metrics,
              world_size=rdv.world_size, rank=0)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    booted = asyncio.create_task(server.wait_booted())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if server.boot_error is not None and not stop.is_set():
+    if not await run_until_signal(server, stop):
         failed.append(f"start-up failed: {server.boot_error}")
-    else:
-        await stopping
     if watch is not None and not failed:
         watch.expect_exit()
     beat.stop()
     fatal_watch.cancel()
     await server.stop(0 if failed else None)
-    booted.cancel()
     if not failed and not server.step_abandoned and built and \
             all(p.is_alive() for p in children.values()):
         # The executor thread is done: tell the other ranks to leave their loop.

@@ -310,6 +310,25 @@ def _bind(server: grpc.aio.Server, address: str, flag: str,
             f"{flag}") from None
 
 
+async def run_until_signal(server: ExecutorServer, stop: asyncio.Event) -> bool:
+    """Let SIGTERM and SIGINT set ``stop``, then wait: False as soon as the server's boot
+    fails (unless ``stop`` was set first), True once ``stop`` is set."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    booted = asyncio.create_task(server.wait_booted())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if server.boot_error is not None and not stop.is_set():
+            return False
+        await stopping
+        return True
+    finally:
+        booted.cancel()
+        stopping.cancel()
+
+
 async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     """Run a server until SIGTERM/SIGINT; the exit code (1 if start-up failed)."""
     server = ExecutorServer(executor_config, config)
@@ -323,21 +342,11 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     log.info("serving", grpc=f"{config.address.rsplit(':', 1)[0]}:{server.port}",
              metrics=metrics, version=__version__,
              health=config.address_of(server.health_port) if server.health_port else None)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    booted = asyncio.create_task(server.wait_booted())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if server.boot_error is not None and not stop.is_set():
-        stopping.cancel()
+    if not await run_until_signal(server, asyncio.Event()):
         await server.stop(0)
         return 1
-    await stopping
     log.info("signal_received")
     await server.stop()
-    booted.cancel()
     if server.step_abandoned:
         # The executor thread cannot be interrupted, and the interpreter would join it at
         # exit; the grace period is the bound the operator set, so leave without it.

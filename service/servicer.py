@@ -37,7 +37,7 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
 from service.idempotency import Key, ResponseCache
-from service.session import InflightSteps, SessionStream
+from service.session import InflightSteps, SessionStream, fork_once
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -209,23 +209,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     async def Fork(self, request: pb.ForkRequest,
                    context: grpc.aio.ServicerContext) -> pb.ForkResponse:
         key = self._cache.key("Fork", request)
-        cached = self._cache.get(key) if key is not None else None
-        if isinstance(cached, pb.ForkResponse):  # the original applied: never run twice
+        cached = self._cache.get_fork(key) if key is not None else None
+        if cached is not None:  # the original applied: never run twice
             return self._replayed("Fork", cached)
         self._require_ready()
         parent, child, prefix = convert.fork_args(request, self._limits)
         structlog.contextvars.bind_contextvars(parent=parent, child=child)
 
         def run(ex: ExecutorLike) -> tuple[pb.ForkResponse, bool]:
-            if key is not None and isinstance(original := self._cache.get(key),
-                                              pb.ForkResponse):
-                return original, True  # the original ran while this retry waited
-            response = convert.fork_response(ex.fork(parent, child, prefix))
-            if key is not None:
-                self._cache.put(key, [child], response)
+            response, replayed = fork_once(ex, self._cache, key, parent, child, prefix)
+            if not replayed:  # else the original ran while this retry waited
                 self._recorder.retry_cache(*self._cache.size())
-            self._update_kv(ex.kv_stats())
-            return response, False
+                self._update_kv(ex.kv_stats())
+            return response, replayed
 
         response, replayed = (await self._worker.run(run, _deadline(context))).value
         return self._replayed("Fork", response) if replayed else response

@@ -101,6 +101,18 @@ class _Entry:
     applied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def fork_once(ex: ExecutorLike, cache: ResponseCache, key: Key | None, parent: str,
+              child: str, prefix: int | None) -> tuple[pb.ForkResponse, bool]:
+    """Fork on the executor thread (so ordered with the steps) unless the call's
+    ``request_id`` already applied: ``(response, replayed)``."""
+    if key is not None and (original := cache.get_fork(key)) is not None:
+        return original, True
+    response = convert.fork_response(ex.fork(parent, child, prefix))
+    if key is not None:
+        cache.put(key, [child], response)
+    return response, False
+
+
 class SessionStream:
     def __init__(self, worker: ExecutorWorker, cache: ResponseCache, recorder: StatsRecorder,
                  limits: RequestLimits, depth: int,
@@ -291,14 +303,11 @@ class SessionStream:
             key = self._cache.key("Fork", request.fork)
 
             def run(ex: ExecutorLike) -> pb.SessionResponse:
-                if key is not None and isinstance(original := self._cache.get(key),
-                                                  pb.ForkResponse):
+                response, replayed = fork_once(ex, self._cache, key, parent, child, prefix)
+                if replayed:
                     self._recorder.retry_replayed("Fork")
-                    return pb.SessionResponse(step=step, fork=original)
-                response = convert.fork_response(ex.fork(parent, child, prefix))
-                if key is not None:
-                    self._cache.put(key, [child], response)
-                self._update_kv(ex.kv_stats())
+                else:
+                    self._update_kv(ex.kv_stats())
                 return pb.SessionResponse(step=step, fork=response)
         else:
             seq_id, length = convert.truncate_args(request.truncate, self._limits)
