@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on a multi-GPU machine for issue 22: the GPU tests of tensor parallelism and,
+# with STEPS containing "bench", bench.tensor_parallel. Run from the repo root with the
+# wheels on PYTHONPATH. Logs go to $OUT; the servers' JSON logs of a failed test too.
+# STEPS (default "tests"): any of "tests regress bench"; "regress" runs the single-GPU
+# step-path tests on GPU 1 while the world-of-one test runs on GPU 0.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-results-local}
+STEPS=${STEPS:-tests}
+SHAPES=${SHAPES:-llama-3.2-1b,llama-3.1-8b}
+mkdir -p "$OUT"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+log() { echo "== $* ($(date -u +%T))" | tee -a "$OUT/log.txt"; }
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/gpus.csv"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+if has regress; then
+  log "single-GPU step-path tests on GPU 1"
+  CUDA_VISIBLE_DEVICES=1 timeout 500 python -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_kv_primitives_gpu.py tests/gpu/test_pipelined_gpu.py \
+    tests/gpu/test_no_sync_launch.py tests/gpu/test_decode_graphs.py \
+    tests/gpu/test_prefill_graphs.py tests/gpu/test_piecewise_gpu.py \
+    > "$OUT/gpu_single_gpu_regression.log" 2>&1 &
+  regress=$!
+fi
+if has tests; then
+  log "world of one through NCCL on GPU 0"
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_tensor_parallel_gpu.py > "$OUT/gpu_world_of_one.log" 2>&1
+  log "world of one: $(tail -1 "$OUT/gpu_world_of_one.log")"
+fi
+if has regress; then
+  wait "$regress"
+  log "single GPU: $(tail -1 "$OUT/gpu_single_gpu_regression.log")"
+fi
+if has tests; then
+  log "TP=2 against TP=1 under graphs"
+  rm -f /tmp/tp*-serve-*.log
+  timeout 500 python -m pytest -q -m gpu -p no:cacheprovider -x \
+    tests/gpu/test_tensor_parallel_gpus.py > "$OUT/gpu_tp2_test.log" 2>&1
+  rc=$?
+  log "TP=2: $(tail -1 "$OUT/gpu_tp2_test.log")"
+  if [ $rc -ne 0 ]; then
+    for f in /tmp/tp*-serve-*.log; do grep -v '"level": "info"' "$f" | tail -200 > "$OUT/$(basename "$f")"; done
+  fi
+fi
+if has bench; then
+  log "bench.tensor_parallel ($SHAPES)"
+  python -m bench.tensor_parallel --shapes "$SHAPES" --tp 1,2 --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+  log "bench done"
+fi
