@@ -1,20 +1,23 @@
 """Tensor parallelism on several GPUs of one host: TP = 1 against TP = N, one machine, one run.
 
-``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2 --out DIR``
+``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2,2:nccl --out DIR``
 
-For each shape (random bf16 weights, ``bench.shapes``) and each TP size, a real
+For each shape (random bf16 weights, ``bench.shapes``) and each run of ``--tp`` (a size,
+and ``:nccl`` for ``--tp-all-reduce nccl``; ``auto`` otherwise), a real
 ``model-executor serve --tensor-parallel-size N`` (decode graphs ``full``, prefill graphs
 ``breakable``, Triton attention) is started and driven over gRPC:
 
 * decode at batch 1, 8 and 64 (context 512): the graph replay's time per step, read from
   the server's ``model_executor_graph_replay_seconds`` histogram (CUDA events on rank 0,
-  all-reduces included), and the executor's step time (``StepInfo.forward_ms``, medians);
+  all-reduces included, and so is any wait for a rank that launched its replay later),
+  and the executor's step time (``StepInfo.forward_ms``, medians);
 * prefill of 2048 tokens (one sequence): ``forward_ms``, median of 3.
 
 Beside them, measured in the same run: the HBM read bandwidth of GPU 0, the per-rank floor
-(weight bytes / N / bandwidth) and the NCCL all-reduce time of one layer's activation
-(batch x hidden, bf16) across N GPUs (two per layer). Writes ``tensor_parallel.json`` and
-``tensor_parallel.md``. Needs N GPUs.
+(weight bytes / N / bandwidth) and, for both all-reduce algorithms, the time of one
+all-reduce of a layer's activation (rows x hidden, bf16) across N GPUs inside a CUDA
+graph (two per layer), with a check that every sum is exact. Writes
+``tensor_parallel.json`` and ``tensor_parallel.md``. Needs N GPUs.
 """
 
 from __future__ import annotations
@@ -88,9 +91,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def measure(model: Path, tp: int, vocab: int) -> dict[str, Any]:
-    proc, target, metrics = serve(model, tp)
-    out: dict[str, Any] = {"tp": tp}
+def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto") -> dict[str, Any]:
+    proc, target, metrics = serve(model, tp, ["--tp-all-reduce", all_reduce])
+    out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     try:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.ExecutorStub(channel)
@@ -132,48 +135,87 @@ def measure(model: Path, tp: int, vocab: int) -> dict[str, Any]:
 
 def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden: int,
                       queue: Any) -> None:
+    """One rank: for each algorithm, the all-reduce of (rows, hidden) bf16 through
+    ``TensorParallel.all_reduce``, checked against the exact sum eagerly and inside a CUDA
+    graph, then timed as a captured run of ``GRAPH_REPEATS`` back-to-back all-reduces (as
+    in a decode graph: no launch gaps, no skew between the ranks' host threads)."""
+    import datetime
+
     import torch.distributed as dist
 
+    from executor.distributed import group
+
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    result = {}
-    for rows in sizes:
-        x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        for _ in range(20):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(100):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dist.all_reduce(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        result[rows] = statistics.median(times)
+    device = torch.device("cuda", rank)
+    result: dict[str, Any] = {}
+    for algo in ("nccl", "auto"):
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=120))
+        tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
+                        datetime.timedelta(seconds=120), algo)  # type: ignore[arg-type]
+        name = group.all_reduce_algorithm(tp)
+        times: dict[str, float] = {}
+        ok = True
+        for rows in sizes:
+            # integers stay exact in bf16 sums: rank r holds r + 1 + (i % 7)
+            base = (torch.arange(rows * hidden, device=device) % 7).view(rows, hidden)
+            x = (base + rank + 1).to(torch.bfloat16)
+            want = (base * world + world * (world + 1) // 2).to(torch.bfloat16)
+            ok &= bool(torch.equal(tp.all_reduce(x), want))
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                tp.all_reduce(x)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                outs = [tp.all_reduce(x) for _ in range(GRAPH_REPEATS)]
+            graph.replay()
+            torch.cuda.synchronize()
+            ok &= all(bool(torch.equal(o, want)) for o in outs)
+            samples = []
+            for _ in range(20):
+                dist.barrier()
+                start, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / GRAPH_REPEATS)
+            times[str(rows)] = statistics.median(samples[2:])
+            del graph, outs
+        result[algo] = {"algorithm": name, "ok": ok, "us": times}
+        group.shutdown(tp)
+        del store
+        port += 1
     if rank == 0:
         queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def allreduce_us(world: int, hidden: int) -> dict[str, float]:
-    """Median NCCL all-reduce time (µs, CUDA events on each rank) of (rows, hidden) bf16."""
+#: All-reduces per captured graph in ``allreduce_us``.
+GRAPH_REPEATS = 32
+
+
+def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
+                 ) -> dict[str, Any]:
+    """Per algorithm ("nccl", "auto"): what it resolved to, whether every sum was exact
+    (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
+    inside a captured graph, by rows."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    sizes = [*BATCHES, PREFILL]
+    sizes = sizes or [*BATCHES, PREFILL]
     port = _free_port()
     procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, hidden, queue))
              for r in range(world)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=300)
+    result: dict[str, Any] = queue.get(timeout=600)
     for p in procs:
         p.join(60)
-    return {str(k): v for k, v in result.items()}
+    return result
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -193,16 +235,22 @@ def markdown(result: dict[str, Any]) -> str:
             cells = [f"{run[f'decode_bs{b}']['replay_ms_mean']:.3f} "
                      f"({run[f'decode_bs{b}']['replay_ms_mean'] / floor:.2f}x)"
                      for b in BATCHES]
-            lines.append(f"| {run['tp']} | {floor:.3f} | " + " | ".join(cells)
+            label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
+            lines.append(f"| {label} | {floor:.3f} | " + " | ".join(cells)
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
         ratio = runs.get("bs1_ratio")
         if ratio is not None:
-            lines += ["", f"Decode batch 1, TP = {runs['runs'][-1]['tp']} / TP = 1: "
+            lines += ["", f"Decode batch 1, TP = {runs['ratio_tp']} (auto) / TP = 1: "
                       f"{ratio:.2f} (target for the 8B: <= 0.6)."]
         ar = runs.get("allreduce_us")
         if ar:
-            lines += ["", "All-reduce of one (rows, hidden) bf16 activation, µs (two per "
-                      "layer): " + ", ".join(f"{k} rows {v:.1f}" for k, v in ar.items()) + "."]
+            lines += ["", f"All-reduce of one (rows, hidden) bf16 activation across "
+                      f"{runs['ratio_tp']} GPUs inside a CUDA graph, µs (two per layer):",
+                      ""]
+            for algo, got in ar.items():
+                lines.append(f"- `--tp-all-reduce {algo}` ({got['algorithm']}, sums exact: "
+                             f"{got['ok']}): " + ", ".join(
+                                 f"{k} rows {v:.1f}" for k, v in got["us"].items()))
         lines.append("")
     return "\n".join(lines)
 
@@ -210,7 +258,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--tp", default="1,2,2:nccl",
+                    help="runs, comma-separated: a TP size, optionally :nccl or :auto "
+                    "(--tp-all-reduce; default auto)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -218,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.tensor_parallel needs CUDA GPUs")
     from bench.hardware import read_bandwidth_gbs
 
-    sizes = [int(t) for t in a.tp.split(",")]
+    variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "auto")
+                for t in a.tp.split(",")]
+    sizes = [size for size, _ in variants]
     if max(sizes) > torch.cuda.device_count():
         raise SystemExit(f"TP {max(sizes)} needs {max(sizes)} GPUs; "
                          f"{torch.cuda.device_count()} here")
@@ -234,16 +286,19 @@ def main(argv: list[str] | None = None) -> int:
         model = write_shape(shape, a.models)
         s = spec(shape)
         runs = []
-        for tp in sizes:
-            run = measure(model, tp, s.vocab_size)
+        for tp, algo in variants:
+            run = measure(model, tp, s.vocab_size, algo)
             run["floor_ms"] = weight_bytes(shape) / tp / (read_gbs * 1e9) * 1e3
             runs.append(run)
             print(json.dumps({shape: run}), flush=True)
         entry: dict[str, Any] = {"runs": runs, "seconds": time.perf_counter() - started}
-        if len(runs) > 1:
-            entry["bs1_ratio"] = (runs[-1]["decode_bs1"]["replay_ms_mean"]
-                                  / runs[0]["decode_bs1"]["replay_ms_mean"])
-            entry["allreduce_us"] = allreduce_us(sizes[-1], s.hidden_size)
+        one = [r for r in runs if r["tp"] == 1]
+        many = [r for r in runs if r["tp"] > 1 and r["all_reduce"] == "auto"]
+        if one and many:
+            entry["ratio_tp"] = many[0]["tp"]
+            entry["bs1_ratio"] = (many[0]["decode_bs1"]["replay_ms_mean"]
+                                  / one[0]["decode_bs1"]["replay_ms_mean"])
+            entry["allreduce_us"] = allreduce_us(many[0]["tp"], s.hidden_size)
         result["shapes"][shape] = entry
         (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

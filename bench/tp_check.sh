@@ -3,12 +3,17 @@
 # with STEPS containing "bench", bench.tensor_parallel. Run from the repo root with the
 # wheels on PYTHONPATH. Logs go to $OUT; the servers' JSON logs of a failed test too.
 # STEPS (default "tests"): any of "tests regress bench"; "regress" runs the single-GPU
-# step-path tests on GPU 1 while the world-of-one test runs on GPU 0.
+# step-path tests on GPU 1 while the world-of-one test runs on GPU 0. WS1_K and TP2_K are
+# pytest -k filters of the world-of-one and the 2-GPU tests; SHAPES and RUNS (--tp) the
+# benchmark's.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-results-local}
 STEPS=${STEPS:-tests}
 SHAPES=${SHAPES:-llama-3.2-1b,llama-3.1-8b}
+RUNS=${RUNS:-1,2,2:nccl}
+WS1_K=${WS1_K:-}
+TP2_K=${TP2_K:-}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $* ($(date -u +%T))" | tee -a "$OUT/log.txt"; }
@@ -26,7 +31,7 @@ fi
 if has tests; then
   log "world of one through NCCL on GPU 0"
   CUDA_VISIBLE_DEVICES=0 timeout 400 python -m pytest -q -m gpu -p no:cacheprovider \
-    tests/gpu/test_tensor_parallel_gpu.py > "$OUT/gpu_world_of_one.log" 2>&1
+    ${WS1_K:+-k "$WS1_K"} tests/gpu/test_tensor_parallel_gpu.py > "$OUT/gpu_world_of_one.log" 2>&1
   log "world of one: $(tail -1 "$OUT/gpu_world_of_one.log")"
 fi
 if has regress; then
@@ -36,7 +41,7 @@ fi
 if has tests; then
   log "TP=2 against TP=1 under graphs"
   rm -f /tmp/tp*-serve-*.log
-  timeout 500 python -m pytest -q -m gpu -p no:cacheprovider -x \
+  timeout 500 python -m pytest -q -m gpu -p no:cacheprovider -x ${TP2_K:+-k "$TP2_K"} \
     tests/gpu/test_tensor_parallel_gpus.py > "$OUT/gpu_tp2_test.log" 2>&1
   rc=$?
   log "TP=2: $(tail -1 "$OUT/gpu_tp2_test.log")"
@@ -46,6 +51,6 @@ if has tests; then
 fi
 if has bench; then
   log "bench.tensor_parallel ($SHAPES)"
-  python -m bench.tensor_parallel --shapes "$SHAPES" --tp 1,2 --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+  python -m bench.tensor_parallel --shapes "$SHAPES" --tp "$RUNS" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
   log "bench done"
 fi

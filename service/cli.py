@@ -143,6 +143,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "server turns UNHEALTHY")
     parallel.add_argument("--rank-heartbeat-timeout", type=float, default=15.0, metavar="S",
                           help="seconds without a heartbeat after which a rank has failed")
+    parallel.add_argument("--tp-all-reduce", choices=("auto", "nccl"), default="auto",
+                          help="auto: all-reduces up to 512 KiB as one symmetric-memory "
+                          "kernel over NVLink peer access where every rank can, NCCL "
+                          "otherwise; nccl: always NCCL")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "
@@ -296,7 +300,8 @@ def parallel_configs(args: argparse.Namespace, env: Mapping[str, str]
                               f"WORLD_SIZE={rendezvous.world_size} processes")
         size = rendezvous.world_size
     return ParallelConfig(1 if size is None else size, args.collective_timeout,
-                          heartbeat_timeout_s=args.rank_heartbeat_timeout), rendezvous
+                          heartbeat_timeout_s=args.rank_heartbeat_timeout,
+                          all_reduce=args.tp_all_reduce), rendezvous
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from executor.distributed.launch import rank_device
+from executor.distributed.launch import ParallelConfig, rank_device
 from executor.errors import ConfigError
 from service.cli import build_parser, parallel_configs
 from tests.distributed.serving import ROOT
@@ -30,6 +30,17 @@ def test_size_comes_from_the_flag_or_the_launcher() -> None:
         parallel_configs(_args("--tensor-parallel-size", "2"), env)
     with pytest.raises(ConfigError):
         parallel_configs(_args("--tensor-parallel-size", "0"), {})
+
+
+def test_all_reduce_algorithm_flag() -> None:
+    parallel, _ = parallel_configs(_args(), {})
+    assert parallel.all_reduce == "auto"
+    parallel, _ = parallel_configs(_args("--tp-all-reduce", "nccl"), {})
+    assert parallel.all_reduce == "nccl"
+    with pytest.raises(SystemExit):  # argparse: one line naming the choices
+        _args("--tp-all-reduce", "ring")
+    with pytest.raises(ConfigError, match="auto or nccl"):
+        ParallelConfig(2, all_reduce="ring")  # type: ignore[arg-type]
 
 
 def test_each_rank_gets_its_own_gpu() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
+from executor.distributed import group
 from executor.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from executor.executor import Executor
 from tests.distributed.world import transcript, world_of_one
@@ -25,6 +26,8 @@ def test_world_of_one_gives_the_plain_executors_tokens() -> None:
         assert isinstance(ex.model.embed_tokens, VocabParallelEmbedding)  # type: ignore[attr-defined]
         assert isinstance(ex.model.lm_head, ParallelLMHead)  # type: ignore[attr-defined]
         assert ex.channel is not None and ex.rank_memory_bytes[0] > 0
+        assert group.all_reduce_algorithm(tp) == "gloo"  # no symmetric memory on CPU
+        assert group.all_reduce_algorithm(group.TensorParallel.single()) == "none"
         # count the collectives one forward runs: embedding, 2 per layer, the LM head
         original_reduce, original_gather = tp.all_reduce, tp.all_gather
         object.__setattr__(tp, "all_reduce",

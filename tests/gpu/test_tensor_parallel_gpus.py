@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench.shapes import write_shape
-from bench.tensor_parallel import serve, stop
+from bench.tensor_parallel import allreduce_us, serve, stop
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -103,3 +103,13 @@ def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
     both("Release", pb.ReleaseRequest(seq_ids=list(prompts)))
     kv = [stub.Health(pb.HealthRequest(), timeout=10).kv for stub in (ref, tp2)]
     assert [k.free_tokens for k in kv] == [k.total_tokens for k in kv]
+
+
+def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs() -> None:
+    """Both ``--tp-all-reduce`` choices through ``TensorParallel.all_reduce`` on 2 GPUs:
+    exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
+    all-reduces; "auto" takes the symmetric-memory kernel on NVLink-connected GPUs, and
+    a size over ``ONE_SHOT_MAX_BYTES`` (600 x 2048 bf16) goes to NCCL inside it."""
+    got = allreduce_us(2, 2048, sizes=[1, 8, 64, 600])
+    assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
+    assert got["auto"] == {**got["auto"], "algorithm": "symm_mem_one_shot", "ok": True}, got
