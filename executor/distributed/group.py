@@ -18,16 +18,18 @@ each one as a single opaque node (the tc_piecewise backend compiles around it), 
 graph capture backends record whatever kernels it launches. ``TensorParallel.single()``
 is the world of one without any process group: its collectives return their input.
 
-All-reduce algorithm (``all_reduce="auto"``, the default, on CUDA with two or more ranks):
-a decode step's activations are a few KiB to 512 KiB, where NCCL's ring spends most of
-its time in latency. Up to ``ONE_SHOT_MAX_BYTES`` the all-reduce is one kernel over
-PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``): each rank copies
-its input into its own registered buffer, the ranks meet at a barrier on signal pads,
-each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink multicast) and
-sums, and a closing barrier lets the buffer be reused by the next call. Larger inputs,
-other dtypes or misaligned ones go to NCCL. "auto" falls back to NCCL everywhere when any
-rank lacks the op, peer access or the buffer (decided together, so every rank runs the
-same collectives); ``all_reduce="nccl"`` always uses NCCL.
+All-reduce algorithm: ``all_reduce="nccl"`` (the default) runs every all-reduce through
+NCCL. ``"symm_mem"`` runs those up to ``ONE_SHOT_MAX_BYTES`` (a decode step's activations)
+as one kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``):
+each rank copies its input into its own registered buffer, the ranks meet at a barrier on
+signal pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
+multicast) and sums, and a closing barrier lets the buffer be reused by the next call.
+Larger inputs, other dtypes or misaligned ones still go to NCCL, and so does everything
+when any rank lacks the op, peer access or the buffer (decided together, so every rank
+runs the same collectives). NCCL is the default because it measured faster per
+all-reduce inside a CUDA graph on two H100s (8.1 against 10.9 us for one row of 4096;
+``bench/results/2026-11-25-h100x2-tensor-parallel``); the decode step as a whole measured
+2 % faster with ``symm_mem`` in the same run, inside one run's noise.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 #: Process groups by name, for the custom ops (which cannot take a group object).
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
-#: All-reduces up to this size run as one symmetric-memory kernel ("auto"); a decode
+#: All-reduces up to this size run as one symmetric-memory kernel ("symm_mem"); a decode
 #: step's activation at batch 64 of an 8B model (64 x 4096 x bf16) is 512 KiB.
 ONE_SHOT_MAX_BYTES = 512 * 1024
-AllReduceChoice = Literal["auto", "nccl"]
+AllReduceChoice = Literal["nccl", "symm_mem"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
-         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto") -> TensorParallel:
+         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "nccl") -> TensorParallel:
     """Join the default process group over ``store`` and make this rank's two groups.
 
     ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
@@ -234,7 +236,7 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     probe = tp.all_reduce(torch.ones(1, device=device))
     if int(probe.item()) != size:
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {size}")
-    if all_reduce == "auto" and device.type == "cuda" and size > 1:
+    if all_reduce == "symm_mem" and device.type == "cuda" and size > 1:
         _setup_one_shot(tp, world)
     dist.barrier(group=control)
     return tp

@@ -108,8 +108,9 @@ def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
 def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs() -> None:
     """Both ``--tp-all-reduce`` choices through ``TensorParallel.all_reduce`` on 2 GPUs:
     exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
-    all-reduces; "auto" takes the symmetric-memory kernel on NVLink-connected GPUs, and
+    all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs, and
     a size over ``ONE_SHOT_MAX_BYTES`` (600 x 2048 bf16) goes to NCCL inside it."""
     got = allreduce_us(2, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
-    assert got["auto"] == {**got["auto"], "algorithm": "symm_mem_one_shot", "ok": True}, got
+    assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
+                               "ok": True}, got
