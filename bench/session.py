@@ -14,6 +14,11 @@ one process and one server on one machine:
 
 Per token = wall time between the first and last measured answer / steps (a batch gets
 one token per sequence per step). Ratios are to the replay span measured in the same run.
+
+``--stand-in-span-ms 1:1.27,64:1.63`` runs the same on CPU with a simulated device
+(``bench.stand_in``): the tiny model's host path, each step "running" for the span given
+for its batch; the span column is then that span. For work on the host and RPC path
+without a GPU; its figures belong to the machine it ran on.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import grpc
 import torch
 
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
+from bench.stand_in import StandInExecutor as StandInExecutorType
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
@@ -58,8 +64,14 @@ def _config(model: str, device: str, batches: list[int], steps: int) -> Executor
         attention_backend="triton" if cuda else "auto", max_decode_batch=max(batches))
 
 
-def in_process(config: ExecutorConfig, batches: list[int], steps: int) -> dict[str, Any]:
-    ex = Executor(config)
+def in_process(config: ExecutorConfig, batches: list[int], steps: int,
+               stand_in: str | None = None) -> dict[str, Any]:
+    if stand_in is not None:
+        from bench.stand_in import parse_spans
+
+        ex: Executor = StandInExecutorType(config, parse_spans(stand_in))
+    else:
+        ex = Executor(config)
     if config.is_cuda:
         ex.capture(["decode"])
     vocab = ex.model_info.vocab_size
@@ -79,6 +91,8 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int) -> dict[s
         if config.is_cuda:
             torch.cuda.synchronize()
         spans = ex.drain_replay_seconds().get("decode", [])
+        if isinstance(ex, StandInExecutorType):
+            spans = [ex.span_s(bs)] * (steps + 10)
         # Two launched ahead: the next step is launched before the previous completes.
         inflight: deque[PendingStep] = deque()
         items = [DecodeItem(s, None) for s in ids]
@@ -171,10 +185,12 @@ class Client:
 
 
 def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
-              steps: int, vocab: int) -> dict[str, Any]:
+              steps: int, vocab: int, stand_in: str | None = None) -> dict[str, Any]:
     port = _free_port()
     target = f"127.0.0.1:{port}"
-    args = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--device", device,
+    entry = ["service.cli"] if stand_in is None else \
+        ["bench.stand_in", "--span-ms", stand_in, "--"]
+    args = [sys.executable, "-m", *entry, "serve", "--model", model, "--device", device,
             "--port", str(port), "--metrics-port", "-1",
             "--max-sequences", str(config.cache.max_sequences),
             "--max-context", str(config.cache.max_context),
@@ -267,15 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", type=Path, default=Path("results-local"))
+    ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
+                    help="CPU with a simulated device (bench.stand_in), e.g. 1:1.27,64:1.63")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args.model, args.device, batches, args.steps)
-    inproc = in_process(config, batches, args.steps)
+    stand_in = args.stand_in_span_ms
+    inproc = in_process(config, batches, args.steps, stand_in)
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
-                          _vocab(args.model))
-    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-              else "cpu", "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
+                          _vocab(args.model), stand_in)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
+        f"cpu ({os.cpu_count()} CPUs)" + ("" if stand_in is None else
+                                          f", stand-in device {stand_in} ms")
+    result = {"device": device, "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
               "model": args.model, "steps": args.steps, "in_process": inproc, "grpc": grpc_rows}
     (args.out / "session.json").write_text(json.dumps(result, indent=2))
     print(render(result, args.out))

@@ -1,0 +1,47 @@
+"""``bench.stand_in``: the simulated device is one in-order queue under the real executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.stand_in import StandInExecutor, VirtualEvent, parse_spans
+from executor.api import DecodeItem, PrefillItem
+from executor.config import CacheConfig, ExecutorConfig
+
+SPAN = 0.4  # long against a launch's host time, so back-to-back launches queue
+
+
+def _executor() -> StandInExecutor:
+    return StandInExecutor(ExecutorConfig(cache=CacheConfig(kv_tokens=512, max_sequences=4,
+                                                            max_context=128),
+                                          max_decode_batch=4),
+                           parse_spans(f"1:{SPAN / 2 * 1e3},4:{SPAN * 1e3}"))
+
+
+def test_spans_by_batch() -> None:
+    ex = _executor()
+    assert ex.spans == {1: SPAN / 2, 4: SPAN}
+    assert ex.span_s(1) == SPAN / 2 and ex.span_s(2) == SPAN and ex.span_s(9) == SPAN
+
+
+def test_steps_queue_in_launch_order_and_complete_with_the_real_host_path() -> None:
+    ex = _executor()
+    ids = ["a", "b"]
+    first = ex.prefill([PrefillItem(s, [3, 4, 5]) for s in ids])  # waits for its span
+    assert [o.seq_len for o in first.outputs] == [3, 3]
+    launched = [ex.launch_decode([DecodeItem(s, None) for s in ids]) for _ in range(3)]
+    events = [step.done for step in launched]
+    assert all(isinstance(e, VirtualEvent) for e in events)
+    ready = [e.ready_at for e in events]  # type: ignore[union-attr]
+    # one queue: each step starts when the one before it ends, with the span of its batch
+    assert ready[1] - ready[0] == pytest.approx(SPAN) and ready[2] - ready[1] == pytest.approx(SPAN)
+    assert not events[2].query()  # type: ignore[union-attr]
+    ex.abort(launched[2])  # waits for its end, then rolls it back
+    assert events[2].query()  # type: ignore[union-attr]
+    results = [ex.complete(step) for step in launched[:2]]
+    assert [[o.seq_len for o in r.outputs] for r in results] == [[4, 4], [5, 5]]
+    assert ex.kv.get("a").length == 5  # type: ignore[union-attr]
+    # after the roll-back the last sampled token is gone: the next decode gives its token
+    out = ex.decode([DecodeItem("a", 7)])
+    assert out.outputs[0].seq_len == 6
+    ex.kv.check_invariants()
