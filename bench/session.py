@@ -64,6 +64,15 @@ def _config(model: str, device: str, batches: list[int], steps: int) -> Executor
         attention_backend="triton" if cuda else "auto", max_decode_batch=max(batches))
 
 
+def _complete(ex: Executor, step: PendingStep, host_s: list[float]) -> None:
+    """Complete ``step``, its host part timed into ``host_s`` apart from the device wait."""
+    if step.done is not None:
+        step.done.synchronize()
+    start = time.perf_counter()
+    ex.complete(step)
+    host_s.append(time.perf_counter() - start)
+
+
 def in_process(config: ExecutorConfig, batches: list[int], steps: int,
                stand_in: str | None = None) -> dict[str, Any]:
     if stand_in is not None:
@@ -96,18 +105,27 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int,
         # Two launched ahead: the next step is launched before the previous completes.
         inflight: deque[PendingStep] = deque()
         items = [DecodeItem(s, None) for s in ids]
+        # Host time of each launch and of each completion after its device work is done
+        # (the wait for the device timed apart): whether the host keeps up with the GPU.
+        launch_s: list[float] = []
+        complete_s: list[float] = []
+
         t0 = time.perf_counter()
         for _ in range(steps):
+            l0 = time.perf_counter()
             inflight.append(ex.launch_decode(items))
+            launch_s.append(time.perf_counter() - l0)
             if len(inflight) > 1:
-                ex.complete(inflight.popleft())
+                _complete(ex, inflight.popleft(), complete_s)
         while inflight:
-            ex.complete(inflight.popleft())
+            _complete(ex, inflight.popleft(), complete_s)
         ahead = (time.perf_counter() - t0) / steps
         ex.release(ids)
         out[str(bs)] = {"call_ms": statistics.median(times) * 1e3,
                         "span_ms": statistics.median(spans[10:]) * 1e3 if spans else None,
-                        "launched_ahead_ms": ahead * 1e3}
+                        "launched_ahead_ms": ahead * 1e3,
+                        "launch_host_us": statistics.median(launch_s) * 1e6,
+                        "complete_host_us": statistics.median(complete_s) * 1e6}
     del ex
     gc.collect()
     if config.is_cuda:
@@ -246,6 +264,16 @@ def render(result: dict[str, Any], out: Path) -> str:
                      f"| {ms(g['unary_ms'])} | {ms(g['session_1_ms'])} | {ms(g['session_2_ms'])}"
                      f" | {ms(g['session_3_ms'])} | {ms(g.get('session_2_packed_ms'))}"
                      f" | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
+    lines += ["", "In-process, two launched ahead: host time per step (medians; a completion "
+              "timed after its device work is done)", "",
+              "| batch | launch | complete | together, against the span |",
+              "|---:|---:|---:|---:|"]
+    for bs, ip in result["in_process"].items():
+        if "launch_host_us" in ip:
+            host = (ip["launch_host_us"] + ip["complete_host_us"]) / 1e3
+            share = f"{host / ip['span_ms']:.2f}x" if ip["span_ms"] else "-"
+            lines.append(f"| {bs} | {ip['launch_host_us']:.0f} us | "
+                         f"{ip['complete_host_us']:.0f} us | {share} |")
     text = "\n".join(lines) + "\n"
     (out / "session.md").write_text(text)
     try:

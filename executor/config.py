@@ -99,6 +99,9 @@ class ExecutorConfig:
     attention_backend: str = "auto"  # "auto" or a registered attention backend
     max_prefill_tokens: int = 8192  # packed tokens in one Prefill call
     max_decode_batch: int = 256  # sequences in one Decode call
+    #: RoPE inside the Triton decode attention kernel instead of its own launch per layer
+    #: (experimental, off until measured on a GPU; ``executor/attention/triton_kernels``).
+    fuse_decode_rope: bool = False
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),

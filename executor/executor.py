@@ -144,6 +144,13 @@ class Executor:
 
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
+        if config.fuse_decode_rope:
+            rotary = getattr(self.model, "rotary", None)
+            if not self.attn.can_fuse_decode_rope or rotary is None or spec.features.qk_norm:
+                raise ConfigError(
+                    f"--fuse-decode-rope needs the triton attention backend (this one is "
+                    f"{backend_name!r}) and a model with RoPE and no per-head q/k norm")
+            self.attn.fuse_decode_rope(rotary.cos, rotary.sin)
         self.sampler = Sampler()
         # Each sequence's last sampled token, by request slot, written by sampling on the
         # device; a decode item without a token reads it there (``USE_LAST_SAMPLED``).

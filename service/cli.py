@@ -52,6 +52,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="weight dtype (default: float32 on CPU, bfloat16 on CUDA)")
     model.add_argument("--attention-backend", default="auto",
                        choices=("auto", *available_backends()))
+    model.add_argument("--fuse-decode-rope", action="store_true",
+                       help="experimental: RoPE inside the triton decode attention kernel "
+                       "instead of a launch of its own per layer (not yet measured on a GPU)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -204,7 +207,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                            compile_cache_dir=_compile_cache_dir(args.compile_cache_dir),
                            compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
-        max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch)
+        max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
+        fuse_decode_rope=args.fuse_decode_rope)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -151,3 +151,45 @@ def test_decode_graph_hooks_interpreted() -> None:
     assert set(changed) <= {0, *batch.out_cache_loc.tolist()}
     eager = tri.forward(q[:2], k[:2], v[:2], LAYER, tri.build_metadata(batch))
     torch.testing.assert_close(out[:2].float(), eager.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
+    ([5, 40, 130], 8, 2, 16, None),  # several splits: each rotates its own q
+    ([1, 70], 4, 1, 24, 1),  # one cached token; head_dim not a power of two; one split
+])
+def test_decode_with_fused_rope_interpreted(prefix_lens: list[int], heads: int, kv_heads: int,
+                                            head_dim: int, num_sms: int | None) -> None:
+    """``fuse_decode_rope``: q and k given unrotated, rotated in the decode kernel at each
+    sequence's new position, give the same output and the same stored key as rotating
+    them first (``TorchOps.rope``, the torch ops' rounding) and running the plain kernel."""
+    from executor.model.layers import RotaryEmbedding, TorchOps
+    from executor.model.spec import RopeSpec
+
+    pool, table, batch = paged_case(prefix_lens, [1] * len(prefix_lens), heads, kv_heads,
+                                    head_dim, seed=3)
+    shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(batch.num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.to(DTYPE).split([heads * head_dim, kv_heads * head_dim,
+                                   kv_heads * head_dim], dim=1)
+    q = q.view(-1, heads, head_dim)
+    k, v = k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim, max(prefix_lens) + 8)
+    positions = torch.tensor(prefix_lens)  # the new token of each sequence
+    q_rot, k_rot = TorchOps().rope(positions, q, k, rotary.cos, rotary.sin, None, None, 0.0)
+
+    plain = TritonBackend(shape, pool, table)
+    fused = TritonBackend(shape, pool, table)
+    fused.fuse_decode_rope(rotary.cos, rotary.sin)
+    if num_sms is not None:
+        plain.num_sms = fused.num_sms = num_sms
+    meta = plain.build_metadata(batch)
+    assert fused.fuses_rope(meta) and not plain.fuses_rope(meta)
+    pool_before = pool.k_buffer.clone()
+    want = plain.forward(q_rot, k_rot, v, LAYER, meta)
+    stored = pool.k_buffer.clone()
+    assert not torch.equal(stored, pool_before)  # the plain kernel stored the rotated key
+    pool.k_buffer.copy_(pool_before)
+    got = fused.forward(q, k, v, LAYER, fused.build_metadata(batch))
+    assert torch.equal(pool.k_buffer, stored)  # the fused kernel stored the same key
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

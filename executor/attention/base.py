@@ -111,6 +111,23 @@ class AttentionBackend(ABC):
         ``batch.batch_size`` become padding); called outside the graph before replay."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
+    # -- fused RoPE ----------------------------------------------------------------------
+    #: True when the backend can apply RoPE itself inside its decode kernel
+    #: (``fuse_decode_rope``): the model then skips its own RoPE launch for those forwards.
+    can_fuse_decode_rope: ClassVar[bool] = False
+
+    def fuse_decode_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """From now on, decode forwards take q and k unrotated and rotate them with these
+        float32 ``(positions, head_dim)`` tables (``RotaryEmbedding``) at each sequence's
+        new position. Only for models without a per-head q/k norm before RoPE."""
+        del cos, sin
+        raise NotImplementedError(f"attention backend {self.name!r} cannot fuse RoPE")
+
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether ``forward`` with ``meta`` applies RoPE itself (the caller must not)."""
+        del meta
+        return False
+
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The static ``(3, bucket)`` rows (``packing.DECODE_ROW_FIELDS``) of decode capture
         metadata ``meta``, when refreshing it from a bucket-padded batch is exactly one

@@ -108,6 +108,15 @@ class TritonBackend(AttentionBackend):
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else _DEFAULT_NUM_SMS)
         self.graph_buffers: DecodeGraphBuffers | None = None
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    can_fuse_decode_rope: ClassVar[bool] = True
+
+    def fuse_decode_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.rope_tables = (cos, sin)
+
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        return self.rope_tables is not None and isinstance(meta, TritonDecodeMetadata)
 
     def num_splits(self, batch_size: int) -> int:
         """Split-KV factor of a decode of ``batch_size`` rows (lengths play no part)."""
@@ -149,7 +158,7 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale)
+                             meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,

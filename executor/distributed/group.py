@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -278,7 +279,9 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8
-            symm_mem.enable_symm_mem_for_group(world.group_name)
+            with warnings.catch_warnings():  # deprecated (a no-op) in later versions
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(world.group_name)
         raw = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
         symm_mem.rendezvous(raw, world.group_name)
         one_shot = _OneShot({dt: raw.view(dt) for dt in (torch.bfloat16, torch.float16,

@@ -162,6 +162,14 @@ class BreakingAttention(AttentionBackend):
     def build_metadata(self, batch: Any) -> AttentionMetadata:
         return self.inner.build_metadata(batch)
 
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        """As the inner backend does for the bound batch: the model asks while its pieces
+        are captured (or run uncaptured), and the eager attention between them then gets
+        q and k as the model left them."""
+        del meta
+        bound = self.scope.meta
+        return bound is not None and self.inner.fuses_rope(bound)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``meta`` is ignored: the batch bound to the scope (dummy while capturing, the

@@ -68,7 +68,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
+        if not backend.fuses_rope(meta):  # else its decode kernel rotates q and k
+            q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta)  # (T, heads, head_dim)
         return self.tp.all_reduce(ops.linear(self.o_proj, out.reshape(t, self.q_size)))
 

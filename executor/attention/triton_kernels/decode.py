@@ -14,7 +14,12 @@ Design (page size 1; a sequence's KV is read through its request-slot table row)
   (a multiple of ``SPLIT_ALIGN`` tokens), computed in the kernel from its length. Programs
   past the last chunk read nothing.
 * The new token's K/V arrive in registers, not from the pool: split 0 writes them to the
-  pool at ``out_cache_loc`` (the fused store) and seeds its softmax with them. A padded
+  pool at ``out_cache_loc`` (the fused store) and seeds its softmax with them. With
+  ``rope`` tables, q and the new k arrive unrotated and every program rotates them itself
+  at position ``seq_len - 1`` (neox rotate-half, rounded per operation like
+  ``executor.kernels.rope``): no separate RoPE launch per layer, and the new key is
+  rotated once, where it is stored (the earlier attempt that rotated cached keys in the
+  loop was slower, ``bench/results/2026-11-25-h100-rope-in-attention-reverted``). A padded
   graph row (``seq_len`` 1, ``out_cache_loc`` 0) therefore reads no table entry at all
   and writes only the reserved location 0.
 * Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch
@@ -76,6 +81,8 @@ def _decode_split_kernel(
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
     out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
+    cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
+    stride_cos,
     sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     group,  # query heads per KV head
     num_splits,  # the grid's third axis
@@ -93,6 +100,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
+    ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,11 +122,25 @@ def _decode_split_kernel(
         pool_dtype = k_pool_ptr.dtype.element_ty
 
         # (BLOCK_H, BLOCK_D)
-        q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
-                    mask=mask_hd, other=0.0)
-        # (BLOCK_D,), rounded through the pool dtype exactly as a pool read would be.
-        k_new = tl.load(k_new_ptr + b * stride_kn_t + kvh * stride_kn_h + offs_d,
-                        mask=mask_d, other=0.0).to(pool_dtype)
+        q_rows = q_ptr + b * stride_q_t + heads[:, None] * stride_q_h
+        q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
+        k_row = k_new_ptr + b * stride_kn_t + kvh * stride_kn_h
+        k_new = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
+        if ROPE:
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each element's
+            # partner is half a head away; both halves of a table row are equal.
+            half = HEAD_DIM // 2
+            partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+            sign = tl.where(offs_d < half, -1.0, 1.0)
+            cs_row = cached.to(tl.int64) * stride_cos  # the new token's position
+            c = tl.load(cos_ptr + cs_row + offs_d, mask=mask_d, other=0.0)
+            s = tl.load(sin_ptr + cs_row + offs_d, mask=mask_d, other=0.0)
+            q = _rotate_half_rope(q, tl.load(q_rows + partner[None, :], mask=mask_hd,
+                                              other=0.0), c[None, :], s[None, :], sign[None, :])
+            k_new = _rotate_half_rope(k_new, tl.load(k_row + partner, mask=mask_d, other=0.0),
+                                      c, s, sign)
+        # Rounded through the pool dtype exactly as a pool read would be.
+        k_new = k_new.to(pool_dtype)
         v_new = tl.load(v_new_ptr + b * stride_vn_t + kvh * stride_vn_h + offs_d,
                         mask=mask_d, other=0.0).to(pool_dtype)
         is_first = split == 0
@@ -171,6 +193,18 @@ def _decode_split_kernel(
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
 
 
+@triton.jit
+def _rotate_half_rope(x, partner, c, s, sign):
+    """``x * cos + sign * partner * sin`` in ``x``'s dtype, each product and the sum
+    rounded to it (cos and sin first), as ``executor.kernels.rope`` and the torch ops do."""
+    act = x.dtype
+    c = c.to(act).to(tl.float32)
+    s = s.to(act).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(act).to(tl.float32)
+    b = (partner.to(tl.float32) * sign * s).to(act).to(tl.float32)
+    return (a + b).to(act)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_reduce_kernel(
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32
@@ -219,12 +253,15 @@ def decode_attention(
     mid_o: torch.Tensor | None,  # (B, heads, num_splits, head_dim) fp32 scratch
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
     The split count is ``mid_o.shape[2]``; without scratch (``None``) it is 1. The launch
     shape depends on ``B`` and the split count only, so it may be captured in a CUDA
-    graph: lengths, slots and locations are read on the device.
+    graph: lengths, slots and locations are read on the device. With ``rope`` (float32
+    tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
+    rotated here at position ``seq_len - 1``; the pool receives the rotated key.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -242,9 +279,17 @@ def decode_attention(
         assert mid_o.stride(-1) == 1 and mid_lse.stride(-1) == 1
     block_d = triton.next_power_of_2(head_dim)
     scale_log2 = sm_scale * math.log2(math.e)
+    if rope is not None:
+        cos, sin = rope
+        assert cos.shape == sin.shape and cos.shape[1] == head_dim and head_dim % 2 == 0
+        assert cos.stride() == sin.stride() and cos.stride(1) == 1
+        assert cos.dtype == sin.dtype == torch.float32
+    else:
+        cos = sin = out  # never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
+        cos, sin, cos.stride(0),
         scale_log2, group, num_splits,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1),
@@ -260,6 +305,7 @@ def decode_attention(
         BLOCK_N=BLOCK_N,
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
+        ROPE=rope is not None,
         num_warps=4,
         num_stages=2,
     )

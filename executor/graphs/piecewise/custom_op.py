@@ -173,6 +173,9 @@ class OpAttention(AttentionBackend):
         meta, n = self.scope.meta, self.scope.num_tokens
         if meta is None:
             raise RuntimeError("tc_piecewise attention without a bound batch (BatchScope.bind)")
+        # The model rotated q and k (``fuses_rope`` is False here): the inner backend must
+        # not again. tc_piecewise serves prefill only, which no backend fuses.
+        assert not self.inner.fuses_rope(meta), "tc_piecewise attention with fused RoPE"
         t = q.shape[0]
         if n > t:
             raise RuntimeError(f"bound batch has {n} tokens but the forward has only {t}")

@@ -1,0 +1,109 @@
+"""``fuse_decode_rope``: who applies RoPE when the attention backend can.
+
+The Triton decode kernel's own rotation is checked in ``tests/test_triton_interpret.py``
+(and ``tests/gpu/test_fused_rope_gpu.py`` on a GPU); here, on CPU, the model's side: with a
+backend that rotates decode q/k itself, the model must skip its RoPE for exactly those
+forwards (decode; never prefill), also through the breakable graph wrapper, and the
+tokens must equal the plain path's.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+from executor.api import DecodeItem, PrefillItem
+from executor.attention.base import AttentionMetadata
+from executor.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
+from executor.config import CacheConfig, ExecutorConfig
+from executor.errors import ConfigError
+from executor.executor import Executor
+from executor.graphs.backends import BatchScope
+from executor.graphs.breakable import BreakingAttention
+from executor.model.layers import TorchOps
+
+CONFIG = ExecutorConfig(cache=CacheConfig(kv_tokens=512, max_sequences=4, max_context=128),
+                        max_decode_batch=4, max_prefill_tokens=256)
+
+
+class FusingTorchNative(TorchNativeBackend):
+    """torch_native that rotates decode q/k itself, as the Triton decode kernel does:
+    at each sequence's new position (its prefix length)."""
+
+    can_fuse_decode_rope: ClassVar[bool] = True
+
+    def __init__(self, inner: TorchNativeBackend) -> None:
+        super().__init__(inner.shape, inner.pool, inner.table)
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rotated = 0  # forwards that rotated here
+
+    def fuse_decode_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.tables = (cos, sin)
+
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        return self.tables is not None and isinstance(meta, TorchNativeMetadata) \
+            and all(n == 1 and prefix > 0 for _, prefix, n, _ in meta.seqs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.fuses_rope(meta):
+            assert isinstance(meta, TorchNativeMetadata) and self.tables is not None
+            positions = torch.tensor([prefix for _, prefix, _, _ in meta.seqs])
+            q, k = TorchOps().rope(positions, q, k, *self.tables, None, None, 0.0)
+            self.rotated += 1
+        return super().forward(q, k, v, layer_id, meta)
+
+
+def _transcript(ex: Executor) -> list[list[int]]:
+    prompts = [[3, 9, 27, 81, 243], [5, 25, 125, 113, 53, 7, 8]]
+    ids = ["a", "b"]
+    out = ex.prefill([PrefillItem(s, p) for s, p in zip(ids, prompts, strict=True)])
+    tokens = [[int(o.token_id)] for o in out.outputs]  # type: ignore[arg-type]
+    for _ in range(5):
+        step = ex.decode([DecodeItem(s, t[-1]) for s, t in zip(ids, tokens, strict=True)])
+        for t, o in zip(tokens, step.outputs, strict=True):
+            t.append(int(o.token_id))  # type: ignore[arg-type]
+    return tokens
+
+
+def test_the_model_skips_rope_exactly_where_the_backend_rotates() -> None:
+    want = _transcript(Executor(CONFIG))
+    ex = Executor(CONFIG)
+    fusing = FusingTorchNative(ex.attn)  # type: ignore[arg-type]
+    ex.attn = fusing
+    fusing.fuse_decode_rope(ex.model.rotary.cos, ex.model.rotary.sin)  # type: ignore[attr-defined]
+    calls: list[int] = []
+    rope = ex.model.rotary.forward  # type: ignore[attr-defined]
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return rope(*args, **kwargs)
+
+    ex.model.rotary.forward = counted  # type: ignore[attr-defined]
+    assert _transcript(ex) == want
+    layers = ex.spec.num_layers
+    assert fusing.rotated == 5 * layers  # every decode layer rotated in the backend
+    assert len(calls) == layers  # the model rotated only for the prefill
+
+
+def test_breakable_wrapper_answers_for_the_bound_batch() -> None:
+    ex = Executor(CONFIG)
+    fusing = FusingTorchNative(ex.attn)  # type: ignore[arg-type]
+    fusing.fuse_decode_rope(ex.model.rotary.cos, ex.model.rotary.sin)  # type: ignore[attr-defined]
+    scope = BatchScope()
+    wrapper = BreakingAttention(fusing, object(), scope)  # type: ignore[arg-type]
+    assert not wrapper.fuses_rope(AttentionMetadata())  # nothing bound
+    ex.prefill([PrefillItem("a", [3, 4, 5])])
+    decode = ex.build_batch("decode", [6], ex.kv.allocate([("a", 1)]), [0])
+    prefill = ex.build_batch("prefill", [7, 8], ex.kv.allocate([("b", 2)]), [0])
+    with scope.bind(fusing.build_metadata(decode), 1):
+        assert wrapper.fuses_rope(AttentionMetadata())
+    with scope.bind(fusing.build_metadata(prefill), 2):
+        assert not wrapper.fuses_rope(AttentionMetadata())
+
+
+def test_the_flag_needs_a_backend_that_fuses() -> None:
+    with pytest.raises(ConfigError, match="triton"):
+        Executor(ExecutorConfig(cache=CONFIG.cache, fuse_decode_rope=True))  # torch_native
