@@ -14,6 +14,8 @@ one process and one server on one machine:
 
 Per token = wall time between the first and last measured answer / steps (a batch gets
 one token per sequence per step). Ratios are to the replay span measured in the same run.
+``--rounds N`` measures each gRPC mode N times, the modes interleaved round by round, and
+reports medians (one machine's host speed drifts within minutes).
 
 ``--stand-in-span-ms 1:1.27,64:1.63`` runs the same on CPU with a simulated device
 (``bench.stand_in``): the tiny model's host path, each step "running" for the span given
@@ -203,7 +205,10 @@ class Client:
 
 
 def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
-              steps: int, vocab: int, stand_in: str | None = None) -> dict[str, Any]:
+              steps: int, vocab: int, stand_in: str | None = None, rounds: int = 1
+              ) -> dict[str, Any]:
+    """Each mode ``rounds`` times, the modes interleaved round by round (host speed
+    drifts within minutes on the lent machines); the median per mode, and every round."""
     port = _free_port()
     target = f"127.0.0.1:{port}"
     entry = ["service.cli"] if stand_in is None else \
@@ -223,18 +228,24 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
         _wait_ready(target, proc, 900)
         client = Client(target, vocab)
         for bs in batches:
-            row: dict[str, float] = {}
-            for name, run in (
-                    ("unary", lambda i, t: client.unary(i, t, steps)),
-                    ("session_1", lambda i, t: client.session(i, t, steps, 1)),
-                    ("session_2", lambda i, t: client.session(i, t, steps, 2)),
-                    ("session_3", lambda i, t: client.session(i, t, steps, 3)),
-                    ("session_2_packed", lambda i, t: client.session(i, t, steps, 2, True)),
-                    ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
-                ids = [f"{name}-{bs}-{i}" for i in range(bs)]
-                row[name + "_ms"] = run(ids, client.admit(ids)) * 1e3
-                row.update({f"{name}_{k}": v for k, v in client.diagnostics().items()})
-                client.release(ids)
+            row: dict[str, Any] = {}
+            every: dict[str, list[float]] = {}
+            for r in range(rounds):
+                for name, run in (
+                        ("unary", lambda i, t: client.unary(i, t, steps)),
+                        ("session_1", lambda i, t: client.session(i, t, steps, 1)),
+                        ("session_2", lambda i, t: client.session(i, t, steps, 2)),
+                        ("session_3", lambda i, t: client.session(i, t, steps, 3)),
+                        ("session_2_packed", lambda i, t: client.session(i, t, steps, 2, True)),
+                        ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
+                    ids = [f"{name}-{bs}-{r}-{i}" for i in range(bs)]
+                    every.setdefault(name + "_ms", []).append(
+                        run(ids, client.admit(ids)) * 1e3)
+                    row.update({f"{name}_{k}": v for k, v in client.diagnostics().items()})
+                    client.release(ids)
+            for key, values in every.items():
+                row[key] = statistics.median(values)
+                row[key + "_rounds"] = values
             out[str(bs)] = row
     finally:
         proc.terminate()
@@ -264,6 +275,11 @@ def render(result: dict[str, Any], out: Path) -> str:
                      f"| {ms(g['unary_ms'])} | {ms(g['session_1_ms'])} | {ms(g['session_2_ms'])}"
                      f" | {ms(g['session_3_ms'])} | {ms(g.get('session_2_packed_ms'))}"
                      f" | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
+    for bs, g in result["grpc"].items():
+        spread = g.get("session_2_ms_rounds", [])
+        if len(spread) > 1:
+            lines.append(f"\nBatch {bs}, (c) in each of {len(spread)} interleaved rounds: "
+                         + ", ".join(f"{v:.3f}" for v in spread) + " ms (the table: medians).")
     lines += ["", "In-process, two launched ahead: host time per step (medians; a completion "
               "timed after its device work is done)", "",
               "| batch | launch | complete | together, against the span |",
@@ -311,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", type=Path, default=Path("results-local"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every gRPC mode this many times, interleaved; medians")
     ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
                     help="CPU with a simulated device (bench.stand_in), e.g. 1:1.27,64:1.63")
     args = ap.parse_args(argv)
@@ -320,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     stand_in = args.stand_in_span_ms
     inproc = in_process(config, batches, args.steps, stand_in)
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
-                          _vocab(args.model), stand_in)
+                          _vocab(args.model), stand_in, args.rounds)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"cpu ({os.cpu_count()} CPUs)" + ("" if stand_in is None else
                                           f", stand-in device {stand_in} ms")
     result = {"device": device, "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
-              "model": args.model, "steps": args.steps, "in_process": inproc, "grpc": grpc_rows}
+              "model": args.model, "steps": args.steps, "rounds": args.rounds,
+              "in_process": inproc, "grpc": grpc_rows}
     (args.out / "session.json").write_text(json.dumps(result, indent=2))
     print(render(result, args.out))
     return 0
