@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
@@ -108,14 +108,14 @@ class SampledToken:
     next_token_logprob: float | None = None
 
 
-@dataclass(frozen=True)
-class ItemOutput:
+class ItemOutput(NamedTuple):
     """Result for one item, in request order. ``token_id`` is None when nothing was sampled.
 
     A multi-step decode lists every token it returns in ``steps`` (in order, ending at a
     stop token if one came) and reports the last of them in ``token_id``, ``logprob`` and
     ``top_logprobs``; ``stopped`` says a stop token ended it. ``seq_len`` counts every
-    token whose K/V the sequence holds."""
+    token whose K/V the sequence holds. (A named tuple: every step makes one per item, in
+    a third of a frozen dataclass's time.)"""
 
     seq_id: str
     token_id: int | None

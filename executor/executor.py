@@ -274,10 +274,12 @@ class Executor:
         graph replay per step, no host round trip); ``complete`` gives the result. An
         item without a token continues from its sequence's last sampled token."""
         started = time.perf_counter()
-        validate_decode(items, self._seq_len, self.limits, num_steps,
-                        lambda sid: sid in self._last_sampled)
-        alloc = self.kv.allocate([(it.seq_id, num_steps) for it in items])
-        had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
+        last = self._last_sampled
+        validate_decode(items, self._seq_len, self.limits, num_steps, last.__contains__)
+        # Per-item work is most of a large batch's host time: each list is made once.
+        seq_ids = [it.seq_id for it in items]
+        alloc = self.kv.allocate([(sid, num_steps) for sid in seq_ids])
+        had_last = {sid: sid in last for sid in seq_ids}
         params = [it.sampling for it in items]
         rows = list(range(len(items)))
         samples: list[DeviceSample] = []
@@ -288,22 +290,22 @@ class Executor:
                 sub = alloc if num_steps == 1 else _decode_step(alloc, num_steps, step)
                 tokens = first if step == 0 else [USE_LAST_SAMPLED] * len(items)
                 batch = self.build_batch("decode", tokens, sub, rows, decision.bucket)
-                positions = [e.seq_len for e in sub.extensions]
-                sample, info = self._step(batch, decision, params, positions)
+                # each sequence's length after this step: the index of its new token + 1
+                sample, info = self._step(batch, decision, params, batch.seq_lens_host)
                 assert sample is not None
                 self._remember_last(sample, batch.req_pool_indices)
                 samples.append(sample)
         except BaseException:
             self.kv.rollback(alloc)
             raise
-        self._last_sampled.update(it.seq_id for it in items)
+        last.update(seq_ids)
         info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
                                    padded_tokens=info.padded_tokens * num_steps,
                                    num_steps=num_steps)
         return self._pending(PendingStep(
-            "decode", tuple(it.seq_id for it in items), alloc,
-            tuple(e.seq_len for e in alloc.extensions), tuple(rows), tuple(params),
-            tuple(frozenset(it.stop_token_ids) for it in items), samples, info,
+            "decode", tuple(seq_ids), alloc, batch.seq_lens_host, tuple(rows), tuple(params),
+            tuple(frozenset(stop) if (stop := it.stop_token_ids) else _NO_STOPS
+                  for it in items), samples, info,
             started=started, had_last=had_last))
 
     def complete(self, step: PendingStep) -> StepResult:
@@ -498,7 +500,7 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: list[int], targets: list[int] | None = None
+              positions: Sequence[int], targets: list[int] | None = None
               ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
@@ -636,6 +638,9 @@ class _SamplePlan:
             item_rows[i] = len(params) - 1
         last = [r for r in item_rows if r is not None]
         return _SamplePlan(params, positions, targets, tuple(item_rows), tuple(spans), last)
+
+
+_NO_STOPS: frozenset[int] = frozenset()
 
 
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:

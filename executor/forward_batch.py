@@ -151,20 +151,26 @@ class ForwardBatch:
         host-to-device copy laid out by ``executor.packing``, then is split into views.
         """
         exts = alloc.extensions
-        prefix = [e.prefix_len for e in exts]
-        ext_lens = [e.new_len for e in exts]
-        slots = [e.slot for e in exts]
-        seq_lens = [e.seq_len for e in exts]
-        starts: list[int] = []
-        acc = 0
-        for n in ext_lens:
-            starts.append(acc)
-            acc += n
+        b = len(exts)
+        # The extensions' columns in one transposition (a decode step has one per sequence).
+        _, slots_t, prefix_t, lens_t, _ = zip(*exts, strict=True) if exts else ((),) * 5
+        slots, prefix, ext_lens = list(slots_t), list(prefix_t), list(lens_t)
+        acc = sum(ext_lens)
+        one_each = acc == b  # every sequence gets one new token: a decode step
+        if one_each:
+            seq_lens = [p + 1 for p in prefix]
+            starts = list(range(b))
+        else:
+            seq_lens = [p + n for p, n in zip(prefix, ext_lens, strict=True)]
+            starts = []
+            at = 0
+            for n in ext_lens:
+                starts.append(at)
+                at += n
         last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows] if not every_position \
             else [r for i in logits_rows for r in (
                 range(starts[i], starts[i] + ext_lens[i]) if i in every_position
                 else (starts[i] + ext_lens[i] - 1,))]
-        b = len(exts)
         sizes = PackedSizes.of(acc, b, len(last_rows), None if layout is None else layout.bucket,
                                decode=phase == "decode" and acc == b)
         scratch = 0 if layout is None else layout.table_scratch
@@ -173,9 +179,15 @@ class ForwardBatch:
 
         flat: torch.Tensor
         if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
-            positions = [p for e in exts for p in range(e.prefix_len, e.prefix_len + e.new_len)]
-            table_index = [e.slot * table_width + p for e in exts
-                           for p in range(e.prefix_len, e.prefix_len + e.new_len)]
+            if one_each:  # each new token sits at its sequence's prefix length
+                positions = prefix
+                table_index = [slot * table_width + p
+                               for slot, p in zip(slots, prefix, strict=True)]
+            else:
+                positions = [p for e in exts
+                             for p in range(e.prefix_len, e.prefix_len + e.new_len)]
+                table_index = [e.slot * table_width + p for e in exts
+                               for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             # array("q") of lists, then a view of it: a third of torch.tensor(list)'s time
             packed = pack_lists({"input_ids": token_ids, "positions": positions,
                                  "table_index": table_index,

@@ -15,7 +15,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.config import CacheConfig, ExecutorConfig
-from executor.errors import InvalidRequest, OutOfResources, SequenceNotFound
+from executor.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    OutOfResources,
+    SequenceNotFound,
+)
 from executor.executor import Executor
 from executor.kv import KVCacheManager, ReqToTokenTable
 
@@ -44,7 +49,7 @@ class ForkMachine(RuleBasedStateMachine):
         before = self.held()
         try:
             alloc = self.m.allocate(requests)
-        except OutOfResources:
+        except (OutOfResources, ContextLengthExceeded):  # refused whole (the invariants)
             return
         # Appends never land on a location that any sequence (a fork's relative) holds.
         assert not bool(torch.isin(alloc.out_cache_loc, before).any())

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.errors import OutOfResources
+from executor.errors import ContextLengthExceeded, OutOfResources
 from executor.kv import KVCacheManager, ReqToTokenTable, TokenAllocator
 
 
@@ -49,6 +49,24 @@ def test_slot_exhaustion_allocates_nothing() -> None:
     assert exc.value.resource == "sequence_slots"
     assert (exc.value.needed, exc.value.free) == (2, 1)
     assert m.stats() == before
+    m.check_invariants()
+
+
+def test_a_row_overrun_allocates_nothing() -> None:
+    """Callers validate lengths first; the manager still refuses a call that would write
+    past a sequence's table row before taking anything (it once took the tokens, then
+    failed on the row write, leaking them)."""
+    m = manager(tokens=64, slots=4, ctx=8)
+    m.allocate([("a", 6)])
+    before = m.stats()
+    with pytest.raises(ContextLengthExceeded, match="'a' would hold 9 tokens; at most 8"):
+        m.allocate([("b", 2), ("a", 3)])
+    with pytest.raises(ContextLengthExceeded, match="'c' would hold 9"):
+        m.allocate([("c", 9)])
+    assert m.stats() == before and "b" not in m and "c" not in m
+    assert m.get("a").length == 6  # type: ignore[union-attr]
+    m.check_invariants()
+    m.allocate([("a", 2)])  # up to the row's end is fine
     m.check_invariants()
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from executor.api import KVStats
-from executor.errors import OutOfResources, Shortage
+from executor.errors import ContextLengthExceeded, FieldViolation, OutOfResources, Shortage
 from executor.kv.allocator import SlotAllocator, TokenAllocator
 from executor.kv.pool import ReqToTokenTable
 
@@ -99,23 +99,32 @@ class KVCacheManager:
         or the slots for the whole call do not fit. Callers validate ids and lengths first.
         """
         needed_tokens = sum(n for _, n in requests)
-        new_ids = [sid for sid, _ in requests if sid not in self._seqs]
+        states = [self._seqs.get(sid) for sid, _ in requests]  # one lookup per request
+        num_new = states.count(None)
+        # Callers validate lengths first; this keeps a call that would overrun a table row
+        # from applying in part (tokens taken, then the row write failing).
+        width = self.table.max_context
+        over = [FieldViolation("items", f"sequence {sid!r} would hold "
+                               f"{(0 if st is None else st.length) + n} tokens; at most {width}")
+                for (sid, n), st in zip(requests, states, strict=True)
+                if (0 if st is None else st.length) + n > width]
+        if over:
+            raise ContextLengthExceeded(over)
         short: list[Shortage] = []
         if needed_tokens > self.tokens.num_free:
             short.append(("kv_tokens", needed_tokens, self.tokens.num_free))
-        if len(new_ids) > self.slots.num_free:
-            short.append(("sequence_slots", len(new_ids), self.slots.num_free))
+        if num_new > self.slots.num_free:
+            short.append(("sequence_slots", num_new, self.slots.num_free))
         if short:  # both are reported: freeing one resource alone would not be enough
             raise OutOfResources(*short[0], also=tuple(short[1:]))
 
         # From here on nothing can fail for lack of resources.
-        new_slots = iter(self.slots.alloc(len(new_ids)))
+        new_slots = iter(self.slots.alloc(num_new))
         locs = self.tokens.alloc(needed_tokens)
         extensions: list[Extension] = []
         spans: list[tuple[int, int, int]] = []
-        for seq_id, n in requests:
-            state = self._seqs.get(seq_id)
-            if state is None:
+        for (seq_id, n), state in zip(requests, states, strict=True):
+            if state is None and (state := self._seqs.get(seq_id)) is None:
                 state = SequenceState(seq_id, next(new_slots), 0)
                 self._seqs[seq_id] = state
                 is_new = True
