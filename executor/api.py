@@ -80,14 +80,14 @@ class PrefillItem:
     every_position: bool = False
 
 
-@dataclass(frozen=True)
-class DecodeItem:
+class DecodeItem(NamedTuple):
     """Append ``token_id`` to a known sequence and sample the next token.
 
     ``token_id=None`` appends the token this sequence sampled last, read on the device
     (so a step may be launched before the previous step's tokens reach the host); the
     sequence's last step must have sampled. ``stop_token_ids`` end a multi-step decode's
-    output for this sequence at the first of them (``Executor.launch_decode``)."""
+    output for this sequence at the first of them (``Executor.launch_decode``). (A named
+    tuple: a decode request makes one per item every step.)"""
 
     seq_id: str
     token_id: int | None

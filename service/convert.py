@@ -228,6 +228,16 @@ def _top(pairs: Sequence[tuple[int, float]]) -> list[pb.TokenLogprob]:
 
 
 def _item_output(item: ItemOutput) -> pb.ItemOutput:
+    if not (item.top_logprobs or item.steps or item.positions or item.stopped):
+        # One sampled token (or none): the common decode answer, built in one call with
+        # only the fields it sets (about half the time of the general path).
+        if item.token_id is None:
+            return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len)
+        if item.logprob is None:
+            return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
+                                 token_id=item.token_id)
+        return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
+                             token_id=item.token_id, logprob=item.logprob)
     msg = pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
                         top_logprobs=_top(item.top_logprobs), stopped=item.stopped)
     if item.token_id is not None:

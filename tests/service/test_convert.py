@@ -133,3 +133,31 @@ def test_decode_item_ids_are_checked_in_bytes(seq_id: str, ok: bool) -> None:
     else:
         with pytest.raises(InvalidRequest, match=r"items\[1\]\.seq_id: at most 256 bytes"):
             convert.decode_items(request, limits)
+
+
+@pytest.mark.parametrize(("token", "logprob", "tops", "stopped"), [
+    (None, None, (), False),  # a prefill chunk that samples nothing
+    (5, None, (), False),
+    (0, 0.0, (), False),  # zeros still present (optional fields)
+    (7, -1.5, (), False),
+    (7, -1.5, ((7, -1.5), (3, -2.0)), False),  # the general path
+    (7, None, (), True),
+])
+def test_item_output_message_is_what_the_item_says(token: int | None, logprob: float | None,
+                                                   tops: tuple[tuple[int, float], ...],
+                                                   stopped: bool) -> None:
+    """The one-token fast path and the general path give the same message: every field
+    the item sets, presence included, and nothing else."""
+    from executor.api import ItemOutput
+
+    msg = convert._item_output(ItemOutput("s", token, logprob, tops, 9, stopped=stopped))
+    want = pb.ItemOutput(seq_id="s", seq_len=9, stopped=stopped,
+                         top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp)
+                                       for t, lp in tops])
+    if token is not None:
+        want.token_id = token
+    if logprob is not None:
+        want.logprob = logprob
+    assert msg == want
+    assert msg.HasField("token_id") == (token is not None)
+    assert msg.HasField("logprob") == (logprob is not None)
