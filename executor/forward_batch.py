@@ -167,8 +167,12 @@ class ForwardBatch:
             for n in ext_lens:
                 starts.append(at)
                 at += n
-        last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows] if not every_position \
-            else [r for i in logits_rows for r in (
+        if one_each and not every_position:  # sequence i's token is row i
+            last_rows = list(logits_rows)
+        elif not every_position:
+            last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
+        else:
+            last_rows = [r for i in logits_rows for r in (
                 range(starts[i], starts[i] + ext_lens[i]) if i in every_position
                 else (starts[i] + ext_lens[i] - 1,))]
         sizes = PackedSizes.of(acc, b, len(last_rows), None if layout is None else layout.bucket,
