@@ -156,7 +156,7 @@ class ForwardBatch:
         _, slots_t, prefix_t, lens_t, _ = zip(*exts, strict=True) if exts else ((),) * 5
         slots, prefix, ext_lens = list(slots_t), list(prefix_t), list(lens_t)
         acc = sum(ext_lens)
-        one_each = acc == b  # every sequence gets one new token: a decode step
+        one_each = ext_lens.count(1) == b  # one new token per sequence: a decode step
         if one_each:
             seq_lens = [p + 1 for p in prefix]
             starts = list(range(b))
