@@ -20,7 +20,9 @@ from executor.packing import FIELDS as PACKED_FIELDS
 from executor.packing import GraphLayout, pack_lists
 
 _WIDTH = 97  # request-slot table row length: not a power of two, so a wrong stride shows
-seqs = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6)
+seqs = st.one_of(  # any lengths, or one new token per sequence (the decode packing)
+    st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
+    st.lists(st.tuples(st.integers(0, 40), st.just(1)), min_size=1, max_size=6))
 FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
           "prefix_lens", "extend_lens", "extend_start", "logits_indices", "table_index")
 
