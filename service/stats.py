@@ -6,6 +6,7 @@ bounded label values, so nothing unbounded can reach a label.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -25,18 +26,28 @@ class StatsRecorder:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._reasons = frozenset(metrics.fallback_reasons)
+        # Labelled children of the per-step metrics, looked up once per label set: a
+        # step records about ten of them (``labels()`` checks and locks on every call).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def step(self, step: StepInfo, batch_size: int, seconds: float) -> None:
-        m, phase = self.metrics, step.phase
-        m.step_seconds.labels(phase, step.path).observe(seconds)
-        m.tokens.labels(phase).inc(step.num_tokens)
-        m.batch_size.labels(phase).observe(batch_size)
-        m.padded_tokens.labels(phase).inc(step.padded_tokens)
+        m, phase, child = self.metrics, step.phase, self._child
+        child(m.step_seconds, phase, step.path).observe(seconds)
+        child(m.tokens, phase).inc(step.num_tokens)
+        child(m.batch_size, phase).observe(batch_size)
+        child(m.padded_tokens, phase).inc(step.padded_tokens)
         if step.path == "graph":
-            m.graph_replays.labels(phase).inc()
+            child(m.graph_replays, phase).inc()
         else:
             reason = step.fallback_reason if step.fallback_reason in self._reasons else OTHER
-            m.eager_fallbacks.labels(phase, reason).inc()
+            child(m.eager_fallbacks, phase, reason).inc()
 
     def graphs(self, graphs: Sequence[GraphStatus]) -> None:
         for g in graphs:
@@ -46,16 +57,16 @@ class StatsRecorder:
         """Replay durations the executor measured with CUDA events (read without a sync,
         so they trail the steps they belong to by a call or so)."""
         for phase, durations in seconds.items():
-            histogram = self.metrics.graph_replay_seconds.labels(phase)
+            histogram = self._child(self.metrics.graph_replay_seconds, phase)
             for duration in durations:
                 histogram.observe(duration)
 
     def kv(self, kv: KVStats) -> None:
-        m = self.metrics
-        m.kv_tokens.labels("used").set(kv.used_tokens)
-        m.kv_tokens.labels("free").set(kv.free_tokens)
-        m.kv_slots.labels("used").set(kv.total_slots - kv.free_slots)
-        m.kv_slots.labels("free").set(kv.free_slots)
+        m, child = self.metrics, self._child
+        child(m.kv_tokens, "used").set(kv.used_tokens)
+        child(m.kv_tokens, "free").set(kv.free_tokens)
+        child(m.kv_slots, "used").set(kv.total_slots - kv.free_slots)
+        child(m.kv_slots, "free").set(kv.free_slots)
         m.kv_usage_ratio.set(kv.usage_ratio)
         m.active_sequences.set(kv.active_sequences)
         m.kv_shared_tokens.set(kv.shared_tokens)
