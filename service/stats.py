@@ -5,7 +5,7 @@ bounded label values, so nothing unbounded can reach a label.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,6 +29,22 @@ class StatsRecorder:
         # Labelled children of the per-step metrics, looked up once per label set: a
         # step records about ten of them (``labels()`` checks and locks on every call).
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # The KV gauges read the latest accounting when scraped: a step only keeps it.
+        self._kv: KVStats | None = None
+        m = metrics
+        for gauge, read in (
+                (m.kv_tokens.labels("used"), lambda kv: kv.used_tokens),
+                (m.kv_tokens.labels("free"), lambda kv: kv.free_tokens),
+                (m.kv_slots.labels("used"), lambda kv: kv.total_slots - kv.free_slots),
+                (m.kv_slots.labels("free"), lambda kv: kv.free_slots),
+                (m.kv_usage_ratio, lambda kv: kv.usage_ratio),
+                (m.active_sequences, lambda kv: kv.active_sequences),
+                (m.kv_shared_tokens, lambda kv: kv.shared_tokens),
+                (m.forked_sequences, lambda kv: kv.forked_sequences)):
+            gauge.set_function(self._reader(read))
+
+    def _reader(self, read: Callable[[KVStats], float]) -> Callable[[], float]:
+        return lambda: 0.0 if self._kv is None else float(read(self._kv))
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -62,15 +78,8 @@ class StatsRecorder:
                 histogram.observe(duration)
 
     def kv(self, kv: KVStats) -> None:
-        m, child = self.metrics, self._child
-        child(m.kv_tokens, "used").set(kv.used_tokens)
-        child(m.kv_tokens, "free").set(kv.free_tokens)
-        child(m.kv_slots, "used").set(kv.total_slots - kv.free_slots)
-        child(m.kv_slots, "free").set(kv.free_slots)
-        m.kv_usage_ratio.set(kv.usage_ratio)
-        m.active_sequences.set(kv.active_sequences)
-        m.kv_shared_tokens.set(kv.shared_tokens)
-        m.forked_sequences.set(kv.forked_sequences)
+        """The latest KV accounting; the KV gauges read it when scraped."""
+        self._kv = kv
 
     def capture(self, phases: Sequence[PhaseCapture], force: bool) -> None:
         """A capture's cost. Without ``force`` only missing buckets were captured, so the
