@@ -101,15 +101,6 @@ class KVCacheManager:
         needed_tokens = sum(n for _, n in requests)
         states = [self._seqs.get(sid) for sid, _ in requests]  # one lookup per request
         num_new = states.count(None)
-        # Callers validate lengths first; this keeps a call that would overrun a table row
-        # from applying in part (tokens taken, then the row write failing).
-        width = self.table.max_context
-        over = [FieldViolation("items", f"sequence {sid!r} would hold "
-                               f"{(0 if st is None else st.length) + n} tokens; at most {width}")
-                for (sid, n), st in zip(requests, states, strict=True)
-                if (0 if st is None else st.length) + n > width]
-        if over:
-            raise ContextLengthExceeded(over)
         short: list[Shortage] = []
         if needed_tokens > self.tokens.num_free:
             short.append(("kv_tokens", needed_tokens, self.tokens.num_free))
@@ -123,6 +114,8 @@ class KVCacheManager:
         locs = self.tokens.alloc(needed_tokens)
         extensions: list[Extension] = []
         spans: list[tuple[int, int, int]] = []
+        width = self.table.max_context
+        over: list[FieldViolation] = []
         for (seq_id, n), state in zip(requests, states, strict=True):
             if state is None and (state := self._seqs.get(seq_id)) is None:
                 state = SequenceState(seq_id, next(new_slots), 0)
@@ -133,8 +126,15 @@ class KVCacheManager:
             extensions.append(Extension(seq_id, state.slot, state.length, n, is_new))
             spans.append((state.slot, state.length, n))
             state.length += n
+            if state.length > width:
+                over.append(FieldViolation("items", f"sequence {seq_id!r} would hold "
+                                                    f"{state.length} tokens; at most {width}"))
+        alloc = Allocation(tuple(extensions), locs)
+        if over:  # callers validate lengths first; a row overrun must not apply in part
+            self.rollback(alloc)
+            raise ContextLengthExceeded(over)
         self.table.write_host(spans, locs)
-        return Allocation(tuple(extensions), locs)
+        return alloc
 
     def rollback(self, alloc: Allocation) -> None:
         """Undo ``alloc`` exactly (used when the forward pass after it fails)."""
