@@ -43,7 +43,7 @@ import grpc
 import torch
 
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
-from bench.stand_in import StandInExecutor as StandInExecutorType
+from bench.stand_in import StandInExecutor, parse_spans
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
@@ -78,9 +78,7 @@ def _complete(ex: Executor, step: PendingStep, host_s: list[float]) -> None:
 def in_process(config: ExecutorConfig, batches: list[int], steps: int,
                stand_in: str | None = None) -> dict[str, Any]:
     if stand_in is not None:
-        from bench.stand_in import parse_spans
-
-        ex: Executor = StandInExecutorType(config, parse_spans(stand_in))
+        ex: Executor = StandInExecutor(config, parse_spans(stand_in))
     else:
         ex = Executor(config)
     if config.is_cuda:
@@ -102,7 +100,7 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int,
         if config.is_cuda:
             torch.cuda.synchronize()
         spans = ex.drain_replay_seconds().get("decode", [])
-        if isinstance(ex, StandInExecutorType):
+        if isinstance(ex, StandInExecutor):
             spans = [ex.span_s(bs)] * (steps + 10)
         # Two launched ahead: the next step is launched before the previous completes.
         inflight: deque[PendingStep] = deque()

@@ -76,26 +76,24 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
-        self._kv: KVStats | None = None  # the latest step's KV accounting
 
     # -- state shared with the server's boot sequence -----------------------------------
     def update_status(self, status: ExecutorStatus) -> None:
         self.status = status
-        self._kv = status.kv
         self._recorder.kv(status.kv)
         self._recorder.graphs(status.graphs)
 
     def _update_kv(self, kv: KVStats) -> None:
-        """Every step's KV accounting: kept as is (Health and the gauges read it when
-        asked; a step pays one assignment, not a status copy)."""
-        self._kv = kv
+        """Every step's KV accounting, kept by the recorder (the gauges and Health read
+        it when asked; a step pays one assignment, not a status copy)."""
         self._recorder.kv(kv)
 
     def current_status(self) -> ExecutorStatus | None:
         """The executor's status with the latest KV accounting."""
-        if self.status is None or self._kv is None or self.status.kv is self._kv:
+        kv = self._recorder.latest_kv
+        if self.status is None or kv is None or self.status.kv is kv:
             return self.status
-        self.status = dataclasses.replace(self.status, kv=self._kv)
+        self.status = dataclasses.replace(self.status, kv=kv)
         return self.status
 
     def _require_ready(self) -> None:

@@ -81,6 +81,10 @@ class StatsRecorder:
         """The latest KV accounting; the KV gauges read it when scraped."""
         self._kv = kv
 
+    @property
+    def latest_kv(self) -> KVStats | None:
+        return self._kv
+
     def capture(self, phases: Sequence[PhaseCapture], force: bool) -> None:
         """A capture's cost. Without ``force`` only missing buckets were captured, so the
         memory it reports adds to what the phase held; with it, it replaces that."""
