@@ -9,8 +9,10 @@
 # STEPS (default "tests skinny tables ab small") picks the parts; TESTS the test files and
 # TESTS_K a -k filter; AB_ROUNDS and AB_ORDER the A/B processes; SHAPES the shapes written.
 # "skinny" sweeps the skinny GEMM's tiles and writes them into this tree's kernels.
-# "rope" (not in the default) runs the fused-RoPE GPU test, kernel tables and an A/B of
-# --fuse-decode-rope against the plain path: STEPS=rope bash bench/kernel_check.sh
+# "switch" (not in the default) times one kernel switch of bench/switches.py off against on:
+# its GPU tests (SWITCH_TESTS), kernel tables and an interleaved A/B, e.g.
+#   STEPS=switch SWITCH=pdl bash bench/kernel_check.sh
+#   STEPS=switch SWITCH=fuse-decode-rope SWITCH_TESTS=tests/gpu/test_fused_rope_gpu.py ...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results-local}
@@ -83,25 +85,26 @@ if has small; then
       | tee -a "$LOG"
   done
 fi
-if has rope; then  # --fuse-decode-rope against the plain path, same tree, same machine
-  log "fused RoPE: GPU test"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_fused_rope_gpu.py \
-    > "$OUT/gpu_tests_fused_rope.log" 2>&1
-  echo "fused rope tests rc=$?" | tee -a "$LOG"
-  tail -n 5 "$OUT/gpu_tests_fused_rope.log" | tee -a "$LOG"
-  for flag in "" "--fuse-decode-rope"; do
-    label=plain; [ -n "$flag" ] && label=fused-rope
-    log "kernel table 1B ($label)"
-    timeout 120 python3 -m bench.kernel_table --model llama-3.2-1b --label "$label" \
-      --case decode:1 --case decode:8 --case decode:64 $flag --out "$OUT" 2>&1 \
-      | grep -v "^|" | tee -a "$LOG"
+if has switch; then  # one kernel switch off against on, same tree, same machine
+  SWITCH=${SWITCH:-pdl}  # a bench/switches.py flag: pdl or fuse-decode-rope
+  SWITCH_TESTS=${SWITCH_TESTS:-tests/gpu/test_pdl_gpu.py}
+  log "--$SWITCH: GPU tests ($SWITCH_TESTS)"
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider $SWITCH_TESTS \
+    > "$OUT/gpu_tests_$SWITCH.log" 2>&1
+  echo "$SWITCH tests rc=$?" | tee -a "$LOG"
+  tail -n 5 "$OUT/gpu_tests_$SWITCH.log" | tee -a "$LOG"
+  for value in off on; do
+    log "kernel table 1B (--$SWITCH $value)"
+    timeout 120 python3 -m bench.kernel_table --model llama-3.2-1b --label "$SWITCH-$value" \
+      --case decode:1 --case decode:8 --case decode:64 --case prefill:128 --$SWITCH $value \
+      --out "$OUT" 2>&1 | grep -v "^|" | tee -a "$LOG"
   done
-  log "A/B call latency, 1B (plain, fused-rope alternating)"
+  log "A/B call latency, 1B (--$SWITCH off, on alternating)"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-    for flag in "" "--fuse-decode-rope"; do
-      echo -n "${flag:-plain} round $round: " | tee -a "$LOG"
+    for value in off on; do
+      echo -n "--$SWITCH $value round $round: " | tee -a "$LOG"
       timeout 45 python3 -m bench.step_latency "$MODELS/llama-3.2-1b" --rounds 3 --calls 40 \
-        $flag 2>&1 | tail -n 1 | tee -a "$LOG"
+        --$SWITCH $value 2>&1 | tail -n 1 | tee -a "$LOG"
     done
   done
 fi

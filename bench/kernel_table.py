@@ -28,12 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import switches as bench_switches
 from bench.kernel_classes import Kernel, class_bytes, floor_ms, markdown_case, step_table
 
 DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:2048")
 
 
-def _executor(source: str, attention: str, fuse_decode_rope: bool = False) -> Any:
+def _executor(source: str, attention: str, switches: dict[str, str]) -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
 
@@ -43,7 +44,7 @@ def _executor(source: str, attention: str, fuse_decode_rope: bool = False) -> An
         graphs=GraphConfig(decode_mode="full", prefill_mode="breakable",
                            decode_buckets=(1, 8, 64), prefill_buckets=(128, 2048)),
         attention_backend=attention, max_decode_batch=64, max_prefill_tokens=8192,
-        fuse_decode_rope=fuse_decode_rope))
+        **switches))
 
 
 def _profile_step(step: Callable[[], None]) -> list[Kernel]:
@@ -97,7 +98,7 @@ def _case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callab
 
 
 def measure(model: str, models_root: Path, cases: list[str], steps: int, context: int,
-            attention: str, fuse_decode_rope: bool = False) -> dict[str, Any]:
+            attention: str, switches: dict[str, str] | None = None) -> dict[str, Any]:
     import torch
 
     from bench import hardware, shapes
@@ -107,7 +108,7 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
     source = str(shapes.write_shape(model, models_root))
     spec = shapes.spec(model)
     wbytes = shapes.weight_bytes(model)
-    ex = _executor(source, attention, fuse_decode_rope)
+    ex = _executor(source, attention, switches or {})
     ex.capture(["decode", "prefill"])
     result: dict[str, Any] = {
         "model": model, "device": torch.cuda.get_device_name(),
@@ -174,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--label", default="run")
-    ap.add_argument("--fuse-decode-rope", action="store_true",
-                    help="RoPE inside the triton decode kernel (ExecutorConfig.fuse_decode_rope)")
+    bench_switches.add_arguments(ap)
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args(argv)
     if args.compare:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(after, before))
         return 0
     result = measure(args.model, args.models, args.case or list(DEFAULT_CASES), args.steps,
-                     args.context, args.attention, args.fuse_decode_rope)
+                     args.context, args.attention, bench_switches.overrides(args))
     text = markdown(result)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -18,20 +18,21 @@ import time
 
 import torch
 
+from bench import switches as bench_switches
 from executor.api import DecodeItem, PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
 
 
 def measure(source: str, rounds: int, calls: int, tokens: int = 128,
-            fuse_decode_rope: bool = False) -> str:
+            switches: dict[str, str] | None = None) -> str:
     ex = Executor(ExecutorConfig(
         model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=64, max_context=4096),
         graphs=GraphConfig(decode_mode="full", prefill_mode="breakable", decode_buckets=(1, 2),
                            prefill_buckets=(tokens // 2, tokens)),
         attention_backend="triton", max_decode_batch=64, max_prefill_tokens=4096,
-        fuse_decode_rope=fuse_decode_rope))
+        **(switches or {})))
     ex.capture(["decode", "prefill"])
     ids = torch.randint(0, ex.model_info.vocab_size, (tokens,),
                         generator=torch.Generator().manual_seed(0)).tolist()
@@ -66,13 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", help="HF model directory (e.g. a bench shape)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=60, help="calls per kind per round")
-    ap.add_argument("--fuse-decode-rope", action="store_true",
-                    help="RoPE inside the triton decode kernel (ExecutorConfig.fuse_decode_rope)")
+    bench_switches.add_arguments(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.step_latency needs a CUDA device", file=sys.stderr)
         return 2
-    print(measure(args.model, args.rounds, args.calls, fuse_decode_rope=args.fuse_decode_rope))
+    print(measure(args.model, args.rounds, args.calls, switches=bench_switches.overrides(args)))
     return 0
 
 

@@ -18,6 +18,10 @@ DType = Literal["float32", "bfloat16", "float16"]
 TINY_MODEL = "tiny"
 
 
+#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``).
+KERNEL_SWITCH_MODES = ("auto", "on", "off")
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -100,8 +104,14 @@ class ExecutorConfig:
     max_prefill_tokens: int = 8192  # packed tokens in one Prefill call
     max_decode_batch: int = 256  # sequences in one Decode call
     #: RoPE inside the Triton decode attention kernel instead of its own launch per layer
-    #: (experimental, off until measured on a GPU; ``executor/attention/triton_kernels``).
-    fuse_decode_rope: bool = False
+    #: (``executor/attention/triton_kernels/decode.py``): ``auto`` where the attention
+    #: backend can and the model has RoPE without per-head q/k norms, ``on`` (refused
+    #: where it cannot), ``off``.
+    fuse_decode_rope: str = "auto"
+    #: Programmatic dependent launch of our Triton kernels (``executor/kernels/pdl.py``):
+    #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
+    #: ``off``. Process-wide: the last executor built in a process sets it.
+    pdl: str = "off"
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
@@ -114,6 +124,10 @@ class ExecutorConfig:
                  f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
+        for name in ("fuse_decode_rope", "pdl"):
+            value = getattr(self, name)
+            _require(value in KERNEL_SWITCH_MODES,
+                     f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")
 
     @property
     def is_cuda(self) -> bool:

@@ -98,6 +98,15 @@ class Executor:
             raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
         dtype_name = config.model.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
+        #: Programmatic dependent launch of our Triton kernels (process-wide switch).
+        self.pdl = False
+        if self.device.type == "cuda" or config.pdl != "off":  # CPU: no import of Triton
+            from executor.kernels import pdl
+
+            try:
+                self.pdl = pdl.configure(config.pdl, self.device)
+            except ValueError as e:
+                raise ConfigError(f"--pdl {config.pdl}: {e}") from None
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
@@ -144,13 +153,20 @@ class Executor:
 
         # -- 4. attention and sampling -------------------------------------------------
         self.attn = create_backend(backend_name, shape, self.pool, self.table)
-        if config.fuse_decode_rope:
-            rotary = getattr(self.model, "rotary", None)
-            if not self.attn.can_fuse_decode_rope or rotary is None or spec.features.qk_norm:
-                raise ConfigError(
-                    f"--fuse-decode-rope needs the triton attention backend (this one is "
-                    f"{backend_name!r}) and a model with RoPE and no per-head q/k norm")
-            self.attn.fuse_decode_rope(rotary.cos, rotary.sin)
+        rotary = getattr(self.model, "rotary", None)
+        can_fuse = (self.attn.can_fuse_decode_rope and rotary is not None
+                    and not spec.features.qk_norm)
+        if config.fuse_decode_rope == "on" and not can_fuse:
+            raise ConfigError(
+                f"--fuse-decode-rope on needs the triton attention backend (this one is "
+                f"{backend_name!r}) and a model with RoPE and no per-head q/k norm")
+        #: Whether the decode attention kernel applies RoPE (the model then does not).
+        self.fuses_decode_rope = can_fuse and config.fuse_decode_rope != "off"
+        if self.fuses_decode_rope:
+            self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
+        features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
+            ("pdl",) if self.pdl else ())
+        self.model_info = dataclasses.replace(self.model_info, kernel_features=features)
         self.sampler = Sampler()
         # Each sequence's last sampled token, by request slot, written by sampling on the
         # device; a decode item without a token reads it there (``USE_LAST_SAMPLED``).

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from executor.attention import available_backends
 from executor.config import (
+    KERNEL_SWITCH_MODES,
     TINY_MODEL,
     CacheConfig,
     ExecutorConfig,
@@ -52,9 +53,15 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="weight dtype (default: float32 on CPU, bfloat16 on CUDA)")
     model.add_argument("--attention-backend", default="auto",
                        choices=("auto", *available_backends()))
-    model.add_argument("--fuse-decode-rope", action="store_true",
-                       help="experimental: RoPE inside the triton decode attention kernel "
-                       "instead of a launch of its own per layer (not yet measured on a GPU)")
+    model.add_argument("--fuse-decode-rope", choices=KERNEL_SWITCH_MODES, default="auto",
+                       nargs="?", const="on",
+                       help="RoPE inside the triton decode attention kernel instead of a "
+                       "launch of its own per layer; auto: where the backend can and the "
+                       "model has no per-head q/k norm (default: %(default)s)")
+    model.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="off",
+                       help="programmatic dependent launch of the Triton kernels (CUDA "
+                       "compute capability 9.0+): each kernel starts while the previous "
+                       "one finishes; auto: where supported (default: %(default)s)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -208,7 +215,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                            compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
-        fuse_decode_rope=args.fuse_decode_rope)
+        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

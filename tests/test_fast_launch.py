@@ -179,3 +179,61 @@ def test_integer_helpers_match_their_definitions(n: int) -> None:
     assert cdiv(n, 64) == -(-n // 64) == (n + 63) // 64
     p = next_power_of_2(n)
     assert p >= max(n, 1) and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+
+
+class PerOptionJit(FakeJit):
+    """A JIT stand-in that compiles one kernel per ``launch_pdl`` option, as Triton does
+    (launch options are part of its cache key)."""
+
+    def __init__(self, params: list[Param]) -> None:
+        super().__init__(params)
+        self.by_pdl: dict[bool, FakeCompiled] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def call(*args: Any, **kwargs: Any) -> FakeCompiled:
+            self.jit_calls.append((grid, args, kwargs))
+            return self.by_pdl.setdefault(kwargs.get("launch_pdl", False), FakeCompiled())
+        return call
+
+
+def test_a_pdl_kernel_gets_the_switch_as_constexpr_and_launch_option_and_keys_on_it(
+        fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor.kernels import pdl
+
+    fn = PerOptionJit([*PARAMS, Param("USE_PDL", True)])
+    launcher = FastLauncher(fn, pdl=True, num_warps=4)
+    launcher.enabled, launcher.disabled_reason = True, ""
+    x = torch.zeros(4)
+    monkeypatch.setattr(pdl, "_enabled", False)
+    for _ in range(2):
+        launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    # Off: no launch_pdl option at all (the interpreter and older Triton reject it).
+    assert fn.jit_calls[0][2] == {"BLOCK": 16, "FLAG": False, "USE_PDL": False, "num_warps": 4}
+    assert fn.by_pdl[False].runs[-1][-3:] == (16, False, False)
+
+    monkeypatch.setattr(pdl, "_enabled", True)
+    for _ in range(2):
+        launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    assert len(fn.jit_calls) == 2, "switching PDL on is a new specialization"
+    assert fn.jit_calls[1][2] == {"BLOCK": 16, "FLAG": False, "USE_PDL": True,
+                                  "num_warps": 4, "launch_pdl": True}
+    assert fn.by_pdl[True].runs[-1][-3:] == (16, False, True)
+
+    monkeypatch.setattr(pdl, "_enabled", False)
+    launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    assert len(fn.jit_calls) == 2 and len(fn.by_pdl[False].runs) == 2
+    assert launcher.fast_launches == 3
+
+
+def test_pdl_configure_turns_on_only_where_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor.kernels import pdl
+
+    monkeypatch.setattr(pdl, "_enabled", False)
+    assert pdl.unsupported_reason("cpu") == "device cpu is not CUDA"
+    assert pdl.configure("auto", "cpu") is False and not pdl.enabled()
+    assert pdl.options() == {"USE_PDL": False}
+    with pytest.raises(ValueError, match="not available: device cpu is not CUDA"):
+        pdl.configure("on", "cpu")
+    with pytest.raises(ValueError, match="pdl mode must be one of"):
+        pdl.configure("yes", "cpu")
+    assert pdl.configure("off", "cuda:0") is False  # off asks nothing of the device

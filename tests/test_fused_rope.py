@@ -106,4 +106,37 @@ def test_breakable_wrapper_answers_for_the_bound_batch() -> None:
 
 def test_the_flag_needs_a_backend_that_fuses() -> None:
     with pytest.raises(ConfigError, match="triton"):
-        Executor(ExecutorConfig(cache=CONFIG.cache, fuse_decode_rope=True))  # torch_native
+        Executor(ExecutorConfig(cache=CONFIG.cache, fuse_decode_rope="on"))  # torch_native
+
+
+def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (``auto``) fuses where the backend can rotate and the model has plain
+    RoPE, says so in ModelInfo, and leaves RoPE to the model elsewhere or when ``off``."""
+    import executor.executor as executor_module
+
+    plain = Executor(CONFIG)  # torch_native cannot rotate: the model does
+    assert CONFIG.fuse_decode_rope == "auto"
+    assert not plain.fuses_decode_rope and plain.model_info.kernel_features == ()
+    real = executor_module.create_backend
+    monkeypatch.setattr(executor_module, "create_backend",
+                        lambda *args: FusingTorchNative(real(*args)))
+    fused = Executor(CONFIG)
+    assert isinstance(fused.attn, FusingTorchNative) and fused.attn.tables is not None
+    assert fused.fuses_decode_rope and fused.model_info.kernel_features == ("fused_decode_rope",)
+    off = Executor(ExecutorConfig(cache=CONFIG.cache, fuse_decode_rope="off"))
+    assert isinstance(off.attn, FusingTorchNative) and off.attn.tables is None
+    assert not off.fuses_decode_rope
+    want = _transcript(plain)
+    assert _transcript(fused) == want and fused.attn.rotated > 0
+    assert _transcript(off) == want and off.attn.rotated == 0
+
+
+@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl"])
+def test_kernel_switches_take_auto_on_or_off(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"{field} must be one of \\['auto', 'on', 'off'\\]"):
+        ExecutorConfig(**{field: "yes"})  # type: ignore[arg-type]
+
+
+def test_pdl_on_is_refused_where_the_device_cannot() -> None:
+    with pytest.raises(ConfigError, match=r"--pdl on: .*device cpu is not CUDA"):
+        Executor(ExecutorConfig(cache=CONFIG.cache, pdl="on"))

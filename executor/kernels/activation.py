@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
+from executor.kernels.pdl import pdl_enter
+
 BLOCK = 1024  # columns per program: 8 bf16 per thread with 4 warps
 
 
@@ -22,7 +25,9 @@ def _silu_and_mul_kernel(
     n_cols,
     stride_x, stride_out,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -43,7 +48,7 @@ def _launch(x: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or n == 0:
         return out
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n, BLOCK))](
-        x, out, n, x.stride(0), out.stride(0), BLOCK_N=BLOCK, num_warps=4,
+        x, out, n, x.stride(0), out.stride(0), BLOCK_N=BLOCK, num_warps=4, **pdl.options(),
     )
     return out
 

@@ -17,13 +17,15 @@ import triton
 import triton.language as tl
 
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.pdl import pdl_enter
 
 BLOCK = 2048  # columns per program of the first pass: 16 float32 per thread with 4 warps
 
 
 @triton.jit
 def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, n_chunks,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,7 +38,9 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, n_chunks,
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     mask = offs < n_chunks
@@ -66,5 +70,5 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return out
 
 
-_CHUNK = FastLauncher(_chunk_argmax_kernel, num_warps=4)
-_PICK = FastLauncher(_pick_chunk_kernel, num_warps=1)
+_CHUNK = FastLauncher(_chunk_argmax_kernel, pdl=True, num_warps=4)
+_PICK = FastLauncher(_pick_chunk_kernel, pdl=True, num_warps=1)

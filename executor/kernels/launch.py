@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from executor.kernels import pdl
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints (``triton.cdiv`` costs about 1.5 us a call on the host)."""
@@ -78,11 +80,17 @@ class FastLauncher:
     ``launch(grid, key, args, constexprs)``: ``args`` are the kernel's runtime parameters
     in signature order (tensors, ints, floats), ``constexprs`` its constexpr parameters
     by name. Launch options (``num_warps``, ``num_stages``) are fixed per launcher.
+
+    ``pdl``: the kernel takes a ``USE_PDL`` constexpr (``executor.kernels.pdl``); each launch
+    passes it and the ``launch_pdl`` option from ``pdl.enabled()``, and keys on it.
     """
 
-    def __init__(self, fn: Any, **options: int) -> None:
+    def __init__(self, fn: Any, pdl: bool = False, **options: int) -> None:
         self.fn = fn
-        self.options = options
+        self.options: dict[str, Any] = dict(options)
+        self.pdl = pdl
+        # launch_pdl only when on: the interpreter and older Triton know no such option
+        self._pdl_options = {False: self.options, True: {**options, "launch_pdl": True}}
         self.enabled = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self._bindings: dict[Hashable, _Binding] = {}
         self.fast_launches = 0  # for tests and profiles: how often the fast path ran
@@ -91,9 +99,15 @@ class FastLauncher:
 
     def launch(self, grid: tuple[int, int, int], key: Hashable, args: Sequence[Any],
                constexprs: dict[str, Any]) -> None:
+        options = self.options
+        if self.pdl:
+            on = pdl.enabled()
+            constexprs = {**constexprs, "USE_PDL": on}
+            key = (key, on)
+            options = self._pdl_options[on]
         binding = self._bindings.get(key) if self.enabled else None
         if binding is None or _launch_hooks_set():
-            compiled = self.fn[grid](*args, **constexprs, **self.options)
+            compiled = self.fn[grid](*args, **constexprs, **options)
             if self.enabled and binding is None:
                 self._bind(key, compiled, args, constexprs)
             return
@@ -103,7 +117,7 @@ class FastLauncher:
         aligned = tuple(values[i] % 16 == 0 for i in binding.align_idx)
         compiled = binding.kernels.get(aligned)
         if compiled is None:  # this alignment pattern: the JIT picks (or compiles) it once
-            binding.kernels[aligned] = self.fn[grid](*args, **constexprs, **self.options)
+            binding.kernels[aligned] = self.fn[grid](*args, **constexprs, **options)
             return
         stream = _raw_stream(self._device)  # the current stream, as the JIT would take
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,

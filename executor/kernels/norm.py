@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
+from executor.kernels.pdl import pdl_enter
+
 # A row is held in registers whole: more than this and one program per row stops paying.
 MAX_ROW = 65536
 
@@ -36,7 +39,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n_cols
@@ -85,6 +90,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
         num_warps=_num_warps(block),
+        **pdl.options(),
     )
     return out, res_out
 

@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
+from executor.kernels.pdl import pdl_enter
+
 # Launch options. No FMA contraction: each product must be rounded to the activation dtype
 # before the add, as the torch ops do. With contraction on, about 20% of the outputs
 # differed from torch by an ulp (H200, Triton 3.6); with it off they are bit-identical.
@@ -76,7 +79,9 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     act_ty = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -130,6 +135,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
         BLOCK_HALF=block_half,
         num_warps=min(max(elems // 512, 1), 8),
         **LAUNCH_OPTIONS,
+        **pdl.options(),
     )
     return q_out, k_out
 

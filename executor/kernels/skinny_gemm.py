@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.pdl import pdl_enter
 
 # Rows up to which the skinny kernel serves; more rows go to cuBLAS. Measured on an H100
 # (1B shape, bench.skinny_gemm): ahead of cuBLAS at M = 1, behind it from M = 2 (the CUDA
@@ -68,8 +69,8 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    act_ty = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -79,9 +80,16 @@ def _skinny_gemm_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
     r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
-    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    # The first weight chunk depends on nothing the step writes: it is in flight before
+    # the wait for the previous kernel (under PDL, while that kernel finishes) and during
+    # the norm's first pass.
+    w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
+                      other=0.0)
+    pdl_enter(USE_PDL)
     rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
+        act_ty = out_ptr.dtype.element_ty
+        ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
         ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
@@ -95,32 +103,50 @@ def _skinny_gemm_kernel(
             ssq += tl.sum(s32 * s32, axis=1)
         rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = _accumulate(acc, w_first, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, offs_k, mask_m,
+                                                 offs_k < K, rstd, K, PROLOGUE), BLOCK_M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x_mask = mask_m[:, None] & mask_k[None, :]
-        if PROLOGUE == 1:  # silu(gate) * up, rounded like executor.kernels.activation
-            g = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
-            x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-        elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
-            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 3:
-                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
-            nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
-            y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
-            x = (y * nw[None, :]).to(act_ty).to(tl.float32)
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
-            acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
-        else:
-            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = _accumulate(acc, w, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m,
+                                               mask_k, rstd, K, PROLOGUE), BLOCK_M)
     dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(act_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
+                 PROLOGUE: tl.constexpr):
+    """The input columns ``ks`` of every row, after the prologue, in float32."""
+    act_ty = out_ptr.dtype.element_ty
+    x_mask = mask_m[:, None] & mask_k[None, :]
+    if PROLOGUE == 1:  # silu(gate) * up, rounded like executor.kernels.activation
+        g = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+        x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+    elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
+        s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if PROLOGUE == 3:
+            r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+        nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+        y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
+        x = (y * nw[None, :]).to(act_ty).to(tl.float32)
+    else:
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr):
+    """``acc += x @ w.T`` for one chunk, on the CUDA cores in float32."""
+    if BLOCK_M == 1:
+        acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
+    else:
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @dataclass(frozen=True)
@@ -178,7 +204,7 @@ _LAUNCHERS: dict[int, FastLauncher] = {}
 
 def _launcher(num_warps: int) -> FastLauncher:
     if num_warps not in _LAUNCHERS:
-        _LAUNCHERS[num_warps] = FastLauncher(_skinny_gemm_kernel, num_warps=num_warps)
+        _LAUNCHERS[num_warps] = FastLauncher(_skinny_gemm_kernel, pdl=True, num_warps=num_warps)
     return _LAUNCHERS[num_warps]
 
 

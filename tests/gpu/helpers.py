@@ -32,7 +32,8 @@ def gpu_model(root: Path) -> Path:
 
 
 def make_prefill_executor(path: Path, prefill: str = "breakable", decode: str = "full",
-         attention: str = "triton") -> Executor:
+         attention: str = "triton", **overrides: str) -> Executor:
+    """An executor of the test model; ``overrides``: other ``ExecutorConfig`` fields."""
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=32, max_context=2048),
@@ -40,7 +41,7 @@ def make_prefill_executor(path: Path, prefill: str = "breakable", decode: str = 
                            decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=PREFILL_BUCKETS),
         attention_backend=attention,  # type: ignore[arg-type]
         max_decode_batch=16, max_prefill_tokens=512)
-    return Executor(cfg)
+    return Executor(dataclasses.replace(cfg, **overrides))  # type: ignore[arg-type]
 
 
 # bf16 logits of magnitude < 16 have an ulp of 1/16: allow two ulps, and compare greedy

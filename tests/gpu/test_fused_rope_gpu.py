@@ -4,7 +4,6 @@ replayed from full and breakable decode graphs, with one RoPE launch fewer per l
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,11 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pair(path: Path, decode: str) -> tuple[Executor, Executor]:
-    plain = make_prefill_executor(path, prefill="breakable", decode=decode)
-    fused_cfg = dataclasses.replace(plain.config, fuse_decode_rope=True)
-    fused = Executor(fused_cfg)
+    plain = make_prefill_executor(path, prefill="breakable", decode=decode,
+                                  fuse_decode_rope="off")
+    fused = make_prefill_executor(path, prefill="breakable", decode=decode,
+                                  fuse_decode_rope="on")
+    assert fused.fuses_decode_rope and not plain.fuses_decode_rope
     for ex in (plain, fused):
         if decode != "disabled":
             ex.capture(["decode"])

@@ -36,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
+from executor.kernels.pdl import pdl_enter
+
 # Chunks are a multiple of this many tokens: a program does at least this much work.
 SPLIT_ALIGN = 32
 # Bounds the reduction's tile and the fp32 scratch.
@@ -101,7 +104,9 @@ def _decode_split_kernel(
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,7 +222,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     # One program per (sequence, query head): a log-sum-exp weighted mean of the splits.
     # Lengths are not needed (idle splits have lse -inf), so both loads issue at once.
     b = tl.program_id(0)
@@ -308,6 +315,7 @@ def decode_attention(
         ROPE=rope is not None,
         num_warps=4,
         num_stages=2,
+        **pdl.options(),
     )
     if num_splits == 1:
         return
@@ -321,4 +329,5 @@ def decode_attention(
         # Few tile sizes, so few compiled variants across buckets.
         BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
         num_warps=2 if head_dim <= 64 else 4,
+        **pdl.options(),
     )

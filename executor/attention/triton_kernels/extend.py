@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.pdl import pdl_enter
 
 # Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,
 # 4/8 warps, 2/3 stages: best or near-best for prefill 128..2048, a 512-token chunk after
@@ -70,7 +71,9 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -209,4 +212,4 @@ def extend_attention(
 
 # One per process: the kernel is compiled per specialization, and every executor's
 # launches share those compilations (as the JIT's own cache would).
-_LAUNCHER = FastLauncher(_extend_kernel, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+_LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

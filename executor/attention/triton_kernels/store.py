@@ -8,6 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
+from executor.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -21,7 +24,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     # One program per token writes every KV head of it, for K and V together.
     t = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -61,4 +66,5 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 2048 else 2,
+        **pdl.options(),
     )
