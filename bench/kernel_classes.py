@@ -14,7 +14,6 @@ SiLU-and-mul) counts under its projection.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,16 +80,25 @@ def classify(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
 
 
 def step_table(kernels: Sequence[Kernel], num_layers: int) -> dict[str, dict[str, float]]:
-    """``class -> {"us", "n"}`` for one step (kernels sorted by start), with ``idle`` and
-    ``wait``: the gaps between consecutive kernels shorter and longer than ``WAIT_US``.
-    Busy time plus both is the step's span (kernels of one stream do not overlap)."""
+    """``class -> {"us", "n"}`` for one step (kernels in any order), with ``idle`` and
+    ``wait``: the gaps with no kernel running, shorter and longer than ``WAIT_US``.
+    Busy time plus both is the step's span.
+
+    Kernels may overlap: under programmatic dependent launch a kernel starts while its
+    predecessor finishes and waits inside for it. Each kernel counts only from where every
+    earlier-started kernel had ended (its exclusive time on the step's critical path); the
+    overlap counts for the kernel that was running first."""
     ordered = sorted(kernels, key=lambda k: k.start_us)
     table: dict[str, dict[str, float]] = {}
+    gaps: list[float] = []
+    frontier = ordered[0].start_us if ordered else 0.0  # where every earlier kernel ended
     for k, cls in zip(ordered, classify(ordered, num_layers), strict=True):
+        if k is not ordered[0]:
+            gaps.append(max(0.0, k.start_us - frontier))
         row = table.setdefault(cls, {"us": 0.0, "n": 0.0})
-        row["us"] += k.us
+        row["us"] += max(0.0, k.end_us - max(k.start_us, frontier))
         row["n"] += 1
-    gaps = [max(0.0, b.start_us - a.end_us) for a, b in itertools.pairwise(ordered)]
+        frontier = max(frontier, k.end_us)
     short = [g for g in gaps if g < WAIT_US]
     table["idle"] = {"us": sum(short), "n": float(len(short))}
     table["wait"] = {"us": sum(gaps) - sum(short), "n": float(len(gaps) - len(short))}

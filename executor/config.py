@@ -111,7 +111,7 @@ class ExecutorConfig:
     #: Programmatic dependent launch of our Triton kernels (``executor/kernels/pdl.py``):
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
     #: ``off``. Process-wide: the last executor built in a process sets it.
-    pdl: str = "off"
+    pdl: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),

@@ -58,7 +58,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="RoPE inside the triton decode attention kernel instead of a "
                        "launch of its own per layer; auto: where the backend can and the "
                        "model has no per-head q/k norm (default: %(default)s)")
-    model.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="off",
+    model.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
                        help="programmatic dependent launch of the Triton kernels (CUDA "
                        "compute capability 9.0+): each kernel starts while the previous "
                        "one finishes; auto: where supported (default: %(default)s)")

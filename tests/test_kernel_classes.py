@@ -98,3 +98,21 @@ def test_markdown_lists_classes_with_bandwidth() -> None:
     assert "| gate_up | 16 | 128.0 | 128.0 |" in text
     idle_ms = table["idle"]["us"] / 1e3
     assert f"{(1.2 + idle_ms) / 0.84:.2f}x" in text and "| idle |" in text
+
+
+def test_overlapping_kernels_count_their_exclusive_time() -> None:
+    """Under PDL a kernel starts early and waits inside: the span is counted once, each
+    kernel from where the ones before it ended, and no gap is negative."""
+    step = _step(2)
+    # every kernel after the first starts 5 us early: 3 us before its predecessor ends
+    pdl = [step[0]] + [Kernel(k.name, k.start_us - 5.0, k.end_us) for k in step[1:]]
+    table = step_table(pdl, 2)
+    span = pdl[-1].end_us - pdl[0].start_us
+    assert sum(r["us"] for r in table.values()) == pytest.approx(span)
+    assert table["idle"] == {"us": 0.0, "n": float(len(step) - 1)}
+    # each runs from its predecessor's end (10 i - 2) to its own (10 i + 8)
+    assert table["down"] == {"us": pytest.approx(4 * 10.0), "n": 4.0}
+    # a kernel wholly inside an earlier one adds nothing
+    inner = step_table([Kernel("_rms_norm_kernel", 0.0, 10.0), Kernel("_rope_kernel", 2.0, 6.0)],
+                       0)
+    assert sum(r["us"] for r in inner.values()) == pytest.approx(10.0)
