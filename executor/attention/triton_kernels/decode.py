@@ -106,11 +106,14 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
+    # Before the wait (PDL): what no kernel of this step writes. The lengths, slots and
+    # table arrive by copies that finish before the step's first kernel; the cached K/V
+    # rows (positions < seq_len - 1) were written by earlier steps. So the first block's
+    # gather is in flight while the previous kernel (the qkv projection) finishes.
     cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1  # pool positions 0 .. cached - 1
     chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
     start = split * chunk
@@ -119,10 +122,18 @@ def _decode_split_kernel(
     mask_h = offs_h < group
     heads = kvh * group + offs_h  # (BLOCK_H,) query heads of this KV head
     lse_ptrs = mid_lse_ptr + b * stride_lse_b + heads * stride_lse_h + split
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
+    head_off = kvh * stride_pool_h + offs_d[None, :]
+    first_n = start + tl.arange(0, BLOCK_N)
+    first_mask = first_n < end  # all false for an idle split: nothing is read
+    k_first, v_first = _gather_kv(k_pool_ptr, v_pool_ptr, table_row, first_n, first_mask,
+                                  mask_d, head_off, stride_pool_n)
+    pdl_enter(USE_PDL)  # q and the new token's K/V come from the previous kernel
+
     # Split 0 always runs (it owns the new token); a later split only if it has tokens.
     if (split == 0) | (start < cached):
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
         mask_hd = mask_h[:, None] & mask_d[None, :]
         pool_dtype = k_pool_ptr.dtype.element_ty
 
@@ -163,26 +174,16 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + tl.where(
             is_first, v_new.to(tl.float32), 0.0)[None, :]  # (BLOCK_H, BLOCK_D)
 
-        table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
-        head_off = kvh * stride_pool_h + offs_d[None, :]
         # Every block holds at least one valid token, so m_i is finite after it.
-        for n0 in range(start, end, BLOCK_N):
+        if start < end:
+            m_i, l_i, acc = _attend_block(q, k_first, v_first, first_mask, m_i, l_i, acc,
+                                          sm_scale_log2)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            mask_nd = mask_n[:, None] & mask_d[None, :]
-            # (BLOCK_N, BLOCK_D) gathered rows; V is issued with K so both are in flight.
-            rows = locs[:, None] * stride_pool_n + head_off
-            k = tl.load(k_pool_ptr + rows, mask=mask_nd, other=0.0)
-            v = tl.load(v_pool_ptr + rows, mask=mask_nd, other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
+            k, v = _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d,
+                              head_off, stride_pool_n)
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
 
         if WRITE_OUT:
             o_ptrs = out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
@@ -196,6 +197,32 @@ def _decode_split_kernel(
         if not WRITE_OUT:
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_off,
+               stride_pool_n):
+    """The (BLOCK_N, BLOCK_D) K and V rows of positions ``offs_n`` (masked), gathered
+    through the table row; V is issued with K so both are in flight."""
+    locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+    rows = locs[:, None] * stride_pool_n + head_off
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_pool_ptr + rows, mask=mask_nd, other=0.0)
+    v = tl.load(v_pool_ptr + rows, mask=mask_nd, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2):
+    """One block of the online softmax: the state after attending to ``k``/``v``."""
+    qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
 
 
 @triton.jit
