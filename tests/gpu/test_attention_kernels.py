@@ -235,3 +235,50 @@ def test_capture_metadata_rejects_prefill(backend: str) -> None:
     with pytest.raises(NotImplementedError):
         tri.capture_metadata("prefill", 4, 64)
     assert tri.capturable == frozenset({"decode"})
+
+
+@pytest.mark.parametrize("with_pdl", [False, True])
+def test_triton_decode_merge_in_the_launch_is_stable_and_matches_the_reduce_kernel(
+        with_pdl: bool) -> None:
+    """The in-launch merge (arrival counters, the last split merges) against the separate
+    reduction kernel: close in value, the same bits in each of 200 launches (a merge that
+    read a partial before its writer finished would differ in some), and every counter
+    back at zero; with and without programmatic dependent launch."""
+    from executor.attention.triton_kernels.decode import decode_attention
+    from executor.kernels import pdl
+
+    if with_pdl and pdl.unsupported_reason(DEVICE):
+        pytest.skip(pdl.unsupported_reason(DEVICE))
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    b, heads, kv_heads, d, splits, locs = 6, 9, 3, 64, 33, 8192
+    pool_k = torch.randn(locs, kv_heads, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    pool_v = torch.randn(locs, kv_heads, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    table = (torch.randperm(locs - 1, generator=g, device=DEVICE)[: 8 * 1000] + 1)
+    table = table.view(8, 1000).to(torch.int32)
+    q = torch.randn(b, heads, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    k_new = torch.randn(b, kv_heads, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    v_new = torch.randn(b, kv_heads, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    req = torch.tensor([5, 0, 7, 2, 3, 6], device=DEVICE)
+    seq_lens = torch.tensor([1, 2, 33, 517, 999, 64], device=DEVICE)
+    loc = table[req, seq_lens - 1].to(torch.int64)
+    mid_o = torch.empty(b, heads, splits, d, device=DEVICE)
+    mid_lse = torch.empty(b, heads, splits, device=DEVICE)
+    counters = torch.zeros(b, kv_heads, dtype=torch.int32, device=DEVICE)
+    before = pdl.enabled()
+    pdl._enabled = with_pdl
+    try:
+        def run(merge: bool) -> torch.Tensor:
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, k_new, v_new, pool_k, pool_v, table, req, seq_lens, loc, out,
+                             mid_o, mid_lse, d ** -0.5,
+                             counters=counters if merge else None)
+            return out
+
+        reduced = run(False)
+        merged = [run(True) for _ in range(200)]
+        torch.cuda.synchronize()
+    finally:
+        pdl._enabled = before
+    torch.testing.assert_close(merged[0], reduced, atol=1e-2, rtol=1e-2)
+    assert all(torch.equal(m, merged[0]) for m in merged)
+    assert not counters.any()
