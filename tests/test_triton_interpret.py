@@ -193,38 +193,3 @@ def test_decode_with_fused_rope_interpreted(prefix_lens: list[int], heads: int, 
     got = fused.forward(q, k, v, LAYER, fused.build_metadata(batch))
     assert torch.equal(pool.k_buffer, stored)  # the fused kernel stored the same key
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-
-
-@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads"), [
-    ([5, 40, 130], 8, 2),  # several splits, partial and idle ones
-    ([200, 1, 64], 9, 3),  # a group of 3 (SmolLM2's), a row with nothing cached
-])
-def test_decode_merge_in_the_launch_equals_the_reduce_kernel(
-        prefix_lens: list[int], heads: int, kv_heads: int) -> None:
-    """The last split of each (sequence, KV head) to arrive merges them all: the same
-    output and pool as the separate reduction, and every counter re-armed to zero."""
-    from executor.attention.triton_kernels.decode import decode_attention
-
-    head_dim = 16
-    outs, pools = [], []
-    counters = torch.zeros((8, kv_heads), dtype=torch.int32)
-    for merge in (False, True):
-        pool, table, batch = paged_case(prefix_lens, [1] * len(prefix_lens), heads, kv_heads,
-                                        head_dim, seed=3)
-        gen = torch.Generator().manual_seed(4)
-        n = len(prefix_lens)
-        q = torch.randn(n, heads, head_dim, generator=gen).to(DTYPE)
-        k, v = (torch.randn(n, kv_heads, head_dim, generator=gen).to(DTYPE) for _ in range(2))
-        splits = 6
-        out = torch.full((n, heads, head_dim), float("nan"), dtype=DTYPE)
-        decode_attention(q, k, v, pool.k[LAYER], pool.v[LAYER], table.device_table,
-                         batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, out,
-                         torch.empty(n, heads, splits, head_dim),
-                         torch.empty(n, heads, splits), head_dim**-0.5,
-                         counters=counters if merge else None)
-        outs.append(out)
-        pools.append(pool.k_buffer.clone())
-    assert not outs[1].isnan().any()
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)
-    assert torch.equal(pools[1], pools[0])
-    assert not counters.any(), "every counter re-armed"

@@ -109,12 +109,6 @@ class TritonBackend(AttentionBackend):
                         if device.type == "cuda" else _DEFAULT_NUM_SMS)
         self.graph_buffers: DecodeGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Arrival counters of the decode kernel's in-launch merge, one per row and KV head,
-        # zero between launches (the kernel re-arms them); eager and graph launches share
-        # them (one stream). Grown, never shrunk, by init_graph_buffers; replaced ones are
-        # kept alive for the graphs that recorded them.
-        self.merge_counters = self._counters(table.max_sequences)
-        self._retired_counters: list[torch.Tensor] = []
 
     can_fuse_decode_rope: ClassVar[bool] = True
 
@@ -164,8 +158,7 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, self.rope_tables,
-                             self.merge_counters)
+                             meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
@@ -183,9 +176,6 @@ class TritonBackend(AttentionBackend):
         has one token per row and extend metadata is never captured.
         """
         del max_tokens
-        if self.merge_counters.shape[0] < max_batch:
-            self._retired_counters.append(self.merge_counters)
-            self.merge_counters = self._counters(max_batch)
         if self.graph_buffers is not None and self.graph_buffers.max_batch >= max_batch:
             return
         heads, dim = self.shape.num_heads, self.shape.head_dim
@@ -253,10 +243,6 @@ class TritonBackend(AttentionBackend):
         return bufs.rows[:, : meta.batch_size]
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _counters(self, rows: int) -> torch.Tensor:
-        return torch.zeros((max(rows, 1), self.shape.num_kv_heads), dtype=torch.int32,
-                           device=self.device)
 
     def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         splits = self.num_splits(batch_size)

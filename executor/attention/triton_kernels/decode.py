@@ -23,15 +23,9 @@ Design (page size 1; a sequence's KV is read through its request-slot table row)
   graph row (``seq_len`` 1, ``out_cache_loc`` 0) therefore reads no table entry at all
   and writes only the reserved location 0.
 * Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch
-  (an idle split writes lse -inf only). The splits of each (sequence, head) are merged by
-  a log-sum-exp weighted mean: with arrival counters (``counters``), by the last split of
-  each (sequence, KV head) to finish, in the same launch (each program stores its
-  partials, passes a barrier and counts itself in with an acquire-release atomic; the
-  one that counts last reads the others' partials past L1 and re-arms its counter);
-  without, by ``_decode_reduce_kernel``, a second launch. With one split the split kernel
-  writes the final output and no merge runs.
-* Under programmatic dependent launch, a split gathers its first block of cached K/V
-  before it waits for the previous kernel (see ``_decode_split_kernel``).
+  (an idle split writes lse -inf only); ``_decode_reduce_kernel`` merges the splits of
+  each (sequence, head). With one split the split kernel writes the final output and the
+  reduction is not launched.
 """
 
 from __future__ import annotations
@@ -89,9 +83,7 @@ def _decode_split_kernel(
     req_idx_ptr, seq_lens_ptr, out_loc_ptr,  # (B,) int64 each
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
-    out_ptr,  # (B, heads, head_dim): written when WRITE_OUT, or by the merge (MERGE)
-    counter_ptr,  # (>= B, kv_heads) int32, zero between launches: arrivals (MERGE)
-    stride_counter,
+    out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
     cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
     stride_cos,
     sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
@@ -112,9 +104,6 @@ def _decode_split_kernel(
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
-    MERGE: tl.constexpr,  # the last split of each (sequence, KV head) merges them all
-    BLOCK_S: tl.constexpr,  # >= num_splits (MERGE)
-    BLOCK_G: tl.constexpr,  # >= group (MERGE)
     USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -209,22 +198,6 @@ def _decode_split_kernel(
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
 
-    if MERGE:
-        # Each program arrives once its partials are stored (the barrier orders every
-        # thread's stores before the release); the last of its (sequence, KV head) to
-        # arrive merges the splits, as _decode_reduce_kernel would, and re-arms the count.
-        tl.debug_barrier()
-        count = counter_ptr + b * stride_counter + kvh
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            for g in tl.static_range(BLOCK_G):
-                if g < group:
-                    _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh * group + g,
-                                num_splits, stride_mid_b, stride_mid_h, stride_mid_s,
-                                stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
-                                HEAD_DIM, BLOCK_D, BLOCK_S)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-
 
 @triton.jit
 def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_off,
@@ -279,30 +252,18 @@ def _decode_reduce_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    # One program per (sequence, query head).
-    _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-                num_splits, stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b,
-                stride_lse_h, stride_out_t, stride_out_h, HEAD_DIM, BLOCK_D, BLOCK_S)
-
-
-@triton.jit
-def _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, num_splits,
-                stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                stride_out_t, stride_out_h,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Head ``h`` of sequence ``b``: the log-sum-exp weighted mean of its splits' partial
-    outputs. Lengths are not needed (idle splits have lse -inf), so both loads issue at
-    once; they bypass L1 (``.cg``): other programs of the same kernel may have written
-    them (the fused merge)."""
+    # One program per (sequence, query head): a log-sum-exp weighted mean of the splits.
+    # Lengths are not needed (idle splits have lse -inf), so both loads issue at once.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
     lse = tl.load(mid_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=mask_s,
-                  other=float("-inf"), cache_modifier=".cg")  # split 0 ran: max is finite
+                  other=float("-inf"))  # (BLOCK_S,); split 0 always ran, so max is finite
     o_ptrs = (mid_o_ptr + b * stride_mid_b + h * stride_mid_h + offs_s[:, None] * stride_mid_s
               + offs_d[None, :])
-    mid = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
-                  cache_modifier=".cg")
+    mid = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     ran = lse > float("-inf")
     weight = tl.where(ran, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
     # An idle split's partial output was never written: drop it (it may hold NaN).
@@ -327,7 +288,6 @@ def decode_attention(
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
-    counters: torch.Tensor | None = None,  # (>= B, kv_heads) int32, all zero
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
@@ -336,11 +296,6 @@ def decode_attention(
     graph: lengths, slots and locations are read on the device. With ``rope`` (float32
     tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
     rotated here at position ``seq_len - 1``; the pool receives the rotated key.
-
-    With ``counters`` (zero, and zero again when the launch ends; one per sequence row and
-    KV head), the splits are merged by the last split of each (sequence, KV head) to
-    finish, in the same launch: no reduction kernel. The counters must not be shared by
-    two launches running at once.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -365,17 +320,9 @@ def decode_attention(
         assert cos.dtype == sin.dtype == torch.float32
     else:
         cos = sin = out  # never read
-    merge = num_splits > 1 and counters is not None
-    if merge:
-        assert counters is not None  # for mypy
-        assert counters.dtype == torch.int32 and counters.shape[0] >= batch
-        assert counters.shape[1] == num_kv_heads and counters.stride(1) == 1
-    else:
-        counters = seq_lens  # never touched
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
-        counters, counters.stride(0),
         cos, sin, cos.stride(0),
         scale_log2, group, num_splits,
         q.stride(0), q.stride(1),
@@ -393,14 +340,11 @@ def decode_attention(
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
         ROPE=rope is not None,
-        MERGE=merge,
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-        BLOCK_G=triton.next_power_of_2(group),
         num_warps=4,
         num_stages=2,
         **pdl.options(),
     )
-    if num_splits == 1 or merge:
+    if num_splits == 1:
         return
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, num_splits,
