@@ -110,7 +110,7 @@ class ExecutorConfig:
     fuse_decode_rope: str = "auto"
     #: Programmatic dependent launch of our Triton kernels (``executor/kernels/pdl.py``):
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
-    #: ``off``. Process-wide: the last executor built in a process sets it.
+    #: ``off``.
     pdl: str = "auto"
 
     def __post_init__(self) -> None:

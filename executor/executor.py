@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -99,14 +100,20 @@ class Executor:
         dtype_name = config.model.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         #: Programmatic dependent launch of our Triton kernels (process-wide switch).
+        # Programmatic dependent launch of our Triton kernels: a process-wide switch (the
+        # kernels are launched deep in the model), set to this executor's choice whenever
+        # it runs a forward or captures (``_use_pdl``), so executors sharing a process
+        # each launch as they were configured.
         self.pdl = False
-        if self.device.type == "cuda" or config.pdl != "off":  # CPU: no import of Triton
+        self._pdl_switch: Any = None  # executor.kernels.pdl, where CUDA may launch ours
+        if self.device.type == "cuda" or config.pdl == "on":  # CPU: no import of Triton
             from executor.kernels import pdl
 
             try:
                 self.pdl = pdl.configure(config.pdl, self.device)
             except ValueError as e:
                 raise ConfigError(f"--pdl {config.pdl}: {e}") from None
+            self._pdl_switch = pdl
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
@@ -457,6 +464,7 @@ class Executor:
         torch.cuda.synchronize(self.device)
         if self.channel is not None and self.tp.leads:  # every rank captures the same
             self.channel.send(CaptureHeader(tuple(dict.fromkeys(phases)), force))
+        self._use_pdl()  # graphs keep the launches they were captured with
         return tuple(self.runners[p].capture_all(force=force, progress=progress)
                      for p in dict.fromkeys(phases))
 
@@ -549,6 +557,7 @@ class Executor:
     def _forward(self, batch: ForwardBatch, mode: Mode, bucket: int | None
                  ) -> torch.Tensor | None:
         """The forward as ``mode`` says; float32 logits of the sampled rows, or None."""
+        self._use_pdl()
         if mode is Mode.GRAPH:
             assert bucket is not None
             # Graph logits are valid until the next replay: sampled right after.
@@ -588,6 +597,11 @@ class Executor:
         """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""
         if self.channel is not None and self.tp.leads:
             self.channel.send(ShutdownHeader())
+
+    def _use_pdl(self) -> None:
+        """Point the process-wide PDL switch at this executor's choice."""
+        if self._pdl_switch is not None:
+            self._pdl_switch.use(self.pdl)
 
     def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""

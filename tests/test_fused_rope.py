@@ -140,3 +140,21 @@ def test_kernel_switches_take_auto_on_or_off(field: str) -> None:
 def test_pdl_on_is_refused_where_the_device_cannot() -> None:
     with pytest.raises(ConfigError, match=r"--pdl on: .*device cpu is not CUDA"):
         Executor(ExecutorConfig(cache=CONFIG.cache, pdl="on"))
+
+
+def test_an_executor_sets_the_pdl_switch_to_its_own_choice_before_it_runs() -> None:
+    """The PDL switch is process-wide; each executor points it at its own choice before
+    every forward (and capture), so two executors in a process launch as configured."""
+    ex = Executor(CONFIG)
+    assert not ex.pdl and ex._pdl_switch is None  # CPU, auto: Triton not even imported
+    calls: list[bool] = []
+
+    class Switch:
+        @staticmethod
+        def use(on: bool) -> None:
+            calls.append(on)
+
+    ex._pdl_switch, ex.pdl = Switch, True
+    ex.prefill([PrefillItem("a", [3, 4, 5])])
+    ex.decode([DecodeItem("a", 6)])
+    assert calls == [True, True]

@@ -25,10 +25,11 @@ Kernels that are not ours (cuBLAS, torch's, Inductor's) are launched as before a
 for their predecessor to finish; a PDL kernel after one of them waits for its completion.
 Results are bit-identical with and without PDL: only the timing of loads changes.
 
-The switch is process-wide (``configure``, from ``ExecutorConfig.pdl`` when an executor is
-built; serving runs one executor per process and rank): kernels are launched from deep in
-the model, and each launch reads ``enabled()``, which is part of the kernel's
-specialization (``USE_PDL`` constexpr and the ``launch_pdl`` option).
+The switch is process-wide: kernels are launched from deep in the model, and each launch
+reads ``enabled()``, which is part of the kernel's specialization (``USE_PDL`` constexpr
+and the ``launch_pdl`` option). An executor resolves ``ExecutorConfig.pdl`` once
+(``configure``) and sets the switch to its choice (``use``) before each forward and
+capture, so executors sharing a process launch as each was configured.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def options() -> dict[str, bool]:
 
 _ON = {"USE_PDL": True, "launch_pdl": True}
 _OFF = {"USE_PDL": False}
+
+
+def use(on: bool) -> None:
+    """Set the switch to a value ``configure`` returned (an executor about to run)."""
+    global _enabled
+    _enabled = on
 
 
 def unsupported_reason(device: torch.device | str) -> str:
