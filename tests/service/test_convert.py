@@ -161,3 +161,20 @@ def test_item_output_message_is_what_the_item_says(token: int | None, logprob: f
     assert msg == want
     assert msg.HasField("token_id") == (token is not None)
     assert msg.HasField("logprob") == (logprob is not None)
+
+
+def test_health_says_what_the_kernel_switches_resolved_to() -> None:
+    """``ModelInfo.kernel_features`` (what ``--fuse-decode-rope`` and ``--pdl`` ``auto``
+    chose) reaches Health, as grpcurl users read it."""
+    from executor.api import ExecutorStatus, KVStats, ModelInfo
+
+    model = ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096, "triton",
+                      kernel_features=("fused_decode_rope", "pdl"))
+    kv = KVStats(total_tokens=100, free_tokens=100, total_slots=4, free_slots=4,
+                 active_sequences=0)
+    msg = convert.health_response(pb.SERVER_STATE_READY, ExecutorStatus(model, kv), "v", 1.0, 0)
+    assert list(msg.model.kernel_features) == ["fused_decode_rope", "pdl"]
+    bare = convert.health_response(pb.SERVER_STATE_READY,
+                                   ExecutorStatus(ModelInfo("m", "a", "f", "cpu", 1, 1, "t"), kv),
+                                   "v", 1.0, 0)
+    assert list(bare.model.kernel_features) == []
