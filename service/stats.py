@@ -134,6 +134,8 @@ class StatsRecorder:
         self.metrics.model_info.labels(info.name, info.architecture, info.dtype,
                                        info.device).set(1)
         self.metrics.tensor_parallel_size.set(info.tensor_parallel_size)
+        for feature in info.kernel_features:
+            self.metrics.kernel_feature.labels(feature).set(1)
         for rank, size in enumerate(info.rank_memory_bytes):
             self.metrics.rank_memory_bytes.labels(str(rank)).set(size)
 

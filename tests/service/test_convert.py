@@ -178,3 +178,21 @@ def test_health_says_what_the_kernel_switches_resolved_to() -> None:
                                    ExecutorStatus(ModelInfo("m", "a", "f", "cpu", 1, 1, "t"), kv),
                                    "v", 1.0, 0)
     assert list(bare.model.kernel_features) == []
+
+
+def test_kernel_features_are_a_metric_per_feature() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from executor.api import ModelInfo
+    from service.metrics import Metrics
+    from service.stats import StatsRecorder
+
+    registry = CollectorRegistry()
+    recorder = StatsRecorder(Metrics(registry, ("oom",)))
+    recorder.model(ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096,
+                             "triton", kernel_features=("fused_decode_rope", "pdl")))
+    for feature in ("fused_decode_rope", "pdl"):
+        assert registry.get_sample_value("model_executor_kernel_feature",
+                                         {"feature": feature}) == 1
+    assert registry.get_sample_value("model_executor_kernel_feature",
+                                     {"feature": "other"}) is None
