@@ -76,9 +76,9 @@ def _complete(ex: Executor, step: PendingStep, host_s: list[float]) -> None:
 
 
 def in_process(config: ExecutorConfig, batches: list[int], steps: int,
-               stand_in: str | None = None) -> dict[str, Any]:
+               stand_in: str | None = None, launch_us: float = 0.0) -> dict[str, Any]:
     if stand_in is not None:
-        ex: Executor = StandInExecutor(config, parse_spans(stand_in))
+        ex: Executor = StandInExecutor(config, parse_spans(stand_in), launch_us / 1e6)
     else:
         ex = Executor(config)
     if config.is_cuda:
@@ -203,14 +203,14 @@ class Client:
 
 
 def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
-              steps: int, vocab: int, stand_in: str | None = None, rounds: int = 1
-              ) -> dict[str, Any]:
+              steps: int, vocab: int, stand_in: str | None = None, rounds: int = 1,
+              launch_us: float = 0.0) -> dict[str, Any]:
     """Each mode ``rounds`` times, the modes interleaved round by round (host speed
     drifts within minutes on the lent machines); the median per mode, and every round."""
     port = _free_port()
     target = f"127.0.0.1:{port}"
     entry = ["service.cli"] if stand_in is None else \
-        ["bench.stand_in", "--span-ms", stand_in, "--"]
+        ["bench.stand_in", "--span-ms", stand_in, "--launch-host-us", str(launch_us), "--"]
     args = [sys.executable, "-m", *entry, "serve", "--model", model, "--device", device,
             "--port", str(port), "--metrics-port", "-1",
             "--max-sequences", str(config.cache.max_sequences),
@@ -329,17 +329,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure every gRPC mode this many times, interleaved; medians")
     ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
                     help="CPU with a simulated device (bench.stand_in), e.g. 1:1.27,64:1.63")
+    ap.add_argument("--stand-in-launch-us", type=float, default=0.0,
+                    help="with --stand-in-span-ms: extra host time per launch, GIL held "
+                    "(bench.stand_in --launch-host-us)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args.model, args.device, batches, args.steps)
     stand_in = args.stand_in_span_ms
-    inproc = in_process(config, batches, args.steps, stand_in)
+    launch_us = args.stand_in_launch_us
+    inproc = in_process(config, batches, args.steps, stand_in, launch_us)
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
-                          _vocab(args.model), stand_in, args.rounds)
+                          _vocab(args.model), stand_in, args.rounds, launch_us)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"cpu ({os.cpu_count()} CPUs)" + ("" if stand_in is None else
-                                          f", stand-in device {stand_in} ms")
+                                          f", stand-in device {stand_in} ms, "
+                                          f"{launch_us:g} us extra host time per launch")
     result = {"device": device, "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
               "model": args.model, "steps": args.steps, "rounds": args.rounds,
               "in_process": inproc, "grpc": grpc_rows}

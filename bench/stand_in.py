@@ -13,9 +13,13 @@ for ``span`` (the span given for the smallest batch at least its size, times its
 free meanwhile, as in ``torch.cuda.Event.synchronize``). Everything else is the service:
 validation, allocation, packing, sampling on CPU tensors, the Session's threads, gRPC.
 
-What it does not model: the host cost of launching real kernels (graph replay, the H2D
-copy, CUDA events), and the CPU of the machine the figures are for; compare variants
-within one run on one machine (``bench.session --stand-in-span-ms``).
+What it does not model by itself: the host cost of launching real kernels (graph replay,
+the H2D copy, CUDA events, the sampler's launches), and the CPU of the machine the figures
+are for. ``--launch-host-us`` adds a busy wait holding the GIL to every launch, as those
+calls do (an H100 host launched a 1B decode step in 292 us at batch 1 and 595 us at 64
+where this VM's executor part takes about 120 and 340 us: ``bench.session``'s launch
+column). Compare variants within one run on one machine (``bench.session
+--stand-in-span-ms``, ``--stand-in-launch-us``).
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ class StandInExecutor(Executor):
     """``Executor`` whose device is an in-order queue of steps; a step of ``n`` sequences
     takes the span of the smallest batch in ``spans`` at least ``n`` (else the largest)."""
 
-    def __init__(self, config: ExecutorConfig, spans: dict[int, float]) -> None:
+    def __init__(self, config: ExecutorConfig, spans: dict[int, float],
+                 launch_host_s: float = 0.0) -> None:
         super().__init__(config)
         self.spans = spans
+        self.launch_host_s = launch_host_s  # extra host time per launch, GIL held
         self.device_free_at = 0.0
         vocab = self.model_info.vocab_size
         # Instance attributes shadow the methods: no model work on the host.
@@ -76,6 +82,10 @@ class StandInExecutor(Executor):
 
     def _pending(self, step: PendingStep) -> PendingStep:
         step = super()._pending(step)
+        if self.launch_host_s > 0:  # a busy wait: CUDA API calls hold the GIL too
+            until = time.perf_counter() + self.launch_host_s
+            while time.perf_counter() < until:
+                pass
         start = max(time.perf_counter(), self.device_free_at)
         self.device_free_at = start + self.span_s(len(step.seq_ids)) * max(1, len(step.samples))
         step.done = VirtualEvent(self.device_free_at)  # type: ignore[assignment]
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     split = args.index("--") if "--" in args else len(args)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--span-ms", required=True, help="BATCH:MS,... e.g. 1:1.27,64:1.63")
+    ap.add_argument("--launch-host-us", type=float, default=0.0,
+                    help="extra host time per launch, GIL held (real launches' CUDA calls)")
     own = ap.parse_args(args[:split])
     from service.cli import build_configs, build_parser
     from service.logs import configure_logging
@@ -101,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         def factory() -> Any:
-            return StandInExecutor(executor_config, parse_spans(own.span_ms))
+            return StandInExecutor(executor_config, parse_spans(own.span_ms),
+                                   own.launch_host_us / 1e6)
 
         server = ExecutorServer(executor_config, server_config, executor_factory=factory)
         await server.start()

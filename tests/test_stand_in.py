@@ -45,3 +45,39 @@ def test_steps_queue_in_launch_order_and_complete_with_the_real_host_path() -> N
     out = ex.decode([DecodeItem("a", 7)])
     assert out.outputs[0].seq_len == 6
     ex.kv.check_invariants()
+
+
+def test_a_launch_takes_the_extra_host_time_holding_the_gil() -> None:
+    """``launch_host_s``: each launch busy-waits (as CUDA calls hold the GIL), so a thread
+    that wants the GIL meanwhile waits for the launch (below Python's 5 ms switch interval,
+    which would take the GIL away from a longer one)."""
+    import sys
+    import threading
+    import time
+
+    hold = 0.003
+    assert sys.getswitchinterval() > hold
+    ex = StandInExecutor(ExecutorConfig(cache=CacheConfig(kv_tokens=512, max_sequences=4,
+                                                          max_context=128)),
+                         parse_spans("1:0.1"), launch_host_s=hold)
+    ex.prefill([PrefillItem("a", [3, 4, 5])])
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:  # wants the GIL every 0.2 ms
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    ex.launch_decode([DecodeItem("a", 6)])
+    took = time.perf_counter() - start
+    time.sleep(0.005)
+    stop.set()
+    thread.join()
+    assert took >= hold
+    during = [b - a for a, b in zip(ticks, ticks[1:]) if a <= start + took and b >= start]
+    assert max(during) >= 0.9 * hold, "the ticker ran during the launch: the GIL was free"
