@@ -51,6 +51,7 @@ def test_a_launch_takes_the_extra_host_time_holding_the_gil() -> None:
     """``launch_host_s``: each launch busy-waits (as CUDA calls hold the GIL), so a thread
     that wants the GIL meanwhile waits for the launch (below Python's 5 ms switch interval,
     which would take the GIL away from a longer one)."""
+    import itertools
     import sys
     import threading
     import time
@@ -79,5 +80,5 @@ def test_a_launch_takes_the_extra_host_time_holding_the_gil() -> None:
     stop.set()
     thread.join()
     assert took >= hold
-    during = [b - a for a, b in zip(ticks, ticks[1:]) if a <= start + took and b >= start]
+    during = [b - a for a, b in itertools.pairwise(ticks) if a <= start + took and b >= start]
     assert max(during) >= 0.9 * hold, "the ticker ran during the launch: the GIL was free"

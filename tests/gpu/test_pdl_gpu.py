@@ -39,11 +39,11 @@ SCORED = SamplingParams(logprobs=True, top_logprobs=4)
 def launching(with_pdl: bool) -> Iterator[None]:
     """The process-wide switch set for a block (an executor sets it when built)."""
     before = pdl.enabled()
-    pdl._enabled = with_pdl
+    pdl.use(with_pdl)
     try:
         yield
     finally:
-        pdl._enabled = before
+        pdl.use(before)
 
 
 def both(fn: Callable[[], object]) -> tuple[object, object]:
