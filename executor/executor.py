@@ -99,7 +99,6 @@ class Executor:
             raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
         dtype_name = config.model.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
-        #: Programmatic dependent launch of our Triton kernels (process-wide switch).
         # Programmatic dependent launch of our Triton kernels: a process-wide switch (the
         # kernels are launched deep in the model), set to this executor's choice whenever
         # it runs a forward or captures (``_use_pdl``), so executors sharing a process
@@ -110,7 +109,7 @@ class Executor:
             from executor.kernels import pdl
 
             try:
-                self.pdl = pdl.configure(config.pdl, self.device)
+                self.pdl = pdl.resolve(config.pdl, self.device)
             except ValueError as e:
                 raise ConfigError(f"--pdl {config.pdl}: {e}") from None
             self._pdl_switch = pdl

@@ -225,15 +225,17 @@ def test_a_pdl_kernel_gets_the_switch_as_constexpr_and_launch_option_and_keys_on
     assert launcher.fast_launches == 3
 
 
-def test_pdl_configure_turns_on_only_where_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_resolves_on_only_where_supported(monkeypatch: pytest.MonkeyPatch) -> None:
     from executor.kernels import pdl
 
     monkeypatch.setattr(pdl, "_enabled", False)
     assert pdl.unsupported_reason("cpu") == "device cpu is not CUDA"
-    assert pdl.configure("auto", "cpu") is False and not pdl.enabled()
+    assert pdl.resolve("auto", "cpu") is False and not pdl.enabled()
     assert pdl.options() == {"USE_PDL": False}
     with pytest.raises(ValueError, match="not available: device cpu is not CUDA"):
-        pdl.configure("on", "cpu")
+        pdl.resolve("on", "cpu")
     with pytest.raises(ValueError, match="pdl mode must be one of"):
-        pdl.configure("yes", "cpu")
-    assert pdl.configure("off", "cuda:0") is False  # off asks nothing of the device
+        pdl.resolve("yes", "cpu")
+    assert pdl.resolve("off", "cuda:0") is False  # off asks nothing of the device
+    pdl.use(True)  # only ``use`` sets the switch
+    assert pdl.resolve("auto", "cpu") is False and pdl.enabled()

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from executor.kernels import pdl
+from executor.kernels.pdl import LAUNCH_OPTION
 
 
 def cdiv(a: int, b: int) -> int:
@@ -89,8 +90,7 @@ class FastLauncher:
         self.fn = fn
         self.options: dict[str, Any] = dict(options)
         self.pdl = pdl
-        # launch_pdl only when on: the interpreter and older Triton know no such option
-        self._pdl_options = {False: self.options, True: {**options, "launch_pdl": True}}
+        self._pdl_options = {False: self.options, True: {**options, **LAUNCH_OPTION}}
         self.enabled = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self._bindings: dict[Hashable, _Binding] = {}
         self.fast_launches = 0  # for tests and profiles: how often the fast path ran

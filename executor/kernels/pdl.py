@@ -28,8 +28,8 @@ Results are bit-identical with and without PDL: only the timing of loads changes
 The switch is process-wide: kernels are launched from deep in the model, and each launch
 reads ``enabled()``, which is part of the kernel's specialization (``USE_PDL`` constexpr
 and the ``launch_pdl`` option). An executor resolves ``ExecutorConfig.pdl`` once
-(``configure``) and sets the switch to its choice (``use``) before each forward and
-capture, so executors sharing a process launch as each was configured.
+(``resolve``) and sets the switch to its choice (``use``) before each forward and capture,
+so executors sharing a process launch as each was configured.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-MODES = ("auto", "on", "off")
+from executor.config import KERNEL_SWITCH_MODES
 
 _enabled = False
 
@@ -56,12 +56,14 @@ def options() -> dict[str, bool]:
     return _ON if _enabled else _OFF
 
 
-_ON = {"USE_PDL": True, "launch_pdl": True}
+#: The launch option, passed only when on: the interpreter and older Triton know none.
+LAUNCH_OPTION = {"launch_pdl": True}
+_ON = {"USE_PDL": True, **LAUNCH_OPTION}
 _OFF = {"USE_PDL": False}
 
 
 def use(on: bool) -> None:
-    """Set the switch to a value ``configure`` returned (an executor about to run)."""
+    """Set the switch to a value ``resolve`` returned (an executor about to run)."""
     global _enabled
     _enabled = on
 
@@ -90,17 +92,15 @@ def unsupported_reason(device: torch.device | str) -> str:
     return ""
 
 
-def configure(mode: str, device: torch.device | str) -> bool:
-    """Set the process-wide switch: ``auto`` (on where supported), ``on`` (ValueError where
-    unsupported), ``off``. Returns whether PDL is now on."""
-    global _enabled
-    if mode not in MODES:
-        raise ValueError(f"pdl mode must be one of {MODES}, got {mode!r}")
+def resolve(mode: str, device: torch.device | str) -> bool:
+    """Whether ``mode`` means PDL on ``device``: ``auto`` (on where supported), ``on``
+    (ValueError where unsupported), ``off``. The switch itself is set by ``use``."""
+    if mode not in KERNEL_SWITCH_MODES:
+        raise ValueError(f"pdl mode must be one of {KERNEL_SWITCH_MODES}, got {mode!r}")
     reason = "" if mode == "off" else unsupported_reason(device)
     if mode == "on" and reason:
         raise ValueError(f"programmatic dependent launch is not available: {reason}")
-    _enabled = mode != "off" and not reason
-    return _enabled
+    return mode != "off" and not reason
 
 
 @triton.jit
