@@ -14,6 +14,12 @@ one process and one server on one machine:
 
 Per token = wall time between the first and last measured answer / steps (a batch gets
 one token per sequence per step). Ratios are to the replay span measured in the same run.
+Beside each gRPC mode: the CPU time per step of the server process (all its threads, from
+``/proc``) and of this process (the client): whether one of them, not the chain between
+them, is what limits the rate. ``--py-spy DIR`` also samples the server with ``py-spy``
+(when installed) while it serves the two-in-flight Session of each batch, one raw
+(collapsed-stack) file per batch plus ``bench.pyspy_summary``'s table of which thread
+holds the GIL in which functions, and for how many µs per step.
 ``--rounds N`` measures each gRPC mode N times, the modes interleaved round by round, and
 reports medians (one machine's host speed drifts within minutes).
 
@@ -26,6 +32,7 @@ without a GPU; its figures belong to the machine it ran on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -133,6 +140,49 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int,
     return out
 
 
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) of process ``pid``; this one if None."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class PySpy:
+    """``py-spy record`` attached to a process for the length of a ``with`` block,
+    sampling only the thread that holds the GIL (``--gil``): the samples say who keeps
+    the one interpreter busy, ``RATE`` of them a second of it."""
+
+    RATE = 2000
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PySpy:
+        self.proc = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(self.pid), "--rate", str(self.RATE),
+             "--format", "raw", "--threads", "--gil", "--nonblocking", "--output",
+             str(self.out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # attached before the measured steps
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        import signal
+
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return
+        if not self.out.exists():
+            print(f"py-spy wrote nothing: {err.decode(errors='replace')[-400:]}",
+                  file=sys.stderr)
+
+
 class Client:
     """The scheduler's side: decode loops over one channel."""
 
@@ -204,9 +254,10 @@ class Client:
 
 def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
               steps: int, vocab: int, stand_in: str | None = None, rounds: int = 1,
-              launch_us: float = 0.0) -> dict[str, Any]:
+              launch_us: float = 0.0, py_spy: Path | None = None) -> dict[str, Any]:
     """Each mode ``rounds`` times, the modes interleaved round by round (host speed
-    drifts within minutes on the lent machines); the median per mode, and every round."""
+    drifts within minutes on the lent machines); the median per mode, and every round.
+    With ``py_spy``, the first round's two-in-flight Session of each batch is sampled."""
     port = _free_port()
     target = f"127.0.0.1:{port}"
     entry = ["service.cli"] if stand_in is None else \
@@ -229,7 +280,7 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
             row: dict[str, Any] = {}
             every: dict[str, list[float]] = {}
             for r in range(rounds):
-                for name, run in (
+                for name, run in (  # the order of _MODES
                         ("unary", lambda i, t: client.unary(i, t, steps)),
                         ("session_1", lambda i, t: client.session(i, t, steps, 1)),
                         ("session_2", lambda i, t: client.session(i, t, steps, 2)),
@@ -237,8 +288,18 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
                         ("session_2_packed", lambda i, t: client.session(i, t, steps, 2, True)),
                         ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
                     ids = [f"{name}-{bs}-{r}-{i}" for i in range(bs)]
-                    every.setdefault(name + "_ms", []).append(
-                        run(ids, client.admit(ids)) * 1e3)
+                    toks = client.admit(ids)
+                    spy = PySpy(proc.pid, py_spy / f"pyspy-bs{bs}-{name}.txt") \
+                        if py_spy is not None and r == 0 and name == "session_2" else None
+                    with spy or contextlib.nullcontext():
+                        cpu = _cpu_s(proc.pid), _cpu_s()
+                        per_token = run(ids, toks)
+                        cpu = _cpu_s(proc.pid) - cpu[0], _cpu_s() - cpu[1]
+                    every.setdefault(name + "_ms", []).append(per_token * 1e3)
+                    # every mode runs steps (+ 10 unmeasured) requests' worth of tokens
+                    n = steps + 10 * (8 if name == "unary_num_steps_8" else 1)
+                    every.setdefault(name + "_server_cpu_us", []).append(cpu[0] / n * 1e6)
+                    every.setdefault(name + "_client_cpu_us", []).append(cpu[1] / n * 1e6)
                     row.update({f"{name}_{k}": v for k, v in client.diagnostics().items()})
                     client.release(ids)
             for key, values in every.items():
@@ -252,6 +313,10 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
         except subprocess.TimeoutExpired:
             proc.kill()
     return out
+
+
+_MODES = ("unary", "session_1", "session_2", "session_3", "session_2_packed",
+          "unary_num_steps_8")
 
 
 def render(result: dict[str, Any], out: Path) -> str:
@@ -278,6 +343,14 @@ def render(result: dict[str, Any], out: Path) -> str:
         if len(spread) > 1:
             lines.append(f"\nBatch {bs}, (c) in each of {len(spread)} interleaved rounds: "
                          + ", ".join(f"{v:.3f}" for v in spread) + " ms (the table: medians).")
+    lines += ["", "CPU time per step of the server process (every thread) and of the client "
+              "(this process), by mode, µs (medians over rounds)", "",
+              "| batch | " + " | ".join(_MODES) + " |", "|---:|" + "---:|" * len(_MODES)]
+    for bs, g in result["grpc"].items():
+        if "unary_server_cpu_us" in g:
+            lines.append(f"| {bs} | " + " | ".join(
+                f"{g[m + '_server_cpu_us']:.0f} / {g[m + '_client_cpu_us']:.0f}"
+                for m in _MODES) + " |")
     lines += ["", "In-process, two launched ahead: host time per step (medians; a completion "
               "timed after its device work is done)", "",
               "| batch | launch | complete | together, against the span |",
@@ -329,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure every gRPC mode this many times, interleaved; medians")
     ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
                     help="CPU with a simulated device (bench.stand_in), e.g. 1:1.27,64:1.63")
+    ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                    help="sample the server with py-spy during each batch's two-in-flight "
+                    "Session; raw stacks and a summary into DIR")
     ap.add_argument("--stand-in-launch-us", type=float, default=0.0,
                     help="with --stand-in-span-ms: extra host time per launch, GIL held "
                     "(bench.stand_in --launch-host-us)")
@@ -340,7 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     launch_us = args.stand_in_launch_us
     inproc = in_process(config, batches, args.steps, stand_in, launch_us)
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
-                          _vocab(args.model), stand_in, args.rounds, launch_us)
+                          _vocab(args.model), stand_in, args.rounds, launch_us,
+                          args.py_spy)
+    if args.py_spy is not None:
+        from bench import pyspy_summary
+
+        for raw in sorted(args.py_spy.glob("pyspy-*.txt")):
+            # sampled over the mode's steps + 10 requests (and a second of idle before)
+            table = pyspy_summary.summarize(raw.read_text(), rate=PySpy.RATE,
+                                            steps=args.steps + 10)
+            raw.with_suffix(".md").write_text(table)
+            print(f"\n{raw.name}\n{table}")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"cpu ({os.cpu_count()} CPUs)" + ("" if stand_in is None else
                                           f", stand-in device {stand_in} ms, "

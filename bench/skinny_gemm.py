@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from bench import hardware, shapes
 from bench.gemm import _L2_BYTES, projections, replay_us
+from executor.config import KERNEL_SWITCH_MODES
 
 # (block_n, block_k, num_warps) candidates at M = 1
 SWEEP = [(2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4),
@@ -120,17 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles, keep the best")
     ap.add_argument("--tiles-out", type=Path, help="merge the best tiles into this JSON")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
+                    help="programmatic dependent launch of the skinny kernels (as --pdl)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.skinny_gemm needs a CUDA device", file=sys.stderr)
         return 2
+    from executor.kernels import pdl
+
+    pdl_on = pdl.resolve(args.pdl, torch.device("cuda"))
+    pdl.use(pdl_on)
     rows = measure(shapes.spec(args.shape), args.sweep or args.tiles_out is not None)
     device = torch.cuda.get_device_name()
     if args.tiles_out is not None:
         write_tiles(args.tiles_out, rows, device)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = {"device": device, "torch": torch.__version__, "shape": args.shape}
+        meta = {"device": device, "torch": torch.__version__, "shape": args.shape,
+                "pdl": pdl_on}
         (args.out / f"skinny_gemm-{args.shape}.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
