@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure every gRPC mode this many times, interleaved; medians")
     ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
                     help="CPU with a simulated device (bench.stand_in), e.g. 1:1.27,64:1.63")
+    ap.add_argument("--in-process-only", action="store_true",
+                    help="only the in-process figures (span, launch and completion host "
+                    "time), printed as JSON: for A/B of the executor's host path")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="sample the server with py-spy during each batch's two-in-flight "
                     "Session; raw stacks and a summary into DIR")
@@ -415,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     stand_in = args.stand_in_span_ms
     launch_us = args.stand_in_launch_us
     inproc = in_process(config, batches, args.steps, stand_in, launch_us)
+    if args.in_process_only:
+        print(json.dumps(inproc, indent=1))
+        return 0
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
                           _vocab(args.model), stand_in, args.rounds, launch_us,
                           args.py_spy)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,10 +82,12 @@ from executor.kv.manager import Extension
 from executor.model.loader import load_hf_config, load_model
 from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED
-from executor.sampling import DeviceSample, Sampler, device_tensor
+from executor.sampling import DeviceSample, PinnedPool, Sampler, device_tensor
 from executor.steps import PendingStep
 from executor.validation import Limits, validate_decode, validate_prefill
 
+#: Spare step events kept for reuse (more than the deepest pipeline needs).
+_EVENTS_KEPT = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_TOKENS = 32768
 
@@ -185,6 +188,10 @@ class Executor:
         # on it without looking it up per step (that lookup costs more than the record).
         self._stream = torch.cuda.current_stream(self.device) \
             if self.device.type == "cuda" else None
+        # Launched steps' samples are copied into pooled pinned buffers and their ends
+        # marked by pooled events, handed back when each step is done (``_recycle``).
+        self._pinned = PinnedPool()
+        self._events: deque[torch.cuda.Event] = deque()
         self.limits = Limits(spec.vocab_size, max_context, config.max_prefill_tokens,
                              config.decode_batch_limit, kv_tokens=num_tokens)
 
@@ -343,6 +350,7 @@ class Executor:
             raise ValueError("a completed step cannot be aborted")
         if step.done is not None:
             step.done.synchronize()  # its device work must not outlive its allocation
+        step.recycled()
         self.kv.rollback(step.alloc)
         step.finished = True
         sampled = {sid for sid, row in zip(step.seq_ids, step.rows, strict=True)
@@ -362,13 +370,25 @@ class Executor:
             raise
 
     def _pending(self, step: PendingStep) -> PendingStep:
-        """Start the copies of the step's samples to the host; mark its end on the device."""
+        """Start the copies of the step's samples to the host; mark its end on the device.
+        The pinned buffers and the event come from pools the step gives them back to
+        when it is done (``_recycle``): none is allocated per step."""
+        if self._stream is None:
+            return step
         for sample in step.samples:
-            sample.stage()
-        if self._stream is not None:
-            step.done = torch.cuda.Event()
-            step.done.record(self._stream)
+            sample.stage(self._pinned)
+        step.done = self._events.pop() if self._events else torch.cuda.Event()
+        step.done.record(self._stream)
+        step.recycle = self._recycle
         return step
+
+    def _recycle(self, step: PendingStep) -> None:
+        """A finished or aborted step's buffers and event, back to their pools (any
+        thread: deque appends are atomic)."""
+        for sample in step.samples:
+            sample.release()
+        if isinstance(step.done, torch.cuda.Event) and len(self._events) < _EVENTS_KEPT:
+            self._events.append(step.done)
 
     def _remember_last(self, sample: DeviceSample, slots: torch.Tensor,
                        rows: torch.Tensor | None = None) -> None:

@@ -43,6 +43,10 @@ class PinnedStaging:
         self.device = device
         self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
                       for _ in range(depth)]
+        # The same memory as numpy arrays (a host copy into one is a memcpy, no
+        # dispatcher call) and its leading-n slices as tensors, made once per size.
+        self._arrays = [h.numpy() for h in self._host]
+        self._slices: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
         self._copied = [torch.cuda.Event() for _ in range(depth)]
         self._used = [False] * depth
         self._next = 0
@@ -61,10 +65,13 @@ class PinnedStaging:
         if n > self._host[i].numel():
             self._host[i] = torch.empty(max(n, 2 * self._host[i].numel()), dtype=torch.int64,
                                         pin_memory=True)
-        host = self._host[i][:n]
-        host.copy_(values)
+            self._arrays[i], self._slices[i] = self._host[i].numpy(), {}
+        self._arrays[i][:n] = values.numpy()
+        host = self._slices[i].get(n)
+        if host is None:
+            host = self._slices[i][n] = self._host[i][:n]
         dev = torch.empty(n, dtype=torch.int64, device=self.device) if dest is None \
-            else dest[:n]
+            else dest if dest.numel() == n else dest[:n]
         dev.copy_(host, non_blocking=True)
         self._copied[i].record(self._stream)
         self._used[i] = True
@@ -246,15 +253,15 @@ class ForwardBatch:
         slots, seq_lens, prefix, ext_lens = hosts
         if device.type == "cuda" and staging is None:
             flat = flat.pin_memory()  # pinned: the copy is asynchronous
-        dest = None if layout is None else layout.dest
+        dest = None if layout is None else layout.prefix(flat.numel())
         if staging is not None and flat.numel():
             on_device = staging.to_device(flat, dest)
         elif dest is not None:
-            on_device = dest[: flat.numel()]
+            on_device = dest
             on_device.copy_(flat, non_blocking=True)
         else:
             on_device = flat.to(device, non_blocking=True)
-        views = split_packed(on_device, sizes)
+        views = split_packed(on_device, sizes) if layout is None else layout.views(sizes)
         return ForwardBatch(
             phase=phase,
             **{name: views[name] for name in FIELDS},

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
@@ -171,6 +171,10 @@ def split_packed(buf: torch.Tensor, sizes: PackedSizes) -> dict[str, torch.Tenso
     return out
 
 
+#: Cached views per layout before the cache starts over.
+_VIEWS_KEPT = 256
+
+
 @dataclass(frozen=True)
 class GraphLayout:
     """How a batch bound for one CUDA-graph bucket is packed, and where it lands.
@@ -186,6 +190,30 @@ class GraphLayout:
     table_scratch: int
     dest: torch.Tensor  # (>= max_packed_size(bucket),) int64 on the device
     phase: Phase = "prefill"
+    # Views of ``dest`` by packed sizes: a decode batch of one size repeats them every
+    # step, and each view costs a dispatcher call to make (``views``, ``prefix``).
+    _views: dict[PackedSizes, dict[str, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
+    _prefixes: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def prefix(self, n: int) -> torch.Tensor:
+        """``dest[:n]``, where a batch of ``n`` packed entries lands."""
+        view = self._prefixes.get(n)
+        if view is None:
+            if len(self._prefixes) >= _VIEWS_KEPT:  # prefill sizes vary without end
+                self._prefixes.clear()
+            view = self._prefixes[n] = self.dest[:n]
+        return view
+
+    def views(self, sizes: PackedSizes) -> dict[str, torch.Tensor]:
+        """``split_packed`` of ``dest`` for a batch of ``sizes`` (the same tensors each
+        time: views of the fixed buffer, whatever batch was packed into it last)."""
+        views = self._views.get(sizes)
+        if views is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            views = self._views[sizes] = split_packed(self.dest, sizes)
+        return views
 
     @staticmethod
     def max_packed_size(bucket: int) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -120,15 +121,29 @@ class DeviceSample:
     top_values: torch.Tensor | None = None
     #: (B,) float32 log-probabilities of given target tokens (NaN where a row has none).
     target_logprobs: torch.Tensor | None = None
+    _pool: PinnedPool | None = field(default=None, repr=False)
 
-    def stage(self) -> None:
-        """Start the device-to-host copies (pinned, asynchronous)."""
+    def stage(self, pool: PinnedPool | None = None) -> None:
+        """Start the device-to-host copies (pinned, asynchronous), into buffers of
+        ``pool`` when given (``release`` hands them back)."""
         if not self.tokens.is_cuda:
             return
-        self.tokens = _pinned_copy(self.tokens)
+        self._pool = pool
+        self.tokens = _pinned_copy(self.tokens, pool)
         self.logprobs, self.top_ids, self.top_values, self.target_logprobs = (
-            None if t is None else _pinned_copy(t)
+            None if t is None else _pinned_copy(t, pool)
             for t in (self.logprobs, self.top_ids, self.top_values, self.target_logprobs))
+
+    def release(self) -> None:
+        """Give the staged buffers back to their pool: the copies into them have finished
+        and nothing reads them any more (the step's outputs were built, or it was
+        aborted after its device work). The sample is not used after this."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            for t in (self.tokens, self.logprobs, self.top_ids, self.top_values,
+                      self.target_logprobs):
+                if t is not None:
+                    pool.give(t)
 
     def to_output(self, params: Sequence[SamplingParams]) -> SampleOutput:
         """The host values; a staged sample's copies must have finished (its event)."""
@@ -147,8 +162,39 @@ class DeviceSample:
         return SampleOutput(tokens, self.logprobs.tolist(), tops, targets)
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+class PinnedPool:
+    """Pinned host buffers for the samples' copies, reused from step to step instead of
+    allocated per step (a pinned allocation and its release cost more host time than
+    the copy's launch). Buffers are kept by shape and dtype, at most ``keep`` of each.
+    ``take`` runs on the thread that launches steps and ``give`` on whichever completes
+    them: deque appends and pops are atomic, so neither locks. ``pin_memory=False`` only
+    for hosts without CUDA (tests)."""
+
+    def __init__(self, keep: int = 16, pin_memory: bool = True) -> None:
+        self.keep, self.pin_memory = keep, pin_memory
+        self._free: dict[tuple[torch.dtype, tuple[int, ...]], deque[torch.Tensor]] = {}
+        self.allocated = 0  # buffers made so far (for tests)
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A pinned buffer of ``like``'s shape and dtype (contents undefined)."""
+        free = self._free.get((like.dtype, tuple(like.shape)))
+        if free:
+            try:
+                return free.pop()
+            except IndexError:  # another thread took the last one meanwhile
+                pass
+        self.allocated += 1
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
+
+    def give(self, buf: torch.Tensor) -> None:
+        free = self._free.setdefault((buf.dtype, tuple(buf.shape)), deque())
+        if len(free) < self.keep:
+            free.append(buf)
+
+
+def _pinned_copy(t: torch.Tensor, pool: PinnedPool | None = None) -> torch.Tensor:
+    host = pool.take(t) if pool is not None else \
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,10 @@ class PendingStep:
     #: Per item of an ``every_position`` prefill: (first row, rows), or None; empty when
     #: no item asked.
     position_rows: tuple[tuple[int, int] | None, ...] = ()
+    #: Called once the step's device work is done and its host buffers are read (after
+    #: ``finish`` builds the outputs, or after an abort): the launcher takes back the
+    #: step's event and staging buffers for later steps.
+    recycle: Callable[[PendingStep], None] | None = field(default=None, repr=False)
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -56,8 +61,16 @@ class PendingStep:
         sampled = self.wait()
         self.finished = True
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        self.recycled()
         return StepResult(self.outputs(sampled),
                           dataclasses.replace(self.info, forward_ms=elapsed_ms))
+
+    def recycled(self) -> None:
+        """Hand the step's event and buffers back to its launcher (once; the device work
+        must be done and nothing may read them after this)."""
+        recycle, self.recycle = self.recycle, None
+        if recycle is not None:
+            recycle(self)
 
     def wait(self) -> list[SampleOutput]:
         """Host values of every step's samples (waits for the device)."""

@@ -167,3 +167,37 @@ def test_fill_padding_writes_a_batch_of_padding_only() -> None:
     packed[: frame.total] = torch.frombuffer(
         pack_lists(dict.fromkeys(PACKED_FIELDS, ()), frame, _SCRATCH), dtype=torch.int64)
     assert torch.equal(packed, dest)
+
+
+def test_a_layout_gives_the_same_views_for_batches_of_the_same_sizes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of one size packed for a graph bucket share their views of the fixed
+    buffer (made once), and each view reads the batch packed last."""
+    from executor import packing
+
+    cpu, bucket = torch.device("cpu"), 8
+    layout = GraphLayout(bucket, _SCRATCH, torch.zeros(GraphLayout.max_packed_size(bucket),
+                                                       dtype=torch.int64), "decode")
+
+    def decode_batch(base: int) -> ForwardBatch:
+        exts = tuple(Extension(f"s{i}", 2 + i, base + i, 1, False) for i in range(3))
+        alloc = Allocation(exts, torch.arange(100 + base, 103 + base))
+        return ForwardBatch.build("decode", [base, base + 1, base + 2], alloc, [0, 1, 2], cpu,
+                                  _WIDTH, layout=layout)
+
+    first, second = decode_batch(5), decode_batch(40)
+    assert first.input_ids is second.input_ids and first.decode_rows is second.decode_rows
+    assert second.input_ids.tolist() == [40, 41, 42]
+    assert second.positions.tolist() == [40, 41, 42]
+    assert second.seq_lens.tolist() == [41, 42, 43]
+    assert second.out_cache_loc.tolist() == [140, 141, 142]
+    plain = ForwardBatch.build("decode", [40, 41, 42], Allocation(
+        tuple(Extension(f"s{i}", 2 + i, 40 + i, 1, False) for i in range(3)),
+        torch.arange(140, 143)), [0, 1, 2], cpu, _WIDTH)
+    for name in FIELDS:
+        assert torch.equal(getattr(second, name), getattr(plain, name)), name
+    monkeypatch.setattr(packing, "_VIEWS_KEPT", 1)  # a full cache starts over
+    third = ForwardBatch.build("decode", [1], Allocation(
+        (Extension("s0", 2, 9, 1, False),), torch.arange(7, 8)), [0], cpu, _WIDTH,
+        layout=layout)
+    assert third.input_ids.tolist() == [1] and len(layout._views) == 1

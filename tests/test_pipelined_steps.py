@@ -199,3 +199,21 @@ def test_failed_launch_applies_nothing() -> None:
     with pytest.raises(InvalidRequest, match=r"items\[0\]\.use_last_sampled"):
         ex.launch_decode([DecodeItem("a", None)])
     ex.kv.check_invariants()
+
+
+def test_a_step_hands_its_buffers_back_once_when_completed_or_aborted() -> None:
+    """``recycle`` (the event and staging buffers' way back to the launcher's pools) runs
+    exactly once: after a completed step's outputs are read, or after an abort."""
+    ex = make()
+    ex.prefill([PrefillItem("a", [1, 2, 3]), PrefillItem("b", [4, 5])])
+    recycled: list[PendingStep] = []
+    done = ex.launch_decode([DecodeItem("a", None), DecodeItem("b", None)])
+    aborted = ex.launch_decode([DecodeItem("a", None)])
+    for step in (done, aborted):
+        step.recycle = recycled.append  # on CUDA the executor sets its own
+    ex.abort(aborted)
+    assert recycled == [aborted]
+    result = ex.complete(done)
+    assert recycled == [aborted, done] and [o.seq_len for o in result.outputs] == [4, 3]
+    done.recycled()  # a second hand-back does nothing
+    assert recycled == [aborted, done]

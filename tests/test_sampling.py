@@ -164,3 +164,37 @@ def test_extreme_parameters_give_an_allowed_token(
         else:
             assert torch.isfinite(filtered[i, token]), (p, token)
         assert not torch.isnan(filtered[i]).any()
+
+
+def test_pinned_pool_reuses_buffers_by_shape_and_dtype_and_keeps_a_bounded_number() -> None:
+    from executor.sampling import PinnedPool
+
+    pool = PinnedPool(keep=2, pin_memory=False)  # no CUDA here: plain host buffers
+    like = torch.zeros(4, dtype=torch.int64)
+    a, b = pool.take(like), pool.take(like)
+    assert a.shape == (4,) and a.dtype == torch.int64 and a.data_ptr() != b.data_ptr()
+    pool.give(a)
+    assert pool.take(like) is a  # back from the pool, not made anew
+    assert pool.take(torch.zeros(4, dtype=torch.float32)).dtype == torch.float32
+    assert pool.take(torch.zeros(5, dtype=torch.int64)).shape == (5,)
+    assert pool.allocated == 4
+    c = pool.take(like)
+    assert pool.allocated == 5
+    for buf in (a, b, c):  # a third buffer of one kind is not kept
+        pool.give(buf)
+    again = [pool.take(like) for _ in range(3)]
+    assert again[0] is b and again[1] is a  # the kept two, last given first
+    assert again[2] is not c and pool.allocated == 6  # the third was made anew
+
+
+def test_a_staged_sample_gives_its_buffers_back_once() -> None:
+    from executor.sampling import DeviceSample, PinnedPool
+
+    pool = PinnedPool(pin_memory=False)
+    given: list[torch.Tensor] = []
+    pool.give = given.append  # type: ignore[method-assign]
+    sample = DeviceSample(torch.tensor([3, 4]), torch.tensor([-0.5, -1.0]))
+    sample._pool = pool  # what stage() sets on CUDA
+    sample.release()
+    sample.release()
+    assert [t.tolist() for t in given] == [[3, 4], [-0.5, -1.0]]
