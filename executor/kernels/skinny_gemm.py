@@ -189,8 +189,9 @@ def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
     """Untuned shapes, by the H100 sweep of the 1B projections at M = 1 (``bench.skinny_gemm``,
     ``bench/results/2026-11-25-h100-kernels``): chunks of up to 2048 columns; plain inputs
     2 output columns per program with 8 warps (o: 5.5 us), fused prologues 4 columns with
-    4 warps (qkv 8.1, gate_up 29.0 against its best 28.9, down 17.5 us): each program of
-    those also reads its input rows (the norm reads them twice), so fewer, wider programs.
+    4 warps (qkv 8.1, gate_up 29.0, down 17.5 us; under PDL gate_up's best as well): each
+    program of those also reads its input rows (the norm reads them twice), so fewer, wider
+    programs.
     Fewer K per chunk as rows grow (M x chunk products sit in registers)."""
     block_m = next_power_of_2(m)
     block_k = max(64, min(next_power_of_2(k), 2048 // block_m))
