@@ -227,34 +227,39 @@ def _top(pairs: Sequence[tuple[int, float]]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in pairs]
 
 
-def _item_output(item: ItemOutput) -> pb.ItemOutput:
-    if not (item.top_logprobs or item.steps or item.positions or item.stopped):
-        # One sampled token (or none): the common decode answer, built in one call with
-        # only the fields it sets (about half the time of the general path).
-        if item.token_id is None:
-            return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len)
-        if item.logprob is None:
-            return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
-                                 token_id=item.token_id)
-        return pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
-                             token_id=item.token_id, logprob=item.logprob)
-    msg = pb.ItemOutput(seq_id=item.seq_id, seq_len=item.seq_len,
-                        top_logprobs=_top(item.top_logprobs), stopped=item.stopped)
-    if item.token_id is not None:
-        msg.token_id = item.token_id
-    if item.logprob is not None:
-        msg.logprob = item.logprob
-    for s in item.steps:
-        token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
-        if s.logprob is not None:
-            token.logprob = s.logprob
-    for s in item.positions:
-        token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
-        if s.logprob is not None:
-            token.logprob = s.logprob
-        if s.next_token_logprob is not None:
-            token.next_token_logprob = s.next_token_logprob
-    return msg
+def _add_outputs(outputs: Any, items: Sequence[ItemOutput]) -> None:
+    """Append one ``pb.ItemOutput`` per item to the repeated field ``outputs``, each made in
+    place by ``add`` (building standalone messages and copying them in took 1.7x as long
+    at batch 64)."""
+    add = outputs.add
+    for item in items:
+        if not (item.top_logprobs or item.steps or item.positions or item.stopped):
+            # One sampled token (or none): the common decode answer, in one call with only
+            # the fields it sets.
+            if item.token_id is None:
+                add(seq_id=item.seq_id, seq_len=item.seq_len)
+            elif item.logprob is None:
+                add(seq_id=item.seq_id, seq_len=item.seq_len, token_id=item.token_id)
+            else:
+                add(seq_id=item.seq_id, seq_len=item.seq_len, token_id=item.token_id,
+                    logprob=item.logprob)
+            continue
+        msg = add(seq_id=item.seq_id, seq_len=item.seq_len,
+                  top_logprobs=_top(item.top_logprobs), stopped=item.stopped)
+        if item.token_id is not None:
+            msg.token_id = item.token_id
+        if item.logprob is not None:
+            msg.logprob = item.logprob
+        for s in item.steps:
+            token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+            if s.logprob is not None:
+                token.logprob = s.logprob
+        for s in item.positions:
+            token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+            if s.logprob is not None:
+                token.logprob = s.logprob
+            if s.next_token_logprob is not None:
+                token.next_token_logprob = s.next_token_logprob
 
 
 # Prefill and Decode answer with distinct messages of the same fields (executor.proto).
@@ -290,18 +295,17 @@ def step_response(result: StepResult, queue_ms: float, execute_ms: float,
                   message: StepResponseType = pb.PrefillResponse,
                   packed: bool = False) -> StepResponse:
     step = result.step
+    info = pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
+                       fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
+                       padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
+                       num_steps=step.num_steps)
     if packed:
         assert message is pb.DecodeResponse
-        extra: dict[str, Any] = {"packed": _packed(result.outputs)}
-    else:
-        extra = {"outputs": [_item_output(item) for item in result.outputs]}
-    return message(
-        **extra,
-        step=pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
-                         fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
-                         padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
-                         num_steps=step.num_steps),
-        queue_ms=queue_ms, execute_ms=execute_ms)
+        return message(packed=_packed(result.outputs), step=info, queue_ms=queue_ms,
+                       execute_ms=execute_ms)
+    response = message(step=info, queue_ms=queue_ms, execute_ms=execute_ms)
+    _add_outputs(response.outputs, result.outputs)
+    return response
 
 
 def release_response(result: ReleaseResult) -> pb.ReleaseResponse:

@@ -150,7 +150,10 @@ def test_item_output_message_is_what_the_item_says(token: int | None, logprob: f
     the item sets, presence included, and nothing else."""
     from executor.api import ItemOutput
 
-    msg = convert._item_output(ItemOutput("s", token, logprob, tops, 9, stopped=stopped))
+    holder = pb.DecodeResponse()
+    convert._add_outputs(holder.outputs, [ItemOutput("s", token, logprob, tops, 9,
+                                                     stopped=stopped)])
+    (msg,) = holder.outputs
     want = pb.ItemOutput(seq_id="s", seq_len=9, stopped=stopped,
                          top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp)
                                        for t, lp in tops])
