@@ -269,7 +269,7 @@ class Executor:
         """Validate, allocate, run and sample a prefill without waiting for the device
         (see ``executor/steps.py``); ``complete`` gives its result."""
         started = time.perf_counter()
-        validate_prefill(items, self._seq_len, self.limits)
+        validate_prefill(items, self.kv.length, self.limits)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = {it.seq_id: it.seq_id in self._last_sampled for it in items}
         try:
@@ -304,7 +304,7 @@ class Executor:
         item without a token continues from its sequence's last sampled token."""
         started = time.perf_counter()
         last = self._last_sampled
-        validate_decode(items, self._seq_len, self.limits, num_steps, last.__contains__)
+        validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
         # Per-item work is most of a large batch's host time: each list is made once.
         seq_ids = [it.seq_id for it in items]
         alloc = self.kv.allocate([(sid, num_steps) for sid in seq_ids])
@@ -526,10 +526,6 @@ class Executor:
     # ------------------------------------------------------------------------------------
     # Internals
     # ------------------------------------------------------------------------------------
-    def _seq_len(self, seq_id: str) -> int | None:
-        state = self.kv.get(seq_id)
-        return None if state is None else state.length
-
     def _decide(self, phase: Phase, size: int) -> Decision:
         """Graph bucket or eager, for a step of ``size`` rows (decode) or tokens."""
         runner = self.runners.get(phase)

@@ -198,10 +198,11 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
                 f"items[{i}].use_last_sampled",
                 f"sequence {it.seq_id!r} has no sampled token to continue from (its last step "
                 "did not sample, or was rolled back); give its token_id"))
-        for k, tok in enumerate(it.stop_token_ids):
-            v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", vocab)
-            if v is not None:
-                out.append(v)
+        if it.stop_token_ids:
+            for k, tok in enumerate(it.stop_token_ids):
+                v = _token_violation(tok, f"items[{i}].stop_token_ids[{k}]", vocab)
+                if v is not None:
+                    out.append(v)
         ok = sampling_ok.get(id(it.sampling))
         if ok is None:
             ok = sampling_ok[id(it.sampling)] = not sampling_violations(it.sampling, "")

@@ -74,6 +74,12 @@ class KVCacheManager:
     def get(self, seq_id: str) -> SequenceState | None:
         return self._seqs.get(seq_id)
 
+    def length(self, seq_id: str) -> int | None:
+        """Tokens ``seq_id`` holds; None for an unknown sequence (validation asks this
+        once per item of every step)."""
+        state = self._seqs.get(seq_id)
+        return None if state is None else state.length
+
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 

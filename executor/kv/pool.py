@@ -74,21 +74,32 @@ class ReqToTokenTable:
         self.scratch_index = cells
         self.host_table = torch.zeros((max_sequences, max_context), dtype=torch.int32)
         self._host_flat = self.host_table.view(-1)
+        # The same memory as a numpy array: a decode step's scatter of a few dozen cells
+        # through numpy costs a fraction of a torch index_put (no dispatcher call).
+        self._host_array = self._host_flat.numpy()
 
     def write_host(self, spans: list[tuple[int, int, int]], locs: torch.Tensor) -> None:
         """For each ``(slot, start, n)`` in order, set ``host_table[slot, start:start + n]``
-        to the next ``n`` of ``locs`` (allocation time). One slice copy for one sequence;
-        one scatter for many short spans (a decode batch: one host op, not one per
-        sequence); a slice copy per sequence when the spans are long."""
+        to the next ``n`` of ``locs`` (allocation time). Up to ``_SCATTER_MAX_TOKENS``
+        new tokens, one numpy slice or scatter on the table's memory (a decode batch: one
+        host op, not one per sequence); above it, a slice copy per sequence."""
+        width = self.max_context
+        if len(locs) <= _SCATTER_MAX_TOKENS:
+            values = locs.numpy()  # int64, cast to the table's int32 on assignment
+            if len(spans) == 1:
+                slot, start, n = spans[0]
+                at = slot * width + start
+                self._host_array[at : at + n] = values
+            elif len(spans) == len(values):  # one token each: a decode step
+                self._host_array[[slot * width + start for slot, start, _ in spans]] = values
+            else:
+                self._host_array[[slot * width + start + j for slot, start, n in spans
+                                  for j in range(n)]] = values
+            return
         locs32 = locs.to(torch.int32)
         if len(spans) == 1:
             slot, start, n = spans[0]
             self.host_table[slot, start : start + n] = locs32
-            return
-        width = self.max_context
-        if len(locs32) <= _SCATTER_MAX_TOKENS:
-            flat = [slot * width + start + j for slot, start, n in spans for j in range(n)]
-            self._host_flat[torch.tensor(flat, dtype=torch.int64)] = locs32
             return
         offset = 0
         for slot, start, n in spans:
