@@ -210,23 +210,31 @@ class ExecutorWorker:
         try:
             return await call.future
         except asyncio.CancelledError:
-            if not self._abandoned:
-                with self._lock:
-                    if call in self._queued:  # never started: it never will
-                        call.dropped = True
+            with self._lock:
+                self._unqueue(call)  # never started: it never will
             raise
         finally:
             self._waiting.discard(call)
 
     # -- the worker thread ------------------------------------------------------------
+    def _unqueue(self, call: _Call) -> bool:
+        """Under ``_lock``: drop ``call`` if the thread has not taken it yet (it stops
+        counting as pending at once); True if it was dropped."""
+        if call not in self._queued:
+            return False
+        self._queued.discard(call)
+        call.dropped = True
+        self._pending -= 1
+        return True
+
     def _serve(self) -> None:
         while (call := self._queue.get()) is not None:
             with self._lock:
+                if call not in self._queued:  # dropped while it waited
+                    continue
                 self._queued.discard(call)
-                dropped = call.dropped
             try:
-                if not dropped:
-                    self._answer(call, *self._call(call))
+                self._answer(call, *self._call(call))
             finally:
                 with self._lock:
                     self._pending -= 1
@@ -276,8 +284,8 @@ class ExecutorWorker:
                 continue
             with self._lock:
                 began = call.began
-                if not began:
-                    call.dropped = True
+                if not began and not self._unqueue(call):
+                    call.dropped = True  # taken, not started: its checks refuse it
             if began:
                 future.set_exception(OutcomeUnknown(
                     "the server's grace period ended while this call's step was still "
@@ -292,7 +300,7 @@ class ExecutorWorker:
             self._stopped = True
             queued = list(self._queued)
             for call in queued:
-                call.dropped = True
+                self._unqueue(call)
         for call in queued:  # their callers see a cancellation, as before they started
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
                 call.loop.call_soon_threadsafe(call.future.cancel)

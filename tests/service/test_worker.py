@@ -69,8 +69,10 @@ def test_a_call_cancelled_while_queued_never_runs_and_a_late_deadline_refuses() 
         late = asyncio.ensure_future(worker.run(lambda ex: ex.note("late"),
                                                 deadline=time.monotonic() + 0.05))
         await asyncio.sleep(0.1)
+        assert worker.pending == 3
         queued.cancel()
         await asyncio.sleep(0.1)  # the deadline passes while it waits
+        assert worker.pending == 2  # the cancelled call stopped counting at once
         gate.set()
         assert (await blocker).value == "b"
         with pytest.raises(asyncio.CancelledError):
