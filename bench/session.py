@@ -5,7 +5,10 @@ one process and one server on one machine:
 
 * in-process: the executor's synchronous decode call (host work included) and the median
   graph replay span (CUDA events): the GPU's busy time per step, the yardstick;
-* in-process, two steps launched ahead (``launch_decode`` / ``complete``);
+* in-process, two steps launched ahead (``launch_decode`` / ``complete``), on fresh
+  sequences so their contexts span the same range as the span's steps (until 1256e6f it
+  continued the same sequences, so at batch 64 its longer attention made it look slower
+  than the span by about 15 %); ``span_ahead_ms`` is those steps' own replay span;
 * over gRPC from this process (the server is a ``model-executor serve`` subprocess):
   (a) unary Decode, one call at a time; (b) Session, one step in flight; (c) Session, two
   steps in flight, decode items continuing from the device's last samples
@@ -109,7 +112,13 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int,
         spans = ex.drain_replay_seconds().get("decode", [])
         if isinstance(ex, StandInExecutor):
             spans = [ex.span_s(bs)] * (steps + 10)
-        # Two launched ahead: the next step is launched before the previous completes.
+        ex.release(ids)
+        # Two launched ahead: the next step is launched before the previous completes. On
+        # fresh sequences, so the contexts (and the attention's share of the GPU step)
+        # run over the same range as the span's steps above and each gRPC mode's.
+        ids = [f"a{bs}-{i}" for i in range(bs)]
+        ex.prefill([PrefillItem(s, _tokens(i, CTX, vocab)) for i, s in enumerate(ids)])
+        ex.drain_replay_seconds()
         inflight: deque[PendingStep] = deque()
         items = [DecodeItem(s, None) for s in ids]
         # Host time of each launch and of each completion after its device work is done
@@ -127,9 +136,13 @@ def in_process(config: ExecutorConfig, batches: list[int], steps: int,
         while inflight:
             _complete(ex, inflight.popleft(), complete_s)
         ahead = (time.perf_counter() - t0) / steps
+        spans_ahead = ex.drain_replay_seconds().get("decode", [])
         ex.release(ids)
         out[str(bs)] = {"call_ms": statistics.median(times) * 1e3,
                         "span_ms": statistics.median(spans[10:]) * 1e3 if spans else None,
+                        # the replays of the launched-ahead steps (none on the stand-in)
+                        "span_ahead_ms": statistics.median(spans_ahead) * 1e3
+                        if spans_ahead else None,
                         "launched_ahead_ms": ahead * 1e3,
                         "launch_host_us": statistics.median(launch_s) * 1e6,
                         "complete_host_us": statistics.median(complete_s) * 1e6}

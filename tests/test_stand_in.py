@@ -82,3 +82,19 @@ def test_a_launch_takes_the_extra_host_time_holding_the_gil() -> None:
     assert took >= hold
     during = [b - a for a, b in itertools.pairwise(ticks) if a <= start + took and b >= start]
     assert max(during) >= 0.9 * hold, "the ticker ran during the launch: the GIL was free"
+
+
+def test_the_session_bench_in_process_is_bound_by_the_simulated_device() -> None:
+    """``bench.session``'s in-process part on the stand-in: launching two ahead takes the
+    simulated span per step (not less: the device is one queue), and every figure is
+    there for each batch."""
+    from bench.session import _config, in_process
+
+    spans = "1:20,4:30"  # ms: long against the tiny model's host path
+    out = in_process(_config("tiny", "cpu", [1, 4], 12), [1, 4], 12, stand_in=spans)
+    for bs, span in (("1", 20.0), ("4", 30.0)):
+        row = out[bs]
+        assert row["span_ms"] == pytest.approx(span)
+        assert span * 0.99 <= row["launched_ahead_ms"] <= span * 1.5
+        assert row["call_ms"] >= span * 0.99  # a synchronous call waits for its step
+        assert row["launch_host_us"] > 0 and row["complete_host_us"] > 0
