@@ -127,6 +127,8 @@ class SessionStream:
         self._launched: list[tuple[int, PendingStep]] = []  # executor thread only
         self._last_step: int | None = None
         self._launching: asyncio.Future[_Entry] | None = None  # the reader's current launch
+        # The last decode request converted, and its items (reused for an equal request).
+        self._last_decode: tuple[pb.DecodeRequest, list[Any]] | None = None
         # Answered steps whose metrics are recorded after their answer is sent.
         self._unrecorded: list[tuple[_Entry, StepResult, float]] = []
         # Per-step lines are DEBUG; asked once per stream, not per step (a filtered
@@ -329,7 +331,7 @@ class SessionStream:
         key = self._cache.key(method, body)
         items: list[Any] = (convert.prefill_items(body, self._limits)
                             if isinstance(body, pb.PrefillRequest)
-                            else convert.decode_items(body, self._limits))
+                            else self._decode_items(body))
         entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
                        items=len(items), packed=isinstance(body, pb.DecodeRequest)
                        and body.packed_outputs)
@@ -372,6 +374,18 @@ class SessionStream:
             if original is not None:
                 self._recorder.retry_replayed(method)
                 return _Entry(step, op, response=_stepped(step, op, original))
+
+    def _decode_items(self, body: pb.DecodeRequest) -> list[Any]:
+        """``convert.decode_items``, except that a request equal to the last one converted
+        reuses its items: a pipelined decode loop sends the same request step after step
+        (items continuing from their last samples), and comparing it whole runs in C (3 us
+        at batch 64 on the dev VM, converting it about 50)."""
+        last = self._last_decode
+        if last is not None and body == last[0]:
+            return last[1]
+        items: list[Any] = convert.decode_items(body, self._limits)
+        self._last_decode = (body, items)
+        return items
 
     def _roll_back(self, ex: ExecutorLike, failed: int) -> None:
         """On the executor thread: abort every unfinished step from ``failed`` on."""

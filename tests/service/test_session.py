@@ -283,3 +283,35 @@ def test_speculative_roll_back_inside_a_session(server: ServerHarness) -> None:
     assert responses[3].decode.outputs[0].seq_len == 7
     assert responses[4].error.code_name == "NOT_FOUND"
     assert server.kv() == before
+
+
+def test_an_unchanged_decode_request_is_converted_once(server: ServerHarness,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipelined loop sends the same decode request every step: the stream converts it
+    once and reuses the items while it stays equal; each step still applies on its own."""
+    from service import convert
+
+    converted: list[int] = []
+    real = convert.decode_items
+
+    def counting(request: pb.DecodeRequest, limits: Any) -> Any:
+        converted.append(len(request.items))
+        return real(request, limits)
+
+    monkeypatch.setattr(convert, "decode_items", counting)
+    before = server.kv()
+    same = decode_last(["ra", "rb"])
+    requests = [pb.SessionRequest(step=1, prefill=prefill("ra", prompt(11, 4))),
+                pb.SessionRequest(step=2, prefill=prefill("rb", prompt(12, 6))),
+                *(pb.SessionRequest(step=3 + i, decode=same) for i in range(3)),
+                pb.SessionRequest(step=6, decode=decode_last(["rb"])),
+                pb.SessionRequest(step=7, decode=same),
+                pb.SessionRequest(step=8, release=pb.ReleaseRequest(seq_ids=["ra", "rb"]))]
+    responses = list(server.stub.Session(iter(requests), timeout=60))
+    assert [r.WhichOneof("result") for r in responses] == \
+        ["prefill", "prefill", "decode", "decode", "decode", "decode", "decode", "release"]
+    assert converted == [2, 1, 2]  # the repeats reused the first conversion
+    lens = [[o.seq_len for o in r.decode.outputs] for r in responses[2:7]]
+    assert lens == [[5, 7], [6, 8], [7, 9], [10], [8, 11]]
+    assert server.kv() == before
+    assert_exact(server)
