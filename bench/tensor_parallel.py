@@ -161,15 +161,19 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
             base = (torch.arange(rows * hidden, device=device) % 7).view(rows, hidden)
             x = (base + rank + 1).to(torch.bfloat16)
             want = (base * world + world * (world + 1) // 2).to(torch.bfloat16)
-            ok &= bool(torch.equal(tp.all_reduce(x), want))
+            # (the NCCL path reduces its input in place: each call gets its own copy)
+            ok &= bool(torch.equal(tp.all_reduce(x.clone()), want))
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                tp.all_reduce(x)  # warm-up outside the capture
+                tp.all_reduce(x.clone())  # warm-up outside the capture
             torch.cuda.current_stream().wait_stream(side)
+            inputs = [x.clone() for _ in range(GRAPH_REPEATS)]
             with torch.cuda.graph(graph):
-                outs = [tp.all_reduce(x) for _ in range(GRAPH_REPEATS)]
+                outs = [tp.all_reduce(c) for c in inputs]
+            for c in inputs:  # the capture ran nothing: start from the rank's values
+                c.copy_(x)
             graph.replay()
             torch.cuda.synchronize()
             ok &= all(bool(torch.equal(o, want)) for o in outs)

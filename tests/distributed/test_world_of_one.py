@@ -65,3 +65,23 @@ def test_lm_head_with_no_rows_runs_no_collective() -> None:
             assert gathered == [3]
         finally:
             object.__delattr__(tp, "all_gather")
+
+
+def test_the_in_place_all_reduce_reduces_its_input_and_compiles() -> None:
+    """The NCCL/gloo all-reduce sums in place and hands back its input (no copy first);
+    traced by torch.compile (as inside tc_piecewise pieces) it gives the eager result."""
+    with world_of_one(torch.device("cpu")) as tp:
+        x = torch.arange(6, dtype=torch.float32).view(2, 3)
+        out = tp.all_reduce(x)
+        assert out is x and torch.equal(out, torch.arange(6.0).view(2, 3))  # one rank
+        w = torch.randn(3, 4)
+
+        def f(a: torch.Tensor) -> torch.Tensor:
+            return tp.all_reduce(a @ w) * 2 + 1
+
+        a = torch.randn(5, 3)
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        assert torch.allclose(compiled(a), f(a))
+        strided = torch.randn(4, 6)[:, ::2]  # not contiguous: the out-of-place op
+        got = tp.all_reduce(strided)
+        assert got is not strided and torch.equal(got, strided)
