@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -293,13 +293,9 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
             row: dict[str, Any] = {}
             every: dict[str, list[float]] = {}
             for r in range(rounds):
-                for name, run in (  # the order of _MODES
-                        ("unary", lambda i, t: client.unary(i, t, steps)),
-                        ("session_1", lambda i, t: client.session(i, t, steps, 1)),
-                        ("session_2", lambda i, t: client.session(i, t, steps, 2)),
-                        ("session_3", lambda i, t: client.session(i, t, steps, 3)),
-                        ("session_2_packed", lambda i, t: client.session(i, t, steps, 2, True)),
-                        ("unary_num_steps_8", lambda i, t: client.unary(i, t, steps // 8, 8))):
+                runs = _runs(client, steps)
+                for name in _MODES:
+                    run = runs[name]
                     ids = [f"{name}-{bs}-{r}-{i}" for i in range(bs)]
                     toks = client.admit(ids)
                     spy = PySpy(proc.pid, py_spy / f"pyspy-bs{bs}-{name}.txt") \
@@ -326,6 +322,19 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
         except subprocess.TimeoutExpired:
             proc.kill()
     return out
+
+
+def _runs(client: Client, steps: int) -> dict[str, Callable[[list[str], list[int]], float]]:
+    """Each gRPC mode of ``_MODES`` by name: (sequence ids, their tokens) -> seconds per
+    token."""
+    return {
+        "unary": lambda i, t: client.unary(i, t, steps),
+        "session_1": lambda i, t: client.session(i, t, steps, 1),
+        "session_2": lambda i, t: client.session(i, t, steps, 2),
+        "session_3": lambda i, t: client.session(i, t, steps, 3),
+        "session_2_packed": lambda i, t: client.session(i, t, steps, 2, True),
+        "unary_num_steps_8": lambda i, t: client.unary(i, t, steps // 8, 8),
+    }
 
 
 _MODES = ("unary", "session_1", "session_2", "session_3", "session_2_packed",

@@ -387,7 +387,7 @@ class Executor:
         thread: deque appends are atomic)."""
         for sample in step.samples:
             sample.release()
-        if isinstance(step.done, torch.cuda.Event) and len(self._events) < _EVENTS_KEPT:
+        if step.done is not None and len(self._events) < _EVENTS_KEPT:
             self._events.append(step.done)
 
     def _remember_last(self, sample: DeviceSample, slots: torch.Tensor,

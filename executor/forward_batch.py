@@ -24,6 +24,10 @@ from executor.packing import (
 _LIST_BUILD_MAX_TOKENS = 256
 
 
+#: Cached slices per staging buffer before the cache starts over.
+_SLICES_KEPT = 256
+
+
 class PinnedStaging:
     """The pinned host buffers every batch's packed metadata passes through on its way to
     the device: a host memcpy into one and one asynchronous copy out, instead of a pinned
@@ -69,6 +73,8 @@ class PinnedStaging:
         self._arrays[i][:n] = values.numpy()
         host = self._slices[i].get(n)
         if host is None:
+            if len(self._slices[i]) >= _SLICES_KEPT:  # prefill sizes vary without end
+                self._slices[i].clear()
             host = self._slices[i][n] = self._host[i][:n]
         dev = torch.empty(n, dtype=torch.int64, device=self.device) if dest is None \
             else dest if dest.numel() == n else dest[:n]

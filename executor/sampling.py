@@ -123,9 +123,9 @@ class DeviceSample:
     target_logprobs: torch.Tensor | None = None
     _pool: PinnedPool | None = field(default=None, repr=False)
 
-    def stage(self, pool: PinnedPool | None = None) -> None:
-        """Start the device-to-host copies (pinned, asynchronous), into buffers of
-        ``pool`` when given (``release`` hands them back)."""
+    def stage(self, pool: PinnedPool) -> None:
+        """Start the device-to-host copies (pinned, asynchronous) into buffers of
+        ``pool`` (``release`` hands them back)."""
         if not self.tokens.is_cuda:
             return
         self._pool = pool
@@ -178,11 +178,8 @@ class PinnedPool:
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A pinned buffer of ``like``'s shape and dtype (contents undefined)."""
         free = self._free.get((like.dtype, tuple(like.shape)))
-        if free:
-            try:
-                return free.pop()
-            except IndexError:  # another thread took the last one meanwhile
-                pass
+        if free:  # only this thread pops, so a non-empty deque stays so until the pop
+            return free.pop()
         self.allocated += 1
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
 
@@ -192,9 +189,8 @@ class PinnedPool:
             free.append(buf)
 
 
-def _pinned_copy(t: torch.Tensor, pool: PinnedPool | None = None) -> torch.Tensor:
-    host = pool.take(t) if pool is not None else \
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+def _pinned_copy(t: torch.Tensor, pool: PinnedPool) -> torch.Tensor:
+    host = pool.take(t)
     host.copy_(t, non_blocking=True)
     return host
 

@@ -38,6 +38,15 @@ async def _worker(**kwargs: Any) -> tuple[ExecutorWorker, _Fake]:
     return worker, fake
 
 
+def _busy(worker: ExecutorWorker) -> tuple[threading.Event, asyncio.Future[Any],
+                                          asyncio.Future[Any]]:
+    """A call that runs (noting "r") until the gate is set, and one queued behind it."""
+    gate = threading.Event()
+    running = asyncio.ensure_future(worker.run(lambda ex: gate.wait(5) and ex.note("r")))
+    queued = asyncio.ensure_future(worker.run(lambda ex: ex.note("queued")))
+    return gate, running, queued
+
+
 def test_calls_run_in_order_on_one_thread_with_the_callers_context() -> None:
     async def main() -> None:
         worker, fake = await _worker()
@@ -63,9 +72,7 @@ def test_calls_run_in_order_on_one_thread_with_the_callers_context() -> None:
 def test_a_call_cancelled_while_queued_never_runs_and_a_late_deadline_refuses() -> None:
     async def main() -> None:
         worker, fake = await _worker()
-        gate = threading.Event()
-        blocker = asyncio.ensure_future(worker.run(lambda ex: gate.wait(5) and ex.note("b")))
-        queued = asyncio.ensure_future(worker.run(lambda ex: ex.note("cancelled")))
+        gate, running, queued = _busy(worker)
         late = asyncio.ensure_future(worker.run(lambda ex: ex.note("late"),
                                                 deadline=time.monotonic() + 0.05))
         await asyncio.sleep(0.1)
@@ -74,13 +81,13 @@ def test_a_call_cancelled_while_queued_never_runs_and_a_late_deadline_refuses() 
         await asyncio.sleep(0.1)  # the deadline passes while it waits
         assert worker.pending == 2  # the cancelled call stopped counting at once
         gate.set()
-        assert (await blocker).value == "b"
+        assert (await running).value == "r"
         with pytest.raises(asyncio.CancelledError):
             await queued
         with pytest.raises(DeadlineExpired):
             await late
         assert (await worker.run(lambda ex: ex.note("after"))).value == "after"
-        assert fake.ran == ["b", "after"]
+        assert fake.ran == ["r", "after"]
         assert worker.pending == 0
         worker.shutdown()
 
@@ -90,9 +97,7 @@ def test_a_call_cancelled_while_queued_never_runs_and_a_late_deadline_refuses() 
 def test_abandon_answers_the_running_call_unknown_and_the_queued_one_not_applied() -> None:
     async def main() -> None:
         worker, fake = await _worker()
-        gate = threading.Event()
-        running = asyncio.ensure_future(worker.run(lambda ex: gate.wait(5) and ex.note("r")))
-        queued = asyncio.ensure_future(worker.run(lambda ex: ex.note("queued")))
+        gate, running, queued = _busy(worker)
         await asyncio.sleep(0.1)
         worker.abandon()
         with pytest.raises(OutcomeUnknown):
@@ -111,9 +116,7 @@ def test_abandon_answers_the_running_call_unknown_and_the_queued_one_not_applied
 def test_shutdown_cancels_queued_calls_after_the_running_one() -> None:
     async def main() -> None:
         worker, fake = await _worker()
-        gate = threading.Event()
-        running = asyncio.ensure_future(worker.run(lambda ex: gate.wait(5) and ex.note("r")))
-        queued = asyncio.ensure_future(worker.run(lambda ex: ex.note("queued")))
+        gate, running, queued = _busy(worker)
         await asyncio.sleep(0.1)
         stopping = asyncio.ensure_future(asyncio.to_thread(worker.shutdown, True))
         await asyncio.sleep(0.1)
