@@ -21,7 +21,7 @@ from typing import Any
 GEMM_ROLES = ("qkv", "o", "gate_up", "down")
 #: Table order of the classes (rows absent from a step are left out).
 CLASSES = ("gate_up", "down", "qkv", "o", "lm_head", "gemm", "attention", "norm", "rope", "silu",
-           "other", "copy", "idle", "wait")
+           "other", "collective", "copy", "idle", "wait")
 #: A gap between two kernels of a step at least this long is the GPU waiting on the host
 #: (``wait``: the host preparing the replay, launching eager kernels, sampling); shorter
 #: gaps are ``idle``, the launch latency between kernels the host had queued in time.
@@ -29,7 +29,10 @@ WAIT_US = 20.0
 
 # Name fragments, checked in this order; lower case. Our Triton kernels are named in
 # executor/kernels and executor/attention/triton_kernels.
+# Collectives first: NCCL's kernels and torch's symmetric-memory all-reduce (tensor
+# parallelism); their time includes waiting inside the kernel for the other ranks.
 _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather")),
     ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_")),
     ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_store_kv",
                    "batchdecode", "batchprefill", "flashinfer")),

@@ -47,7 +47,7 @@ def _executor(source: str, attention: str, switches: dict[str, str]) -> Any:
         **switches))
 
 
-def _profile_step(step: Callable[[], None]) -> list[Kernel]:
+def profile_step(step: Callable[[], None]) -> list[Kernel]:
     """The device kernels (and copies) of one call, sorted by start."""
     import torch
     from torch.autograd import DeviceType
@@ -62,7 +62,7 @@ def _profile_step(step: Callable[[], None]) -> list[Kernel]:
                   key=lambda k: k.start_us)
 
 
-def _case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callable[[], None]:
+def case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callable[[], None]:
     """A callable running one step of the case: decode keeps ``size`` sequences of about
     ``context`` tokens going; prefill admits one ``size``-token sequence and releases it."""
     import torch
@@ -119,10 +119,10 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
     for n_case, case in enumerate(cases):
         phase, size_s = case.split(":")
         size = int(size_s)
-        step = _case_step(ex, phase, size, context, f"c{n_case}")
+        step = case_step(ex, phase, size, context, f"c{n_case}")
         for _ in range(10):  # warm: graphs replayed, kernels loaded
             step()
-        tables = [step_table(_profile_step(step), spec.num_layers) for _ in range(steps)]
+        tables = [step_table(profile_step(step), spec.num_layers) for _ in range(steps)]
         classes: dict[str, dict[str, float]] = {}
         names = sorted({c for t in tables for c in t})
         nbytes = class_bytes(spec, phase, size, context if phase == "decode" else 0,

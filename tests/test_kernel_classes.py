@@ -51,6 +51,24 @@ def test_adjacent_fused_gemms_are_separate_projections() -> None:
     assert classes[2:4] == ["attention", "attention"]
 
 
+def test_collectives_of_a_tensor_parallel_step_are_their_own_class() -> None:
+    """NCCL's and symmetric memory's all-reduces after o and down, an all-gather of the
+    vocabulary-parallel logits: classed as collectives; the GEMM roles still line up."""
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    gather = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    one_shot = "void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 2>"
+    layer = ["_skinny_gemm_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
+             "_skinny_gemm_kernel", nccl, "_skinny_gemm_kernel", "_skinny_gemm_kernel",
+             one_shot]
+    names = [nccl, *layer, *layer, "_rms_norm_kernel",
+             "nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", gather]
+    classes = classify([Kernel(n, i, i + 0.5) for i, n in enumerate(names)], 2)
+    assert [c for n, c in zip(names, classes, strict=True) if "gemm" in n or "nvjet" in n] \
+        == ["qkv", "o", "gate_up", "down"] * 2 + ["lm_head"]
+    assert [n for n, c in zip(names, classes, strict=True) if c == "collective"] \
+        == [nccl, nccl, one_shot, nccl, one_shot, gather]
+
+
 def test_a_step_that_does_not_fit_the_layer_count_keeps_gemms_unsplit() -> None:
     classes = classify(_step(2), 3)
     assert "qkv" not in classes and classes.count("gemm") == 11

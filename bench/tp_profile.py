@@ -1,0 +1,324 @@
+"""Tensor-parallel decode steps seen from every rank: ``python -m bench.tp_profile``.
+
+    python -m bench.tp_profile --model llama-3.1-8b --tp 2 --out DIR [--batches 1,8,64]
+
+``bench.tensor_parallel`` times the step on rank 0 only; when TP = 2 is further from its
+floor than TP = 1, it cannot say whether the ranks' kernels are slower at half width or
+one rank waits for the other. This bench runs the executor on ``--tp`` ranks in this
+process's children (rank 0 drives decode steps of ``bench.kernel_table.case_step``, the
+others follow as a server's ranks do) and, for every profiled step, on EVERY rank:
+
+* the kernel table of the step (``bench.kernel_classes``, with ``collective``: NCCL's and
+  symmetric memory's kernels, whose time includes waiting for the other ranks inside the
+  kernel) and the time of the step's first collective, the embedding's all-reduce: a
+  rank that started its replay early waits there for the last one;
+* host timestamps (``time.perf_counter``, one monotonic clock for all processes of the
+  host): when rank 0 broadcast the step, when each rank called its forward. The skew is
+  each rank's forward call minus rank 0's.
+
+A rank starts its profiler before it waits for the step (readiness goes through the
+store), so profiling does not make it late. The floor per rank is weight bytes / N plus
+this rank's KV bytes, over the read bandwidth of GPU 0 measured in the same run.
+Writes ``tp_profile.json`` and ``tp_profile.md``. On CPU (gloo, ``--model tiny``) the
+same flow runs without kernels: the host timestamps only (tested that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.kernel_classes import CLASSES, Kernel, name_class, step_table
+
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _config(source: str, device: str, contexts: int) -> Any:
+    from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
+
+    cuda = device.startswith("cuda")
+    return ExecutorConfig(
+        model=ModelConfig(source=source, dtype="bfloat16" if cuda else "float32"),
+        device=device,
+        cache=CacheConfig(kv_tokens=64 * (contexts + 64), max_sequences=72,
+                          max_context=contexts + 64),
+        graphs=GraphConfig(decode_mode="full" if cuda else "disabled",
+                           prefill_mode="disabled", decode_buckets=(1, 8, 64)),
+        attention_backend="triton" if cuda else "torch_native", max_decode_batch=64,
+        max_prefill_tokens=8192)
+
+
+def _profiled(fn: Callable[[], None], cuda: bool) -> list[Kernel]:
+    """The device kernels of ``fn`` (none without ``cuda``: ``fn`` only runs), sorted by
+    start."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        fn()
+        return []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted((Kernel(e.name, e.time_range.start, e.time_range.end)
+                   for e in prof.events() if e.device_type == DeviceType.CUDA),
+                  key=lambda k: k.start_us)
+
+
+class _Stamps:
+    """Per step header (in broadcast order): when it was sent or received and when the
+    forward was called, on this rank's ``perf_counter``."""
+
+    def __init__(self, ex: Any) -> None:
+        self.headers = 0
+        self.sent: dict[int, float] = {}
+        self.forward: dict[int, float] = {}
+        channel, forward = ex.channel, ex._forward
+        send = channel.send
+
+        def stamped_send(header: Any, packed: Any = None) -> None:
+            self.sent[self.headers] = time.perf_counter()
+            self.headers += 1
+            send(header, packed)
+
+        def stamped_forward(*args: Any, **kwargs: Any) -> Any:
+            self.forward[self.headers - 1] = time.perf_counter()
+            return forward(*args, **kwargs)
+
+        channel.send = stamped_send
+        ex._forward = stamped_forward
+
+
+def _lead(ex: Any, store: Any, stamps: _Stamps, batches: list[int], steps: int,
+          context: int, cuda: bool) -> dict[str, Any]:
+    """Rank 0: per batch, warm-up steps, then ``steps`` profiled ones, each after every
+    rank said it is waiting for it."""
+    from bench.kernel_table import case_step
+
+    cases: dict[str, Any] = {}
+    for batch in batches:
+        step = case_step(ex, "decode", batch, context, f"b{batch}")
+        for _ in range(5):
+            step()
+        profiled: list[dict[str, Any]] = []
+        for _ in range(steps):
+            store.wait([f"ready{stamps.headers}"])  # every other rank profiles already
+            kernels = _profiled(step, cuda)
+            profiled.append({"header": stamps.headers - 1, "kernels": kernels})
+        cases[str(batch)] = profiled
+        ex.release([f"b{batch}s{i}" for i in range(batch)])  # case_step's sequences
+    return cases
+
+
+def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[Kernel]]:
+    """Another rank: the follower's loop, each header received under the profiler."""
+    from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
+
+    channel = ex.channel
+    kernels: dict[int, list[Kernel]] = {}
+    received = [0]
+    while True:
+        index = received[0]
+        out: dict[str, Any] = {}
+
+        def one(index: int = index, out: dict[str, Any] = out) -> None:
+            store.set(f"ready{index}", "1")  # rank 0 waits for it before a profiled step
+            header, packed = channel.receive()
+            received[0] += 1
+            stamps.sent[index] = time.perf_counter()  # received, on this rank
+            stamps.headers = index + 1
+            out["header"] = header
+            if isinstance(header, StepHeader):
+                ex.follow(header, packed)
+            elif isinstance(header, CaptureHeader):
+                ex.capture(header.phases, header.force)
+            elif isinstance(header, ForkHeader):
+                ex.follow_fork(header)
+
+        # NOTE: no profiler around graph capture (rank 0 says when it is done).
+        kernels[index] = _profiled(one, cuda and store.check(["captured"]))
+        if not isinstance(out["header"], (StepHeader, CaptureHeader, ForkHeader)):
+            return kernels
+
+
+def rank_main(rank: int, size: int, port: int, source: str, device: str, batches: list[int],
+              steps: int, context: int, out: str) -> None:
+    """One rank's process: build the shard, lead or follow, write ``rank{rank}.json``."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.distributed import group
+    from executor.executor import Executor
+
+    cuda = device == "cuda"
+    dev = f"cuda:{rank}" if cuda else "cpu"
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
+    tp = group.init(rank, size, torch.device(dev), dist.PrefixStore("tp", store), TIMEOUT)
+    ex = Executor(_config(source, dev, context), tp)
+    stamps = _Stamps(ex)
+    result: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        if cuda:
+            ex.capture(["decode"])
+        store.set("captured", "1")
+        result["cases"] = _lead(ex, store, stamps, batches, steps, context, cuda)
+        ex.close()
+    else:
+        result["kernels"] = _follow(ex, store, stamps, cuda)
+    result["sent"], result["forward"] = stamps.sent, stamps.forward
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=lambda k: k.__dict__))
+    dist.barrier(group=tp.control_group)  # no rank tears down under another's last call
+    group.shutdown(tp)
+
+
+def _first_collective(kernels: list[dict[str, Any]]) -> float:
+    for k in kernels:
+        if name_class(k["name"]) == "collective":
+            return float(k["end_us"] - k["start_us"])
+    return 0.0
+
+
+def summarize(ranks: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
+    """Medians per batch and rank: the kernel table, the first collective, the host skew.
+    ``ranks``: the ``rank{r}.json`` contents, rank 0 first."""
+    lead = ranks[0]
+    out: dict[str, Any] = {}
+    for batch, profiled in lead["cases"].items():
+        per_rank: list[dict[str, Any]] = []
+        for r, data in enumerate(ranks):
+            tables, first, skews, received = [], [], [], []
+            for step in profiled:
+                h = str(step["header"])
+                raw = step["kernels"] if r == 0 else data["kernels"].get(h, [])
+                kernels = [Kernel(k["name"], k["start_us"], k["end_us"]) for k in raw]
+                if kernels:
+                    tables.append(step_table(kernels, num_layers))
+                first.append(_first_collective(raw))
+                skews.append((data["forward"][h] - lead["forward"][h]) * 1e6)
+                received.append((data["forward"][h] - data["sent"][h]) * 1e6)
+            names = sorted({c for t in tables for c in t}, key=CLASSES.index)
+            classes = {c: {"us": statistics.median(t.get(c, {"us": 0.0})["us"] for t in tables),
+                           "n": statistics.median(t.get(c, {"n": 0.0})["n"] for t in tables)}
+                       for c in names}
+            per_rank.append({
+                "classes": classes,
+                "busy_us": sum(v["us"] for c, v in classes.items() if c not in ("idle", "wait")),
+                "span_us": statistics.median(sum(v["us"] for v in t.values()) for t in tables)
+                if tables else 0.0,
+                "first_collective_us": statistics.median(first),
+                "forward_after_rank0_us": statistics.median(skews),
+                # rank 0: broadcast -> its forward; others: received -> forward
+                "to_forward_us": statistics.median(received)})
+        out[batch] = per_rank
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    n = result["tp"]
+    lines = [f"# Tensor-parallel decode per rank: {result['model']}, TP = {n}, on "
+             f"{result['device']} at {result['commit']}", "",
+             f"Read bandwidth {result['read_bandwidth_gbs']:.0f} GB/s (GPU 0); floor per "
+             f"rank = weight bytes / {n} + the rank's KV, over it. Medians of "
+             f"{result['steps']} profiled steps, context {result['context']}. µs per step.",
+             ""]
+    for batch, ranks in result["batches"].items():
+        floor = result["floor_us"][batch]
+        lines += [f"## Batch {batch} (floor per rank {floor:.0f} µs)", "",
+                  "| | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |",
+                  "|---|" + "---:|" * len(ranks)]
+        rows = [("kernels + idle", lambda r: r["busy_us"] + r["classes"].get(
+                     "idle", {"us": 0.0})["us"]),
+                ("whole span (with waits)", lambda r: r["span_us"]),
+                ("first collective (the embedding's)", lambda r: r["first_collective_us"]),
+                ("forward called after rank 0's (host)", lambda r: r["forward_after_rank0_us"]),
+                ("step sent/received -> forward (host)", lambda r: r["to_forward_us"])]
+        for name, get in rows:
+            lines.append(f"| {name} | " + " | ".join(f"{get(r):.1f}" for r in ranks) + " |")
+        classes = [c for c in CLASSES if any(c in r["classes"] for r in ranks)]
+        for c in classes:
+            cells = [r["classes"].get(c) for r in ranks]
+            lines.append(f"| {c} | " + " | ".join(
+                f"{v['us']:.1f} ({v['n']:.0f})" if v else "" for v in cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from bench import shapes
+    from executor.distributed.launch import spawn_context
+    from executor.distributed.sharding import local_spec
+
+    path, spec = shapes.model(args.model, args.models)
+    batches = [int(b) for b in args.batches.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    bandwidth = 0.0
+    if args.device == "cuda":
+        from bench import hardware
+
+        bandwidth = hardware.read_bandwidth_gbs()
+        hardware.release_memory()
+    store = dist.TCPStore("127.0.0.1", 0, args.tp + 1, is_master=True, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    for r in range(args.tp):  # a rank that fails must not leave an older run's file
+        Path(args.out, f"rank{r}.json").unlink(missing_ok=True)
+    ctx = spawn_context()
+    procs = [ctx.Process(target=rank_main, args=(r, args.tp, store.port, str(path),
+                                                 args.device, batches, args.steps,
+                                                 args.context, str(args.out)))
+             for r in range(args.tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    written = [Path(args.out, f"rank{r}.json").is_file() for r in range(args.tp)]
+    if not all(written):
+        print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
+        return 1
+    if any(p.exitcode != 0 for p in procs):  # after its results: in the groups' teardown
+        print(f"note: exit codes {[p.exitcode for p in procs]} after every rank wrote its "
+              "results", file=sys.stderr)
+    ranks = [json.loads(Path(args.out, f"rank{r}.json").read_text()) for r in range(args.tp)]
+    local = local_spec(spec, args.tp)
+    kv_per_token = 2 * local.kv_size * 2 * local.num_layers
+    weights = shapes.spec_weight_bytes(spec) / args.tp
+    result = {
+        "model": args.model, "tp": args.tp, "steps": args.steps, "context": args.context,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
+        "read_bandwidth_gbs": bandwidth,
+        "floor_us": {str(b): (weights + b * args.context * kv_per_token)
+                     / (bandwidth * 1e9) * 1e6 if bandwidth else 0.0 for b in batches},
+        "batches": summarize(ranks, spec.num_layers)}
+    (args.out / "tp_profile.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (args.out / "tp_profile.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
