@@ -1,8 +1,9 @@
 """The skinny GEMM (``executor.kernels.skinny_gemm``) against what it replaces, at M = 1.
 
-``python -m bench.skinny_gemm --shape llama-3.2-1b [--sweep] [--tiles-out FILE]`` on a
-CUDA machine. For each layer projection with the input prologue the model uses (qkv and
-gate_up: residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfused
+``python -m bench.skinny_gemm --shape llama-3.2-1b [--tp N] [--sweep] [--tiles-out FILE]``
+on a CUDA machine (``--tp N``: the projections of one of N tensor-parallel ranks). For
+each layer projection with the input prologue the model uses (qkv and gate_up:
+residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfused
 path (the norm or SiLU kernel, then cuBLAS ``F.linear``) and the skinny kernel with its
 tile (tuned or default). ``--sweep`` times every tile of a small grid, each checked against
 the unfused output first; ``--tiles-out`` merges the best tile per (prologue, N, K) into a
@@ -29,8 +30,9 @@ from bench.gemm import _L2_BYTES, projections, replay_us
 from executor.config import KERNEL_SWITCH_MODES
 
 # (block_n, block_k, num_warps) candidates at M = 1
-SWEEP = [(2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4),
-         (8, 512, 4), (8, 1024, 4), (16, 512, 4), (32, 256, 4)]
+SWEEP = [(1, 4096, 4), (2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4),
+         (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 512, 4), (8, 1024, 4), (8, 2048, 8),
+         (16, 512, 4), (32, 256, 4)]
 EPS = 1e-5
 
 
@@ -118,6 +120,8 @@ def write_tiles(path: Path, rows: list[dict[str, Any]], device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--tp", type=int, default=1,
+                    help="the projections of one of this many tensor-parallel ranks")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles, keep the best")
     ap.add_argument("--tiles-out", type=Path, help="merge the best tiles into this JSON")
     ap.add_argument("--out", type=Path)
@@ -131,15 +135,18 @@ def main(argv: list[str] | None = None) -> int:
 
     pdl_on = pdl.resolve(args.pdl, torch.device("cuda"))
     pdl.use(pdl_on)
-    rows = measure(shapes.spec(args.shape), args.sweep or args.tiles_out is not None)
+    from executor.distributed.sharding import local_spec
+
+    rows = measure(local_spec(shapes.spec(args.shape), args.tp),
+                   args.sweep or args.tiles_out is not None)
     device = torch.cuda.get_device_name()
     if args.tiles_out is not None:
         write_tiles(args.tiles_out, rows, device)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"device": device, "torch": torch.__version__, "shape": args.shape,
-                "pdl": pdl_on}
-        (args.out / f"skinny_gemm-{args.shape}.json").write_text(
+                "tp": args.tp, "pdl": pdl_on}
+        (args.out / f"skinny_gemm-{args.shape}-tp{args.tp}.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

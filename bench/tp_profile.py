@@ -6,18 +6,21 @@
 floor than TP = 1, it cannot say whether the ranks' kernels are slower at half width or
 one rank waits for the other. This bench runs the executor on ``--tp`` ranks in this
 process's children (rank 0 drives decode steps of ``bench.kernel_table.case_step``, the
-others follow as a server's ranks do) and, for every profiled step, on EVERY rank:
+others follow as a server's ranks do). Per batch, ``--steps`` timed steps with no
+profiler, then as many profiled ones, and on EVERY rank:
 
-* the kernel table of the step (``bench.kernel_classes``, with ``collective``: NCCL's and
-  symmetric memory's kernels, whose time includes waiting for the other ranks inside the
-  kernel) and the time of the step's first collective, the embedding's all-reduce: a
-  rank that started its replay early waits there for the last one;
-* host timestamps (``time.perf_counter``, one monotonic clock for all processes of the
-  host): when rank 0 broadcast the step, when each rank called its forward. The skew is
-  each rank's forward call minus rank 0's.
+* host timestamps of the timed steps (``time.perf_counter``, one monotonic clock for all
+  processes of the host): when rank 0 broadcast the step, when each rank called its
+  forward. The skew is each rank's forward call minus rank 0's. (A profiler slows the
+  host side by far more than the skew: those steps are not used for it.)
+* the kernel table of each profiled step (``bench.kernel_classes``, with ``collective``:
+  NCCL's and symmetric memory's kernels, whose time includes waiting inside the kernel
+  for the other ranks) and the time of the step's first collective, the embedding's
+  all-reduce: a rank that started its replay early waits there for the last one.
 
 A rank starts its profiler before it waits for the step (readiness goes through the
-store), so profiling does not make it late. The floor per rank is weight bytes / N plus
+store), yet a profiled rank still launches later than it would (its first collective
+then shows more waiting than a served step has). The floor per rank is weight bytes / N plus
 this rank's KV bytes, over the read bandwidth of GPU 0 measured in the same run.
 Writes ``tp_profile.json`` and ``tp_profile.md``. On CPU (gloo, ``--model tiny``) the
 same flow runs without kernels: the host timestamps only (tested that way).
@@ -101,27 +104,38 @@ class _Stamps:
 
 def _lead(ex: Any, store: Any, stamps: _Stamps, batches: list[int], steps: int,
           context: int, cuda: bool) -> dict[str, Any]:
-    """Rank 0: per batch, warm-up steps, then ``steps`` profiled ones, each after every
-    rank said it is waiting for it."""
+    """Rank 0: per batch, warm-up steps, ``steps`` timed ones (no profiler anywhere: the
+    host timestamps and rank 0's call time), then ``steps`` profiled ones on every rank.
+    Each measured step starts once every other rank waits for it (``ready``); the other
+    ranks read the ``profile`` switch before that, so one unmeasured step follows each
+    switch."""
     from bench.kernel_table import case_step
+
+    def measured(fn: Callable[[], None], profile: bool) -> dict[str, Any]:
+        store.wait([f"ready{stamps.headers}"])
+        started = time.perf_counter()
+        kernels = _profiled(fn, profile)
+        return {"header": stamps.headers - 1, "kernels": kernels,
+                "call_us": (time.perf_counter() - started) * 1e6}
 
     cases: dict[str, Any] = {}
     for batch in batches:
+        store.set("profile", "0")
         step = case_step(ex, "decode", batch, context, f"b{batch}")
         for _ in range(5):
             step()
-        profiled: list[dict[str, Any]] = []
-        for _ in range(steps):
-            store.wait([f"ready{stamps.headers}"])  # every other rank profiles already
-            kernels = _profiled(step, cuda)
-            profiled.append({"header": stamps.headers - 1, "kernels": kernels})
-        cases[str(batch)] = profiled
+        timed = [measured(step, False) for _ in range(steps)]
+        store.set("profile", "1" if cuda else "0")
+        step()
+        profiled = [measured(step, cuda) for _ in range(steps)]
+        cases[str(batch)] = {"timed": timed, "profiled": profiled}
         ex.release([f"b{batch}s{i}" for i in range(batch)])  # case_step's sequences
     return cases
 
 
 def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[Kernel]]:
-    """Another rank: the follower's loop, each header received under the profiler."""
+    """Another rank: the follower's loop, each header received under the profiler while
+    rank 0's ``profile`` switch is on."""
     from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
 
     channel = ex.channel
@@ -132,7 +146,7 @@ def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[
         out: dict[str, Any] = {}
 
         def one(index: int = index, out: dict[str, Any] = out) -> None:
-            store.set(f"ready{index}", "1")  # rank 0 waits for it before a profiled step
+            store.set(f"ready{index}", "1")  # rank 0 waits for it before a measured step
             header, packed = channel.receive()
             received[0] += 1
             stamps.sent[index] = time.perf_counter()  # received, on this rank
@@ -145,8 +159,9 @@ def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[
             elif isinstance(header, ForkHeader):
                 ex.follow_fork(header)
 
-        # NOTE: no profiler around graph capture (rank 0 says when it is done).
-        kernels[index] = _profiled(one, cuda and store.check(["captured"]))
+        # NOTE: never a profiler around graph capture (the switch is off until after it).
+        profile = cuda and store.check(["profile"]) and store.get("profile") == b"1"
+        kernels[index] = _profiled(one, profile)
         if not isinstance(out["header"], (StepHeader, CaptureHeader, ForkHeader)):
             return kernels
 
@@ -170,13 +185,14 @@ def rank_main(rank: int, size: int, port: int, source: str, device: str, batches
     if rank == 0:
         if cuda:
             ex.capture(["decode"])
-        store.set("captured", "1")
         result["cases"] = _lead(ex, store, stamps, batches, steps, context, cuda)
         ex.close()
     else:
         result["kernels"] = _follow(ex, store, stamps, cuda)
     result["sent"], result["forward"] = stamps.sent, stamps.forward
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=lambda k: k.__dict__))
+    tmp = Path(out, f"rank{rank}.json.tmp")  # whole or absent: the parent polls for it
+    tmp.write_text(json.dumps(result, default=lambda k: k.__dict__))
+    tmp.rename(Path(out, f"rank{rank}.json"))
     dist.barrier(group=tp.control_group)  # no rank tears down under another's last call
     group.shutdown(tp)
 
@@ -188,24 +204,32 @@ def _first_collective(kernels: list[dict[str, Any]]) -> float:
     return 0.0
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 def summarize(ranks: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
-    """Medians per batch and rank: the kernel table, the first collective, the host skew.
-    ``ranks``: the ``rank{r}.json`` contents, rank 0 first."""
+    """Medians per batch and rank: host timestamps of the timed steps; the kernel table
+    and the first collective of the profiled ones. ``ranks``: the ``rank{r}.json``
+    contents, rank 0 first."""
     lead = ranks[0]
     out: dict[str, Any] = {}
-    for batch, profiled in lead["cases"].items():
+    for batch, case in lead["cases"].items():
         per_rank: list[dict[str, Any]] = []
         for r, data in enumerate(ranks):
-            tables, first, skews, received = [], [], [], []
-            for step in profiled:
+            skews, to_forward = [], []
+            for step in case["timed"]:
                 h = str(step["header"])
-                raw = step["kernels"] if r == 0 else data["kernels"].get(h, [])
-                kernels = [Kernel(k["name"], k["start_us"], k["end_us"]) for k in raw]
-                if kernels:
-                    tables.append(step_table(kernels, num_layers))
-                first.append(_first_collective(raw))
                 skews.append((data["forward"][h] - lead["forward"][h]) * 1e6)
-                received.append((data["forward"][h] - data["sent"][h]) * 1e6)
+                # rank 0: the step's broadcast -> its forward; others: received -> forward
+                to_forward.append((data["forward"][h] - data["sent"][h]) * 1e6)
+            tables, first = [], []
+            for step in case["profiled"]:
+                raw = step["kernels"] if r == 0 else data["kernels"].get(str(step["header"]), [])
+                if raw:
+                    tables.append(step_table([Kernel(k["name"], k["start_us"], k["end_us"])
+                                              for k in raw], num_layers))
+                    first.append(_first_collective(raw))
             names = sorted({c for t in tables for c in t}, key=CLASSES.index)
             classes = {c: {"us": statistics.median(t.get(c, {"us": 0.0})["us"] for t in tables),
                            "n": statistics.median(t.get(c, {"n": 0.0})["n"] for t in tables)}
@@ -213,12 +237,11 @@ def summarize(ranks: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
             per_rank.append({
                 "classes": classes,
                 "busy_us": sum(v["us"] for c, v in classes.items() if c not in ("idle", "wait")),
-                "span_us": statistics.median(sum(v["us"] for v in t.values()) for t in tables)
-                if tables else 0.0,
-                "first_collective_us": statistics.median(first),
-                "forward_after_rank0_us": statistics.median(skews),
-                # rank 0: broadcast -> its forward; others: received -> forward
-                "to_forward_us": statistics.median(received)})
+                "span_us": _median([sum(v["us"] for v in t.values()) for t in tables]),
+                "first_collective_us": _median(first),
+                "forward_after_rank0_us": _median(skews),
+                "to_forward_us": _median(to_forward),
+                "call_us": _median([s["call_us"] for s in case["timed"]]) if r == 0 else 0.0})
         out[batch] = per_rank
     return out
 
@@ -236,12 +259,16 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"## Batch {batch} (floor per rank {floor:.0f} µs)", "",
                   "| | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |",
                   "|---|" + "---:|" * len(ranks)]
-        rows = [("kernels + idle", lambda r: r["busy_us"] + r["classes"].get(
-                     "idle", {"us": 0.0})["us"]),
-                ("whole span (with waits)", lambda r: r["span_us"]),
-                ("first collective (the embedding's)", lambda r: r["first_collective_us"]),
-                ("forward called after rank 0's (host)", lambda r: r["forward_after_rank0_us"]),
-                ("step sent/received -> forward (host)", lambda r: r["to_forward_us"])]
+        rows = [("rank 0's decode call (host, unprofiled)", lambda r: r["call_us"]),
+                ("forward called after rank 0's (host, unprofiled)",
+                 lambda r: r["forward_after_rank0_us"]),
+                ("step sent/received -> forward (host, unprofiled)",
+                 lambda r: r["to_forward_us"]),
+                ("kernels + idle (profiled)", lambda r: r["busy_us"] + r["classes"].get(
+                    "idle", {"us": 0.0})["us"]),
+                ("whole span with waits (profiled)", lambda r: r["span_us"]),
+                ("first collective, the embedding's (profiled)",
+                 lambda r: r["first_collective_us"])]
         for name, get in rows:
             lines.append(f"| {name} | " + " | ".join(f"{get(r):.1f}" for r in ranks) + " |")
         classes = [c for c in CLASSES if any(c in r["classes"] for r in ranks)]
@@ -251,6 +278,22 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{v['us']:.1f} ({v['n']:.0f})" if v else "" for v in cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _join(procs: list[Any], results: list[Path], grace_s: float = 60.0) -> None:
+    """Wait for the ranks; once every one wrote its results, give them ``grace_s`` to
+    leave their process groups, then stop them (a hung teardown loses nothing)."""
+    written_at = None
+    while any(p.is_alive() for p in procs):
+        if written_at is None and all(f.is_file() for f in results):
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > grace_s:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in range(args.tp)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
+    _join(procs, [Path(args.out, f"rank{r}.json") for r in range(args.tp)])
     written = [Path(args.out, f"rank{r}.json").is_file() for r in range(args.tp)]
     if not all(written):
         print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)

@@ -28,16 +28,18 @@ def _kernels(first_wait: float) -> list[dict[str, Any]]:
 
 def test_summary_sets_each_rank_beside_rank_0() -> None:
     """Rank 1 launched 300 us after rank 0: rank 0's first all-reduce waited for it."""
-    steps = [{"header": h, "kernels": _kernels(300.0 + h)} for h in (4, 5, 6)]
-    lead = {"cases": {"1": steps},
-            "sent": {str(h): 1.0 + h for h in (4, 5, 6)},
-            "forward": {str(h): 1.0001 + h for h in (4, 5, 6)}}
+    timed = [{"header": h, "kernels": [], "call_us": 900.0 + h} for h in (1, 2, 3)]
+    profiled = [{"header": h, "kernels": _kernels(300.0 + h)} for h in (4, 5, 6)]
+    lead = {"cases": {"1": {"timed": timed, "profiled": profiled}},
+            "sent": {str(h): 1.0 + h for h in range(1, 7)},
+            "forward": {str(h): 1.0001 + h for h in range(1, 7)}}
     other = {"kernels": {str(h): _kernels(10.0) for h in (4, 5, 6)},
-             "sent": {str(h): 1.0002 + h for h in (4, 5, 6)},
-             "forward": {str(h): 1.0004 + h for h in (4, 5, 6)}}
+             "sent": {str(h): 1.0002 + h for h in range(1, 7)},
+             "forward": {str(h): 1.0004 + h for h in range(1, 7)}}
     rank0, rank1 = summarize([lead, other], num_layers=1)["1"]
     assert rank0["first_collective_us"] == 305.0  # the median step's wait
     assert rank1["first_collective_us"] == 10.0
+    assert rank0["call_us"] == 902.0
     assert rank0["forward_after_rank0_us"] == 0.0
     assert rank1["forward_after_rank0_us"] == pytest.approx(300.0, abs=1e-3)
     assert rank0["to_forward_us"] == pytest.approx(100.0, abs=1e-3)  # sent -> forward
@@ -51,7 +53,8 @@ def test_summary_sets_each_rank_beside_rank_0() -> None:
     text = markdown({"model": "m", "tp": 2, "device": "d", "commit": "c",
                      "read_bandwidth_gbs": 1.0, "steps": 3, "context": 8,
                      "floor_us": {"1": 50.0}, "batches": {"1": [rank0, rank1]}})
-    assert "| first collective (the embedding's) | 305.0 | 10.0 |" in text
+    assert "| first collective, the embedding's (profiled) | 305.0 | 10.0 |" in text
+    assert "| rank 0's decode call (host, unprofiled) | 902.0 | 0.0 |" in text
     assert "| collective | 325.0 (3) | 30.0 (3) |" in text
 
 
@@ -64,13 +67,15 @@ def test_tp_profile_runs_two_gloo_ranks_on_cpu(tmp_path: Path) -> None:
     assert set(result["batches"]) == {"1", "3"}
     for ranks in result["batches"].values():
         rank0, rank1 = ranks
-        assert rank0["forward_after_rank0_us"] == 0.0
+        assert rank0["forward_after_rank0_us"] == 0.0 and rank0["call_us"] > 0
         assert rank0["to_forward_us"] > 0 and rank1["to_forward_us"] > 0
         assert rank0["classes"] == {} and rank1["classes"] == {}  # no CUDA kernels here
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    profiled = [s["header"] for case in rank0["cases"].values() for s in case]
-    assert len(profiled) == 4 and profiled == sorted(set(profiled))
+    measured = [s["header"] for case in rank0["cases"].values()
+                for part in ("timed", "profiled") for s in case[part]]
+    assert len(measured) == 8 and measured == sorted(set(measured))
+    assert all(rank0["cases"][b]["timed"][0]["call_us"] > 0 for b in ("1", "3"))
     # every header rank 0 sent, rank 1 received, in the same order
     assert set(rank1["sent"]) == set(rank0["sent"])
     assert all(rank1["sent"][h] >= rank0["sent"][h] for h in rank0["sent"])
