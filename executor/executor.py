@@ -562,6 +562,8 @@ class Executor:
             self.channel.send(StepHeader(batch.phase, mode, decision.bucket, batch.sizes,
                                          sampled), batch.packed)
         logits = self._forward(batch, mode, decision.bucket)
+        if self.channel is not None:  # every rank got the step (after our own launch)
+            self.channel.confirm()
         sample = self.sampler.sample(logits, params, positions, targets) \
             if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -611,7 +613,10 @@ class Executor:
     def close(self) -> None:
         """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""
         if self.channel is not None and self.tp.leads:
-            self.channel.send(ShutdownHeader())
+            try:
+                self.channel.send(ShutdownHeader())
+            finally:
+                self.channel.close()
 
     def _use_pdl(self) -> None:
         """Point the process-wide PDL switch at this executor's choice."""

@@ -1,12 +1,26 @@
-"""Rank 0 to the other ranks: headers and packed steps on the control plane (gloo, host
-memory), sampled tokens on the device group (a device tensor, no host round trip).
+"""Rank 0 to the other ranks: headers and packed steps on the control plane (host memory),
+sampled tokens on the device group (a device tensor, no host round trip).
 
-A step whose packed buffer fits ``inline`` entries (every decode step up to a batch of
-about 100, short prefills) travels inside the header's own broadcast: one message per
-step instead of two. Measured once on the shared 2-vCPU development VM (a two-process
-loop of 2000 steps, gloo over loopback, other jobs running): about 280 us per step for
-one broadcast of 652 entries against 615 us for 12 + 640 entries in two; not measured on
-a GPU host. Larger steps follow in a second message.
+Two transports for the control plane, picked once at start-up (``transport``):
+
+* ``local``: when every rank runs on rank 0's host, rank 0 holds a Unix-domain stream
+  socket to each other rank and writes each message (header and packed buffer) into it;
+  a rank waiting for the next step sleeps in ``recv`` and wakes as the bytes land.
+  Measured on 2 x H200 with gloo (``bench/results/2026-11-25-h200x2-tp-skew-tiles``):
+  rank 1 called its forward 450-560 us after rank 0, and rank 0's graph waited that long
+  in its first all-reduce, a tenth of a batch-1 decode step of the 8B shape.
+* ``gloo``: a broadcast on the control group (ranks on several hosts, or ``local``
+  refused on any rank). A step whose packed buffer fits ``inline`` entries travels inside
+  the header's broadcast, larger ones in a second.
+
+``auto`` tries ``local`` and falls back to ``gloo`` unless every rank connected (agreed
+over the ranks, so all use the same one).
+
+Delivery is confirmed, so a hung rank still fails a step within the collective timeout:
+a gloo broadcast's root returns only once every rank received; on ``local`` each rank
+answers every message with one byte, and rank 0 waits for the answers of everything it
+sent in ``confirm`` (after launching its own forward: the wait overlaps its work) up to
+the group's timeout.
 
 Every call here is a collective: rank 0 and every other rank make the matching calls in
 the same order (``Executor`` on rank 0, ``follower.follow`` elsewhere).
@@ -14,10 +28,16 @@ the same order (``Executor`` on rank 0, ``follower.follow`` elsewhere).
 
 from __future__ import annotations
 
+import datetime
+import socket
+import uuid
+from typing import Literal
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from executor.distributed.group import _GROUPS, TensorParallel, collective
+from executor.distributed.group import _GROUPS, CollectiveFailed, TensorParallel, collective
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -28,13 +48,17 @@ from executor.distributed.protocol import (
     decode,
 )
 
-#: Packed entries that travel inside the header's broadcast.
+#: Packed entries that travel inside the header's broadcast (gloo).
 INLINE_ENTRIES = 1024
+Transport = Literal["auto", "local", "gloo"]
+#: How long the ranks try to connect at start-up before they all fall back to gloo.
+CONNECT_TIMEOUT_S = 20.0
+_ACK = b"\x01"
 
 
 class StepChannel:
     def __init__(self, tp: TensorParallel, device: torch.device,
-                 inline: int = INLINE_ENTRIES) -> None:
+                 inline: int = INLINE_ENTRIES, transport: Transport = "auto") -> None:
         if not tp.distributed:
             raise ValueError("a step channel needs process groups")
         self.tp, self.device, self.inline = tp, device, inline
@@ -42,21 +66,132 @@ class StepChannel:
         self._device_group = _GROUPS[tp.device_group_name or ""]
         # header | up to ``inline`` packed entries (the same size on every rank)
         self._message = torch.zeros(HEADER_LEN + inline, dtype=torch.int64)
+        self._wire = self._message.numpy()  # the same memory: what ``local`` writes
+        self._peers: list[socket.socket] = []  # rank 0, local: one per other rank
+        self._leader: socket.socket | None = None  # another rank, local: rank 0's socket
+        self._unconfirmed = 0  # rank 0, local: messages sent whose answers are not read
+        self.transport: Literal["local", "gloo"] = "gloo"
+        if transport != "gloo" and tp.size > 1:
+            self._connect(transport == "local", tp.timeout)
+
+    # -- start-up -------------------------------------------------------------------------
+    def _connect(self, required: bool, timeout: datetime.timedelta) -> None:
+        """Rank 0 listens on a fresh abstract Unix socket whose name it broadcasts; every
+        other rank connects and says its rank; rank 0 accepts them all. Each step is
+        agreed over the ranks: either every rank uses the sockets or none does."""
+        listener: socket.socket | None = None
+        names: list[str | None] = [None]
+        if self.tp.leads:
+            try:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                # NOTE: the abstract namespace (leading NUL): no file to clean up; shared
+                # by the processes of one network namespace, so only ranks on this host
+                # can connect.
+                address = f"\0model-executor-{uuid.uuid4().hex}"
+                listener.bind(address)
+                listener.listen(self.tp.size)
+                names[0] = address
+            except OSError:
+                pass
+        dist.broadcast_object_list(names, src=0, group=self._control)
+        name = names[0]
+        connected = name is not None
+        if name is not None and not self.tp.leads:
+            try:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(CONNECT_TIMEOUT_S)
+                conn.connect(name)  # lands in the listener's backlog
+                conn.sendall(self.tp.rank.to_bytes(4, "little"))
+                conn.settimeout(None)  # the next step may come in a day
+                self._leader = conn
+            except OSError:
+                connected = False
+        accepted = True
+        if self.tp.min_over_ranks(int(connected)) == 1:
+            if self.tp.leads:
+                accepted = self._accept(listener, timeout)
+            accepted = self.tp.min_over_ranks(int(accepted)) == 1
+        else:
+            accepted = False
+        if listener is not None:
+            listener.close()
+        if accepted:
+            self.transport = "local"
+            return
+        self._close_sockets()
+        if required:
+            raise CollectiveFailed("tensor-parallel control channel: the local transport "
+                                   "was asked for but not every rank could connect")
+
+    def _accept(self, listener: socket.socket | None, timeout: datetime.timedelta) -> bool:
+        """Rank 0: every other rank's connection, in rank order."""
+        assert listener is not None
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        by_rank: dict[int, socket.socket] = {}
+        try:
+            while len(by_rank) < self.tp.size - 1:
+                conn, _ = listener.accept()
+                conn.settimeout(timeout.total_seconds())  # bounds sends and confirmations
+                by_rank[int.from_bytes(_read(conn, 4), "little")] = conn
+        except (OSError, CollectiveFailed):
+            for conn in by_rank.values():
+                conn.close()
+            return False
+        self._peers = [by_rank[r] for r in sorted(by_rank)]
+        return True
+
+    def _close_sockets(self) -> None:
+        for s in [*self._peers, *([self._leader] if self._leader else [])]:
+            s.close()
+        self._peers, self._leader = [], None
 
     # -- rank 0 ---------------------------------------------------------------------------
     def send(self, header: Header, packed: torch.Tensor | None = None) -> None:
-        """Broadcast ``header`` and, for a step, its packed host buffer."""
+        """Send ``header`` and, for a step, its packed host buffer to every other rank."""
         total = header.sizes.total if isinstance(header, StepHeader) else 0
-        self._message[:HEADER_LEN] = torch.tensor(header.encode(), dtype=torch.int64)
         if total:
             assert packed is not None and packed.numel() >= total
-            if total <= self.inline:
-                self._message[HEADER_LEN : HEADER_LEN + total] = packed[:total]
+        if self.transport == "local":
+            self._send_local(header, packed, total)
+            return
+        self._message[:HEADER_LEN] = torch.tensor(header.encode(), dtype=torch.int64)
+        if total and total <= self.inline:
+            assert packed is not None
+            self._message[HEADER_LEN : HEADER_LEN + total] = packed[:total]
         with collective("step broadcast"):
             dist.broadcast(self._message, src=0, group=self._control)
             if total > self.inline:
                 assert packed is not None
                 dist.broadcast(packed[:total].contiguous(), src=0, group=self._control)
+
+    def _send_local(self, header: Header, packed: torch.Tensor | None, total: int) -> None:
+        n = HEADER_LEN + total
+        if n > self._wire.size:  # a long prefill: grow the (rank-0-only) buffer
+            self._wire = np.zeros(max(n, 2 * self._wire.size), dtype=np.int64)
+        self._wire[:HEADER_LEN] = header.encode()
+        if total:
+            assert packed is not None
+            self._wire[HEADER_LEN:n] = packed[:total].numpy()
+        data = self._wire[:n].data
+        try:
+            for peer in self._peers:
+                peer.sendall(data)
+        except OSError as exc:  # a peer gone (reset, broken pipe) or a full socket for long
+            raise CollectiveFailed(f"tensor-parallel step send failed: {exc}") from exc
+        if not isinstance(header, ShutdownHeader):  # not answered: rank 0 closes after it
+            self._unconfirmed += 1
+
+    def confirm(self) -> None:
+        """Wait until every other rank answered every message sent so far (local; a gloo
+        broadcast confirmed already). Raises ``CollectiveFailed`` past the timeout."""
+        if not self._unconfirmed:
+            return
+        try:
+            for peer in self._peers:
+                _read(peer, self._unconfirmed)
+        except OSError as exc:  # socket.timeout is an OSError
+            raise CollectiveFailed(f"tensor-parallel step delivery failed: {exc}") from exc
+        self._unconfirmed = 0
 
     def send_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each sampled row's (slot, token) to the other ranks' ``last_tokens``."""
@@ -70,6 +205,8 @@ class StepChannel:
     # -- other ranks ----------------------------------------------------------------------
     def receive(self) -> tuple[Header, torch.Tensor | None]:
         """The next header and, for a step, its packed host buffer (a new tensor)."""
+        if self._leader is not None:
+            return self._receive_local(self._leader)
         with collective("step broadcast"):
             dist.broadcast(self._message, src=0, group=self._control)
         header = decode(self._message[:HEADER_LEN].tolist())
@@ -83,12 +220,47 @@ class StepChannel:
             dist.broadcast(packed, src=0, group=self._control)
         return header, packed
 
+    def _receive_local(self, leader: socket.socket) -> tuple[Header, torch.Tensor | None]:
+        try:
+            _read_into(leader, self._wire[:HEADER_LEN].data.cast("B"))
+            header = decode(self._wire[:HEADER_LEN].tolist())
+            packed = None
+            if isinstance(header, StepHeader):
+                packed = torch.empty(header.sizes.total, dtype=torch.int64)
+                if header.sizes.total:
+                    _read_into(leader, packed.numpy().data.cast("B"))
+            if not isinstance(header, ShutdownHeader):  # rank 0 closes right after it
+                leader.sendall(_ACK)
+        except OSError as exc:
+            raise CollectiveFailed(f"tensor-parallel step receive failed: {exc}") from exc
+        return header, packed
+
     def receive_sampled(self, rows: int) -> torch.Tensor:
         """(2, rows) int64 on the device: slots, then tokens."""
         out = torch.empty(2, rows, dtype=torch.int64, device=self.device)
         with collective("sampled-token broadcast"):
             dist.broadcast(out, src=0, group=self._device_group)
         return out
+
+    def close(self) -> None:
+        """Close the local sockets (a peer then sees the end of its stream)."""
+        self._close_sockets()
+
+
+def _read_into(conn: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``conn``; the end of the stream is a lost peer."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise CollectiveFailed("tensor-parallel control connection closed by its peer")
+        got += n
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _read_into(conn, memoryview(buf))
+    return bytes(buf)
 
 
 __all__ = ["CaptureHeader", "ForkHeader", "ShutdownHeader", "StepChannel", "StepHeader"]

@@ -6,12 +6,13 @@ Two process groups over the same ranks:
   logits all-gather run on it, on the device's current stream, so they can be captured in
   CUDA graphs (NCCL >= 2.9 supports capture; every rank must capture the same collectives
   in the same order, which running the same buckets on every rank gives).
-* ``control``: the control plane, always gloo over host memory: step headers and packed
-  steps, broadcast from rank 0. The other ranks' timeout on it is unbounded: they wait
-  for the next step however long the scheduler is idle (a dead rank 0 closes the sockets,
-  which ends the wait at once). Rank 0's is the data plane's: a gloo broadcast's root
-  waits for its receivers, so a hung rank fails rank 0's next send within the timeout.
-  Agreements (KV size, captured buckets) run on the device group.
+* ``control``: gloo over host memory, for start-up and for the step channel's fallback
+  transport (``channel.py``: on one host, steps go over Unix sockets). The other ranks'
+  timeout on it is unbounded: they wait for the next step however long the scheduler is
+  idle (a dead rank 0 closes the sockets, which ends the wait at once). Rank 0's is the
+  data plane's: a gloo broadcast's root waits for its receivers, so a hung rank fails
+  rank 0's next send within the timeout. Agreements (KV size, captured buckets) run on
+  the device group.
 
 The collectives are ``torch.library`` custom ops taking the group by name: Dynamo keeps
 each one as a single opaque node (the tc_piecewise backend compiles around it), and the
@@ -153,6 +154,8 @@ class TensorParallel:
     control: dist.ProcessGroup | None = field(default=None, compare=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     startup: dist.ProcessGroup | None = field(default=None, compare=False)
+    #: What bounds this rank's collectives (``init``'s ``timeout``).
+    timeout: datetime.timedelta = field(default=datetime.timedelta(minutes=10), compare=False)
 
     @staticmethod
     def single() -> TensorParallel:
@@ -253,7 +256,7 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     startup = dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
     name = f"tp{size}-device"
     _GROUPS[name] = world
-    tp = TensorParallel(rank, size, name, control, device, startup)
+    tp = TensorParallel(rank, size, name, control, device, startup, timeout)
     probe = tp.all_reduce(torch.ones(1, device=device))
     if int(probe.item()) != size:
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {size}")

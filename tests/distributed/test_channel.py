@@ -1,6 +1,7 @@
-"""The step channel between two real processes (gloo): every kind of header arrives as
-sent, with its packed buffer inside the header's broadcast or after it, and the sampled
-tokens land on the other rank."""
+"""The step channel between real processes, over each transport (local Unix sockets and
+gloo): every kind of header arrives as sent, with its packed buffer (inline in gloo's
+header broadcast or after it), the sampled tokens land on the other rank, and a rank that
+stops reading fails rank 0's confirmation within the timeout."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import multiprocessing
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from executor.distributed import group
-from executor.distributed.channel import StepChannel
+from executor.distributed.channel import StepChannel, Transport
+from executor.distributed.group import CollectiveFailed
 from executor.distributed.protocol import (
     CaptureHeader,
     ForkHeader,
@@ -40,15 +43,16 @@ def _messages() -> list[tuple[Any, torch.Tensor | None]]:
     ]
 
 
-def _rank(rank: int, port: int, out: Any) -> None:
+def _rank(rank: int, port: int, out: Any, transport: Transport) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=60))
-    channel = StepChannel(tp, torch.device("cpu"), inline=INLINE)
-    received = []
+    channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport)
+    received: list[Any] = [channel.transport]
     for header, packed in _messages():
         if rank == 0:
             channel.send(header, packed)
+            channel.confirm()
         else:
             got, got_packed = channel.receive()
             received.append((got, None if got_packed is None else got_packed.tolist()))
@@ -58,27 +62,70 @@ def _rank(rank: int, port: int, out: Any) -> None:
     else:
         received.append(("sampled", channel.receive_sampled(3).tolist()))
         out.put(received)
+    channel.close()
     group.shutdown(tp)
 
 
-def test_headers_and_packed_steps_cross_between_processes() -> None:
+def _spawn(target: Any, *args: Any) -> tuple[list[Any], Any]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     port = probe.port
     del probe  # free the port for rank 0's store
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out, *args)) for r in range(2)]
     for p in procs:
         p.start()
+    return procs, out
+
+
+@pytest.mark.parametrize("transport", ["local", "gloo", "auto"])
+def test_headers_and_packed_steps_cross_between_processes(transport: Transport) -> None:
+    procs, out = _spawn(_rank, transport)
     try:
         received = out.get(timeout=120)
     finally:
         for p in procs:
             p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
+    assert received[0] == ("gloo" if transport == "gloo" else "local")
     want = [(h, None if p is None else p.tolist()) for h, p in _messages()]
-    assert received[:-1] == want
+    assert received[1:-1] == want
     assert received[-1] == ("sampled", [[4, 0, 2], [17, 99, 5]])
+
+
+def _silent_rank(rank: int, port: int, out: Any) -> None:
+    """Rank 1 takes one step, then stops reading; rank 0 reports what its next
+    confirmation raised and how long it took (timeout 2 s)."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
+    channel = StepChannel(tp, torch.device("cpu"), transport="local")
+    header, packed = _messages()[0]
+    if rank == 0:
+        channel.send(header, packed)
+        channel.confirm()
+        channel.send(header, packed)
+        started = time.monotonic()
+        try:
+            channel.confirm()
+            out.put(("confirmed", 0.0))
+        except CollectiveFailed as exc:
+            out.put((str(exc), time.monotonic() - started))
+        store.set("done", "1")
+    else:
+        channel.receive()
+        store.wait(["done"], datetime.timedelta(seconds=60))
+    channel.close()
+
+
+def test_a_rank_that_stops_reading_fails_the_confirmation_within_the_timeout() -> None:
+    procs, out = _spawn(_silent_rank)
+    try:
+        what, waited = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert "delivery failed" in what and 1.5 < waited < 10
 
 
 def _slow_rank(rank: int, port: int, out: Any) -> None:
