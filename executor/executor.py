@@ -78,7 +78,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
-from executor.kv.manager import Extension
+from executor.kv.manager import Columns
 from executor.model.loader import load_hf_config, load_model
 from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED
@@ -307,7 +307,7 @@ class Executor:
         validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
         # Per-item work is most of a large batch's host time: each list is made once.
         seq_ids = [it.seq_id for it in items]
-        alloc = self.kv.allocate([(sid, num_steps) for sid in seq_ids])
+        alloc = self.kv.extend(seq_ids, num_steps)
         had_last = {sid: sid in last for sid in seq_ids}
         params = [it.sampling for it in items]
         rows = list(range(len(items)))
@@ -691,7 +691,9 @@ _NO_STOPS: frozenset[int] = frozenset()
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:
     """Decode step ``step`` of a multi-step allocation (``num_steps`` tokens per sequence,
     each sequence's locations contiguous): one token per sequence."""
-    exts = tuple(Extension(e.seq_id, e.slot, e.prefix_len + step, 1, e.is_new and step == 0)
-                 for e in alloc.extensions)
-    locs = alloc.out_cache_loc.view(len(exts), num_steps)[:, step]
-    return Allocation(exts, locs.contiguous())
+    c = alloc.columns
+    b = len(c.slots)
+    locs = alloc.out_cache_loc.view(b, num_steps)[:, step]
+    return Allocation.of_columns(
+        Columns(c.seq_ids, c.slots, [p + step for p in c.prefix_lens], [1] * b,
+                [is_new and step == 0 for is_new in c.is_new]), locs.contiguous())
