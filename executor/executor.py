@@ -305,20 +305,23 @@ class Executor:
         started = time.perf_counter()
         last = self._last_sampled
         validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
-        # Per-item work is most of a large batch's host time: each list is made once.
-        seq_ids = [it.seq_id for it in items]
+        # Per-item work is most of a large batch's host time: the items' columns come from
+        # one transposition, and each list is made once, in C where it can be.
+        seq_ids, tokens, sampling, stop_ids = zip(*items, strict=True)
         alloc = self.kv.extend(seq_ids, num_steps)
-        had_last = {sid: sid in last for sid in seq_ids}
-        params = [it.sampling for it in items]
-        rows = list(range(len(items)))
+        had_last = dict(zip(seq_ids, map(last.__contains__, seq_ids), strict=True))
+        params = list(sampling)
+        n = len(items)
+        rows = list(range(n))
         samples: list[DeviceSample] = []
         try:
             decision = self._decide("decode", len(items))
-            first = [USE_LAST_SAMPLED if it.token_id is None else it.token_id for it in items]
+            first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
+                [USE_LAST_SAMPLED if t is None else t for t in tokens]
             for step in range(num_steps):
                 sub = alloc if num_steps == 1 else _decode_step(alloc, num_steps, step)
-                tokens = first if step == 0 else [USE_LAST_SAMPLED] * len(items)
-                batch = self.build_batch("decode", tokens, sub, rows, decision.bucket)
+                batch = self.build_batch("decode", first if step == 0 else
+                                         [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket)
                 # each sequence's length after this step: the index of its new token + 1
                 sample, info = self._step(batch, decision, params, batch.seq_lens_host)
                 assert sample is not None
@@ -332,9 +335,9 @@ class Executor:
                                    padded_tokens=info.padded_tokens * num_steps,
                                    num_steps=num_steps)
         return self._pending(PendingStep(
-            "decode", tuple(seq_ids), alloc, batch.seq_lens_host, tuple(rows), tuple(params),
-            tuple(frozenset(stop) if (stop := it.stop_token_ids) else _NO_STOPS
-                  for it in items), samples, info,
+            "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling,
+            tuple(frozenset(stop) if stop else _NO_STOPS for stop in stop_ids)
+            if any(stop_ids) else (_NO_STOPS,) * n, samples, info,
             started=started, had_last=had_last))
 
     def complete(self, step: PendingStep) -> StepResult:

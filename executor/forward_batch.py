@@ -20,6 +20,9 @@ from executor.packing import (
     split_packed,
 )
 
+# From this many sequences, a one-token-per-sequence batch is packed with numpy (a few
+# fixed-cost calls); below it, Python lists are cheaper (batch 1: 6 us less).
+_NUMPY_MIN_ROWS = 16
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
 # decode step); above it, tensor ops (cheaper for long prompts; see the results README
 # named in ``PinnedStaging``).
@@ -177,7 +180,7 @@ class ForwardBatch:
         scratch = 0 if layout is None else layout.table_scratch
 
         flat: torch.Tensor
-        if one_each and not every_position:  # a decode step: numpy over the batch
+        if one_each and not every_position and b >= _NUMPY_MIN_ROWS:  # a large decode step
             # Sequence i's token is row i, at position prefix_i.
             slots_a = np.array(slots, dtype=np.int64)
             prefix_a = np.array(prefix, dtype=np.int64)
@@ -202,7 +205,9 @@ class ForwardBatch:
             for n in ext_lens:
                 starts.append(at)
                 at += n
-        if not every_position:
+        if one_each and not every_position:  # sequence i's token is row i
+            last_rows = list(logits_rows)
+        elif not every_position:
             last_rows = [starts[i] + ext_lens[i] - 1 for i in logits_rows]
         else:
             last_rows = [r for i in logits_rows for r in (
@@ -212,11 +217,16 @@ class ForwardBatch:
                    "extend_lens": ext_lens, "extend_start": starts, "logits_indices": last_rows}
 
         if acc <= _LIST_BUILD_MAX_TOKENS:  # short prompts: plain lists are cheapest
-            exts = alloc.extensions
-            positions = [p for e in exts
-                         for p in range(e.prefix_len, e.prefix_len + e.new_len)]
-            table_index = [e.slot * table_width + p for e in exts
-                           for p in range(e.prefix_len, e.prefix_len + e.new_len)]
+            if one_each:  # each new token sits at its sequence's prefix length
+                positions = prefix
+                table_index = [slot * table_width + p
+                               for slot, p in zip(slots, prefix, strict=True)]
+            else:
+                exts = alloc.extensions
+                positions = [p for e in exts
+                             for p in range(e.prefix_len, e.prefix_len + e.new_len)]
+                table_index = [e.slot * table_width + p for e in exts
+                               for p in range(e.prefix_len, e.prefix_len + e.new_len)]
             # array("q") of lists, then a view of it: a third of torch.tensor(list)'s time
             packed = pack_lists({"input_ids": token_ids, "positions": positions,
                                  "table_index": table_index,
