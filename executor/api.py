@@ -6,10 +6,11 @@ but they know nothing about protobuf. Validation lives in ``executor/validation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal, NamedTuple
+from functools import partial
+from typing import Any, Literal, NamedTuple, TypeVar
 
 Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
@@ -17,6 +18,19 @@ Path = Literal["graph", "eager"]
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy (see executor/sampling.py for why).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
+
+
+def named_rows(cls: type[_Row], *columns: Iterable[Any]) -> list[_Row]:
+    """Named tuples of ``cls`` from one column per field, in field order: made as its own
+    ``__new__`` makes them (``tuple.__new__``), without that Python call per row (a third
+    of the time for a batch's items or outputs)."""
+    fields = cls._fields  # type: ignore[attr-defined]
+    if len(columns) != len(fields):
+        raise TypeError(f"{cls.__name__} has {len(fields)} fields, got {len(columns)} columns")
+    return list(map(partial(tuple.__new__, cls), zip(*columns, strict=True)))
 
 
 class FallbackReason(str, Enum):

@@ -78,7 +78,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.graphs.registry import make_capture_backend
 from executor.graphs.runner import PhaseRunner
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
-from executor.kv.manager import Extension
+from executor.kv.manager import Columns
 from executor.model.loader import load_hf_config, load_model
 from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED
@@ -305,20 +305,23 @@ class Executor:
         started = time.perf_counter()
         last = self._last_sampled
         validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
-        # Per-item work is most of a large batch's host time: each list is made once.
-        seq_ids = [it.seq_id for it in items]
-        alloc = self.kv.allocate([(sid, num_steps) for sid in seq_ids])
-        had_last = {sid: sid in last for sid in seq_ids}
-        params = [it.sampling for it in items]
-        rows = list(range(len(items)))
+        # Per-item work is most of a large batch's host time: the items' columns come from
+        # one transposition, and each list is made once, in C where it can be.
+        seq_ids, tokens, sampling, stop_ids = zip(*items, strict=True)
+        alloc = self.kv.extend(seq_ids, num_steps)
+        had_last = dict(zip(seq_ids, map(last.__contains__, seq_ids), strict=True))
+        params = list(sampling)
+        n = len(items)
+        rows = list(range(n))
         samples: list[DeviceSample] = []
         try:
             decision = self._decide("decode", len(items))
-            first = [USE_LAST_SAMPLED if it.token_id is None else it.token_id for it in items]
+            first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
+                [USE_LAST_SAMPLED if t is None else t for t in tokens]
             for step in range(num_steps):
                 sub = alloc if num_steps == 1 else _decode_step(alloc, num_steps, step)
-                tokens = first if step == 0 else [USE_LAST_SAMPLED] * len(items)
-                batch = self.build_batch("decode", tokens, sub, rows, decision.bucket)
+                batch = self.build_batch("decode", first if step == 0 else
+                                         [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket)
                 # each sequence's length after this step: the index of its new token + 1
                 sample, info = self._step(batch, decision, params, batch.seq_lens_host)
                 assert sample is not None
@@ -332,9 +335,9 @@ class Executor:
                                    padded_tokens=info.padded_tokens * num_steps,
                                    num_steps=num_steps)
         return self._pending(PendingStep(
-            "decode", tuple(seq_ids), alloc, batch.seq_lens_host, tuple(rows), tuple(params),
-            tuple(frozenset(stop) if (stop := it.stop_token_ids) else _NO_STOPS
-                  for it in items), samples, info,
+            "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling,
+            tuple(frozenset(stop) if stop else _NO_STOPS for stop in stop_ids)
+            if any(stop_ids) else (_NO_STOPS,) * n, samples, info,
             started=started, had_last=had_last))
 
     def complete(self, step: PendingStep) -> StepResult:
@@ -696,7 +699,9 @@ _NO_STOPS: frozenset[int] = frozenset()
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:
     """Decode step ``step`` of a multi-step allocation (``num_steps`` tokens per sequence,
     each sequence's locations contiguous): one token per sequence."""
-    exts = tuple(Extension(e.seq_id, e.slot, e.prefix_len + step, 1, e.is_new and step == 0)
-                 for e in alloc.extensions)
-    locs = alloc.out_cache_loc.view(len(exts), num_steps)[:, step]
-    return Allocation(exts, locs.contiguous())
+    c = alloc.columns
+    b = len(c.slots)
+    locs = alloc.out_cache_loc.view(b, num_steps)[:, step]
+    return Allocation.of_columns(
+        Columns(c.seq_ids, c.slots, [p + step for p in c.prefix_lens], [1] * b,
+                [is_new and step == 0 for is_new in c.is_new]), locs.contiguous())

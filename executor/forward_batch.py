@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor.api import Phase
@@ -13,11 +14,15 @@ from executor.packing import (
     FIELDS,
     GraphLayout,
     PackedSizes,
+    pack_arrays,
     pack_lists,
     pack_tensors,
     split_packed,
 )
 
+# From this many sequences, a one-token-per-sequence batch is packed with numpy (a few
+# fixed-cost calls); below it, Python lists are cheaper (batch 1: 6 us less).
+_NUMPY_MIN_ROWS = 16
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
 # decode step); above it, tensor ops (cheaper for long prompts; see the results README
 # named in ``PinnedStaging``).
@@ -163,13 +168,33 @@ class ForwardBatch:
         prologue can read it from there. All integer metadata travels in one
         host-to-device copy laid out by ``executor.packing``, then is split into views.
         """
-        exts = alloc.extensions
-        b = len(exts)
-        # The extensions' columns in one transposition (a decode step has one per sequence).
-        _, slots_t, prefix_t, lens_t, _ = zip(*exts, strict=True) if exts else ((),) * 5
-        slots, prefix, ext_lens = list(slots_t), list(prefix_t), list(lens_t)
+        cols = alloc.columns  # the extensions' columns (a decode step has no tuples)
+        slots, prefix, ext_lens = cols.slots, cols.prefix_lens, cols.new_lens
+        b = len(slots)
         acc = sum(ext_lens)
         one_each = ext_lens.count(1) == b  # one new token per sequence: a decode step
+        sizes = PackedSizes.of(acc, b, len(logits_rows) if not every_position else
+                               _position_rows(logits_rows, ext_lens, every_position),
+                               None if layout is None else layout.bucket,
+                               decode=phase == "decode" and acc == b)
+        scratch = 0 if layout is None else layout.table_scratch
+
+        flat: torch.Tensor
+        if one_each and not every_position and b >= _NUMPY_MIN_ROWS:  # a large decode step
+            # Sequence i's token is row i, at position prefix_i.
+            slots_a = np.array(slots, dtype=np.int64)
+            prefix_a = np.array(prefix, dtype=np.int64)
+            seq_lens_a = prefix_a + 1
+            flat = torch.from_numpy(pack_arrays(
+                {"input_ids": token_ids, "positions": prefix_a,
+                 "table_index": slots_a * table_width + prefix_a,
+                 "out_cache_loc": alloc.out_cache_loc.numpy(), "req_pool_indices": slots_a,
+                 "seq_lens": seq_lens_a, "prefix_lens": prefix_a, "extend_lens": 1,
+                 "extend_start": np.arange(b, dtype=np.int64), "logits_indices": logits_rows},
+                sizes, scratch))
+            return ForwardBatch._transfer(phase, flat, sizes,
+                                          (slots, seq_lens_a.tolist(), prefix, ext_lens),
+                                          device, staging, layout)
         if one_each:
             seq_lens = [p + 1 for p in prefix]
             starts = list(range(b))
@@ -188,19 +213,16 @@ class ForwardBatch:
             last_rows = [r for i in logits_rows for r in (
                 range(starts[i], starts[i] + ext_lens[i]) if i in every_position
                 else (starts[i] + ext_lens[i] - 1,))]
-        sizes = PackedSizes.of(acc, b, len(last_rows), None if layout is None else layout.bucket,
-                               decode=phase == "decode" and acc == b)
-        scratch = 0 if layout is None else layout.table_scratch
         per_seq = {"req_pool_indices": slots, "seq_lens": seq_lens, "prefix_lens": prefix,
                    "extend_lens": ext_lens, "extend_start": starts, "logits_indices": last_rows}
 
-        flat: torch.Tensor
-        if acc <= _LIST_BUILD_MAX_TOKENS:  # decode, short prompts: plain lists are cheapest
+        if acc <= _LIST_BUILD_MAX_TOKENS:  # short prompts: plain lists are cheapest
             if one_each:  # each new token sits at its sequence's prefix length
                 positions = prefix
                 table_index = [slot * table_width + p
                                for slot, p in zip(slots, prefix, strict=True)]
             else:
+                exts = alloc.extensions
                 positions = [p for e in exts
                              for p in range(e.prefix_len, e.prefix_len + e.new_len)]
                 table_index = [e.slot * table_width + p for e in exts
@@ -280,6 +302,12 @@ class ForwardBatch:
             packed=host,
             sizes=sizes,
         )
+
+
+def _position_rows(logits_rows: list[int], ext_lens: list[int],
+                   every_position: frozenset[int]) -> int:
+    """Sampled rows of a batch with ``every_position`` items: all new tokens of those."""
+    return sum(ext_lens[i] if i in every_position else 1 for i in logits_rows)
 
 
 def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.device

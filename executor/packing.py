@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
+import numpy as np
 import torch
 
 from executor.api import Phase
@@ -140,6 +141,24 @@ def pack_lists(fields: Mapping[str, Sequence[int]], sizes: PackedSizes,
         out.extend(fields[name])
         if n := sizes.padding(name):
             out.extend(repeat(pads[name], n))
+    return out
+
+
+def pack_arrays(fields: Mapping[str, np.ndarray | Sequence[int] | int], sizes: PackedSizes,
+                table_scratch: int) -> np.ndarray:
+    """The packed host buffer from per-field numpy arrays, lists, or one value repeated
+    (a decode step: one numpy copy per field, no Python per entry)."""
+    pads = _pads(table_scratch)
+    out = np.empty(sizes.total, dtype=np.int64)
+    chunks = iter(sizes.chunks())  # each field's real entries, then (not logits) padding
+    at = 0
+    for name in FIELDS:
+        n = next(chunks)
+        out[at : at + n] = fields[name]
+        at += n
+        if name != "logits_indices" and (pad := next(chunks)):
+            out[at : at + pad] = pads[name]
+            at += pad
     return out
 
 

@@ -224,8 +224,12 @@ class Sampler:
         or -1), also the raw log-probability of each row's target (a prompt's next token:
         its log-likelihood). Everything stays on the device."""
         tokens = argmax_rows(logits)
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        # Rows usually share a few parameter objects: each is asked once (by identity).
+        distinct = dict(zip(map(id, params), params, strict=True)).values() \
+            if len(params) >= 16 else params
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
+            if not all(p.is_greedy for p in distinct) else []
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in distinct)
         if sampled_rows:
             device = logits.device
             rows = device_tensor(sampled_rows, torch.int64, device)

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -24,6 +25,7 @@ from executor.api import (
     SamplingParams,
     StepInfo,
     StepResult,
+    named_rows,
 )
 from executor.kv.manager import Allocation
 from executor.sampling import DeviceSample, SampleOutput
@@ -83,6 +85,15 @@ class PendingStep:
             return self._position_outputs(sampled[0])
         if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
             s = sampled[0]
+            if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and not any(
+                    p.logprobs or p.top_logprobs
+                    for p in dict(zip(map(id, self.params), self.params, strict=True)).values()):
+                # Every item sampled row i, no log-probabilities (a plain decode step): the
+                # outputs made column-wise, without a conditional per item.
+                n = len(self.rows)
+                return tuple(named_rows(ItemOutput, self.seq_ids, s.token_ids, repeat(None, n),
+                                        repeat((), n), self.seq_lens, repeat((), n),
+                                        repeat(False, n), repeat((), n)))
             return tuple(
                 ItemOutput(seq_id, None, None, (), seq_len) if row is None else
                 ItemOutput(seq_id, s.token_ids[row],

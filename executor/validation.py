@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from executor.api import (
     GREEDY_BELOW_TEMPERATURE,
@@ -19,6 +20,9 @@ from executor.api import (
 )
 from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
 
+#: From this many items, decode validation first tries one pass over the batch's columns
+#: (its fixed cost is more than the item loop's below it).
+_BATCH_PASS_MIN_ITEMS = 16
 #: Most decode steps one call may run (``num_steps``).
 MAX_DECODE_STEPS = 256
 #: Most positions one prefill call may sample at with ``every_position``: their float32
@@ -174,6 +178,9 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
     """Raise InvalidRequest / ContextLengthExceeded / SequenceNotFound. ``num_steps``
     decode steps append that many tokens per sequence; an item without a token needs
     ``has_last_sample`` of its sequence."""
+    if len(items) >= _BATCH_PASS_MIN_ITEMS and _plainly_valid_decode(
+            items, seq_len, limits, num_steps, has_last_sample):
+        return
     out = _common([it.seq_id for it in items], "decode")
     if len(items) > limits.max_decode_batch:
         out.append(FieldViolation(
@@ -223,3 +230,37 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
         raise SequenceNotFound([s for s, _ in unknown], [f for _, f in unknown])
     if too_long:
         raise ContextLengthExceeded(too_long)
+
+
+def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | None],
+                          limits: Limits, num_steps: int,
+                          has_last_sample: Callable[[str], bool]) -> bool:
+    """Whether ``validate_decode`` would find nothing wrong, decided over the batch's
+    columns with C-level passes (no per-item Python for the common step: known, distinct
+    ids continuing from their last samples, shared sampling parameters). False means only
+    "look item by item": the full pass then names every violation, or finds none."""
+    n = len(items)
+    if not 1 <= n <= limits.max_decode_batch or not 1 <= num_steps <= MAX_DECODE_STEPS:
+        return False
+    seq_ids, tokens, samplings, stops = zip(*items, strict=True)
+    if not all(seq_ids) or len(set(seq_ids)) != n:  # empty or repeated ids
+        return False
+    lengths = list(map(seq_len, seq_ids))
+    if None in lengths or max(cast("list[int]", lengths)) > limits.servable_context - num_steps:
+        return False
+    vocab = limits.vocab_size
+    if tokens.count(None) == n:  # every item continues from its last sample
+        if not all(map(has_last_sample, seq_ids)):
+            return False
+    else:
+        if not all(has_last_sample(sid) for sid, t in zip(seq_ids, tokens, strict=True)
+                   if t is None):
+            return False
+        given = [t for t in tokens if t is not None]
+        if min(given) < 0 or max(given) >= vocab:
+            return False
+    if any(stops) and not all(not s or (min(s) >= 0 and max(s) < vocab) for s in stops):
+        return False
+    # Each distinct parameter object once (by identity, as the full pass).
+    return not any(sampling_violations(p, "")
+                   for p in dict(zip(map(id, samplings), samplings, strict=True)).values())

@@ -8,7 +8,9 @@ duplicate and unknown seq_ids and context lengths are the executor's to check.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from executor.api import (
@@ -24,6 +26,7 @@ from executor.api import (
     SamplingParams,
     StepResult,
     TruncateResult,
+    named_rows,
 )
 from executor.errors import FieldViolation, InvalidRequest
 from executor.validation import sampling_violations
@@ -112,6 +115,15 @@ def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[Pre
     return items
 
 
+#: From this many items, a decode request's items are made column by column.
+_COLUMNS_MIN_ITEMS = 16
+# A decode item's fields, read by C-level passes over a request's items.
+_SEQ_ID = attrgetter("seq_id")
+_STOP_TOKEN_IDS = attrgetter("stop_token_ids")
+_USE_LAST_SAMPLED = attrgetter("use_last_sampled")
+_HAS_FIELD = pb.DecodeItem.HasField
+
+
 def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[DecodeItem]:
     out = _Violations()
     if request.packed_outputs:
@@ -122,21 +134,40 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
     _check_request_id(request.request_id, limits, out)
     if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
         out.raise_any()
-    # This loop runs once per decode step over every item (64 at batch 64): field paths
-    # are only formatted for a violation, and an item without sampling is GREEDY.
-    items = []
+    # This runs once per decode step over every item (64 at batch 64): field paths are
+    # only formatted for a violation, an item without sampling is GREEDY, and the items
+    # are made column by column, each column in one pass.
+    msgs = list(request.items)  # each pass over the repeated field itself costs more
+    seq_ids = list(map(_SEQ_ID, msgs))
     short_ids = limits.max_seq_id_bytes // 4  # UTF-8 takes at most 4 bytes a character
-    for i, item in enumerate(request.items):
-        seq_id = item.seq_id
-        if len(seq_id) > short_ids:
-            _check_seq_id(seq_id, f"items[{i}].seq_id", limits, out)
-        sampling = _sampling_of(item, f"items[{i}]", out) if item.HasField("sampling") \
-            else GREEDY
-        stops = item.stop_token_ids
-        items.append(DecodeItem(seq_id, None if item.use_last_sampled else item.token_id,
-                                sampling, tuple(stops) if stops else ()))
+    if len(seq_ids) < _COLUMNS_MIN_ITEMS or max(map(len, seq_ids)) > short_ids:
+        # A few items (the passes cost more), or an id possibly too long: checked with the
+        # sampling item by item, so that violations are listed in item order.
+        items = []
+        for i, item in enumerate(msgs):
+            if len(item.seq_id) > short_ids:
+                _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
+            stop = item.stop_token_ids
+            items.append(DecodeItem(item.seq_id, None if item.use_last_sampled else
+                                    item.token_id, _sampling_of(item, f"items[{i}]", out)
+                                    if item.HasField("sampling") else GREEDY,
+                                    tuple(stop) if stop else ()))
+        out.raise_any()
+        return items
+    n = len(seq_ids)
+    sampling: Iterable[SamplingParams] = repeat(GREEDY, n)
+    if any(map(_HAS_FIELD, msgs, repeat("sampling", n))):
+        sampling = [_sampling_of(item, f"items[{i}]", out) if item.HasField("sampling")
+                    else GREEDY for i, item in enumerate(msgs)]
+    stop_lists = list(map(_STOP_TOKEN_IDS, msgs))
+    stops: Iterable[tuple[int, ...]] = repeat((), n)
+    if any(stop_lists):
+        stops = [tuple(s) if s else () for s in stop_lists]
+    tokens: Iterable[int | None] = repeat(None, n)
+    if not all(map(_USE_LAST_SAMPLED, msgs)):
+        tokens = [None if item.use_last_sampled else item.token_id for item in msgs]
     out.raise_any()
-    return items
+    return named_rows(DecodeItem, seq_ids, tokens, sampling, stops)
 
 
 def decode_steps(request: pb.DecodeRequest) -> int:
@@ -232,6 +263,15 @@ def _add_outputs(outputs: Any, items: Sequence[ItemOutput]) -> None:
     place by ``add`` (building standalone messages and copying them in took 1.7x as long
     at batch 64)."""
     add = outputs.add
+    if len(items) >= _COLUMNS_MIN_ITEMS:
+        ids, tokens, logprobs, tops, lens, steps, stopped, positions = zip(*items, strict=True)
+        if None not in tokens and logprobs.count(None) == len(items) and not (
+                any(tops) or any(steps) or any(stopped) or any(positions)):
+            # Each item one sampled token, no log-probabilities (a plain decode step):
+            # every message made by the same call, no test per item.
+            for seq_id, seq_len, token_id in zip(ids, lens, tokens, strict=True):
+                add(seq_id=seq_id, seq_len=seq_len, token_id=token_id)
+            return
     for item in items:
         if not (item.top_logprobs or item.steps or item.positions or item.stopped):
             # One sampled token (or none): the common decode answer, in one call with only

@@ -201,3 +201,41 @@ def test_a_layout_gives_the_same_views_for_batches_of_the_same_sizes(
         (Extension("s0", 2, 9, 1, False),), torch.arange(7, 8)), [0], cpu, _WIDTH,
         layout=layout)
     assert third.input_ids.tolist() == [1] and len(layout._views) == 1
+
+
+@pytest.mark.parametrize("bucket", [None, 24])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_numpy_decode_packing_equals_the_list_packing(
+        monkeypatch: pytest.MonkeyPatch, bucket: int | None, rows: int) -> None:
+    """A decode batch packed with numpy (large batches) is the list-packed batch, entry for
+    entry (padding too) and host tuple for tuple, from extensions or from columns."""
+    from executor.kv.manager import Columns
+
+    cpu = torch.device("cpu")
+    slots, prefix = [7 * i % 23 for i in range(rows)], [3 + 5 * i for i in range(rows)]
+    tokens = [(-1 if i % 3 else 11 * i) for i in range(rows)]
+    logits = list(range(rows))[::2]
+    from_exts = Allocation(tuple(Extension(f"s{i}", s, p, 1, False) for i, (s, p) in
+                                 enumerate(zip(slots, prefix, strict=True))),
+                           torch.arange(50, 50 + rows))
+    from_cols = Allocation.of_columns(Columns(tuple(f"s{i}" for i in range(rows)), slots,
+                                              prefix, [1] * rows, [False] * rows),
+                                      torch.arange(50, 50 + rows))
+
+    def build(numpy_min: int, alloc: Allocation) -> ForwardBatch:
+        monkeypatch.setattr(forward_batch, "_NUMPY_MIN_ROWS", numpy_min)
+        layout = None if bucket is None else GraphLayout(
+            bucket, _SCRATCH, torch.full((GraphLayout.max_packed_size(bucket),), -7,
+                                         dtype=torch.int64), "decode")
+        return ForwardBatch.build("decode", tokens, alloc, logits, cpu, _WIDTH, layout=layout)
+
+    want = build(10_000, from_exts)
+    for got in (build(0, from_exts), build(0, from_cols)):
+        assert got.packed is not None and want.packed is not None
+        assert torch.equal(got.packed, want.packed) and got.sizes == want.sizes
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert (got.req_pool_indices_host, got.seq_lens_host, got.prefix_lens_host,
+                got.extend_lens_host) == (want.req_pool_indices_host, want.seq_lens_host,
+                                          want.prefix_lens_host, want.extend_lens_host)
+        assert all(type(v) is int for v in got.seq_lens_host + got.req_pool_indices_host)

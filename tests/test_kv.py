@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.errors import ContextLengthExceeded, OutOfResources
-from executor.kv import KVCacheManager, ReqToTokenTable, TokenAllocator
+from executor.kv import Allocation, KVCacheManager, ReqToTokenTable, TokenAllocator
 
 
 def manager(tokens: int = 64, slots: int = 4, ctx: int = 64) -> KVCacheManager:
@@ -150,4 +152,84 @@ def test_each_sequence_finds_its_new_locations_in_the_host_table(lens: list[int]
             got = m.table.locations(ext.slot, ext.prefix_len, ext.seq_len)
             assert torch.equal(got, want), (ext, got, want)
             offset += ext.new_len
+    m.check_invariants()
+
+
+
+def _state(m: KVCacheManager) -> tuple[object, ...]:
+    """The manager's lengths and slots, free stacks and host table."""
+    seqs = {s.seq_id: (s.slot, s.length) for s in m._seqs.values()}
+    return (seqs, m.tokens.free_locations().tolist(), m.slots._free,
+            m.table.host_table.tolist())
+
+
+def _outcome(m: KVCacheManager, call: Callable[[], Allocation]
+             ) -> tuple[Allocation | None, tuple[object, ...]]:
+    """A call's allocation (None if it raised) and what it did: its extensions and
+    locations, or its error, then the manager's state."""
+    try:
+        alloc = call()
+    except (OutOfResources, ContextLengthExceeded) as e:
+        return None, ((type(e), str(e)), _state(m))
+    return alloc, ((alloc.extensions, alloc.out_cache_loc.tolist()), _state(m))
+
+
+# Distinct ids per call, as validation guarantees (``allocate`` of an unknown id twice in
+# one call takes a slot it never uses).
+batches = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=1, max_size=6, unique=True),
+                             st.integers(1, 4), st.booleans()), min_size=1, max_size=25)
+
+
+@pytest.fixture
+def columns_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``extend`` over columns at any batch size (not only from 16 sequences)."""
+    from executor.kv import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "_COLUMNS_MIN_ROWS", 1)
+
+
+@pytest.mark.usefixtures("columns_always")
+@settings(max_examples=150, deadline=None)
+@given(batches)
+def test_extend_matches_allocate(calls: list[tuple[list[int], int, bool]]) -> None:
+    """``extend`` (a decode step over the batch's columns) gives the same locations,
+    table rows, lengths and errors as ``allocate`` of the same requests, whether it takes
+    its fast path or hands over (unknown ids, a row overrun, too few tokens), and rolling
+    either back restores the same state."""
+    fast, ref = manager(tokens=48, slots=5, ctx=12), manager(tokens=48, slots=5, ctx=12)
+    for who, n, undo in calls:
+        ids = [f"s{w}" for w in who]
+        got, did = _outcome(fast, lambda: fast.extend(ids, n))  # noqa: B023
+        want, should = _outcome(ref, lambda: ref.allocate([(sid, n) for sid in ids]))  # noqa: B023
+        assert did == should
+        fast.check_invariants()
+        if undo and got is not None and want is not None:
+            fast.rollback(got)
+            ref.rollback(want)
+            assert _state(fast) == _state(ref)
+            fast.check_invariants()
+
+
+@pytest.mark.usefixtures("columns_always")
+def test_extend_of_a_repeated_known_id_matches_allocate() -> None:
+    fast, ref = manager(tokens=48, slots=5, ctx=12), manager(tokens=48, slots=5, ctx=12)
+    for m in (fast, ref):
+        m.allocate([("a", 2), ("b", 1)])
+    got = _outcome(fast, lambda: fast.extend(["a", "b", "a"], 2))[1]
+    assert got == _outcome(ref, lambda: ref.allocate([("a", 2), ("b", 2), ("a", 2)]))[1]
+    fast.check_invariants()
+
+
+@pytest.mark.usefixtures("columns_always")
+def test_extend_rollback_restores_lengths_and_locations() -> None:
+    m = manager(tokens=32, slots=3, ctx=16)
+    m.allocate([("a", 5), ("b", 2)])
+    before = _state(m)
+    alloc = m.extend(["b", "a"], 3)
+    assert [(e.seq_id, e.prefix_len, e.new_len, e.is_new) for e in alloc.extensions] == [
+        ("b", 2, 3, False), ("a", 5, 3, False)]
+    assert m.get("a").length == 8 and m.get("b").length == 5  # type: ignore[union-attr]
+    m.check_invariants()
+    m.rollback(alloc)
+    assert _state(m)[:3] == before[:3]
     m.check_invariants()

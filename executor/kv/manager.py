@@ -24,8 +24,14 @@ from executor.errors import ContextLengthExceeded, FieldViolation, OutOfResource
 from executor.kv.allocator import SlotAllocator, TokenAllocator
 from executor.kv.pool import ReqToTokenTable
 
+# NOTE: compared by identity (the table holds one per sequence), so ``None in states``
+# over a batch's looked-up states stays in C instead of calling a generated ``__eq__``.
+#: From this many sequences, ``KVCacheManager.extend`` works over columns (its fixed cost
+#: is more than ``allocate``'s per-sequence work below it).
+_COLUMNS_MIN_ROWS = 16
 
-@dataclass
+
+@dataclass(eq=False, slots=True)
 class SequenceState:
     seq_id: str
     slot: int
@@ -48,16 +54,61 @@ class Extension(NamedTuple):
         return self.prefix_len + self.new_len
 
 
-@dataclass(frozen=True)
-class Allocation:
-    """What one call allocated, in item order; ``out_cache_loc`` packs every new token."""
+class Columns(NamedTuple):
+    """An allocation's extensions as columns, in item order (what packing a batch reads)."""
 
-    extensions: tuple[Extension, ...]
-    out_cache_loc: torch.Tensor  # (num_tokens,) int64, CPU
+    seq_ids: Sequence[str]
+    slots: list[int]
+    prefix_lens: list[int]
+    new_lens: list[int]
+    is_new: Sequence[bool]
+
+
+class Allocation:
+    """What one call allocated, in item order; ``out_cache_loc`` packs every new token.
+
+    Made from its ``extensions`` or, by ``KVCacheManager.extend`` (a decode step), from
+    ``columns``: each view is made from the other only when first asked for (a decode
+    step's batch reads columns only, and a tuple per sequence costs more than the rest of
+    its allocation). Not to be mutated."""
+
+    __slots__ = ("_columns", "_extensions", "out_cache_loc")
+
+    def __init__(self, extensions: tuple[Extension, ...], out_cache_loc: torch.Tensor) -> None:
+        self._extensions: tuple[Extension, ...] | None = extensions
+        self._columns: Columns | None = None
+        self.out_cache_loc = out_cache_loc  # (num_tokens,) int64, CPU
+
+    @classmethod
+    def of_columns(cls, columns: Columns, out_cache_loc: torch.Tensor) -> Allocation:
+        alloc = cls.__new__(cls)
+        alloc._extensions, alloc._columns, alloc.out_cache_loc = None, columns, out_cache_loc
+        return alloc
+
+    @property
+    def extensions(self) -> tuple[Extension, ...]:
+        if self._extensions is None:
+            assert self._columns is not None
+            self._extensions = tuple(map(Extension, *self._columns))
+        return self._extensions
+
+    @property
+    def columns(self) -> Columns:
+        if self._columns is None:
+            assert self._extensions is not None
+            if self._extensions:  # one transposition of the extensions
+                ids, slots, prefix, lens, new = zip(*self._extensions, strict=True)
+                self._columns = Columns(ids, list(slots), list(prefix), list(lens), new)
+            else:
+                self._columns = Columns((), [], [], [], ())
+        return self._columns
 
     @property
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.numel())
+
+    def __repr__(self) -> str:
+        return f"Allocation({self.extensions!r}, {self.out_cache_loc!r})"
 
 
 class KVCacheManager:
@@ -142,15 +193,44 @@ class KVCacheManager:
         self.table.write_host(spans, locs)
         return alloc
 
+    def extend(self, seq_ids: Sequence[str], n: int) -> Allocation:
+        """``allocate`` of ``n`` new locations for each of ``seq_ids`` (a decode step),
+        done over the batch's columns: no per-sequence tuple, one numpy scatter into the
+        host table. The same locations, lengths, errors and atomicity as ``allocate``,
+        which it hands over to for anything but distinct, known sequences that fit."""
+        if len(seq_ids) < _COLUMNS_MIN_ROWS:  # a few sequences: plain ``allocate`` is cheaper
+            return self.allocate([(sid, n) for sid in seq_ids])
+        states = list(map(self._seqs.get, seq_ids))  # one lookup each, in C
+        b, total = len(states), n * len(states)
+        if n < 1 or None in states or total > self.tokens.num_free \
+                or len(set(seq_ids)) != b:
+            return self.allocate([(sid, n) for sid in seq_ids])
+        prefix = [s.length for s in states]  # type: ignore[union-attr]
+        if max(prefix) + n > self.table.max_context:  # allocate reports the overrun
+            return self.allocate([(sid, n) for sid in seq_ids])
+        # From here on nothing can fail.
+        locs = self.tokens.alloc(total)
+        for s in states:
+            s.length += n  # type: ignore[union-attr]
+        slots = [s.slot for s in states]  # type: ignore[union-attr]
+        self.table.write_rows(slots, prefix, n, locs)
+        return Allocation.of_columns(Columns(seq_ids, slots, prefix, [n] * b, [False] * b),
+                                     locs)
+
     def rollback(self, alloc: Allocation) -> None:
         """Undo ``alloc`` exactly (used when the forward pass after it fails)."""
         self.tokens.free(alloc.out_cache_loc)
-        for ext in reversed(alloc.extensions):
-            if ext.is_new:
-                del self._seqs[ext.seq_id]
-                self.slots.free(ext.slot)
+        c = alloc.columns
+        # Newest first: admitted sequences' slots go back onto the free stack in the order
+        # that restores it exactly.
+        for seq_id, slot, prefix_len, is_new in zip(reversed(c.seq_ids), reversed(c.slots),
+                                                    reversed(c.prefix_lens),
+                                                    reversed(c.is_new), strict=True):
+            if is_new:
+                del self._seqs[seq_id]
+                self.slots.free(slot)
             else:
-                self._seqs[ext.seq_id].length = ext.prefix_len
+                self._seqs[seq_id].length = prefix_len
 
     def fork(self, parent_id: str, child_id: str, prefix_len: int) -> SequenceState:
         """A new sequence ``child_id`` whose first ``prefix_len`` tokens share the KV

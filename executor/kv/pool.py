@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Up to this many new tokens, ``write_host`` scatters them with one index list built in
@@ -105,6 +106,17 @@ class ReqToTokenTable:
         for slot, start, n in spans:
             self.host_table[slot, start : start + n] = locs32[offset : offset + n]
             offset += n
+
+    def write_rows(self, slots: list[int], starts: list[int], n: int, locs: torch.Tensor
+                   ) -> None:
+        """``write_host`` of ``n`` tokens for every sequence: ``host_table[slots[i],
+        starts[i]:starts[i] + n]`` gets ``locs[i * n:(i + 1) * n]`` (allocation time). One
+        numpy scatter whose flat indices are computed over the batch, not per token."""
+        at = np.array(slots, dtype=np.int64) * self.max_context + np.array(starts,
+                                                                           dtype=np.int64)
+        if n != 1:  # (sequences, n): each sequence's tokens are adjacent in ``locs``
+            at = (at[:, None] + np.arange(n, dtype=np.int64)).ravel()
+        self._host_array[at] = locs.numpy()  # int64, cast to the table's int32
 
     def write_device(self, table_index: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """Publish a packed batch's new locations to the device table from tensors already

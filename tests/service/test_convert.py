@@ -199,3 +199,34 @@ def test_kernel_features_are_a_metric_per_feature() -> None:
                                          {"feature": feature}) == 1
     assert registry.get_sample_value("model_executor_kernel_feature",
                                      {"feature": "other"}) is None
+
+
+@pytest.mark.parametrize("long_id", [False, True])
+def test_decode_items_column_passes_keep_each_item_and_the_violation_order(
+        long_id: bool) -> None:
+    """Items are made column by column (from 16 items; item by item when an id may be too
+    long, so violations stay in item order): each keeps its token, sampling and stop
+    tokens."""
+    long = "x" * (257 if long_id else 64)
+    limits = RequestLimits.from_executor(tiny_config(max_sequences=32))
+    many = [pb.DecodeItem(seq_id=f"m{i}", token_id=i) for i in range(16)]
+    request = pb.DecodeRequest(items=[
+        pb.DecodeItem(seq_id="a", use_last_sampled=True),
+        pb.DecodeItem(seq_id="b", token_id=7, stop_token_ids=[2, 3],
+                      sampling=pb.SamplingParams(temperature=0.5, seed=9)),
+        pb.DecodeItem(seq_id=long, token_id=0), *many])
+    if long_id:
+        bad = pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id="a", sampling=pb.SamplingParams(top_k=-1)),
+            pb.DecodeItem(seq_id=long), *many])
+        with pytest.raises(InvalidRequest) as exc:
+            convert.decode_items(bad, limits)
+        assert [v.field for v in exc.value.violations] == ["items[0].sampling.top_k",
+                                                           "items[1].seq_id"]
+        request.items[2].seq_id = "c"
+    items = convert.decode_items(request, limits)
+    assert [tuple(it) for it in items] == [
+        ("a", None, GREEDY, ()),
+        ("b", 7, SamplingParams(temperature=0.5, seed=9), (2, 3)),
+        ("c" if long_id else long, 0, GREEDY, ()),
+        *((f"m{i}", i, GREEDY, ()) for i in range(16))]
