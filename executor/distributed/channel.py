@@ -5,7 +5,8 @@ Two transports for the control plane, picked once at start-up (``transport``):
 
 * ``local``: when every rank runs on rank 0's host, rank 0 holds a Unix-domain stream
   socket to each other rank and writes each message (header and packed buffer) into it;
-  a rank waiting for the next step sleeps in ``recv`` and wakes as the bytes land.
+  a rank waiting for the next step polls its socket for ``spin_s`` after the last step
+  (``SPIN_S``), then sleeps in ``recv`` until the bytes land.
   Measured on 2 x H200 with gloo (``bench/results/2026-11-25-h200x2-tp-skew-tiles``):
   rank 1 called its forward 450-560 us after rank 0, and rank 0's graph waited that long
   in its first all-reduce, a tenth of a batch-1 decode step of the 8B shape.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 import uuid
 from typing import Literal
 
@@ -54,11 +56,17 @@ Transport = Literal["auto", "local", "gloo"]
 #: How long the ranks try to connect at start-up before they all fall back to gloo.
 CONNECT_TIMEOUT_S = 20.0
 _ACK = b"\x01"
+#: How long another rank polls for the next message after one arrived, before it sleeps
+#: in ``recv``: while steps keep coming (a serving scheduler's), the rank never sleeps.
+#: Waking a sleeping process and running its first Python on a cold core took ~150-200 us
+#: on the 2 x H200 host (``bench.tp_profile``); polling costs one busy CPU core per rank.
+SPIN_S = 0.05
 
 
 class StepChannel:
     def __init__(self, tp: TensorParallel, device: torch.device,
-                 inline: int = INLINE_ENTRIES, transport: Transport = "auto") -> None:
+                 inline: int = INLINE_ENTRIES, transport: Transport = "auto",
+                 spin_s: float = SPIN_S) -> None:
         if not tp.distributed:
             raise ValueError("a step channel needs process groups")
         self.tp, self.device, self.inline = tp, device, inline
@@ -70,6 +78,8 @@ class StepChannel:
         self._peers: list[socket.socket] = []  # rank 0, local: one per other rank
         self._leader: socket.socket | None = None  # another rank, local: rank 0's socket
         self._unconfirmed = 0  # rank 0, local: messages sent whose answers are not read
+        self.spin_s = spin_s  # another rank, local: how long to poll after a message
+        self._last_message = 0.0  # when the last one arrived (time.monotonic)
         self.transport: Literal["local", "gloo"] = "gloo"
         if transport != "gloo" and tp.size > 1:
             self._connect(transport == "local", tp.timeout)
@@ -222,7 +232,8 @@ class StepChannel:
 
     def _receive_local(self, leader: socket.socket) -> tuple[Header, torch.Tensor | None]:
         try:
-            _read_into(leader, self._wire[:HEADER_LEN].data.cast("B"))
+            view = self._wire[:HEADER_LEN].data.cast("B")
+            _read_into(leader, view, self._spin_until())
             header = decode(self._wire[:HEADER_LEN].tolist())
             packed = None
             if isinstance(header, StepHeader):
@@ -233,7 +244,13 @@ class StepChannel:
                 leader.sendall(_ACK)
         except OSError as exc:
             raise CollectiveFailed(f"tensor-parallel step receive failed: {exc}") from exc
+        self._last_message = time.monotonic()
         return header, packed
+
+    def _spin_until(self) -> float:
+        """Until when to poll for the next message instead of sleeping in ``recv``: up to
+        ``spin_s`` after the last one (0: sleep at once)."""
+        return self._last_message + self.spin_s if self.spin_s > 0 else 0.0
 
     def receive_sampled(self, rows: int) -> torch.Tensor:
         """(2, rows) int64 on the device: slots, then tokens."""
@@ -247,9 +264,18 @@ class StepChannel:
         self._close_sockets()
 
 
-def _read_into(conn: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``conn``; the end of the stream is a lost peer."""
+def _read_into(conn: socket.socket, view: memoryview, spin_until: float = 0.0) -> None:
+    """Fill ``view`` from ``conn``; the end of the stream is a lost peer. Until the
+    monotonic time ``spin_until``, poll without sleeping (the GIL is released around each
+    poll), then block."""
     got = 0
+    while got == 0 and time.monotonic() < spin_until:
+        try:
+            got = conn.recv_into(view, len(view), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+        if got == 0:
+            raise CollectiveFailed("tensor-parallel control connection closed by its peer")
     while got < len(view):
         n = conn.recv_into(view[got:])
         if n == 0:

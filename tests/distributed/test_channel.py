@@ -43,14 +43,17 @@ def _messages() -> list[tuple[Any, torch.Tensor | None]]:
     ]
 
 
-def _rank(rank: int, port: int, out: Any, transport: Transport) -> None:
+def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=60))
-    channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport)
+    channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport,
+                          spin_s=spin_s)
     received: list[Any] = [channel.transport]
-    for header, packed in _messages():
+    for i, (header, packed) in enumerate(_messages()):
         if rank == 0:
+            if i == 2:  # past the receiver's polling: it sleeps in recv for this one
+                time.sleep(spin_s + 0.1)
             channel.send(header, packed)
             channel.confirm()
         else:
@@ -78,9 +81,11 @@ def _spawn(target: Any, *args: Any) -> tuple[list[Any], Any]:
     return procs, out
 
 
-@pytest.mark.parametrize("transport", ["local", "gloo", "auto"])
-def test_headers_and_packed_steps_cross_between_processes(transport: Transport) -> None:
-    procs, out = _spawn(_rank, transport)
+@pytest.mark.parametrize(("transport", "spin_s"), [("local", 0.05), ("local", 0.0),
+                                                   ("gloo", 0.05), ("auto", 0.05)])
+def test_headers_and_packed_steps_cross_between_processes(transport: Transport,
+                                                         spin_s: float) -> None:
+    procs, out = _spawn(_rank, transport, spin_s)
     try:
         received = out.get(timeout=120)
     finally:
