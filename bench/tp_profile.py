@@ -280,7 +280,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _join(procs: list[Any], results: list[Path], grace_s: float = 60.0) -> None:
+def _join(procs: list[Any], results: list[Path], grace_s: float = 10.0) -> None:
     """Wait for the ranks; once every one wrote its results, give them ``grace_s`` to
     leave their process groups, then stop them (a hung teardown loses nothing)."""
     written_at = None
