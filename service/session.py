@@ -38,6 +38,7 @@ from executor.api import KVStats, StepResult
 from executor.errors import FieldViolation, InvalidRequest
 from executor.steps import PendingStep
 from service import convert, errors
+from service.completion import CompletionThreads
 from service.config import RequestLimits
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.idempotency import Key, ResponseCache
@@ -74,6 +75,8 @@ class InflightSteps:
 
 # Drains of streams that ended early, kept referenced until they finish.
 _DRAINING: set[asyncio.Future[None]] = set()
+# Where launched steps are waited for and built, off the loop (threads start on first use).
+_COMPLETIONS = CompletionThreads(name="session_complete")
 
 
 class StepAborted(Exception):
@@ -196,7 +199,7 @@ class SessionStream:
                               "completed; nothing of this step applied")
         if pending.done is None:  # CPU: the work ran at launch
             return pending.finish()
-        return await asyncio.get_running_loop().run_in_executor(None, pending.finish)
+        return await _COMPLETIONS.run(pending.finish)
 
     def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
         """The step's answer, kept for retries; its metrics are recorded by ``_record``
