@@ -213,14 +213,16 @@ class SessionStream:
         """The step's answer, kept for retries; its metrics are recorded by ``_record``
         once the answer is sent (off the path to the scheduler's next step)."""
         execute_s = time.perf_counter() - entry.launched_at
-        response = convert.step_response(
-            result, 0.0, execute_s * 1e3,
-            pb.PrefillResponse if entry.op == "prefill" else pb.DecodeResponse, entry.packed)
+        # Made in place in the answer (not apart and copied in); the cache keeps that part.
+        answer = pb.SessionResponse(step=entry.step)
+        response: convert.StepResponse = answer.prefill if entry.op == "prefill" \
+            else answer.decode
+        convert.fill_step_response(response, result, 0.0, execute_s * 1e3, entry.packed)
         if entry.key is not None:
             self._cache.put(entry.key, entry.seq_ids, response)
         self._resolve(entry, response)
         self._unrecorded.append((entry, result, execute_s))
-        return _stepped(entry.step, entry.op, response)
+        return answer
 
     def _record(self) -> None:
         for entry, result, execute_s in self._unrecorded:
