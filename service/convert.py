@@ -334,18 +334,28 @@ def _packed(outputs: Sequence[ItemOutput]) -> pb.PackedOutputs:
 def step_response(result: StepResult, queue_ms: float, execute_ms: float,
                   message: StepResponseType = pb.PrefillResponse,
                   packed: bool = False) -> StepResponse:
-    step = result.step
-    info = pb.StepInfo(phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
-                       fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
-                       padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
-                       num_steps=step.num_steps)
-    if packed:
-        assert message is pb.DecodeResponse
-        return message(packed=_packed(result.outputs), step=info, queue_ms=queue_ms,
-                       execute_ms=execute_ms)
-    response = message(step=info, queue_ms=queue_ms, execute_ms=execute_ms)
-    _add_outputs(response.outputs, result.outputs)
+    response = message()
+    fill_step_response(response, result, queue_ms, execute_ms, packed)
     return response
+
+
+def fill_step_response(response: StepResponse, result: StepResult, queue_ms: float,
+                       execute_ms: float, packed: bool = False) -> None:
+    """``step_response``, made in the empty message ``response``: a Session builds it in
+    place inside its ``SessionResponse`` (building it apart and copying it in took about
+    a sixth longer at batch 64)."""
+    step = result.step
+    response.step.CopyFrom(pb.StepInfo(
+        phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
+        fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
+        padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
+        num_steps=step.num_steps))
+    response.queue_ms, response.execute_ms = queue_ms, execute_ms
+    if packed:
+        assert isinstance(response, pb.DecodeResponse)
+        response.packed.CopyFrom(_packed(result.outputs))
+        return
+    _add_outputs(response.outputs, result.outputs)
 
 
 def release_response(result: ReleaseResult) -> pb.ReleaseResponse:

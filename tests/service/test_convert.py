@@ -4,6 +4,7 @@ violations with the path the client sent; valid params convert to the executor's
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -230,3 +231,56 @@ def test_decode_items_column_passes_keep_each_item_and_the_violation_order(
         ("b", 7, SamplingParams(temperature=0.5, seed=9), (2, 3)),
         ("c" if long_id else long, 0, GREEDY, ()),
         *((f"m{i}", i, GREEDY, ()) for i in range(16))]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 20])
+@pytest.mark.parametrize("kind", ["plain", "logprobs", "steps", "none"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_step_response_made_in_place_is_the_same_message(n: int, kind: str,
+                                                           packed: bool) -> None:
+    """A Session makes its step's answer inside its ``SessionResponse``
+    (``fill_step_response``): the same bytes and presence as ``step_response``."""
+    from executor.api import ItemOutput, SampledToken, StepInfo, StepResult
+
+    def output(i: int) -> ItemOutput:
+        if kind == "none":
+            return ItemOutput(f"s{i}", None, None, (), 3 + i)
+        if kind == "steps":
+            steps = (SampledToken(5, -0.5, ((5, -0.5),)), SampledToken(6, None, ()))
+            return ItemOutput(f"s{i}", 6, None, (), 3 + i, steps, i % 2 == 0)
+        logprob = -0.25 * i if kind == "logprobs" else None
+        return ItemOutput(f"s{i}", 10 + i, logprob, (), 3 + i)
+
+    result = StepResult(tuple(output(i) for i in range(n)),
+                        StepInfo("decode", "eager", "no_graph", n, n + 1, 0.5, 2))
+    messages: tuple[tuple[str, Any], ...] = (("decode", pb.DecodeResponse),
+                                             ("prefill", pb.PrefillResponse))
+    for op, message in messages:
+        if packed and op == "prefill":
+            continue
+        # As made before: the message apart, its parts given to its constructor.
+        step = result.step
+        info = pb.StepInfo(phase=convert.PHASE_TO_PB[step.phase],
+                           path=convert.PATH_TO_PB[step.path],
+                           fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
+                           padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
+                           num_steps=step.num_steps)
+        if packed:
+            apart = message(packed=convert._packed(result.outputs), step=info, queue_ms=0.0,
+                            execute_ms=1.5)
+        else:
+            apart = message(step=info, queue_ms=0.0, execute_ms=1.5)
+            convert._add_outputs(apart.outputs, result.outputs)
+        assert convert.step_response(result, 0.0, 1.5, message, packed) == apart
+        expected = pb.SessionResponse(step=7)
+        getattr(expected, op).CopyFrom(apart)
+        answer = pb.SessionResponse(step=7)
+        part = getattr(answer, op)
+        convert.fill_step_response(part, result, 0.0, 1.5, packed)
+        assert answer == expected
+        assert answer.SerializeToString(deterministic=True) == \
+            expected.SerializeToString(deterministic=True)
+        assert answer.WhichOneof("result") == op
+        assert part.HasField("step")
+        if op == "decode":
+            assert part.HasField("packed") == packed

@@ -244,6 +244,50 @@ def test_a_cancelled_stream_lets_launched_steps_apply_and_retries_learn_it(
     assert_exact(server)
 
 
+def test_a_stream_ended_mid_launch_lets_that_launch_apply(server: ServerHarness) -> None:
+    """The client cancels while the server's reader is inside a step's launch (held on the
+    executor thread): the launch is not cancelled, the step applies once, and its stored
+    response answers a unary retry of its request_id."""
+    ex: Any = harness_executor(server)
+    real_launch = ex.launch_decode
+    entered, go, hold = threading.Event(), threading.Event(), threading.Event()
+
+    def launch(items: Any, num_steps: int = 1) -> PendingStep:
+        entered.set()
+        go.wait(10)
+        pending: PendingStep = real_launch(items, num_steps)
+        return pending
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("ml", prompt(14, 5)))
+        yield pb.SessionRequest(step=2, decode=decode_last(["ml"], request_id="ml-2"))
+        hold.wait(10)  # the stream stays open until cancelled
+
+    ex.launch_decode = launch
+    try:
+        call = server.stub.Session(requests(), timeout=60)
+        assert next(call).WhichOneof("result") == "prefill"
+        assert entered.wait(10)
+        call.cancel()
+        import time
+        time.sleep(0.3)  # the server sees the stream end while the launch is held
+        go.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (server.server.worker.pending
+                                               or ex.kv.get("ml").length != 6):
+            time.sleep(0.05)
+    finally:
+        ex.launch_decode = real_launch
+        go.set()
+        hold.set()
+    assert ex.kv.get("ml").length == 6  # the decode applied
+    retry = server.stub.Decode(decode_last(["ml"], request_id="ml-2"), timeout=30)
+    assert retry.outputs[0].seq_len == 6  # answered by the stored response, not run again
+    assert ex.kv.get("ml").length == 6
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["ml"]), timeout=30)
+    assert_exact(server)
+
+
 def test_session_steps_are_counted_like_unary_ones(server: ServerHarness) -> None:
     """Step metrics stay exact on the stream (recorded after each answer is sent)."""
     def tokens() -> float:
