@@ -299,6 +299,9 @@ class SessionStream:
             if op in ("release", "truncate", "fork"):
                 return await self._ordered(step, op, request)
             return await self._launch_step(step, op, request)
+        except StepAborted as exc:  # an earlier step's failure, found at this launch: that
+            # step stays the one to acknowledge (nothing of this one applied)
+            return _Entry(step, op, response=_error(step, exc))
         except BaseException as exc:
             self._failed = step
             self._recorder.error(exc)

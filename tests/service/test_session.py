@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -221,7 +222,6 @@ def test_a_cancelled_stream_lets_launched_steps_apply_and_retries_learn_it(
     def settled() -> int:
         return int(ex.kv.get("ca").length)
 
-    import time
     deadline = time.monotonic() + 10
     length = settled()
     while time.monotonic() < deadline:
@@ -269,7 +269,6 @@ def test_a_stream_ended_mid_launch_lets_that_launch_apply(server: ServerHarness)
         assert next(call).WhichOneof("result") == "prefill"
         assert entered.wait(10)
         call.cancel()
-        import time
         time.sleep(0.3)  # the server sees the stream end while the launch is held
         go.set()
         deadline = time.monotonic() + 10
@@ -357,5 +356,93 @@ def test_an_unchanged_decode_request_is_converted_once(server: ServerHarness,
     assert converted == [2, 1, 2]  # the repeats reused the first conversion
     lens = [[o.seq_len for o in r.decode.outputs] for r in responses[2:7]]
     assert lens == [[5, 7], [6, 8], [7, 9], [10], [8, 11]]
+    assert server.kv() == before
+    assert_exact(server)
+
+
+class _LaterEvent:
+    """A device event that fires a few milliseconds after launch (as a CUDA step's does):
+    the Session then waits for the step on its completion threads, not on the loop."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.ready_at = time.perf_counter() + delay_s
+
+    def synchronize(self) -> None:
+        while (left := self.ready_at - time.perf_counter()) > 0:
+            time.sleep(left)
+
+
+def test_steps_with_a_device_event_complete_on_the_completion_threads(
+        server: ServerHarness) -> None:
+    """The CUDA path of a Session step (its completion waits for a device event), on CPU:
+    pipelined steps give the tokens of unary calls through ``session._COMPLETIONS``; a
+    completion that raises there answers INTERNAL and aborts the steps after it, nothing
+    of them applied, and the accounting stays exact. Step 4's launch may find step 3's
+    failure on the executor thread: step 3 must stay the step to acknowledge (before the
+    fix in ``SessionStream._launch`` it became step 4, so step 5's ack of 3 was refused:
+    2 runs in 5 failed)."""
+    from service import session
+
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    fail_at: list[int] = []
+    calls = {"n": 0}
+
+    def evented(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _LaterEvent(0.003)  # type: ignore[assignment]
+            calls["n"] += 1
+            if calls["n"] in fail_at:
+                def fail() -> Any:
+                    pending.wait()
+                    raise RuntimeError("injected device fault")
+                pending.finish = fail  # type: ignore[method-assign]
+            return pending
+        return wrapped
+
+    ex.launch_decode, ex.launch_prefill = evented(real[0]), evented(real[1])
+    before = server.kv()
+    threads = session._COMPLETIONS.threads
+    try:
+        ref = [server.stub.Prefill(prefill("ra", prompt(21, 7)), timeout=30)]
+        token = ref[0].outputs[0].token_id
+        for _ in range(3):
+            ref.append(server.stub.Decode(pb.DecodeRequest(items=[
+                pb.DecodeItem(seq_id="ra", token_id=token, sampling=SEEDED)]), timeout=30))
+            token = ref[-1].outputs[0].token_id
+        server.stub.Release(pb.ReleaseRequest(seq_ids=["ra"]), timeout=30)
+        requests = [pb.SessionRequest(step=1, prefill=prefill("pa", prompt(21, 7)))]
+        requests += [pb.SessionRequest(step=2 + i, decode=decode_last(["pa"]))
+                     for i in range(3)]
+        responses = list(server.stub.Session(iter(requests), timeout=60))
+        assert [tokens_of(getattr(r, r.WhichOneof("result"))) for r in responses] == \
+            [tokens_of(r) for r in ref]
+        assert session._COMPLETIONS.threads > threads or session._COMPLETIONS.threads > 0
+        server.stub.Release(pb.ReleaseRequest(seq_ids=["pa"]), timeout=30)
+
+        calls["n"], fail_at[:] = 0, [3]  # the third launch: step 3 below
+        gate = threading.Event()
+
+        def failing() -> Iterator[pb.SessionRequest]:
+            yield pb.SessionRequest(step=1, prefill=prefill("ec", prompt(22, 4)))
+            yield pb.SessionRequest(step=2, decode=decode_last(["ec"]))
+            yield pb.SessionRequest(step=3, decode=decode_last(["ec"]))  # fails
+            yield pb.SessionRequest(step=4, decode=decode_last(["ec"]))
+            gate.wait(10)
+            yield pb.SessionRequest(step=5, release=pb.ReleaseRequest(seq_ids=["ec"]),
+                                    ack_failed_step=3)
+
+        got = []
+        for r in server.stub.Session(failing(), timeout=60):
+            got.append(r)
+            if r.step == 4:
+                gate.set()
+    finally:
+        ex.launch_decode, ex.launch_prefill = real
+    assert [(r.step, r.WhichOneof("result")) for r in got] == [
+        (1, "prefill"), (2, "decode"), (3, "error"), (4, "error"), (5, "release")], \
+        [r.error.message for r in got]
+    assert (got[2].error.code_name, got[3].error.code_name) == ("INTERNAL", "ABORTED")
     assert server.kv() == before
     assert_exact(server)
