@@ -60,22 +60,14 @@ def _config(source: str, device: str, contexts: int) -> Any:
 
 
 def _profiled(fn: Callable[[], None], cuda: bool) -> list[Kernel]:
-    """The device kernels of ``fn`` (none without ``cuda``: ``fn`` only runs), sorted by
-    start."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+    """The device kernels of ``fn`` (``bench.kernel_table.profile_step``); without
+    ``cuda``, ``fn`` only runs."""
     if not cuda:
         fn()
         return []
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sorted((Kernel(e.name, e.time_range.start, e.time_range.end)
-                   for e in prof.events() if e.device_type == DeviceType.CUDA),
-                  key=lambda k: k.start_us)
+    from bench.kernel_table import profile_step
+
+    return profile_step(fn)
 
 
 class _Stamps:

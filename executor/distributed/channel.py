@@ -116,16 +116,13 @@ class StepChannel:
                 self._leader = conn
             except OSError:
                 connected = False
-        accepted = True
-        if self.tp.min_over_ranks(int(connected)) == 1:
-            if self.tp.leads:
-                accepted = self._accept(listener, timeout)
-            accepted = self.tp.min_over_ranks(int(accepted)) == 1
-        else:
-            accepted = False
+        agreed = self.tp.min_over_ranks(int(connected)) == 1
+        if agreed:  # every rank connected: rank 0 accepts them all, agreed once more
+            accepted = self._accept(listener, timeout) if listener is not None else True
+            agreed = self.tp.min_over_ranks(int(accepted)) == 1
         if listener is not None:
             listener.close()
-        if accepted:
+        if agreed:
             self.transport = "local"
             return
         self._close_sockets()
@@ -133,9 +130,8 @@ class StepChannel:
             raise CollectiveFailed("tensor-parallel control channel: the local transport "
                                    "was asked for but not every rank could connect")
 
-    def _accept(self, listener: socket.socket | None, timeout: datetime.timedelta) -> bool:
+    def _accept(self, listener: socket.socket, timeout: datetime.timedelta) -> bool:
         """Rank 0: every other rank's connection, in rank order."""
-        assert listener is not None
         listener.settimeout(CONNECT_TIMEOUT_S)
         by_rank: dict[int, socket.socket] = {}
         try:
