@@ -1,9 +1,10 @@
 """Tensor parallelism on several GPUs of one host: TP = 1 against TP = N, one machine, one run.
 
-``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2,2:symm_mem --out DIR``
+``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2,2:nccl --out DIR``
 
 For each shape (random bf16 weights, ``bench.shapes``) and each run of ``--tp`` (a size,
-and ``:symm_mem`` for ``--tp-all-reduce symm_mem``; ``nccl`` otherwise), a real
+and ``:nccl``, ``:symm_mem`` or ``:auto`` for ``--tp-all-reduce``; ``auto``, the server's
+default, otherwise), a real
 ``model-executor serve --tensor-parallel-size N`` (decode graphs ``full``, prefill graphs
 ``breakable``, Triton attention) is started and driven over gRPC:
 
@@ -91,7 +92,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def measure(model: Path, tp: int, vocab: int, all_reduce: str = "nccl") -> dict[str, Any]:
+def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto") -> dict[str, Any]:
     proc, target, metrics = serve(model, tp, ["--tp-all-reduce", all_reduce])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     try:
@@ -148,7 +149,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     result: dict[str, Any] = {}
-    for algo in ("nccl", "symm_mem"):
+    for algo in ("nccl", "symm_mem", "auto"):
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=120))
         tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
@@ -189,7 +190,8 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                 samples.append(start.elapsed_time(end) * 1e3 / GRAPH_REPEATS)
             times[str(rows)] = statistics.median(samples[2:])
             del graph, outs
-        result[algo] = {"algorithm": name, "ok": ok, "us": times}
+        result[algo] = {"algorithm": name, "ok": ok, "us": times,
+                        "choice": group.all_reduce_choice(tp)}
         group.shutdown(tp)
         del store
         port += 1
@@ -203,7 +205,8 @@ GRAPH_REPEATS = 32
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
                  ) -> dict[str, Any]:
-    """Per algorithm ("nccl", "symm_mem"): what it resolved to, whether every sum was exact
+    """Per algorithm ("nccl", "symm_mem", "auto"): what it resolved to (and, for "auto",
+    its start-up probe times and the one-shot kernel's size limit), whether every sum was exact
     (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
     inside a captured graph, by rows."""
     import torch.multiprocessing as mp
@@ -244,7 +247,7 @@ def markdown(result: dict[str, Any]) -> str:
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
         ratio = runs.get("bs1_ratio")
         if ratio is not None:
-            lines += ["", f"Decode batch 1, TP = {runs['ratio_tp']} (nccl) / TP = 1: "
+            lines += ["", f"Decode batch 1, TP = {runs['ratio_tp']} (auto) / TP = 1: "
                       f"{ratio:.2f} (target for the 8B: <= 0.6)."]
         ar = runs.get("allreduce_us")
         if ar:
@@ -262,9 +265,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--tp", default="1,2,2:symm_mem",
-                    help="runs, comma-separated: a TP size, optionally :nccl or :symm_mem "
-                    "(--tp-all-reduce; default nccl)")
+    ap.add_argument("--tp", default="1,2,2:nccl",
+                    help="runs, comma-separated: a TP size, optionally :auto, :nccl or "
+                    ":symm_mem (--tp-all-reduce; default auto)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.tensor_parallel needs CUDA GPUs")
     from bench.hardware import read_bandwidth_gbs
 
-    variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "nccl")
+    variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "auto")
                 for t in a.tp.split(",")]
     sizes = [size for size, _ in variants]
     if max(sizes) > torch.cuda.device_count():
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({shape: run}), flush=True)
         entry: dict[str, Any] = {"runs": runs, "seconds": time.perf_counter() - started}
         one = [r for r in runs if r["tp"] == 1]
-        many = [r for r in runs if r["tp"] > 1 and r["all_reduce"] == "nccl"]
+        many = [r for r in runs if r["tp"] > 1 and r["all_reduce"] == "auto"]
         if one and many:
             entry["ratio_tp"] = many[0]["tp"]
             entry["bs1_ratio"] = (many[0]["decode_bs1"]["replay_ms_mean"]

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 OUT=${OUT:-results-local}
 STEPS=${STEPS:-tests}
 SHAPES=${SHAPES:-llama-3.2-1b,llama-3.1-8b}
-RUNS=${RUNS:-1,2,2:symm_mem}
+RUNS=${RUNS:-1,2,2:nccl}
 WS1_K=${WS1_K:-}
 TP2_K=${TP2_K:-}
 mkdir -p "$OUT"

@@ -153,10 +153,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "server turns UNHEALTHY")
     parallel.add_argument("--rank-heartbeat-timeout", type=float, default=15.0, metavar="S",
                           help="seconds without a heartbeat after which a rank has failed")
-    parallel.add_argument("--tp-all-reduce", choices=("nccl", "symm_mem"), default="nccl",
+    parallel.add_argument("--tp-all-reduce", choices=("auto", "nccl", "symm_mem"),
+                          default="auto",
                           help="nccl: every all-reduce through NCCL; symm_mem: those up to "
                           "512 KiB as one symmetric-memory kernel over NVLink peer access "
-                          "where every rank can, NCCL otherwise")
+                          "where every rank can, NCCL otherwise; auto: both timed at "
+                          "start-up, each size to the faster")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "

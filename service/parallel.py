@@ -64,8 +64,7 @@ def _build(config: ExecutorConfig, rdv: Rendezvous, parallel: ParallelConfig,
     cfg = _executor_config(config, rdv.local_rank)
     tp = group.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
                     parallel.collective_timeout, parallel.all_reduce)
-    log.info("tp_all_reduce", rank=rdv.rank, algorithm=group.all_reduce_algorithm(tp),
-             one_shot_max_bytes=group.ONE_SHOT_MAX_BYTES)
+    log.info("tp_all_reduce", rank=rdv.rank, **group.all_reduce_choice(tp))
     return Executor(cfg, tp), tp
 
 

@@ -19,26 +19,33 @@ each one as a single opaque node (the tc_piecewise backend compiles around it), 
 graph capture backends record whatever kernels it launches. ``TensorParallel.single()``
 is the world of one without any process group: its collectives return their input.
 
-All-reduce algorithm: ``all_reduce="nccl"`` (the default) runs every all-reduce through
-NCCL. ``"symm_mem"`` runs those up to ``ONE_SHOT_MAX_BYTES`` (a decode step's activations)
-as one kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``):
-each rank copies its input into its own registered buffer, the ranks meet at a barrier on
-signal pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
+All-reduce algorithm: ``all_reduce="nccl"`` runs every all-reduce through NCCL.
+``"symm_mem"`` runs those up to ``ONE_SHOT_MAX_BYTES`` (a decode step's activations) as one
+kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``): each rank
+copies its input into its own registered buffer, the ranks meet at a barrier on signal
+pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
 multicast) and sums, and a closing barrier lets the buffer be reused by the next call.
 Larger inputs, other dtypes or misaligned ones still go to NCCL, and so does everything
 when any rank lacks the op, peer access or the buffer (decided together, so every rank
-runs the same collectives). NCCL is the default because it measured faster per
-all-reduce inside a CUDA graph on two H100s (8.1 against 10.9 us for one row of 4096;
-``bench/results/2026-11-25-h100x2-tensor-parallel``); the decode step as a whole measured
-2 % faster with ``symm_mem`` in the same run, inside one run's noise.
+runs the same collectives). ``"auto"`` (the default) sets the one-shot kernel up where it
+can and then times both inside CUDA graphs at start-up, at ``AUTO_PROBE_BYTES`` (one, 8
+and 64 rows of a 4096-wide bf16 activation): the one-shot kernel takes the all-reduces up
+to the largest probe at which it and every smaller probe beat NCCL, on the slowest rank,
+and NCCL the rest (``all_reduce_choice`` says what was measured and chosen). Neither is
+faster everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
+NCCL and 10.9 through the one-shot kernel on two H100s
+(``bench/results/2026-11-25-h100x2-tensor-parallel``), 10.7 and 6.8 on two H200s
+(``bench/results/2026-11-25-h200x2-tp-skew-tiles``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import statistics
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,7 +61,10 @@ _GROUPS: dict[str, dist.ProcessGroup] = {}
 #: All-reduces up to this size run as one symmetric-memory kernel ("symm_mem"); a decode
 #: step's activation at batch 64 of an 8B model (64 x 4096 x bf16) is 512 KiB.
 ONE_SHOT_MAX_BYTES = 512 * 1024
-AllReduceChoice = Literal["nccl", "symm_mem"]
+#: What "auto" times both algorithms at: (1, 8, 64) x 4096 bf16, in bytes.
+AUTO_PROBE_BYTES = (8 * 1024, 64 * 1024, 512 * 1024)
+AllReduceChoice = Literal["auto", "nccl", "symm_mem"]
+ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem")
 
 
 @dataclass(frozen=True)
@@ -63,11 +73,12 @@ class _OneShot:
 
     buffers: dict[torch.dtype, torch.Tensor]  # flat views of one allocation, per dtype
     symm_group: str  # the process group's own name, which symm_mem looks up
+    max_bytes: int = ONE_SHOT_MAX_BYTES  # larger all-reduces go to NCCL
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return (x.dtype in self.buffers and x.is_cuda and x.is_contiguous()
-                and 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes % 16 == 0
+                and 0 < nbytes <= self.max_bytes and nbytes % 16 == 0
                 and x.data_ptr() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,8 @@ class _OneShot:
 
 #: The one-shot path of each group that has one, by the same names as ``_GROUPS``.
 _ONE_SHOT: dict[str, _OneShot] = {}
+#: What "auto" measured and chose, per group name (``all_reduce_choice``).
+_CHOICES: dict[str, dict[str, object]] = {}
 
 
 class CollectiveFailed(RuntimeError):
@@ -231,7 +244,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
-         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "nccl") -> TensorParallel:
+         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto") -> TensorParallel:
     """Join the default process group over ``store`` and make this rank's two groups.
 
     ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
@@ -260,10 +273,88 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     probe = tp.all_reduce(torch.ones(1, device=device))
     if int(probe.item()) != size:
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {size}")
-    if all_reduce == "symm_mem" and device.type == "cuda" and size > 1:
+    _CHOICES[name] = {"asked": all_reduce}
+    if all_reduce != "nccl" and device.type == "cuda" and size > 1:
+        nccl_us = _probe_us(tp) if all_reduce == "auto" else None
         _setup_one_shot(tp, world)
+        if nccl_us is not None and name in _ONE_SHOT:
+            _choose(tp, nccl_us, _probe_us(tp))
     dist.barrier(group=control)
     return tp
+
+
+def one_shot_cutoff(sizes: Sequence[int], nccl_us: Sequence[float],
+                    one_shot_us: Sequence[float]) -> int:
+    """The largest of ``sizes`` (ascending, bytes) up to which the one-shot kernel was
+    faster than NCCL at every size; 0 where it was not faster at the smallest."""
+    cutoff = 0
+    for size, nccl, one in zip(sizes, nccl_us, one_shot_us, strict=True):
+        if one >= nccl:
+            break
+        cutoff = size
+    return cutoff
+
+
+def _choose(tp: TensorParallel, nccl_us: list[float], one_shot_us: list[float]) -> None:
+    """"auto": keep the one-shot kernel for the sizes where it won on every rank (the
+    smallest cutoff over the ranks), or drop it."""
+    name = tp.device_group_name or ""
+    cutoff = tp.min_over_ranks(one_shot_cutoff(AUTO_PROBE_BYTES, nccl_us, one_shot_us))
+    _CHOICES[name].update(probe_bytes=list(AUTO_PROBE_BYTES),
+                          nccl_us=[round(t, 2) for t in nccl_us],
+                          one_shot_us=[round(t, 2) for t in one_shot_us],
+                          one_shot_max_bytes=cutoff)
+    if cutoff == 0:
+        del _ONE_SHOT[name]
+    else:
+        _ONE_SHOT[name] = dataclasses.replace(_ONE_SHOT[name], max_bytes=cutoff)
+
+
+#: All-reduces per captured graph, and timed replays, of one "auto" probe.
+_PROBE_REPEATS, _PROBE_REPLAYS = 16, 12
+
+
+def _probe_us(tp: TensorParallel) -> list[float]:
+    """This rank's median µs of one all-reduce of each ``AUTO_PROBE_BYTES`` through the
+    group's current algorithm, inside a CUDA graph (as a decode graph runs them: no launch
+    gaps between them, the ranks meeting at each)."""
+    times = []
+    for nbytes in AUTO_PROBE_BYTES:
+        inputs = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=tp.device)
+                  for _ in range(_PROBE_REPEATS)]
+        side = torch.cuda.Stream(tp.device)
+        side.wait_stream(torch.cuda.current_stream(tp.device))
+        with torch.cuda.stream(side):
+            tp.all_reduce(inputs[0])  # warm-up outside the capture
+        torch.cuda.current_stream(tp.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for x in inputs:
+                tp.all_reduce(x)
+        samples = []
+        for _ in range(_PROBE_REPLAYS):
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / _PROBE_REPEATS)
+        times.append(statistics.median(samples[2:]))
+        del graph
+    return times
+
+
+def all_reduce_choice(tp: TensorParallel) -> dict[str, object]:
+    """What was asked, what runs (``all_reduce_algorithm``), the one-shot kernel's size
+    limit and, under "auto", the probe times it was chosen by (this rank's)."""
+    name = tp.device_group_name or ""
+    out: dict[str, object] = {"algorithm": all_reduce_algorithm(tp)}
+    out.update(_CHOICES.get(name, {}))
+    one = _ONE_SHOT.get(name)
+    if one is not None:
+        out["one_shot_max_bytes"] = one.max_bytes
+    return out
 
 
 def all_reduce_algorithm(tp: TensorParallel) -> str:
@@ -324,6 +415,7 @@ def shutdown(tp: TensorParallel) -> None:
         return
     _GROUPS.pop(tp.device_group_name or "", None)
     _ONE_SHOT.pop(tp.device_group_name or "", None)
+    _CHOICES.pop(tp.device_group_name or "", None)
     # Tearing down after a peer died may raise anything.
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

@@ -47,7 +47,8 @@ class ParallelConfig:
         fails within it on the others).
     heartbeat_interval_s / heartbeat_timeout_s: each rank bumps a counter in the store
         every interval; a rank whose counter has not moved for the timeout has failed.
-    all_reduce: "nccl" or "symm_mem" (small all-reduces as one symmetric-memory kernel
+    all_reduce: "auto" (the default: the faster of the two below for each size, timed at
+        start-up), "nccl", or "symm_mem" (small all-reduces as one symmetric-memory kernel
         where every rank can, NCCL otherwise; ``executor/distributed/group.py``).
     """
 
@@ -55,7 +56,7 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
-    all_reduce: Literal["nccl", "symm_mem"] = "nccl"
+    all_reduce: Literal["auto", "nccl", "symm_mem"] = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -65,8 +66,8 @@ class ParallelConfig:
                 or not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ConfigError("timeouts must be > 0 and the heartbeat interval below the "
                               "heartbeat timeout")
-        if self.all_reduce not in ("nccl", "symm_mem"):
-            raise ConfigError(f"--tp-all-reduce must be nccl or symm_mem, got "
+        if self.all_reduce not in ("auto", "nccl", "symm_mem"):
+            raise ConfigError(f"--tp-all-reduce must be auto, nccl or symm_mem, got "
                               f"{self.all_reduce!r}")
 
     @property

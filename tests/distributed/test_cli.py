@@ -34,12 +34,14 @@ def test_size_comes_from_the_flag_or_the_launcher() -> None:
 
 def test_all_reduce_algorithm_flag() -> None:
     parallel, _ = parallel_configs(_args(), {})
+    assert parallel.all_reduce == "auto"
+    parallel, _ = parallel_configs(_args("--tp-all-reduce", "nccl"), {})
     assert parallel.all_reduce == "nccl"
     parallel, _ = parallel_configs(_args("--tp-all-reduce", "symm_mem"), {})
     assert parallel.all_reduce == "symm_mem"
     with pytest.raises(SystemExit):  # argparse: one line naming the choices
         _args("--tp-all-reduce", "ring")
-    with pytest.raises(ConfigError, match="nccl or symm_mem"):
+    with pytest.raises(ConfigError, match="auto, nccl or symm_mem"):
         ParallelConfig(2, all_reduce="ring")  # type: ignore[arg-type]
 
 

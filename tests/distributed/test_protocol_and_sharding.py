@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from executor.distributed import group
 from executor.distributed.launch import ParallelConfig, Rendezvous, describe_exit
 from executor.distributed.protocol import (
     HEADER_LEN,
@@ -151,3 +152,14 @@ def test_rendezvous_from_a_torchrun_environment() -> None:
     with pytest.raises(ConfigError):
         ParallelConfig(0)
     assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(3) == "exited with code 3"
+
+
+@pytest.mark.parametrize(("nccl", "one_shot", "cutoff"), [
+    ((10.7, 12.0, 30.0), (6.8, 9.0, 25.0), 512 * 1024),  # faster everywhere (H200-like)
+    ((8.1, 9.0, 20.0), (10.9, 8.0, 15.0), 0),  # slower at one row (H100-like): never
+    ((10.0, 12.0, 20.0), (7.0, 11.0, 26.0), 64 * 1024),  # up to 8 rows
+    ((10.0, 12.0, 20.0), (7.0, 12.0, 15.0), 8 * 1024),  # a tie is not a win; no gaps
+])
+def test_auto_keeps_the_one_shot_kernel_up_to_where_it_won_at_every_size(
+        nccl: tuple[float, ...], one_shot: tuple[float, ...], cutoff: int) -> None:
+    assert group.one_shot_cutoff(group.AUTO_PROBE_BYTES, nccl, one_shot) == cutoff

@@ -19,6 +19,7 @@ import torch
 
 from bench.shapes import write_shape
 from bench.tensor_parallel import allreduce_us, serve, stop
+from executor.distributed.group import AUTO_PROBE_BYTES, one_shot_cutoff
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -114,3 +115,13 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs() -> None:
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
+    # "auto" timed both at start-up and kept the one-shot kernel up to where it won.
+    auto = got["auto"]
+    assert auto["ok"], got
+    choice = auto["choice"]
+    assert len(choice["nccl_us"]) == len(choice["one_shot_us"]) == 3, choice
+    # (the smallest cutoff over the ranks: at most what rank 0's own times give)
+    assert choice["one_shot_max_bytes"] <= one_shot_cutoff(
+        AUTO_PROBE_BYTES, choice["nccl_us"], choice["one_shot_us"]), choice
+    assert auto["algorithm"] == ("symm_mem_one_shot" if choice["one_shot_max_bytes"]
+                                 else "nccl"), got
