@@ -30,7 +30,7 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
 
 from executor.attention.base import AttentionShape  # noqa: E402
 from executor.attention.torch_native import TorchNativeBackend  # noqa: E402
-from executor.attention.triton_backend import TritonBackend  # noqa: E402
+from executor.attention.triton_backend import TritonBackend, TritonDecodeMetadata  # noqa: E402
 from tests.attention_cases import paged_case  # noqa: E402
 
 DTYPE = torch.float16
@@ -40,7 +40,8 @@ LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 
 
 def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-           head_dim: int, seed: int = 0, num_sms: int | None = None, shared: int = 0) -> None:
+           head_dim: int, seed: int = 0, num_sms: int | None = None, shared: int = 0,
+           fused_reduce: bool = False) -> None:
     pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed,
                                     shared=shared)
     shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
@@ -57,7 +58,13 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     tri = TritonBackend(shape, pool, table)
     if num_sms is not None:
         tri.num_sms = num_sms  # steers the split count
+    if fused_reduce:
+        tri.fuse_decode_reduce()
     meta = tri.build_metadata(batch)
+    counters = None
+    if isinstance(meta, TritonDecodeMetadata):  # split: counters exactly when fused
+        counters = meta.split_counters
+        assert (counters is not None) == (fused_reduce and meta.partial_out is not None)
     out = tri.forward(q, k, v, LAYER, meta)
     assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
     # Into rows of a larger static buffer, as graph pieces call it: the same values, and
@@ -82,8 +89,11 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     ref_backend = TorchNativeBackend(shape, pool, table)
     ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+    if counters is not None:  # three launches over the same counters, each reset them
+        assert not counters.any()
 
 
+@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce_kernel", "fused_reduce"])
 @pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
     ([1], 4, 4, 16, None),  # only the first token is cached
     ([5, 40, 130], 8, 2, 16, None),  # several splits, a partial last split, idle splits
@@ -91,8 +101,9 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     ([5, 130], 8, 2, 16, 1),  # one split per sequence: no reduction kernel
 ])
 def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                            num_sms: int | None) -> None:
-    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim, num_sms=num_sms)
+                            num_sms: int | None, fused_reduce: bool) -> None:
+    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim, num_sms=num_sms,
+           fused_reduce=fused_reduce)
 
 
 @pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "head_dim"), [
@@ -117,13 +128,25 @@ def test_forks_sharing_a_prefix_interpreted(prefix_lens: list[int], new_lens: li
     _check(prefix_lens, new_lens, 4, 2, 16, shared=40)
 
 
-def test_decode_graph_hooks_interpreted() -> None:
-    """capture_metadata pads; refresh_metadata rewrites the same buffers in place."""
+@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce_kernel", "fused_reduce"])
+def test_decode_graph_hooks_interpreted(fused_reduce: bool) -> None:
+    """capture_metadata pads; refresh_metadata rewrites the same buffers in place. With
+    the fused merge, every bucket's counters are rows of one static zeroed buffer, which
+    launches leave at zero."""
     pool, table, batch = paged_case([33, 6], [1, 1], 4, 2, 16, seed=3)
     shape = AttentionShape(4, 2, 16, 0.25)
     tri = TritonBackend(shape, pool, table)
+    if fused_reduce:
+        tri.fuse_decode_reduce()
     tri.init_graph_buffers(max_batch=4, max_tokens=4)
+    assert tri.graph_buffers is not None
+    counters = tri.graph_buffers.split_counters
+    assert counters.shape == (4, 2) and not counters.any()
     meta = tri.capture_metadata("decode", 4, 4)
+    assert tri.num_splits(4) > 1
+    assert (meta.split_counters is not None) == fused_reduce
+    if meta.split_counters is not None:
+        assert meta.split_counters.data_ptr() == counters.data_ptr()
     assert meta.seq_lens.tolist() == [1, 1, 1, 1] and meta.out_cache_loc.tolist() == [0] * 4
     ptr = meta.seq_lens.data_ptr()
     tri.refresh_metadata(meta, batch)
@@ -151,6 +174,8 @@ def test_decode_graph_hooks_interpreted() -> None:
     assert set(changed) <= {0, *batch.out_cache_loc.tolist()}
     eager = tri.forward(q[:2], k[:2], v[:2], LAYER, tri.build_metadata(batch))
     torch.testing.assert_close(out[:2].float(), eager.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(tri.forward(q, k, v, LAYER, meta), out)  # a replay, as it were
+    assert not counters.any()
 
 
 @pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
