@@ -110,9 +110,12 @@ class ExecutorConfig:
     fuse_decode_rope: str = "auto"
     #: The split-KV decode attention's merge inside its split kernel (the last split of
     #: each sequence and KV head merges) instead of a reduction launch per layer
-    #: (``executor/attention/triton_kernels/decode.py``): ``auto`` on CUDA devices where
-    #: the attention backend can, ``on`` (refused where the backend cannot; the Triton
-    #: interpreter runs it too), ``off``.
+    #: (``executor/attention/triton_kernels/decode.py``): ``on`` (refused where the backend
+    #: cannot; the Triton interpreter runs it too) or ``off``; ``auto`` is off: on an H100
+    #: it was slower (1B shape batch 1 1.128 -> 1.148 ms of kernels per step, batch 8
+    #: 1.358 -> 1.376, SmolLM2 shape 0.486 -> 0.571; batch 64 and the 8B shape even,
+    #: ``bench/results/2026-11-26-h100-fused-reduce``): fewer programs merge, after the
+    #: last split, than the reduction kernel runs.
     fuse_decode_reduce: str = "auto"
     #: Programmatic dependent launch of our Triton kernels (``executor/kernels/pdl.py``):
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),

@@ -177,10 +177,10 @@ class Executor:
             raise ConfigError(
                 f"--fuse-decode-reduce on needs the triton attention backend (this one is "
                 f"{backend_name!r})")
-        #: Whether split-KV decode attention merges its splits in the split kernel.
-        self.fuses_decode_reduce = self.attn.can_fuse_decode_reduce and (
+        #: Whether split-KV decode attention merges its splits in the split kernel. Only
+        #: when asked: ``auto`` does not (it measured slower, ``ExecutorConfig``).
+        self.fuses_decode_reduce = self.attn.can_fuse_decode_reduce and \
             config.fuse_decode_reduce == "on"
-            or (config.fuse_decode_reduce == "auto" and self.device.type == "cuda"))
         if self.fuses_decode_reduce:
             self.attn.fuse_decode_reduce()
         features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (

@@ -61,7 +61,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--fuse-decode-reduce", choices=KERNEL_SWITCH_MODES, default="auto",
                        help="merge the splits of the triton split-KV decode attention in "
                        "its split kernel (the last split to finish merges) instead of a "
-                       "reduction launch per layer; auto: on CUDA (default: %(default)s)")
+                       "reduction launch per layer; auto: off, it measured slower "
+                       "(default: %(default)s)")
     model.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
                        help="programmatic dependent launch of the Triton kernels (CUDA "
                        "compute capability 9.0+): each kernel starts while the previous "

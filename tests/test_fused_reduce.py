@@ -49,7 +49,7 @@ def test_on_needs_a_backend_that_fuses() -> None:
 @pytest.mark.parametrize(("mode", "fuses"), [("auto", False), ("on", True), ("off", False)])
 def test_the_switch_reaches_a_backend_that_can(mode: str, fuses: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU ``auto`` does not fuse (it means CUDA); ``on`` asks the backend once and says
+    """``auto`` does not fuse (it measured slower); ``on`` asks the backend once and says
     so in ModelInfo; ``off`` does not ask."""
     import executor.executor as executor_module
 

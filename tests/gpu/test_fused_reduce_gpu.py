@@ -103,7 +103,7 @@ def _step(ex: Executor, ids: list[str], tokens: list[int]
 @pytest.mark.parametrize("decode", ["full", "disabled"])
 def test_fused_reduce_matches_the_reduce_kernel(model_path: Path, decode: str) -> None:
     plain = make_prefill_executor(model_path, decode=decode, fuse_decode_reduce="off")
-    fused = make_prefill_executor(model_path, decode=decode)  # auto: on for CUDA
+    fused = make_prefill_executor(model_path, decode=decode, fuse_decode_reduce="on")
     assert fused.fuses_decode_reduce and not plain.fuses_decode_reduce
     assert "fused_decode_reduce" in fused.model_info.kernel_features
     for ex in (plain, fused):
