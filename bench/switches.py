@@ -1,6 +1,5 @@
-"""The executor's kernel switches (``ExecutorConfig.fuse_decode_rope``,
-``.fuse_decode_reduce``, ``.pdl``) as benchmark flags, so one tree can be A/B-timed
-against itself with a switch flipped."""
+"""The executor's kernel switches (``ExecutorConfig.fuse_decode_rope``, ``.pdl``) as
+benchmark flags, so one tree can be A/B-timed against itself with a switch flipped."""
 
 from __future__ import annotations
 
@@ -8,12 +7,12 @@ import argparse
 
 from executor.config import KERNEL_SWITCH_MODES
 
-SWITCHES = ("fuse_decode_rope", "fuse_decode_reduce", "pdl")
+SWITCHES = ("fuse_decode_rope", "pdl")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--fuse-decode-rope``, ``--fuse-decode-reduce`` and ``--pdl``, each
-    ``auto``/``on``/``off``; left out, the config's default."""
+    """``--fuse-decode-rope`` and ``--pdl``, each ``auto``/``on``/``off``; left out, the
+    config's default."""
     for name in SWITCHES:
         ap.add_argument("--" + name.replace("_", "-"), choices=KERNEL_SWITCH_MODES,
                         default=None, help=f"ExecutorConfig.{name} (default: the config's)")

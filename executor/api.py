@@ -257,8 +257,7 @@ class ModelInfo:
     tensor_parallel_size: int = 1  # ranks the model is split over
     # bytes of weights and KV cache each rank holds, in rank order (measured at start-up)
     rank_memory_bytes: tuple[int, ...] = ()
-    # kernel switches in effect ("fused_decode_rope", "fused_decode_reduce", "pdl"): what
-    # ``auto`` resolved to
+    # kernel switches in effect ("fused_decode_rope", "pdl"): what ``auto`` resolved to
     kernel_features: tuple[str, ...] = ()
 
 

@@ -18,7 +18,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 TINY_MODEL = "tiny"
 
 
-#: Values of the kernel switches (``fuse_decode_rope``, ``fuse_decode_reduce``, ``pdl``).
+#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``).
 KERNEL_SWITCH_MODES = ("auto", "on", "off")
 
 
@@ -108,15 +108,6 @@ class ExecutorConfig:
     #: backend can and the model has RoPE without per-head q/k norms, ``on`` (refused
     #: where it cannot), ``off``.
     fuse_decode_rope: str = "auto"
-    #: The split-KV decode attention's merge inside its split kernel (the last split of
-    #: each sequence and KV head merges) instead of a reduction launch per layer
-    #: (``executor/attention/triton_kernels/decode.py``): ``on`` (refused where the backend
-    #: cannot; the Triton interpreter runs it too) or ``off``; ``auto`` is off: on an H100
-    #: it was slower (1B shape batch 1 1.128 -> 1.148 ms of kernels per step, batch 8
-    #: 1.358 -> 1.376, SmolLM2 shape 0.486 -> 0.571; batch 64 and the 8B shape even,
-    #: ``bench/results/2026-11-26-h100-fused-reduce``): fewer programs merge, after the
-    #: last split, than the reduction kernel runs.
-    fuse_decode_reduce: str = "auto"
     #: Programmatic dependent launch of our Triton kernels (``executor/kernels/pdl.py``):
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
     #: ``off``.
@@ -133,7 +124,7 @@ class ExecutorConfig:
                  f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
-        for name in ("fuse_decode_rope", "fuse_decode_reduce", "pdl"):
+        for name in ("fuse_decode_rope", "pdl"):
             value = getattr(self, name)
             _require(value in KERNEL_SWITCH_MODES,
                      f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")

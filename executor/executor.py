@@ -173,18 +173,7 @@ class Executor:
         self.fuses_decode_rope = can_fuse and config.fuse_decode_rope != "off"
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
-        if config.fuse_decode_reduce == "on" and not self.attn.can_fuse_decode_reduce:
-            raise ConfigError(
-                f"--fuse-decode-reduce on needs the triton attention backend (this one is "
-                f"{backend_name!r})")
-        #: Whether split-KV decode attention merges its splits in the split kernel. Only
-        #: when asked: ``auto`` does not (it measured slower, ``ExecutorConfig``).
-        self.fuses_decode_reduce = self.attn.can_fuse_decode_reduce and \
-            config.fuse_decode_reduce == "on"
-        if self.fuses_decode_reduce:
-            self.attn.fuse_decode_reduce()
         features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
-            ("fused_decode_reduce",) if self.fuses_decode_reduce else ()) + (
             ("pdl",) if self.pdl else ())
         self.model_info = dataclasses.replace(self.model_info, kernel_features=features)
         self.sampler = Sampler()

@@ -58,11 +58,6 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="RoPE inside the triton decode attention kernel instead of a "
                        "launch of its own per layer; auto: where the backend can and the "
                        "model has no per-head q/k norm (default: %(default)s)")
-    model.add_argument("--fuse-decode-reduce", choices=KERNEL_SWITCH_MODES, default="auto",
-                       help="merge the splits of the triton split-KV decode attention in "
-                       "its split kernel (the last split to finish merges) instead of a "
-                       "reduction launch per layer; auto: off, it measured slower "
-                       "(default: %(default)s)")
     model.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
                        help="programmatic dependent launch of the Triton kernels (CUDA "
                        "compute capability 9.0+): each kernel starts while the previous "
@@ -222,8 +217,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                            compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
-        fuse_decode_rope=args.fuse_decode_rope,
-        fuse_decode_reduce=args.fuse_decode_reduce, pdl=args.pdl)
+        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -30,7 +30,7 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
 
 from executor.attention.base import AttentionShape  # noqa: E402
 from executor.attention.torch_native import TorchNativeBackend  # noqa: E402
-from executor.attention.triton_backend import TritonBackend, TritonDecodeMetadata  # noqa: E402
+from executor.attention.triton_backend import TritonBackend  # noqa: E402
 from tests.attention_cases import paged_case  # noqa: E402
 
 DTYPE = torch.float16
@@ -40,8 +40,7 @@ LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 
 
 def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-           head_dim: int, seed: int = 0, num_sms: int | None = None, shared: int = 0,
-           fused_reduce: bool = False) -> None:
+           head_dim: int, seed: int = 0, num_sms: int | None = None, shared: int = 0) -> None:
     pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed,
                                     shared=shared)
     shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
@@ -58,13 +57,7 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     tri = TritonBackend(shape, pool, table)
     if num_sms is not None:
         tri.num_sms = num_sms  # steers the split count
-    if fused_reduce:
-        tri.fuse_decode_reduce()
     meta = tri.build_metadata(batch)
-    counters = None
-    if isinstance(meta, TritonDecodeMetadata):  # split: counters exactly when fused
-        counters = meta.split_counters
-        assert (counters is not None) == (fused_reduce and meta.partial_out is not None)
     out = tri.forward(q, k, v, LAYER, meta)
     assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
     # Into rows of a larger static buffer, as graph pieces call it: the same values, and
@@ -89,11 +82,8 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     ref_backend = TorchNativeBackend(shape, pool, table)
     ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
-    if counters is not None:  # three launches over the same counters, each reset them
-        assert not counters.any()
 
 
-@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce_kernel", "fused_reduce"])
 @pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
     ([1], 4, 4, 16, None),  # only the first token is cached
     ([5, 40, 130], 8, 2, 16, None),  # several splits, a partial last split, idle splits
@@ -101,9 +91,8 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     ([5, 130], 8, 2, 16, 1),  # one split per sequence: no reduction kernel
 ])
 def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                            num_sms: int | None, fused_reduce: bool) -> None:
-    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim, num_sms=num_sms,
-           fused_reduce=fused_reduce)
+                            num_sms: int | None) -> None:
+    _check(prefix_lens, [1] * len(prefix_lens), heads, kv_heads, head_dim, num_sms=num_sms)
 
 
 @pytest.mark.parametrize(("prefix_lens", "new_lens", "heads", "kv_heads", "head_dim"), [
@@ -128,25 +117,13 @@ def test_forks_sharing_a_prefix_interpreted(prefix_lens: list[int], new_lens: li
     _check(prefix_lens, new_lens, 4, 2, 16, shared=40)
 
 
-@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce_kernel", "fused_reduce"])
-def test_decode_graph_hooks_interpreted(fused_reduce: bool) -> None:
-    """capture_metadata pads; refresh_metadata rewrites the same buffers in place. With
-    the fused merge, every bucket's counters are rows of one static zeroed buffer, which
-    launches leave at zero."""
+def test_decode_graph_hooks_interpreted() -> None:
+    """capture_metadata pads; refresh_metadata rewrites the same buffers in place."""
     pool, table, batch = paged_case([33, 6], [1, 1], 4, 2, 16, seed=3)
     shape = AttentionShape(4, 2, 16, 0.25)
     tri = TritonBackend(shape, pool, table)
-    if fused_reduce:
-        tri.fuse_decode_reduce()
     tri.init_graph_buffers(max_batch=4, max_tokens=4)
-    assert tri.graph_buffers is not None
-    counters = tri.graph_buffers.split_counters
-    assert counters.shape == (4, 2) and not counters.any()
     meta = tri.capture_metadata("decode", 4, 4)
-    assert tri.num_splits(4) > 1
-    assert (meta.split_counters is not None) == fused_reduce
-    if meta.split_counters is not None:
-        assert meta.split_counters.data_ptr() == counters.data_ptr()
     assert meta.seq_lens.tolist() == [1, 1, 1, 1] and meta.out_cache_loc.tolist() == [0] * 4
     ptr = meta.seq_lens.data_ptr()
     tri.refresh_metadata(meta, batch)
@@ -174,8 +151,6 @@ def test_decode_graph_hooks_interpreted(fused_reduce: bool) -> None:
     assert set(changed) <= {0, *batch.out_cache_loc.tolist()}
     eager = tri.forward(q[:2], k[:2], v[:2], LAYER, tri.build_metadata(batch))
     torch.testing.assert_close(out[:2].float(), eager.float(), atol=2e-3, rtol=2e-3)
-    assert torch.equal(tri.forward(q, k, v, LAYER, meta), out)  # a replay, as it were
-    assert not counters.any()
 
 
 @pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
@@ -218,110 +193,3 @@ def test_decode_with_fused_rope_interpreted(prefix_lens: list[int], heads: int, 
     got = fused.forward(q, k, v, LAYER, fused.build_metadata(batch))
     assert torch.equal(pool.k_buffer, stored)  # the fused kernel stored the same key
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-
-
-def _launch_order(monkeypatch: pytest.MonkeyPatch, order: str) -> list[tuple[int, int, int]]:
-    """Run the interpreter's programs in ``order`` ("grid": its own nested loops,
-    "reverse", "shuffle": a fixed random permutation of the whole grid) by remapping the
-    program ids it hands out; returns the ids in the order they ran."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    set_idx = builder.set_grid_idx
-    ran: list[tuple[int, int, int]] = []
-
-    def remapped(x: int, y: int, z: int) -> None:
-        gx, gy, gz = builder.grid_dim
-        i = (x * gy + y) * gz + z
-        n = gx * gy * gz
-        if order == "reverse":
-            i = n - 1 - i
-        elif order == "shuffle":
-            i = int(torch.randperm(n, generator=torch.Generator().manual_seed(n))[i])
-        x, y, z = i // (gy * gz), i // gz % gy, i % gz
-        ran.append((x, y, z))
-        set_idx(x, y, z)
-
-    if order != "grid":
-        monkeypatch.setattr(builder, "set_grid_idx", remapped)
-    return ran
-
-
-@pytest.mark.parametrize(
-    ("prefix_lens", "heads", "kv_heads", "head_dim", "splits", "rope", "merge_tile", "order"), [
-        ([5, 40, 130], 8, 2, 16, 5, False, None, "grid"),  # GQA 4, a partial last split
-        ([5, 40, 130], 8, 2, 16, 5, True, 32, "reverse"),  # 1 split a merge step; rope
-        ([3, 70], 4, 4, 16, 12, True, None, "shuffle"),  # MHA; mostly idle splits
-        ([1], 6, 2, 24, 8, False, 96, "reverse"),  # group 3 (padded); 7 idle splits
-        ([40, 2, 90, 17], 8, 1, 16, 3, True, None, "shuffle"),  # MQA (group 8); batch 4
-        ([200], 4, 2, 32, 7, False, 256, "shuffle"),  # batch 1; 4 splits a merge step
-        ([33, 64], 2, 2, 16, 2, False, None, "reverse"),  # two splits, the second idle
-    ])
-def test_decode_fused_reduce_interpreted(
-        prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int, splits: int,
-        rope: bool, merge_tile: int | None, order: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The split kernel merging its splits itself (the last program of each sequence and
-    KV head to arrive, whichever it is) gives the two-launch path's output and torch
-    native attention's, stores the same K/V, leaves its counters at zero and touches no
-    counter past the batch's rows; a second launch over the same counters and the stale
-    scratch gives the same output again."""
-    import executor.attention.triton_kernels.decode as decode
-    from executor.model.layers import RotaryEmbedding, TorchOps
-    from executor.model.spec import RopeSpec
-
-    if merge_tile is not None:  # fewer splits per merge step: online rescaling between
-        monkeypatch.setattr(decode, "MERGE_TILE", merge_tile)
-    pool, table, batch = paged_case(prefix_lens, [1] * len(prefix_lens), heads, kv_heads,
-                                    head_dim, seed=11)
-    b = len(prefix_lens)
-    gen = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(b, n, head_dim, generator=gen).to(DTYPE)
-               for n in (heads, kv_heads, kv_heads))
-    tables = None
-    q_rot, k_rot = q, k
-    if rope:
-        rotary = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim, max(prefix_lens) + 8)
-        tables = (rotary.cos, rotary.sin)
-        q_rot, k_rot = TorchOps().rope(torch.tensor(prefix_lens), q, k, *tables, None, None,
-                                       0.0)
-    shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
-    ref_backend = TorchNativeBackend(shape, pool, table)
-    pool_before = (pool.k_buffer.clone(), pool.v_buffer.clone())
-    ref = ref_backend.forward(q_rot, k_rot, v, LAYER, ref_backend.build_metadata(batch))
-    stored = (pool.k_buffer.clone(), pool.v_buffer.clone())
-
-    def attend(counters: torch.Tensor | None, mid_o: torch.Tensor, mid_lse: torch.Tensor
-               ) -> torch.Tensor:
-        pool.k_buffer.copy_(pool_before[0])
-        pool.v_buffer.copy_(pool_before[1])
-        out = torch.full((b, heads, head_dim), float("nan"), dtype=DTYPE)
-        decode.decode_attention(q, k, v, pool.k[LAYER], pool.v[LAYER], table.device_table,
-                                batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                                out, mid_o, mid_lse, head_dim**-0.5, tables, counters)
-        assert torch.equal(pool.k_buffer, stored[0]) and torch.equal(pool.v_buffer, stored[1])
-        return out
-
-    def scratch() -> tuple[torch.Tensor, torch.Tensor]:  # NaN: a read of an unwritten slot
-        return (torch.full((b, heads, splits, head_dim), float("nan")),
-                torch.full((b, heads, splits), float("nan")))
-
-    two = attend(None, *scratch())
-    torch.testing.assert_close(two.float(), ref.float(), atol=2e-3, rtol=2e-3)
-
-    ran = _launch_order(monkeypatch, order)
-    # Two spare rows past the batch: never counted, never reset.
-    counters = torch.zeros((b + 2, kv_heads), dtype=torch.int32)
-    counters[b:] = 7
-    mid_o, mid_lse = scratch()
-    fused = attend(counters, mid_o, mid_lse)
-    if order != "grid":  # every program ran once, not in the grid's order
-        assert sorted(ran) == sorted(set(ran)) and len(ran) == b * kv_heads * splits
-        assert ran != sorted(ran)
-    assert not counters[:b].any() and (counters[b:] == 7).all()
-    torch.testing.assert_close(fused.float(), ref.float(), atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(fused.float(), two.float(), atol=1e-3, rtol=1e-3)
-    # Again over the same counters and the first launch's scratch (graph replays do).
-    again = attend(counters, mid_o, mid_lse)
-    assert torch.equal(again, fused)
-    assert not counters[:b].any() and (counters[b:] == 7).all()

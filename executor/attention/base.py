@@ -128,17 +128,6 @@ class AttentionBackend(ABC):
         del meta
         return False
 
-    # -- fused split-KV merge ------------------------------------------------------------
-    #: True when the backend's split-KV decode can merge its splits inside the split
-    #: kernel instead of a reduction launch of its own (``fuse_decode_reduce``).
-    can_fuse_decode_reduce: ClassVar[bool] = False
-
-    def fuse_decode_reduce(self) -> None:
-        """From now on (call it before capturing graphs), decode launches merge their
-        splits in the split kernel. The result is the same up to float32 sum order."""
-        raise NotImplementedError(f"attention backend {self.name!r} cannot fuse the "
-                                  "split-KV reduction")
-
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The static ``(3, bucket)`` rows (``packing.DECODE_ROW_FIELDS``) of decode capture
         metadata ``meta``, when refreshing it from a bucket-padded batch is exactly one

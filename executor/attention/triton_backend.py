@@ -1,10 +1,9 @@
 """Triton paged attention: a CUDA-graph-capturable decode and an eager packed extend.
 
 Decode (one new token per sequence) is one split-KV kernel, which also stores the new
-K/V, plus a reduction kernel when a sequence is split, unless the split kernel merges the
-splits itself (``fuse_decode_reduce``; ``triton_kernels/decode.py``). Its launch shape
-depends on the batch size only, so one capture per batch bucket serves any lengths up to
-the table's max context. Extend (prefill, chunked prefill, mixed batches)
+K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
+launch shape depends on the batch size only, so one capture per batch bucket serves any
+lengths up to the table's max context. Extend (prefill, chunked prefill, mixed batches)
 is one ``extend_attention`` launch that also stores the new K/V; its grid uses the
 host-side max extend length, so it runs eagerly.
 
@@ -61,9 +60,6 @@ class TritonDecodeMetadata(AttentionMetadata):
     # Split-KV scratch; None when each sequence runs as one split (no reduction).
     partial_out: torch.Tensor | None  # (B, heads, splits, head_dim) fp32
     partial_lse: torch.Tensor | None  # (B, heads, splits) fp32
-    # Per-(sequence, KV head) arrival counters of the fused merge, all zero between
-    # launches (each launch resets what it counted); None: a reduction kernel merges.
-    split_counters: torch.Tensor | None = None  # (B, kv_heads) int32
 
     @property
     def batch_size(self) -> int:
@@ -91,9 +87,6 @@ class DecodeGraphBuffers:
     pad_rows: torch.Tensor  # (3, max_batch) int64: DECODE_PAD_ROW in every column
     partial_out: torch.Tensor  # (max over buckets of bs * splits * heads * head_dim,) fp32
     partial_lse: torch.Tensor  # (max over buckets of bs * splits * heads,) fp32
-    # (max_batch, kv_heads) int32, zeroed once: the fused merge's arrival counters, which
-    # every launch leaves at zero, so captured graphs replay over them as they are.
-    split_counters: torch.Tensor
 
     @property
     def max_batch(self) -> int:
@@ -116,14 +109,8 @@ class TritonBackend(AttentionBackend):
                         if device.type == "cuda" else _DEFAULT_NUM_SMS)
         self.graph_buffers: DecodeGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: Whether a split decode merges its splits in the split kernel (one launch).
-        self.fused_reduce = False
 
     can_fuse_decode_rope: ClassVar[bool] = True
-    can_fuse_decode_reduce: ClassVar[bool] = True
-
-    def fuse_decode_reduce(self) -> None:
-        self.fused_reduce = True
 
     def fuse_decode_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.rope_tables = (cos, sin)
@@ -140,10 +127,9 @@ class TritonBackend(AttentionBackend):
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.phase == "decode":
             check_decode_batch(self.name, batch)
-            partial_out, partial_lse, counters = self._alloc_scratch(batch.batch_size)
+            partial_out, partial_lse = self._alloc_scratch(batch.batch_size)
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
-                                        batch.out_cache_loc, partial_out, partial_lse,
-                                        counters)
+                                        batch.out_cache_loc, partial_out, partial_lse)
         return TritonExtendMetadata(
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens,
@@ -172,8 +158,7 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, self.rope_tables,
-                             meta.split_counters)
+                             meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
@@ -205,8 +190,6 @@ class TritonBackend(AttentionBackend):
                                     device=self.device),
             partial_lse=torch.empty(rows_x_splits * heads, dtype=torch.float32,
                                     device=self.device),
-            split_counters=torch.zeros((max_batch, self.shape.num_kv_heads),
-                                       dtype=torch.int32, device=self.device),
         )
 
     def capture_metadata(self, phase: Phase, batch_size: int,
@@ -220,17 +203,14 @@ class TritonBackend(AttentionBackend):
         bufs.rows[:, :batch_size].copy_(bufs.pad_rows[:, :batch_size])
         splits = self.num_splits(batch_size)
         heads, dim = self.shape.num_heads, self.shape.head_dim
-        partial_out = partial_lse = counters = None
+        partial_out = partial_lse = None
         if splits > 1:
             n = batch_size * heads * splits
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
-            if self.fused_reduce:
-                counters = bufs.split_counters[:batch_size]
         rows = dict(zip(DECODE_ROW_FIELDS, bufs.rows[:, :batch_size], strict=True))
         return TritonDecodeMetadata(rows["req_pool_indices"], rows["seq_lens"],
-                                    rows["out_cache_loc"], partial_out, partial_lse,
-                                    counters)
+                                    rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
         """Copy ``batch`` into the static rows of ``meta`` (padding after it): one or two
@@ -264,15 +244,12 @@ class TritonBackend(AttentionBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, ...]:
-        """Eager split scratch: partial outputs, lse, and (fused merge) zeroed counters."""
+    def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         splits = self.num_splits(batch_size)
         if splits == 1:
-            return None, None, None
+            return None, None
         heads, dim = self.shape.num_heads, self.shape.head_dim
         out = torch.empty((batch_size, heads, splits, dim), dtype=torch.float32,
                           device=self.device)
         lse = torch.empty((batch_size, heads, splits), dtype=torch.float32, device=self.device)
-        counters = torch.zeros((batch_size, self.shape.num_kv_heads), dtype=torch.int32,
-                               device=self.device) if self.fused_reduce else None
-        return out, lse, counters
+        return out, lse

@@ -23,45 +23,9 @@ Design (page size 1; a sequence's KV is read through its request-slot table row)
   graph row (``seq_len`` 1, ``out_cache_loc`` 0) therefore reads no table entry at all
   and writes only the reserved location 0.
 * Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch
-  (an idle split writes lse -inf only). With one split the split kernel writes the final
-  output and nothing is merged. With several, the splits of each (sequence, head) are
-  merged in one of two ways:
-
-  - two launches (``counters`` None): ``_decode_reduce_kernel``, grid (batch, heads),
-    merges them after the split kernel;
-  - one launch (``counters`` given, ``fuse_decode_reduce``): the last split program of
-    each (sequence, KV head) to finish merges them itself ("last block reduces", as
-    CUTLASS's serial split-K and stream-K fixup), saving a launch and its ramp per layer.
-
-Fused merge ("last block reduces"):
-
-* ``counters`` is an int32 (sequences, kv_heads) arrival count, zero between launches.
-  Every split program of a (sequence, KV head), idle ones included, arrives exactly once,
-  after its partials are stored: a barrier (``tl.debug_barrier``, ``__syncthreads``) so
-  every thread's stores precede it, then one ``atomic_add`` with ``acq_rel`` semantics at
-  GPU scope (a scalar atomic: one thread issues it, as CUTLASS's ``arrive_inc`` does after
-  its barrier). The release half publishes this program's partials with the arrival; the
-  program that reads ``num_splits - 1`` is the last to arrive, whichever split it is (no
-  order of programs is assumed), and the acquire half makes every other split's partials
-  visible to it (Triton broadcasts a scalar atomic's result through shared memory behind
-  a barrier, so every thread of the program reads after the acquire). The merge loads
-  bypass L1 (``.cg``): the partials were written by other SMs.
-* The last program stores 0 to its counter: every arrival of this launch has happened,
-  so nothing else touches it before the kernel ends, and the next launch (the next layer,
-  a graph replay: the same buffer) starts from zero. Under PDL the next decode launch does
-  its first atomic only after ``griddepcontrol.wait``, i.e. after this grid completed.
-* The merge covers the ``group`` query heads of the KV head (``BLOCK_G`` rows, the group
-  padded to a power of two, not to 16) and walks the splits ``CHUNK_S`` at a time, each
-  chunk one (BLOCK_G, CHUNK_S, BLOCK_D) fp32 tile of about ``MERGE_TILE`` elements (about
-  32 registers a thread at 4 warps, below what the attention loop holds, so the merge does
-  not raise the kernel's register count), with online rescaling between chunks. When the
-  splits fit one chunk (up to 16 at group 4, head_dim 64) the math is the reduce
-  kernel's exactly: weights ``exp2(lse - max lse)``, idle splits (lse -inf) weight 0 and
-  their never-written partials dropped (NaN-safe), a weighted mean in fp32; with more
-  chunks only the summation is regrouped. Each chunk is one round trip to L2 on the
-  last program's path (the 33 splits of batch 1 on an H100 take 3): ``MERGE_TILE`` trades
-  those rounds against registers. Lengths are still not read on the host: the launch
-  shape depends on the batch and the split count only.
+  (an idle split writes lse -inf only); ``_decode_reduce_kernel`` merges the splits of
+  each (sequence, head). With one split the split kernel writes the final output and the
+  reduction is not launched.
 """
 
 from __future__ import annotations
@@ -80,9 +44,6 @@ SPLIT_ALIGN = 32
 # Bounds the reduction's tile and the fp32 scratch.
 MAX_SPLITS = 64
 BLOCK_N = 64  # cached tokens per inner iteration
-# fp32 elements of one chunk of the fused merge (BLOCK_G * CHUNK_S * BLOCK_D): 32 per thread
-# at 4 warps.
-MERGE_TILE = 4096
 # Query heads of a group are padded to this many rows (tl.dot needs M >= 16).
 MIN_BLOCK_H = 16
 # Programs wanted per SM: enough in flight to hide the gather latency of short splits.
@@ -113,8 +74,7 @@ def _split_size(cached, num_splits, ALIGN: tl.constexpr):
 
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
-@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h",
-                             "stride_cnt_b"])
+@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim): one new query per sequence
     k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
@@ -123,9 +83,7 @@ def _decode_split_kernel(
     req_idx_ptr, seq_lens_ptr, out_loc_ptr,  # (B,) int64 each
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
-    out_ptr,  # (B, heads, head_dim): written when WRITE_OUT or FUSED_REDUCE
-    counter_ptr,  # (B, kv_heads) int32 arrivals, zero between launches: FUSED_REDUCE only
-    stride_cnt_b,
+    out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
     cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
     stride_cos,
     sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
@@ -145,9 +103,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
-    FUSED_REDUCE: tl.constexpr,  # several splits: the last to arrive merges them
-    BLOCK_G: tl.constexpr,  # the group padded to a power of two (the merge's rows)
-    CHUNK_S: tl.constexpr,  # splits merged per step
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
     USE_PDL: tl.constexpr,
 ):
@@ -243,68 +198,6 @@ def _decode_split_kernel(
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
 
-    if FUSED_REDUCE:
-        # Arrive, idle or not: every thread's stores above precede the barrier, and the
-        # release half of the atomic publishes them (see the module docstring).
-        tl.debug_barrier()
-        count_ptr = counter_ptr + b * stride_cnt_b + kvh
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            # The last of this (sequence, KV head): every split's partials are visible
-            # (acquire). No program of this launch touches the counter again.
-            tl.store(count_ptr, 0)
-            _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, group, num_splits,
-                          stride_mid_b, stride_mid_h, stride_mid_s,
-                          stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
-                          HEAD_DIM, BLOCK_D, BLOCK_G, CHUNK_S)
-
-
-@triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, group, num_splits,
-                  stride_mid_b, stride_mid_h, stride_mid_s,
-                  stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                  CHUNK_S: tl.constexpr):
-    """The fused merge: the final output of the ``group`` query heads of KV head ``kvh``,
-    a log-sum-exp weighted mean of their splits' partials, ``CHUNK_S`` splits at a time
-    with online rescaling (one chunk: exactly ``_decode_reduce_kernel``'s math)."""
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < group
-    heads = kvh * group + offs_g
-    offs_c = tl.arange(0, CHUNK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    lse_rows = mid_lse_ptr + b * stride_lse_b + heads * stride_lse_h  # (BLOCK_G,)
-    mid_rows = mid_o_ptr + b * stride_mid_b + heads * stride_mid_h  # (BLOCK_G,)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_s = s0 + offs_c
-        mask_gs = mask_g[:, None] & (offs_s < num_splits)[None, :]  # (BLOCK_G, CHUNK_S)
-        # Written by other programs (other SMs): read through L2, not a stale L1 line.
-        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=mask_gs,
-                      other=float("-inf"), cache_modifier=".cg")
-        mid_ptrs = (mid_rows[:, None, None] + offs_s[None, :, None] * stride_mid_s
-                    + offs_d[None, None, :])
-        mid = tl.load(mid_ptrs, mask=mask_gs[:, :, None] & mask_d[None, None, :], other=0.0,
-                      cache_modifier=".cg")  # (BLOCK_G, CHUNK_S, BLOCK_D)
-        ran = lse > float("-inf")
-        m_new = tl.maximum(m_i, tl.max(lse, axis=1))
-        # Split 0 (in the first chunk) always ran, so m_new is finite for a real head;
-        # a padding row (past the group) keeps -inf and takes 0 here: no NaN anywhere.
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_ref)  # 0 at the first chunk
-        weight = tl.where(ran, tl.exp2(lse - m_ref[:, None]), 0.0)
-        # An idle split's partial output was never written: drop it (it may hold NaN).
-        mid = tl.where(ran[:, :, None], mid, 0.0)
-        l_i = l_i * alpha + tl.sum(weight, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(mid * weight[:, :, None], axis=1)
-        m_i = m_new
-    out = acc / tl.where(mask_g, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-
 
 @triton.jit
 def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_off,
@@ -395,7 +288,6 @@ def decode_attention(
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
-    counters: torch.Tensor | None = None,  # (>= B, kv_heads) int32, zero: fused merge
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
@@ -404,12 +296,6 @@ def decode_attention(
     graph: lengths, slots and locations are read on the device. With ``rope`` (float32
     tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
     rotated here at position ``seq_len - 1``; the pool receives the rotated key.
-
-    With several splits and ``counters`` (int32, all zero; rows past ``B`` unused) the
-    last split program of each (sequence, KV head) merges the splits: one launch, and
-    ``counters`` is all zero again when it ends, ready for the next launch over it.
-    Without ``counters`` a reduction kernel merges them (two launches). With one split
-    ``counters`` is not used.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -434,17 +320,9 @@ def decode_attention(
         assert cos.dtype == sin.dtype == torch.float32
     else:
         cos = sin = out  # never read
-    fused_reduce = num_splits > 1 and counters is not None
-    block_g = triton.next_power_of_2(group)
-    if counters is not None and fused_reduce:
-        assert counters.dtype == torch.int32 and counters.stride(1) == 1
-        assert counters.shape[0] >= batch and counters.shape[1] == num_kv_heads
-    else:
-        counters = out  # never used
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
-        counters, counters.stride(0),
         cos, sin, cos.stride(0),
         scale_log2, group, num_splits,
         q.stride(0), q.stride(1),
@@ -461,16 +339,12 @@ def decode_attention(
         BLOCK_N=BLOCK_N,
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
-        FUSED_REDUCE=fused_reduce,
-        BLOCK_G=block_g,
-        # Fixed per model (not per split count): one compiled kernel serves every bucket.
-        CHUNK_S=max(1, min(MERGE_TILE // (block_g * block_d), MAX_SPLITS)),
         ROPE=rope is not None,
         num_warps=4,
         num_stages=2,
         **pdl.options(),
     )
-    if num_splits == 1 or fused_reduce:
+    if num_splits == 1:
         return
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, num_splits,
