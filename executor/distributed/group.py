@@ -64,7 +64,6 @@ ONE_SHOT_MAX_BYTES = 512 * 1024
 #: What "auto" times both algorithms at: (1, 8, 64) x 4096 bf16, in bytes.
 AUTO_PROBE_BYTES = (8 * 1024, 64 * 1024, 512 * 1024)
 AllReduceChoice = Literal["auto", "nccl", "symm_mem"]
-ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem")
 
 
 @dataclass(frozen=True)
