@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -182,6 +183,8 @@ class Executor:
         self.last_tokens = torch.zeros(config.cache.max_sequences, dtype=torch.int64,
                                        device=self.device)
         self._last_sampled: set[str] = set()  # sequences whose last step sampled
+        # The last decode launch, for the next one if it continues the same items.
+        self._decode_memo: _DecodeMemo | None = None
         # Every batch's metadata goes to the device through one reused pinned buffer.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         # NOTE: every step runs on the device's current stream at start-up; events record
@@ -304,12 +307,24 @@ class Executor:
         item without a token continues from its sequence's last sampled token."""
         started = time.perf_counter()
         last = self._last_sampled
-        validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
-        # Per-item work is most of a large batch's host time: the items' columns come from
-        # one transposition, and each list is made once, in C where it can be.
-        seq_ids, tokens, sampling, stop_ids = zip(*items, strict=True)
+        memo = self._decode_memo
+        if memo is not None and memo.repeats(items, num_steps, self.kv.version,
+                                             self.limits.servable_context):
+            # The step before, continued: nothing else touched the cache since it (the
+            # version), so its validation still holds, with each sequence longer by its
+            # own tokens and every one of them holding a last sample.
+            assert memo.columns is not None  # (``repeats`` says so)
+            seq_ids, tokens, sampling, stops, had_last = memo.columns
+        else:
+            validate_decode(items, self.kv.length, self.limits, num_steps, last.__contains__)
+            # Per-item work is most of a large batch's host time: the items' columns come
+            # from one transposition, and each list is made once, in C where it can be.
+            seq_ids, tokens, sampling, stop_ids = zip(*items, strict=True)
+            stops = tuple(frozenset(stop) if stop else _NO_STOPS for stop in stop_ids) \
+                if any(stop_ids) else (_NO_STOPS,) * len(items)
+            had_last = dict(zip(seq_ids, map(last.__contains__, seq_ids), strict=True))
+        self._decode_memo = None
         alloc = self.kv.extend(seq_ids, num_steps)
-        had_last = dict(zip(seq_ids, map(last.__contains__, seq_ids), strict=True))
         params = list(sampling)
         n = len(items)
         rows = list(range(n))
@@ -331,14 +346,16 @@ class Executor:
             self.kv.rollback(alloc)
             raise
         last.update(seq_ids)
+        self._decode_memo = _DecodeMemo(
+            tuple(items), num_steps, self.kv.version, max(batch.seq_lens_host),
+            (seq_ids, (None,) * n, sampling, stops, dict.fromkeys(seq_ids, True))
+            if tokens.count(None) == n else None)
         info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
                                    padded_tokens=info.padded_tokens * num_steps,
                                    num_steps=num_steps)
         return self._pending(PendingStep(
-            "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling,
-            tuple(frozenset(stop) if stop else _NO_STOPS for stop in stop_ids)
-            if any(stop_ids) else (_NO_STOPS,) * n, samples, info,
-            started=started, had_last=had_last))
+            "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling, stops,
+            samples, info, started=started, had_last=had_last))
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""
@@ -694,6 +711,31 @@ class _SamplePlan:
 
 
 _NO_STOPS: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeMemo:
+    """What a decode launch leaves for the next one when every item continued from its
+    last sample: a pipelined scheduler sends the same items step after step
+    (``use_last_sampled``), and their validation, columns and flags then stand as they
+    were, provided the KV cache changed in nothing but this launch's own tokens."""
+
+    items: tuple[DecodeItem, ...]
+    num_steps: int
+    kv_version: int  # ``KVCacheManager.version`` right after the launch
+    max_len: int  # the longest of its sequences after the launch
+    #: (seq_ids, tokens, sampling, stop sets, had_last), or None when an item gave its
+    #: token (the next step's items would then differ from what it validated).
+    columns: tuple[Any, ...] | None
+
+    def repeats(self, items: Sequence[DecodeItem], num_steps: int, kv_version: int,
+                servable_context: int) -> bool:
+        """Whether ``items`` (the same objects, in order) continue this launch with
+        nothing else changed, and every sequence still has room for ``num_steps``."""
+        return (self.columns is not None and kv_version == self.kv_version
+                and num_steps == self.num_steps and len(items) == len(self.items)
+                and all(map(operator.is_, items, self.items))
+                and self.max_len <= servable_context - num_steps)
 
 
 def _decode_step(alloc: Allocation, num_steps: int, step: int) -> Allocation:

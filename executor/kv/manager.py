@@ -120,6 +120,9 @@ class KVCacheManager:
         self.slots = SlotAllocator(table.max_sequences)
         self._seqs: dict[str, SequenceState] = {}
         self._forked: set[str] = set()  # live sequences created by ``fork``
+        #: Bumped by every change to the sequences or the pool (allocate, extend,
+        #: rollback, fork, truncate, release): equal values mean nothing changed between.
+        self.version = 0
 
     # -- queries ---------------------------------------------------------------------
     def get(self, seq_id: str) -> SequenceState | None:
@@ -155,6 +158,7 @@ class KVCacheManager:
         Raises OutOfResources (with needed vs free) before changing anything if the tokens
         or the slots for the whole call do not fit. Callers validate ids and lengths first.
         """
+        self.version += 1
         needed_tokens = sum(n for _, n in requests)
         states = [self._seqs.get(sid) for sid, _ in requests]  # one lookup per request
         num_new = states.count(None)
@@ -198,6 +202,7 @@ class KVCacheManager:
         done over the batch's columns: no per-sequence tuple, one numpy scatter into the
         host table. The same locations, lengths, errors and atomicity as ``allocate``,
         which it hands over to for anything but distinct, known sequences that fit."""
+        self.version += 1
         if len(seq_ids) < _COLUMNS_MIN_ROWS:  # a few sequences: plain ``allocate`` is cheaper
             return self.allocate([(sid, n) for sid in seq_ids])
         states = list(map(self._seqs.get, seq_ids))  # one lookup each, in C
@@ -219,6 +224,7 @@ class KVCacheManager:
 
     def rollback(self, alloc: Allocation) -> None:
         """Undo ``alloc`` exactly (used when the forward pass after it fails)."""
+        self.version += 1
         self.tokens.free(alloc.out_cache_loc)
         c = alloc.columns
         # Newest first: admitted sequences' slots go back onto the free stack in the order
@@ -237,6 +243,7 @@ class KVCacheManager:
         locations of ``parent_id``'s (nothing is copied; the locations gain a holder).
         Raises OutOfResources when no slot is free, before changing anything. Callers
         validate the ids and ``0 <= prefix_len <= parent length`` first."""
+        self.version += 1
         parent = self._seqs[parent_id]
         if child_id in self._seqs or not 0 <= prefix_len <= parent.length:
             raise ValueError(f"cannot fork {child_id!r} from {parent_id!r} of "
@@ -253,6 +260,7 @@ class KVCacheManager:
         """Keep the first ``length`` tokens of a known sequence (0 <= length <= its length)
         and drop its hold on the locations past them; returns how many of those went back
         to the pool (a location another sequence still holds stays in use)."""
+        self.version += 1
         state = self._seqs[seq_id]
         if not 0 <= length <= state.length:
             raise ValueError(f"cannot truncate {seq_id!r} of {state.length} tokens to {length}")
@@ -265,6 +273,7 @@ class KVCacheManager:
     def release(self, seq_id: str) -> int | None:
         """Drop ``seq_id``'s hold on its locations and free its slot; returns how many
         locations went back to the pool, or None if the sequence is unknown."""
+        self.version += 1
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return None
