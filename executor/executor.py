@@ -308,8 +308,10 @@ class Executor:
         started = time.perf_counter()
         last = self._last_sampled
         memo = self._decode_memo
-        if memo is not None and memo.repeats(items, num_steps, self.kv.version,
-                                             self.limits.servable_context):
+        if memo is not None and not memo.repeats(items, num_steps, self.kv.version,
+                                                 self.limits.servable_context):
+            memo = None
+        if memo is not None:
             # The step before, continued: nothing else touched the cache since it (the
             # version), so its validation still holds, with each sequence longer by its
             # own tokens and every one of them holding a last sample.
@@ -346,10 +348,13 @@ class Executor:
             self.kv.rollback(alloc)
             raise
         last.update(seq_ids)
-        self._decode_memo = _DecodeMemo(
-            tuple(items), num_steps, self.kv.version, max(batch.seq_lens_host),
-            (seq_ids, (None,) * n, sampling, stops, dict.fromkeys(seq_ids, True))
-            if tokens.count(None) == n else None)
+        # A repeat keeps its memo's items and columns; only the version and length move.
+        self._decode_memo = dataclasses.replace(
+            memo, kv_version=self.kv.version, max_len=max(batch.seq_lens_host)) \
+            if memo is not None else _DecodeMemo(
+                tuple(items), num_steps, self.kv.version, max(batch.seq_lens_host),
+                (seq_ids, (None,) * n, sampling, stops, dict.fromkeys(seq_ids, True))
+                if tokens.count(None) == n else None)
         info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
                                    padded_tokens=info.padded_tokens * num_steps,
                                    num_steps=num_steps)
