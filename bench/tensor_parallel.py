@@ -178,17 +178,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
             graph.replay()
             torch.cuda.synchronize()
             ok &= all(bool(torch.equal(o, want)) for o in outs)
-            samples = []
-            for _ in range(20):
-                dist.barrier()
-                start, end = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / GRAPH_REPEATS)
-            times[str(rows)] = statistics.median(samples[2:])
+            times[str(rows)] = group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
             del graph, outs
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
                         "choice": group.all_reduce_choice(tp)}

@@ -45,7 +45,7 @@ import dataclasses
 import datetime
 import statistics
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -330,18 +330,28 @@ def _probe_us(tp: TensorParallel) -> list[float]:
         with torch.cuda.graph(graph):
             for x in inputs:
                 tp.all_reduce(x)
-        samples = []
-        for _ in range(_PROBE_REPLAYS):
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / _PROBE_REPEATS)
-        times.append(statistics.median(samples[2:]))
+        times.append(replay_us(graph, _PROBE_REPEATS, _PROBE_REPLAYS))
         del graph
     return times
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int,
+              before: Callable[[], object] | None = None) -> float:
+    """Median µs per call of ``graph`` (``calls`` collectives captured back to back) over
+    ``replays`` replays timed by CUDA events, the first two left out as warm-up;
+    ``before`` runs ahead of each replay (a barrier that lines the ranks up)."""
+    samples = []
+    for _ in range(replays):
+        if before is not None:
+            before()
+        start, end = (torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples[2:])
 
 
 def all_reduce_choice(tp: TensorParallel) -> dict[str, object]:
