@@ -21,6 +21,16 @@ LLAMA_3_1_8B: dict[str, Any] = dict(
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
+# Served only at tensor parallel sizes >= 4 (140 GB of bf16 weights), with
+# ``--load-format random`` (``write_config``): too large to write here.
+LLAMA_3_1_70B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
 # SmolLM2-135M (the default served model) with random weights: small and odd (hidden
 # 576, 9 query and 3 KV heads), where the step is kernel count rather than bytes.
 SMOLLM2_135M: dict[str, Any] = dict(
@@ -30,7 +40,7 @@ SMOLLM2_135M: dict[str, Any] = dict(
     rope_theta=100000.0,
 )
 SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B,
-          "smollm2-135m": SMOLLM2_135M}
+          "llama-3.1-70b": LLAMA_3_1_70B, "smollm2-135m": SMOLLM2_135M}
 
 
 def hf_config(name: str) -> Any:
@@ -51,6 +61,15 @@ def write_shape(name: str, root: Path) -> Path:
     if not (path / "config.json").is_file():
         write_random_model(path, hf_config(name), seed=0, dtype=torch.bfloat16,
                            max_shard_bytes=2 * 2**30)
+    return path
+
+
+def write_config(name: str, root: Path) -> Path:
+    """Only ``name``'s config.json under ``root/<name>-config`` (for ``--load-format
+    random``, which draws the weights on the device)."""
+    path = root / f"{name}-config"
+    if not (path / "config.json").is_file():
+        hf_config(name).save_pretrained(str(path))
     return path
 
 
@@ -87,10 +106,12 @@ def model(name: str, root: Path) -> tuple[Path, Any]:
 
 def label(name: str) -> str:
     """Short name in tables: ``1B``, ``8B``, ``tiny``."""
-    return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B", "smollm2-135m": "135M"}.get(name, name)
+    return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B", "llama-3.1-70b": "70B",
+            "smollm2-135m": "135M"}.get(name, name)
 
 
 def title(name: str) -> str:
     return {"llama-3.2-1b": "Llama-3.2-1B shape", "llama-3.1-8b": "Llama-3.1-8B shape",
+            "llama-3.1-70b": "Llama-3.1-70B shape",
             "smollm2-135m": "SmolLM2-135M shape",
             "tiny": "embedded tiny model"}.get(name, name)

@@ -2,7 +2,9 @@
 
 ``python -m bench.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2,2:nccl --out DIR``
 
-For each shape (random bf16 weights, ``bench.shapes``) and each run of ``--tp`` (a size,
+For each shape (random bf16 weights, ``bench.shapes``: written to disk, or with
+``--load-format random`` drawn on the GPUs from the config alone, as the 70B shape
+needs; ``shape@4`` runs a shape at some of the sizes only) and each run of ``--tp`` (a size,
 and ``:nccl``, ``:symm_mem`` or ``:auto`` for ``--tp-all-reduce``; ``auto``, the server's
 default, otherwise), a real
 ``model-executor serve --tensor-parallel-size N`` (decode graphs ``full``, prefill graphs
@@ -17,7 +19,8 @@ default, otherwise), a real
 Beside them, measured in the same run: the HBM read bandwidth of GPU 0, the per-rank floor
 (weight bytes / N / bandwidth) and, for both all-reduce algorithms, the time of one
 all-reduce of a layer's activation (rows x hidden, bf16) across N GPUs inside a CUDA
-graph (two per layer), with a check that every sum is exact. Writes
+graph (two per layer), with a check that every sum is exact, for each size above 1.
+Decode at batch 1 at TP = N (``auto``) over TP = 1 for each N when both ran. Writes
 ``tensor_parallel.json`` and ``tensor_parallel.md``. Needs N GPUs.
 """
 
@@ -39,7 +42,7 @@ import grpc
 import torch
 
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
-from bench.shapes import spec, weight_bytes, write_shape
+from bench.shapes import spec, weight_bytes, write_config, write_shape
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -92,8 +95,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto") -> dict[str, Any]:
-    proc, target, metrics = serve(model, tp, ["--tp-all-reduce", all_reduce])
+def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
+            load_format: str = "safetensors") -> dict[str, Any]:
+    proc, target, metrics = serve(model, tp, ["--tp-all-reduce", all_reduce,
+                                              "--load-format", load_format])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     try:
         with grpc.insecure_channel(target) as channel:
@@ -235,15 +240,12 @@ def markdown(result: dict[str, Any]) -> str:
             label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
             lines.append(f"| {label} | {floor:.3f} | " + " | ".join(cells)
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
-        ratio = runs.get("bs1_ratio")
-        if ratio is not None:
-            lines += ["", f"Decode batch 1, TP = {runs['ratio_tp']} (auto) / TP = 1: "
-                      f"{ratio:.2f} (target for the 8B: <= 0.6)."]
-        ar = runs.get("allreduce_us")
-        if ar:
+        for tp, ratio in runs.get("bs1_ratios", {}).items():
+            lines += ["", f"Decode batch 1, TP = {tp} (auto) / TP = 1: {ratio:.2f} "
+                      "(target for the 8B at TP = 2: <= 0.6)."]
+        for tp, ar in runs.get("allreduce_us", {}).items():
             lines += ["", f"All-reduce of one (rows, hidden) bf16 activation across "
-                      f"{runs['ratio_tp']} GPUs inside a CUDA graph, µs (two per layer):",
-                      ""]
+                      f"{tp} GPUs inside a CUDA graph, µs (two per layer):", ""]
             for algo, got in ar.items():
                 lines.append(f"- `--tp-all-reduce {algo}` ({got['algorithm']}, sums exact: "
                              f"{got['ok']}): " + ", ".join(
@@ -254,10 +256,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b",
+                    help="comma-separated; shape@4+8 runs that shape at the --tp runs of "
+                    "sizes 4 and 8 only (llama-3.1-70b@4: its weights fit only there)")
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl or "
                     ":symm_mem (--tp-all-reduce; default auto)")
+    ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                    help="random: write only each shape's config.json and let the server "
+                    "draw the weights on the GPUs (serve --load-format random)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -278,24 +285,29 @@ def main(argv: list[str] | None = None) -> int:
                               "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
                               "shapes": {}}
     a.out.mkdir(parents=True, exist_ok=True)
-    for shape in a.shapes.split(","):
+    result["load_format"] = a.load_format
+    for item in a.shapes.split(","):
+        shape, _, only = item.partition("@")
         started = time.perf_counter()
-        model = write_shape(shape, a.models)
+        model = write_config(shape, a.models) if a.load_format == "random" \
+            else write_shape(shape, a.models)
         s = spec(shape)
         runs = []
         for tp, algo in variants:
-            run = measure(model, tp, s.vocab_size, algo)
+            if only and str(tp) not in only.split("+"):
+                continue
+            run = measure(model, tp, s.vocab_size, algo, a.load_format)
             run["floor_ms"] = weight_bytes(shape) / tp / (read_gbs * 1e9) * 1e3
             runs.append(run)
             print(json.dumps({shape: run}), flush=True)
         entry: dict[str, Any] = {"runs": runs, "seconds": time.perf_counter() - started}
         one = [r for r in runs if r["tp"] == 1]
-        many = [r for r in runs if r["tp"] > 1 and r["all_reduce"] == "auto"]
-        if one and many:
-            entry["ratio_tp"] = many[0]["tp"]
-            entry["bs1_ratio"] = (many[0]["decode_bs1"]["replay_ms_mean"]
-                                  / one[0]["decode_bs1"]["replay_ms_mean"])
-            entry["allreduce_us"] = allreduce_us(many[0]["tp"], s.hidden_size)
+        many = {r["tp"]: r for r in reversed(runs) if r["tp"] > 1 and r["all_reduce"] == "auto"}
+        if one:
+            entry["bs1_ratios"] = {tp: r["decode_bs1"]["replay_ms_mean"]
+                                   / one[0]["decode_bs1"]["replay_ms_mean"]
+                                   for tp, r in sorted(many.items())}
+        entry["allreduce_us"] = {tp: allreduce_us(tp, s.hidden_size) for tp in sorted(many)}
         result["shapes"][shape] = entry
         (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -14,6 +14,9 @@ from typing import Literal, get_args
 from executor.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
+#: Where the weights come from: the directory's safetensors, or random values drawn on
+#: the device from its config.json alone (vLLM's ``--load-format dummy``; benchmarks).
+LoadFormat = Literal["safetensors", "random"]
 
 TINY_MODEL = "tiny"
 
@@ -33,13 +36,17 @@ class ModelConfig:
 
     source: str = TINY_MODEL
     dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    seed: int = 0  # only for the embedded tiny model's random weights
+    load_format: LoadFormat = "safetensors"
+    seed: int = 0  # of load_format "random"'s values
 
     def __post_init__(self) -> None:
         _require(
             self.dtype is None or self.dtype in get_args(DType),
             f"dtype must be one of {list(get_args(DType))}, got {self.dtype!r}",
         )
+        _require(self.load_format in get_args(LoadFormat),
+                 f"load_format must be one of {list(get_args(LoadFormat))}, "
+                 f"got {self.load_format!r}")
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ class Executor:
         self.boot_seconds = {"attention": time.perf_counter() - started}
         started = time.perf_counter()
         self.model, self.spec = load_model(model_dir, self.dtype, self.device, max_context,
-                                           spec, self.tp)
+                                           spec, self.tp, config.model.load_format,
+                                           config.model.seed)
         self.model_info = ModelInfo(
             name=model_name(source, model_dir),
             architecture=spec.architecture,

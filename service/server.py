@@ -211,6 +211,10 @@ class ExecutorServer:
             self.recorder.model(executor.model_info)
             self.servicer.update_status((await self.worker.run(lambda ex: ex.status())).value)
             log.info("executor_ready", **vars(executor.model_info))
+            if self.executor_config.model.load_format == "random":
+                log.warning("random_weights", reason="--load-format random: the weights are "
+                            "random values, not the checkpoint's; outputs are meaningless",
+                            seed=self.executor_config.model.seed)
             capture = self.executor_config.graphs.capture_at_startup
             phases = executor.startup_phases() if capture else ()
             if phases:

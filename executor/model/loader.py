@@ -5,18 +5,26 @@ Reads ``config.json`` with transformers' ``AutoConfig`` and streams tensors from
 modules, fusing q/k/v and gate/up on the way. No HF model is ever instantiated. Every
 parameter must be filled exactly once with the expected shape; otherwise a
 ``ModelLoadError`` says which tensor and what was expected.
+
+``load_format="random"`` (vLLM's ``--load-format dummy``) reads only ``config.json`` and
+draws every tensor on the device (``random_weights.RandomCheckpoint``): for benchmarks of
+shapes too large to write to disk here. The same loop fills the model, so sharding and
+the every-tensor-once check are the same.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 import executor.model.llama  # noqa: F401 (registers the Llama family)
+from executor.config import LoadFormat
 from executor.distributed.group import TensorParallel
 from executor.distributed.sharding import copy_shard
 from executor.errors import ModelLoadError
@@ -37,6 +45,10 @@ _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def load_hf_config(path: Path) -> ModelSpec:
+    return spec_from_hf_config(_hf_config(path))
+
+
+def _hf_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     if not path.is_dir():
@@ -48,7 +60,7 @@ def load_hf_config(path: Path) -> ModelSpec:
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot parse {path / 'config.json'}: {exc}") from exc
-    return spec_from_hf_config(cfg)
+    return cfg
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -99,16 +111,33 @@ def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, i
     return out
 
 
+def _readers(path: Path, load_format: LoadFormat, seed: int, device: torch.device
+             ) -> Iterator[tuple[Any, str]]:
+    """(reader, its name in errors) for each weight file, or the one random checkpoint."""
+    if load_format == "random":
+        from executor.model.random_weights import RandomCheckpoint
+
+        yield RandomCheckpoint(_hf_config(path), seed, device), "random weights"
+        return
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f, file.name
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int,
-               spec: ModelSpec | None = None, tp: TensorParallel | None = None
+               spec: ModelSpec | None = None, tp: TensorParallel | None = None,
+               load_format: LoadFormat = "safetensors", seed: int = 0
                ) -> tuple[CausalModel, ModelSpec]:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors.
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors
+    (or, ``load_format="random"``, from random values drawn with ``seed``).
 
     Under tensor parallelism ``spec`` is this rank's shape (``sharding.local_spec``) and
     only this rank's slice of each split tensor is read (``sharding.copy_shard``)."""
     spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
-    files = _weight_files(path)
+    readers = _readers(path, load_format, seed, device)
+    if load_format == "safetensors":
+        _weight_files(path)  # a directory without weights fails before the model is built
     factory = model_factory(spec.architecture)
     tp = tp or TensorParallel.single()
     with torch.device("meta"):
@@ -118,25 +147,23 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
     loaded: set[tuple[str, int | None]] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _IGNORED_RE.search(hf_name):
-                    continue
-                name, shard = _internal_name(hf_name)
-                if spec.tie_word_embeddings and name == "lm_head.weight":
-                    continue  # a tied checkpoint may still carry a copy
-                if name not in params:
-                    raise ModelLoadError(
-                        f"unexpected tensor {hf_name!r} in {file.name} for {spec.architecture}"
-                    )
-                target: torch.Tensor = params[name]
-                if shard is not None:
-                    rows = _shard_rows(spec, name)
-                    target = target[rows[shard] : rows[shard + 1]]
-                with torch.no_grad():
-                    copy_shard(f, hf_name, name, target, tp.rank, tp.size, file.name)
-                loaded.add((name, shard))
+    for f, where in readers:
+        for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            if _IGNORED_RE.search(hf_name):
+                continue
+            name, shard = _internal_name(hf_name)
+            if spec.tie_word_embeddings and name == "lm_head.weight":
+                continue  # a tied checkpoint may still carry a copy
+            if name not in params:
+                raise ModelLoadError(
+                    f"unexpected tensor {hf_name!r} in {where} for {spec.architecture}")
+            target: torch.Tensor = params[name]
+            if shard is not None:
+                rows = _shard_rows(spec, name)
+                target = target[rows[shard] : rows[shard + 1]]
+            with torch.no_grad():
+                copy_shard(f, hf_name, name, target, tp.rank, tp.size, where)
+            loaded.add((name, shard))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""

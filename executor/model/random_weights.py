@@ -7,10 +7,12 @@ near-ties that would make greedy comparisons flaky) and activations stay bounded
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,18 @@ import torch
 from safetensors.torch import save_file
 
 
-def random_state_dict(cfg: Any, seed: int, dtype: torch.dtype = torch.float32
-                      ) -> dict[str, torch.Tensor]:
-    """HF-named random tensors for a Llama-family ``PretrainedConfig``."""
-    gen = torch.Generator().manual_seed(seed)
+@dataclass(frozen=True)
+class RandomTensor:
+    """One tensor of the recipe: ``shape`` drawn as ``std * N(0, 1)`` around ``mean``."""
+
+    shape: tuple[int, ...]
+    std: float
+    mean: float = 0.0
+
+
+def random_recipe(cfg: Any) -> dict[str, RandomTensor]:
+    """HF name -> how its random values are drawn, for a Llama-family ``PretrainedConfig``
+    (in checkpoint order: ``random_state_dict`` draws them from one generator in it)."""
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -29,34 +39,88 @@ def random_state_dict(cfg: Any, seed: int, dtype: torch.dtype = torch.float32
     qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
     qk_norm = cfg.model_type == "qwen3"
 
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+    def norm(n: int) -> RandomTensor:
+        return RandomTensor((n,), 0.1, 1.0)
 
-    def norm_weight(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
-
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, h, std=1.0)}
+    out: dict[str, RandomTensor] = {"model.embed_tokens.weight": RandomTensor((vocab, h), 1.0)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = norm_weight(h)
-        sd[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        out[p + "input_layernorm.weight"] = norm(h)
+        out[p + "post_attention_layernorm.weight"] = norm(h)
         for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                            ("v", kv_heads * head_dim)):
-            sd[p + f"self_attn.{name}_proj.weight"] = normal(rows, h, std=1 / math.sqrt(h))
+            out[p + f"self_attn.{name}_proj.weight"] = RandomTensor((rows, h), 1 / math.sqrt(h))
             if qkv_bias:
-                sd[p + f"self_attn.{name}_proj.bias"] = normal(rows, std=0.1)
-        sd[p + "self_attn.o_proj.weight"] = normal(h, heads * head_dim,
-                                                   std=1 / math.sqrt(heads * head_dim))
+                out[p + f"self_attn.{name}_proj.bias"] = RandomTensor((rows,), 0.1)
+        out[p + "self_attn.o_proj.weight"] = RandomTensor(
+            (h, heads * head_dim), 1 / math.sqrt(heads * head_dim))
         if qk_norm:
-            sd[p + "self_attn.q_norm.weight"] = norm_weight(head_dim)
-            sd[p + "self_attn.k_norm.weight"] = norm_weight(head_dim)
-        sd[p + "mlp.gate_proj.weight"] = normal(inter, h, std=1 / math.sqrt(h))
-        sd[p + "mlp.up_proj.weight"] = normal(inter, h, std=1 / math.sqrt(h))
-        sd[p + "mlp.down_proj.weight"] = normal(h, inter, std=1 / math.sqrt(inter))
-    sd["model.norm.weight"] = norm_weight(h)
+            out[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            out[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        out[p + "mlp.gate_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
+        out[p + "mlp.up_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
+        out[p + "mlp.down_proj.weight"] = RandomTensor((h, inter), 1 / math.sqrt(inter))
+    out["model.norm.weight"] = norm(h)
     if not getattr(cfg, "tie_word_embeddings", False):
-        sd["lm_head.weight"] = normal(vocab, h, std=3 / math.sqrt(h))
-    return sd
+        out["lm_head.weight"] = RandomTensor((vocab, h), 3 / math.sqrt(h))
+    return out
+
+
+def random_state_dict(cfg: Any, seed: int, dtype: torch.dtype = torch.float32
+                      ) -> dict[str, torch.Tensor]:
+    """HF-named random tensors for a Llama-family ``PretrainedConfig`` (on the CPU, one
+    generator drawn in checkpoint order)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (t.mean + torch.randn(*t.shape, generator=gen) * t.std).to(dtype)
+            for name, t in random_recipe(cfg).items()}
+
+
+class RandomCheckpoint:
+    """A checkpoint that exists only as ``random_recipe(cfg)``: ``--load-format random``.
+
+    Reads like an open ``safetensors.safe_open`` (``keys``, ``get_slice``), so the loader
+    and tensor-parallel sharding treat it as a file. Each tensor is drawn on ``device``
+    from its own generator, seeded by ``seed`` and the tensor's name, whole and then
+    sliced: a rank gets the same values as the same rows of a TP = 1 load, and nothing is
+    written to or read from disk (a 70B shape loads in seconds). The values are not
+    those ``write_random_model`` writes (that draws all tensors from one CPU generator).
+    """
+
+    def __init__(self, cfg: Any, seed: int, device: torch.device) -> None:
+        self.recipe = random_recipe(cfg)
+        self.seed = seed
+        self.device = device
+
+    def keys(self) -> list[str]:
+        return list(self.recipe)
+
+    def get_slice(self, name: str) -> _RandomSlice:
+        return _RandomSlice(self, name)
+
+    def draw(self, name: str) -> torch.Tensor:
+        """The whole of tensor ``name`` (float32, on the device)."""
+        t = self.recipe[name]
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        gen = torch.Generator(device=self.device).manual_seed(
+            int.from_bytes(digest[:8], "little") >> 1)
+        values = torch.randn(t.shape, generator=gen, device=self.device)
+        values.mul_(t.std)
+        if t.mean:
+            values.add_(t.mean)
+        return values
+
+
+class _RandomSlice:
+    """``get_slice``'s answer: the shape without drawing, values when indexed."""
+
+    def __init__(self, checkpoint: RandomCheckpoint, name: str) -> None:
+        self.checkpoint, self.name = checkpoint, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.checkpoint.recipe[self.name].shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.checkpoint.draw(self.name)[index]
 
 
 def write_random_model(path: Path, cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (marker ``gpu``; skips with fewer): a real
-``serve --tensor-parallel-size 2`` on the random-weight Llama-3.2-1B shape (bf16) against
-``--tensor-parallel-size 1``, both replaying graphs with the all-reduces captured inside.
+``serve --tensor-parallel-size 2`` (and 4, where four GPUs are) on the random-weight
+Llama-3.2-1B shape (bf16) against ``--tensor-parallel-size 1``, both replaying graphs with
+the all-reduces captured inside.
 
 Both servers get the same calls, lockstep, and decode the TP = 1 server's tokens, so one
 near-tie cannot send them down different paths. bf16 tolerance: wherever the TP = 1 top-2
@@ -39,14 +40,19 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=["breakable", "tc_piecewise"])
+@pytest.fixture(scope="module", params=[
+    (2, "breakable"), (2, "tc_piecewise"),
+    pytest.param((4, "breakable"), marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 4, reason="TP = 4 needs 4 GPUs"))],
+    ids=lambda p: f"tp{p[0]}-{p[1]}")
 def servers(request: pytest.FixtureRequest, model: Path
             ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
-    extra = ["--prefill-graph", request.param]
+    size, prefill = request.param
+    extra = ["--prefill-graph", prefill]
     procs: list[subprocess.Popen[bytes]] = []
     stubs = []
     try:
-        for tp in (1, 2):
+        for tp in (1, size):
             proc, target, _ = serve(model, tp, extra)
             procs.append(proc)
             stubs.append(pb_grpc.ExecutorStub(grpc.insecure_channel(target)))
@@ -68,7 +74,7 @@ def _agree(ref: pb.ItemOutput, got: pb.ItemOutput) -> bool:
 def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
                                                     pb_grpc.ExecutorStub]) -> None:
     """Chunked prefill (graph pieces), 12 decode steps at batch 3 (full decode graph), a
-    4-step decode from the tokens on the device, Release: TP = 2 reproduces TP = 1."""
+    4-step decode from the tokens on the device, Release: TP = N reproduces TP = 1."""
     ref, tp2 = servers
     prompts = {"a": _tokens(1, 300), "b": _tokens(2, 45), "c": _tokens(3, 700)}
     agree = total = 0
@@ -106,12 +112,14 @@ def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
     assert [k.free_tokens for k in kv] == [k.total_tokens for k in kv]
 
 
-def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs() -> None:
-    """Both ``--tp-all-reduce`` choices through ``TensorParallel.all_reduce`` on 2 GPUs:
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 4, reason="needs 4 GPUs"))])
+def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -> None:
+    """Every ``--tp-all-reduce`` choice through ``TensorParallel.all_reduce`` on 2 (4) GPUs:
     exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
     all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs, and
     a size over ``ONE_SHOT_MAX_BYTES`` (600 x 2048 bf16) goes to NCCL inside it."""
-    got = allreduce_us(2, 2048, sizes=[1, 8, 64, 600])
+    got = allreduce_us(world, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
