@@ -71,7 +71,7 @@ def _agree(ref: pb.ItemOutput, got: pb.ItemOutput) -> bool:
     return got.token_id == ref.token_id
 
 
-def test_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
+def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
                                                     pb_grpc.ExecutorStub]) -> None:
     """Chunked prefill (graph pieces), 12 decode steps at batch 3 (full decode graph), a
     4-step decode from the tokens on the device, Release: TP = N reproduces TP = 1."""
