@@ -68,7 +68,7 @@ from executor.errors import (
     InvalidRequest,
     SequenceNotFound,
 )
-from executor.forward_batch import ForwardBatch, PinnedStaging
+from executor.forward_batch import BeforeTransfer, ForwardBatch, PinnedStaging
 from executor.graphs.buckets import (
     default_decode_buckets,
     default_prefill_buckets,
@@ -82,7 +82,7 @@ from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
 from executor.kv.manager import Columns
 from executor.model.loader import load_hf_config, load_model
 from executor.model.named import model_name, resolve_model_source
-from executor.packing import USE_LAST_SAMPLED
+from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, PinnedPool, Sampler, device_tensor
 from executor.steps import PendingStep
 from executor.validation import Limits, validate_decode, validate_prefill
@@ -281,8 +281,10 @@ class Executor:
             tokens = [t for it in items for t in it.token_ids]
             decision = self._decide("prefill", len(tokens))
             every = frozenset(i for i in rows if items[i].every_position)
-            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every)
             plan = _SamplePlan.of(items, alloc, rows, every)
+            batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
+                                     self._announcer("prefill", decision, plan.params,
+                                                     plan.targets))
             sample, info = self._step(batch, decision, plan.params, plan.positions,
                                       plan.targets)
             if sample is not None:
@@ -336,10 +338,12 @@ class Executor:
             decision = self._decide("decode", len(items))
             first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
                 [USE_LAST_SAMPLED if t is None else t for t in tokens]
+            announce = self._announcer("decode", decision, params, None)
             for step in range(num_steps):
                 sub = alloc if num_steps == 1 else _decode_step(alloc, num_steps, step)
                 batch = self.build_batch("decode", first if step == 0 else
-                                         [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket)
+                                         [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
+                                         before_transfer=announce)
                 # each sequence's length after this step: the index of its new token + 1
                 sample, info = self._step(batch, decision, params, batch.seq_lens_host)
                 assert sample is not None
@@ -520,17 +524,19 @@ class Executor:
 
     def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
                     logits_rows: list[int], bucket: int | None = None,
-                    every_position: frozenset[int] = frozenset()) -> ForwardBatch:
+                    every_position: frozenset[int] = frozenset(),
+                    before_transfer: BeforeTransfer | None = None) -> ForwardBatch:
         """Pack a batch for ``alloc`` and publish its new KV locations to the device
         request-slot table (part of the same transfer). ``logits_rows`` index the
         sequences whose last new token needs logits. With the captured ``bucket`` it will
         replay, the batch is packed for that bucket's graphs, and the replay publishes
-        its locations (``GraphRunner.layout``)."""
+        its locations (``GraphRunner.layout``). ``before_transfer``: see
+        ``ForwardBatch.build`` (``_announcer``'s)."""
         runner = self.runners.get(phase) if bucket is not None else None
         layout = runner.layout(bucket) if runner is not None and bucket is not None else None
         batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
                                    self.table.max_context, self.staging, layout,
-                                   every_position)
+                                   every_position, before_transfer)
         if layout is None:
             self.table.write_device(batch.table_index, batch.out_cache_loc)
         return batch
@@ -569,24 +575,10 @@ class Executor:
               ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device."""
         start = time.perf_counter()
-        padded = 0
-        runner = self.runners.get(batch.phase)
-        if decision.bucket is not None:
-            mode = Mode.GRAPH
-            padded = decision.bucket - (batch.batch_size if batch.phase == "decode"
-                                        else batch.num_tokens)
-        elif runner is not None and runner.runs_uncaptured:
-            mode = Mode.UNCAPTURED
-        else:
-            mode = Mode.LOGITS if params else Mode.KV_ONLY
-        if self.channel is not None:  # the other ranks run the same forward
-            assert batch.sizes is not None
-            # Sequences sampled for: one row each, except an every_position item's many
-            # rows, of which only the last (the one target -1) keeps its token.
-            sampled = 0 if mode is Mode.KV_ONLY or not params else \
-                len(params) if targets is None else targets.count(-1)
-            self.channel.send(StepHeader(batch.phase, mode, decision.bucket, batch.sizes,
-                                         sampled), batch.packed)
+        padded = 0 if decision.bucket is None else decision.bucket - (
+            batch.batch_size if batch.phase == "decode" else batch.num_tokens)
+        mode = self._mode(batch.phase, decision, params)
+        # (the other ranks got the step from ``_announcer`` while it was packed)
         logits = self._forward(batch, mode, decision.bucket)
         if self.channel is not None:  # every rank got the step (after our own launch)
             self.channel.confirm()
@@ -596,6 +588,35 @@ class Executor:
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"
         return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
+
+    def _mode(self, phase: Phase, decision: Decision, params: list[SamplingParams]) -> Mode:
+        """How a step's forward runs (every rank runs it the same way)."""
+        if decision.bucket is not None:
+            return Mode.GRAPH
+        runner = self.runners.get(phase)
+        if runner is not None and runner.runs_uncaptured:
+            return Mode.UNCAPTURED
+        return Mode.LOGITS if params else Mode.KV_ONLY
+
+    def _announcer(self, phase: Phase, decision: Decision, params: list[SamplingParams],
+                   targets: list[int] | None) -> BeforeTransfer | None:
+        """Rank 0 of a tensor-parallel group: sends a step to the other ranks as soon as it
+        is packed, before its own device copy, so that they start unpacking it while this
+        rank copies and launches (their forwards' first all-reduce waits for the last
+        rank to arrive). None without other ranks."""
+        channel = self.channel
+        if channel is None:
+            return None
+        mode = self._mode(phase, decision, params)
+        # Sequences sampled for: one row each, except an every_position item's many rows,
+        # of which only the last (the one target -1) keeps its token.
+        sampled = 0 if mode is Mode.KV_ONLY or not params else \
+            len(params) if targets is None else targets.count(-1)
+
+        def send(packed: torch.Tensor, sizes: PackedSizes) -> None:
+            channel.send(StepHeader(phase, mode, decision.bucket, sizes, sampled), packed)
+
+        return send
 
     def _forward(self, batch: ForwardBatch, mode: Mode, bucket: int | None
                  ) -> torch.Tensor | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,10 @@ _LIST_BUILD_MAX_TOKENS = 256
 
 #: Cached slices per staging buffer before the cache starts over.
 _SLICES_KEPT = 256
+#: ``ForwardBatch.build``'s hook: (packed host buffer, its sizes), before the device copy.
+BeforeTransfer = Callable[[torch.Tensor, PackedSizes], None]
+#: Sequence fields whose real entries a batch also keeps on the host (``*_host``).
+_HOST_FIELDS = ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens")
 
 
 class PinnedStaging:
@@ -156,6 +161,7 @@ class ForwardBatch:
         staging: PinnedStaging | None = None,
         layout: GraphLayout | None = None,
         every_position: frozenset[int] = frozenset(),
+        before_transfer: BeforeTransfer | None = None,
     ) -> ForwardBatch:
         """Pack a batch from the tokens of each sequence (in ``alloc`` order).
 
@@ -167,6 +173,8 @@ class ForwardBatch:
         padded to it and landing in the layout's fixed device buffer, so a captured
         prologue can read it from there. All integer metadata travels in one
         host-to-device copy laid out by ``executor.packing``, then is split into views.
+        ``before_transfer`` is called with the packed host buffer and its sizes before that
+        copy (rank 0 of a tensor-parallel group sends them to the other ranks there).
         """
         cols = alloc.columns  # the extensions' columns (a decode step has no tuples)
         slots, prefix, ext_lens = cols.slots, cols.prefix_lens, cols.new_lens
@@ -194,7 +202,7 @@ class ForwardBatch:
                 sizes, scratch))
             return ForwardBatch._transfer(phase, flat, sizes,
                                           (slots, seq_lens_a.tolist(), prefix, ext_lens),
-                                          device, staging, layout)
+                                          device, staging, layout, before_transfer)
         if one_each:
             seq_lens = [p + 1 for p in prefix]
             starts = list(range(b))
@@ -257,7 +265,7 @@ class ForwardBatch:
                  **{k: torch.tensor(v, dtype=torch.int64) for k, v in per_seq.items()}},
                 sizes, scratch)
         return ForwardBatch._transfer(phase, flat, sizes, (slots, seq_lens, prefix, ext_lens),
-                                      device, staging, layout)
+                                      device, staging, layout, before_transfer)
 
     @staticmethod
     def from_packed(phase: Phase, flat: torch.Tensor, sizes: PackedSizes,
@@ -265,18 +273,21 @@ class ForwardBatch:
                     layout: GraphLayout | None = None) -> ForwardBatch:
         """The batch whose packed host buffer (``packed``) and ``sizes`` another rank
         sent: the same device transfer as ``build``, the host tuples read from ``flat``."""
-        views = split_packed(flat, sizes)
-        hosts = tuple(views[name].tolist() for name in
-                      ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens"))
+        # (the host tuples from numpy slices: cheaper than splitting the host tensor)
+        values = flat.numpy()
+        n = sizes.seqs
+        hosts = tuple(values[at : at + n].tolist() for at in map(sizes.offset, _HOST_FIELDS))
         return ForwardBatch._transfer(phase, flat, sizes, hosts, device, staging, layout)
 
     @staticmethod
     def _transfer(phase: Phase, flat: torch.Tensor, sizes: PackedSizes,
                   hosts: tuple[list[int], ...], device: torch.device,
-                  staging: PinnedStaging | None, layout: GraphLayout | None
-                  ) -> ForwardBatch:
+                  staging: PinnedStaging | None, layout: GraphLayout | None,
+                  before_transfer: BeforeTransfer | None = None) -> ForwardBatch:
         """Copy the packed host buffer ``flat`` to the device and split it into fields;
         ``hosts``: the slots, sequence, prefix and extend lengths on the host."""
+        if before_transfer is not None:
+            before_transfer(flat, sizes)
         host = flat
         slots, seq_lens, prefix, ext_lens = hosts
         if device.type == "cuda" and staging is None:

@@ -239,3 +239,41 @@ def test_numpy_decode_packing_equals_the_list_packing(
                 got.extend_lens_host) == (want.req_pool_indices_host, want.seq_lens_host,
                                           want.prefix_lens_host, want.extend_lens_host)
         assert all(type(v) is int for v in got.seq_lens_host + got.req_pool_indices_host)
+
+
+HOSTS = ("req_pool_indices_host", "seq_lens_host", "prefix_lens_host", "extend_lens_host")
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=seqs, spare=st.integers(0, 5), padded=st.booleans())
+def test_another_rank_rebuilds_the_batch_from_what_the_hook_was_given(
+        spec: list[tuple[int, int]], spare: int, padded: bool) -> None:
+    """``before_transfer`` gets the packed host buffer and sizes before the device copy
+    (what rank 0 sends); ``from_packed`` of them on another rank gives the same fields and
+    host tuples, plain or packed for a bucket (decode batches with padded rows too)."""
+    tokens, alloc, rows = _case(spec)
+    decode = all(new == 1 for _, new in spec)
+    phase = "decode" if decode else "prefill"
+    cpu = torch.device("cpu")
+    bucket = len(tokens) + spare
+
+    def layout() -> GraphLayout | None:
+        if not padded:
+            return None
+        dest = torch.full((GraphLayout.max_packed_size(bucket),), -7, dtype=torch.int64)
+        return GraphLayout(bucket, _SCRATCH, dest, phase)
+
+    sent: list[tuple[torch.Tensor, object]] = []
+    fb = ForwardBatch.build(phase, tokens, alloc, rows, cpu, _WIDTH, layout=layout(),
+                            before_transfer=lambda flat, sizes: sent.append(
+                                (flat.clone(), sizes)))
+    assert len(sent) == 1
+    flat, sizes = sent[0]
+    assert torch.equal(flat, fb.packed) and sizes == fb.sizes
+    other = ForwardBatch.from_packed(phase, flat, fb.sizes, cpu, layout=layout())
+    for name in (*FIELDS, *HOSTS, "bucket"):
+        a, b = getattr(fb, name), getattr(other, name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    assert (fb.decode_rows is None) == (other.decode_rows is None)
+    if fb.decode_rows is not None:
+        assert torch.equal(fb.decode_rows, other.decode_rows)
