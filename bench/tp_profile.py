@@ -44,12 +44,14 @@ from bench.kernel_classes import CLASSES, Kernel, name_class, step_table
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def _config(source: str, device: str, contexts: int) -> Any:
+def _config(source: str, device: str, contexts: int, load_format: str = "safetensors"
+            ) -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 
     cuda = device.startswith("cuda")
     return ExecutorConfig(
-        model=ModelConfig(source=source, dtype="bfloat16" if cuda else "float32"),
+        model=ModelConfig(source=source, dtype="bfloat16" if cuda else "float32",
+                          load_format=load_format),  # type: ignore[arg-type]
         device=device,
         cache=CacheConfig(kv_tokens=64 * (contexts + 64), max_sequences=72,
                           max_context=contexts + 64),
@@ -159,7 +161,7 @@ def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[
 
 
 def rank_main(rank: int, size: int, port: int, source: str, device: str, batches: list[int],
-              steps: int, context: int, out: str) -> None:
+              steps: int, context: int, out: str, load_format: str = "safetensors") -> None:
     """One rank's process: build the shard, lead or follow, write ``rank{rank}.json``."""
     import torch
     import torch.distributed as dist
@@ -171,7 +173,7 @@ def rank_main(rank: int, size: int, port: int, source: str, device: str, batches
     dev = f"cuda:{rank}" if cuda else "cpu"
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
     tp = group.init(rank, size, torch.device(dev), dist.PrefixStore("tp", store), TIMEOUT)
-    ex = Executor(_config(source, dev, context), tp)
+    ex = Executor(_config(source, dev, context, load_format), tp)
     stamps = _Stamps(ex)
     result: dict[str, Any] = {"rank": rank}
     if rank == 0:
@@ -298,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                    help="random: write only the shape's config.json and draw the weights "
+                    "on the devices")
     args = ap.parse_args(argv)
 
     import torch
@@ -307,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     from executor.distributed.launch import spawn_context
     from executor.distributed.sharding import local_spec
 
-    path, spec = shapes.model(args.model, args.models)
+    if args.load_format == "random" and args.model in shapes.SHAPES:  # (tiny has a dir)
+        path, spec = shapes.write_config(args.model, args.models), shapes.spec(args.model)
+    else:
+        path, spec = shapes.model(args.model, args.models)
     batches = [int(b) for b in args.batches.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = 0.0
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = spawn_context()
     procs = [ctx.Process(target=rank_main, args=(r, args.tp, store.port, str(path),
                                                  args.device, batches, args.steps,
-                                                 args.context, str(args.out)))
+                                                 args.context, str(args.out), args.load_format))
              for r in range(args.tp)]
     for p in procs:
         p.start()
