@@ -34,12 +34,15 @@ from bench.kernel_classes import Kernel, class_bytes, floor_ms, markdown_case, s
 DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:2048")
 
 
-def _executor(source: str, attention: str, switches: dict[str, str]) -> Any:
+def _executor(source: str, attention: str, switches: dict[str, str],
+              load_format: str = "safetensors") -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
 
     return Executor(ExecutorConfig(
-        model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
+        model=ModelConfig(source=source, dtype="bfloat16",
+                          load_format=load_format),  # type: ignore[arg-type]
+        device="cuda",
         cache=CacheConfig(kv_tokens=96 * 1024, max_sequences=80, max_context=4096),
         graphs=GraphConfig(decode_mode="full", prefill_mode="breakable",
                            decode_buckets=(1, 8, 64), prefill_buckets=(128, 2048)),
@@ -98,17 +101,19 @@ def case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callabl
 
 
 def measure(model: str, models_root: Path, cases: list[str], steps: int, context: int,
-            attention: str, switches: dict[str, str] | None = None) -> dict[str, Any]:
+            attention: str, switches: dict[str, str] | None = None,
+            load_format: str = "safetensors") -> dict[str, Any]:
     import torch
 
     from bench import hardware, shapes
 
     bw = hardware.read_bandwidth_gbs()
     tflops = hardware.matmul_tflops()
-    source = str(shapes.write_shape(model, models_root))
+    source = str(shapes.write_config(model, models_root) if load_format == "random"
+                 else shapes.write_shape(model, models_root))
     spec = shapes.spec(model)
     wbytes = shapes.weight_bytes(model)
-    ex = _executor(source, attention, switches or {})
+    ex = _executor(source, attention, switches or {}, load_format)
     ex.capture(["decode", "prefill"])
     result: dict[str, Any] = {
         "model": model, "device": torch.cuda.get_device_name(),
@@ -175,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--label", default="run")
+    ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                    help="random: write only the shape's config.json and draw the weights "
+                    "on the GPU (no minutes spent writing the 8B shape)")
     bench_switches.add_arguments(ap)
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args(argv)
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(after, before))
         return 0
     result = measure(args.model, args.models, args.case or list(DEFAULT_CASES), args.steps,
-                     args.context, args.attention, bench_switches.overrides(args))
+                     args.context, args.attention, bench_switches.overrides(args),
+                     args.load_format)
     text = markdown(result)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

