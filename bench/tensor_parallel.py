@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "
                     "draw the weights on the GPUs (serve --load-format random)")
+    ap.add_argument("--no-all-reduce-table", action="store_true",
+                    help="skip the all-reduce timings (about 30 s per TP size)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -307,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["bs1_ratios"] = {tp: r["decode_bs1"]["replay_ms_mean"]
                                    / one[0]["decode_bs1"]["replay_ms_mean"]
                                    for tp, r in sorted(many.items())}
-        entry["allreduce_us"] = {tp: allreduce_us(tp, s.hidden_size) for tp in sorted(many)}
+        if not a.no_all_reduce_table:
+            entry["allreduce_us"] = {tp: allreduce_us(tp, s.hidden_size)
+                                     for tp in sorted(many)}
         result["shapes"][shape] = entry
         (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
