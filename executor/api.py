@@ -259,6 +259,8 @@ class ModelInfo:
     rank_memory_bytes: tuple[int, ...] = ()
     # kernel switches in effect ("fused_decode_rope", "pdl"): what ``auto`` resolved to
     kernel_features: tuple[str, ...] = ()
+    # where the weights came from: "safetensors", or "random" (``--load-format random``)
+    load_format: str = "safetensors"
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ class Executor:
             vocab_size=spec.vocab_size,
             max_context=max_context,
             attention_backend=backend_name,
+            load_format=config.model.load_format,
         )
         self.boot_seconds["weights"] = time.perf_counter() - started
 

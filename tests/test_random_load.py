@@ -110,3 +110,19 @@ def test_the_flag_reaches_the_config_and_a_bad_value_is_refused() -> None:
         parser.parse_args(["serve", "--load-format", "pt"])
     with pytest.raises(ConfigError, match="load_format must be one of"):
         ModelConfig(load_format="pickle")  # type: ignore[arg-type]
+
+
+def test_health_says_where_the_weights_came_from(tmp_path: Path) -> None:
+    from executor.config import CacheConfig, ExecutorConfig
+    from executor.executor import Executor
+    from executor.model.tiny import ensure_tiny_model
+    from service.convert import health_response
+
+    shutil.copy(ensure_tiny_model() / "config.json", tmp_path / "config.json")
+    cache = CacheConfig(kv_tokens=256, max_sequences=2, max_context=64)
+    for source, load_format in ((str(tmp_path), "random"), ("tiny", "safetensors")):
+        ex = Executor(ExecutorConfig(model=ModelConfig(source=source,
+                                                       load_format=load_format),  # type: ignore[arg-type]
+                                     device="cpu", cache=cache))
+        msg = health_response(1, ex.status(), "test", 0.0, 0)
+        assert msg.model.load_format == load_format
