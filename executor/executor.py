@@ -354,16 +354,18 @@ class Executor:
             self.kv.rollback(alloc)
             raise
         last.update(seq_ids)
-        # A repeat keeps its memo's items and columns; only the version and length move.
-        self._decode_memo = dataclasses.replace(
-            memo, kv_version=self.kv.version, max_len=max(batch.seq_lens_host)) \
-            if memo is not None else _DecodeMemo(
+        if memo is not None:  # a repeat keeps its items and columns: only these move
+            memo.kv_version, memo.max_len = self.kv.version, max(batch.seq_lens_host)
+        else:
+            memo = _DecodeMemo(
                 tuple(items), num_steps, self.kv.version, max(batch.seq_lens_host),
                 (seq_ids, (None,) * n, sampling, stops, dict.fromkeys(seq_ids, True))
                 if tokens.count(None) == n else None)
-        info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
-                                   padded_tokens=info.padded_tokens * num_steps,
-                                   num_steps=num_steps)
+        self._decode_memo = memo
+        if num_steps != 1:
+            info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
+                                       padded_tokens=info.padded_tokens * num_steps,
+                                       num_steps=num_steps)
         return self._pending(PendingStep(
             "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling, stops,
             samples, info, started=started, had_last=had_last))
@@ -741,7 +743,7 @@ class _SamplePlan:
 _NO_STOPS: frozenset[int] = frozenset()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class _DecodeMemo:
     """What a decode launch leaves for the next one when every item continued from its
     last sample: a pipelined scheduler sends the same items step after step

@@ -10,7 +10,6 @@ executor may launch further steps, which read this step's sampled tokens on the 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,8 +63,7 @@ class PendingStep:
         self.finished = True
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
         self.recycled()
-        return StepResult(self.outputs(sampled),
-                          dataclasses.replace(self.info, forward_ms=elapsed_ms))
+        return StepResult(self.outputs(sampled), self.info.timed(elapsed_ms))
 
     def recycled(self) -> None:
         """Hand the step's event and buffers back to its launcher (once; the device work
