@@ -254,6 +254,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_runs(shapes: str, tp: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """``--shapes`` and ``--tp`` -> each shape with its (size, all-reduce) runs: a shape
+    written ``name@4+8`` keeps only the runs of those sizes."""
+    variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "auto")
+                for t in tp.split(",")]
+    out = []
+    for item in shapes.split(","):
+        shape, _, only = item.partition("@")
+        sizes = {int(n) for n in only.split("+")} if only else None
+        out.append((shape, [v for v in variants if sizes is None or v[0] in sizes]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b",
@@ -274,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.tensor_parallel needs CUDA GPUs")
     from bench.hardware import read_bandwidth_gbs
 
-    variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "auto")
-                for t in a.tp.split(",")]
-    sizes = [size for size, _ in variants]
+    plan = parse_runs(a.shapes, a.tp)
+    sizes = [size for _, runs in plan for size, _ in runs] or [1]
     if max(sizes) > torch.cuda.device_count():
         raise SystemExit(f"TP {max(sizes)} needs {max(sizes)} GPUs; "
                          f"{torch.cuda.device_count()} here")
@@ -288,16 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                               "shapes": {}}
     a.out.mkdir(parents=True, exist_ok=True)
     result["load_format"] = a.load_format
-    for item in a.shapes.split(","):
-        shape, _, only = item.partition("@")
+    for shape, variants in plan:
         started = time.perf_counter()
         model = write_config(shape, a.models) if a.load_format == "random" \
             else write_shape(shape, a.models)
         s = spec(shape)
         runs = []
         for tp, algo in variants:
-            if only and str(tp) not in only.split("+"):
-                continue
             run = measure(model, tp, s.vocab_size, algo, a.load_format)
             run["floor_ms"] = weight_bytes(shape) / tp / (read_gbs * 1e9) * 1e3
             runs.append(run)
