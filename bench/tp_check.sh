@@ -5,13 +5,15 @@
 # STEPS (default "tests"): any of "tests regress bench"; "regress" runs the single-GPU
 # step-path tests on GPU 1 while the world-of-one test runs on GPU 0. WS1_K and TP2_K are
 # pytest -k filters of the world-of-one and the 2-GPU tests; SHAPES and RUNS (--tp) the
-# benchmark's.
+# benchmark's (a shape written name@4 runs at size 4 only), LOAD_FORMAT its weights
+# (default random: drawn on the GPUs, no checkpoint written first).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-results-local}
 STEPS=${STEPS:-tests}
 SHAPES=${SHAPES:-llama-3.2-1b,llama-3.1-8b}
 RUNS=${RUNS:-1,2,2:nccl}
+LOAD_FORMAT=${LOAD_FORMAT:-random}
 WS1_K=${WS1_K:-}
 TP2_K=${TP2_K:-}
 mkdir -p "$OUT"
@@ -51,6 +53,7 @@ if has tests; then
 fi
 if has bench; then
   log "bench.tensor_parallel ($SHAPES)"
-  python -m bench.tensor_parallel --shapes "$SHAPES" --tp "$RUNS" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+  python -m bench.tensor_parallel --shapes "$SHAPES" --tp "$RUNS" --load-format "$LOAD_FORMAT" \
+    --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
   log "bench done"
 fi
