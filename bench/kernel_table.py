@@ -109,9 +109,8 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
 
     bw = hardware.read_bandwidth_gbs()
     tflops = hardware.matmul_tflops()
-    source = str(shapes.write_config(model, models_root) if load_format == "random"
-                 else shapes.write_shape(model, models_root))
-    spec = shapes.spec(model)
+    path, spec = shapes.model(model, models_root, load_format)
+    source = str(path)
     wbytes = shapes.weight_bytes(model)
     ex = _executor(source, attention, switches or {}, load_format)
     ex.capture(["decode", "prefill"])

@@ -23,14 +23,10 @@ LLAMA_3_1_8B: dict[str, Any] = dict(
 )
 # Served only at tensor parallel sizes >= 4 (140 GB of bf16 weights), with
 # ``--load-format random`` (``write_config``): too large to write here.
-LLAMA_3_1_70B: dict[str, Any] = dict(
-    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-    num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-)
+# (the 8B's vocabulary, KV heads, head size and RoPE; wider and deeper)
+LLAMA_3_1_70B: dict[str, Any] = {**LLAMA_3_1_8B, "hidden_size": 8192,
+                                 "intermediate_size": 28672, "num_hidden_layers": 80,
+                                 "num_attention_heads": 64}
 # SmolLM2-135M (the default served model) with random weights: small and odd (hidden
 # 576, 9 query and 3 KV heads), where the step is kernel count rather than bytes.
 SMOLLM2_135M: dict[str, Any] = dict(
@@ -92,15 +88,18 @@ def spec(name: str) -> Any:
     return spec_from_hf_config(hf_config(name))
 
 
-def model(name: str, root: Path) -> tuple[Path, Any]:
-    """``(directory, ModelSpec)`` of a bench shape written under ``root``, or of the
-    embedded ``tiny`` model (the smoke profile), loaded through the real loader."""
+def model(name: str, root: Path, load_format: str = "safetensors") -> tuple[Path, Any]:
+    """``(directory, ModelSpec)`` of a bench shape written under ``root`` (only its
+    config.json for ``load_format`` "random", whose weights the executor draws), or of
+    the embedded ``tiny`` model (the smoke profile), loaded through the real loader."""
     if name == "tiny":
         from executor.model.loader import load_hf_config
         from executor.model.tiny import ensure_tiny_model
 
         path = ensure_tiny_model()
         return path, load_hf_config(path)
+    if load_format == "random":
+        return write_config(name, root), spec(name)
     return write_shape(name, root), spec(name)
 
 

@@ -41,8 +41,9 @@ from typing import Any
 import grpc
 import torch
 
+from bench import shapes
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
-from bench.shapes import spec, weight_bytes, write_config, write_shape
+from bench.shapes import weight_bytes
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -254,13 +255,13 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_runs(shapes: str, tp: str) -> list[tuple[str, list[tuple[int, str]]]]:
+def parse_runs(shapes_arg: str, tp: str) -> list[tuple[str, list[tuple[int, str]]]]:
     """``--shapes`` and ``--tp`` -> each shape with its (size, all-reduce) runs: a shape
     written ``name@4+8`` keeps only the runs of those sizes."""
     variants = [(int(t.split(":")[0]), t.split(":")[1] if ":" in t else "auto")
                 for t in tp.split(",")]
     out = []
-    for item in shapes.split(","):
+    for item in shapes_arg.split(","):
         shape, _, only = item.partition("@")
         sizes = {int(n) for n in only.split("+")} if only else None
         out.append((shape, [v for v in variants if sizes is None or v[0] in sizes]))
@@ -302,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     result["load_format"] = a.load_format
     for shape, variants in plan:
         started = time.perf_counter()
-        model = write_config(shape, a.models) if a.load_format == "random" \
-            else write_shape(shape, a.models)
-        s = spec(shape)
+        model, s = shapes.model(shape, a.models, a.load_format)
         runs = []
         for tp, algo in variants:
             run = measure(model, tp, s.vocab_size, algo, a.load_format)

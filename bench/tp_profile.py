@@ -312,10 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     from executor.distributed.launch import spawn_context
     from executor.distributed.sharding import local_spec
 
-    if args.load_format == "random" and args.model in shapes.SHAPES:  # (tiny has a dir)
-        path, spec = shapes.write_config(args.model, args.models), shapes.spec(args.model)
-    else:
-        path, spec = shapes.model(args.model, args.models)
+    path, spec = shapes.model(args.model, args.models, args.load_format)
     batches = [int(b) for b in args.batches.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = 0.0

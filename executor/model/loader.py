@@ -111,15 +111,16 @@ def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, i
     return out
 
 
-def _readers(path: Path, load_format: LoadFormat, seed: int, device: torch.device
+def _readers(path: Path, files: list[Path] | None, seed: int, device: torch.device
              ) -> Iterator[tuple[Any, str]]:
-    """(reader, its name in errors) for each weight file, or the one random checkpoint."""
-    if load_format == "random":
+    """(reader, its name in errors) for each weight file, or without ``files`` the one
+    random checkpoint."""
+    if files is None:
         from executor.model.random_weights import RandomCheckpoint
 
         yield RandomCheckpoint(_hf_config(path), seed, device), "random weights"
         return
-    for file in _weight_files(path):
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             yield f, file.name
 
@@ -135,9 +136,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
     only this rank's slice of each split tensor is read (``sharding.copy_shard``)."""
     spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
-    readers = _readers(path, load_format, seed, device)
-    if load_format == "safetensors":
-        _weight_files(path)  # a directory without weights fails before the model is built
+    # (a directory without weights fails here, before the model is built)
+    files = _weight_files(path) if load_format == "safetensors" else None
     factory = model_factory(spec.architecture)
     tp = tp or TensorParallel.single()
     with torch.device("meta"):
@@ -147,7 +147,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
     loaded: set[tuple[str, int | None]] = set()
-    for f, where in readers:
+    for f, where in _readers(path, files, seed, device):
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             if _IGNORED_RE.search(hf_name):
                 continue
