@@ -15,6 +15,7 @@ from HBM; the weight-read floor uses the bandwidth measured here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -29,15 +30,31 @@ from bench import hardware, shapes
 from bench.gemm import _L2_BYTES, projections, replay_us
 from executor.config import KERNEL_SWITCH_MODES
 
-# (block_n, block_k, num_warps) candidates at M = 1
+# (block_n, block_k, num_warps[, num_stages]) candidates at M = 1; the last ones loop over
+# short K chunks with a deeper software pipeline. RMSNorm prologues also try each one
+# with ``one_pass`` (``skinny_gemm._one_pass_norm_product``).
 SWEEP = [(1, 4096, 4), (2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4),
          (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 512, 4), (8, 1024, 4), (8, 2048, 8),
-         (16, 512, 4), (32, 256, 4)]
+         (16, 512, 4), (32, 256, 4), (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 4),
+         (16, 256, 4, 4), (16, 512, 8, 4), (32, 128, 4, 5)]
 EPS = 1e-5
 
 
-def _cases(k: int, proj: str) -> tuple[int, Callable[..., Any], Callable[..., Any]]:
-    """``(prologue, unfused(w), fused(w, tile))`` for one projection at M = 1."""
+def candidates(prologue: int) -> list[tuple[int | bool, ...]]:
+    """The sweep's tiles, as ``Tile`` fields, for a projection with this prologue."""
+    from executor.kernels import skinny_gemm as sg
+
+    out: list[tuple[int | bool, ...]] = [(*c, 3) if len(c) == 3 else c for c in SWEEP]
+    if prologue in (sg.RMS_NORM, sg.ADD_RMS_NORM):
+        out += [(*c, True) for c in out]
+    return out
+
+
+def _cases(k: int, proj: str
+           ) -> tuple[int, Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(prologue, unfused(w), fused(w, tile), check(got, w))`` for one projection at
+    M = 1; ``check`` raises where a one-pass tile's output is more than an ulp off the
+    float32 norm-and-product (other tiles are checked against ``unfused``)."""
     from executor import kernels
     from executor.kernels import skinny_gemm as sg
 
@@ -46,16 +63,30 @@ def _cases(k: int, proj: str) -> tuple[int, Callable[..., Any], Callable[..., An
         x = torch.randn(1, k, device=dev, dtype=dt)
         res = torch.randn(1, k, device=dev, dtype=dt) * 3
         nw = (1 + 0.2 * torch.randn(k, device=dev)).to(dt)
+        s32 = kernels.add_rms_norm(x, res, nw, EPS)[1].float()
+        normed32 = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
+
+        def check(got: torch.Tensor, w: torch.Tensor) -> None:
+            ref32 = normed32 @ w.float().T
+            err = (got.float() - ref32).abs()
+            if not bool((err <= 2**-7 * ref32.abs() + 1e-3).all()):
+                raise AssertionError(f"one-pass product off by {float(err.max()):.3g}")
+
         return (sg.ADD_RMS_NORM,
                 lambda w: F.linear(kernels.add_rms_norm(x, res, nw, EPS)[0], w),
-                lambda w, tile=None: sg.skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)[0])
+                lambda w, tile=None: sg.skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)[0],
+                check)
     if proj == "down":
         g = torch.randn(1, 2 * k, device=dev, dtype=dt) * 2
         return (sg.SILU_MUL, lambda w: F.linear(kernels.silu_and_mul(g), w),
-                lambda w, tile=None: sg.skinny_gemm(g, w, silu_mul=True, tile=tile))
+                lambda w, tile=None: sg.skinny_gemm(g, w, silu_mul=True, tile=tile), _no_check)
     x = torch.randn(1, k, device=dev, dtype=dt)
     return (sg.PLAIN, lambda w: F.linear(x, w),
-            lambda w, tile=None: sg.skinny_gemm(x, w, tile=tile))
+            lambda w, tile=None: sg.skinny_gemm(x, w, tile=tile), _no_check)
+
+
+def _no_check(got: torch.Tensor, w: torch.Tensor) -> None:
+    raise AssertionError("only RMSNorm prologues have one-pass tiles")
 
 
 def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
@@ -69,24 +100,27 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
             continue
         copies = max(2, -(-_L2_BYTES // (k * n * 2)) + 1)
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(copies)]
-        prologue, unfused, fused = _cases(k, name)
-        tile = pick_tile(prologue, 1, n, k)
+        prologue, unfused, fused, check = _cases(k, name)
+        tile = pick_tile(prologue, 1, n, k, torch.cuda.get_device_name())
         row: dict[str, Any] = {
             "proj": name, "prologue": prologue, "n": n, "k": k,
             "floor_us": k * n * 2 / bw * 1e6, "unfused_us": replay_us(unfused, weights),
             "skinny_us": replay_us(functools.partial(fused, tile=tile), weights),
-            "tile": [tile.block_n, tile.block_k, tile.num_warps]}
+            "tile": list(dataclasses.astuple(tile))}
         if sweep:
             ref = unfused(weights[0])
             results: dict[str, float | str] = {}
-            for cand in SWEEP:
-                t = Tile(*cand)
+            for cand in candidates(prologue):
+                t, label = Tile(*cand), json.dumps(list(cand))  # type: ignore[arg-type]
                 try:
-                    torch.testing.assert_close(fused(weights[0], t), ref, atol=2e-3,
-                                               rtol=2**-6)
-                    results[str(list(cand))] = replay_us(functools.partial(fused, tile=t), weights)
+                    if t.one_pass:
+                        check(fused(weights[0], t), weights[0])
+                    else:
+                        torch.testing.assert_close(fused(weights[0], t), ref, atol=2e-3,
+                                                   rtol=2**-6)
+                    results[label] = replay_us(functools.partial(fused, tile=t), weights)
                 except Exception as exc:  # a wrong or failing candidate is reported, not used
-                    results[str(list(cand))] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    results[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
             timed = {c: us for c, us in results.items() if isinstance(us, float)}
             best = min(timed, key=lambda c: timed[c])
             row.update(sweep=results, best_tile=json.loads(best), best_us=timed[best])
@@ -105,16 +139,16 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def write_tiles(path: Path, rows: list[dict[str, Any]], device: str) -> None:
-    """Merge the best tiles into ``path`` (rows of other shapes kept)."""
+    """Merge the best tiles into ``path`` (rows of other shapes or other GPUs kept)."""
     old = json.loads(path.read_text())["tiles"] if path.is_file() else []
-    keep = {(r["prologue"], r["n"], r["k"]): r for r in old}
+    keep = {(r["prologue"], r["n"], r["k"], r.get("device", "")): r for r in old}
     for r in rows:
-        keep[(r["prologue"], r["n"], r["k"])] = {
+        keep[(r["prologue"], r["n"], r["k"], device)] = {
             "prologue": r["prologue"], "n": r["n"], "k": r["k"], "tile": r["best_tile"],
             "us": round(r["best_us"], 2), "unfused_us": round(r["unfused_us"], 2),
             "proj": r["proj"], "device": device}
     path.write_text(json.dumps({"tiles": sorted(keep.values(), key=lambda r: (
-        r["prologue"], r["n"], r["k"]))}, indent=1) + "\n")
+        r["prologue"], r["n"], r["k"], r.get("device", "")))}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

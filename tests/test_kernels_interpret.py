@@ -186,15 +186,53 @@ def test_skinny_norm_gemm(dtype: torch.dtype, m: int, n: int, k: int, with_resid
     assert torch.equal(x, x_before), "the input was written"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, m: int, n: int, k: int,
+                                   with_residual: bool) -> None:
+    """One-pass tiles apply the norm's scale after the product: within an ulp of the
+    float32 norm-and-product of the (rounded) residual sum, which no intermediate rounds;
+    the new residual is the norm kernel's, bit for bit, over several K chunks too. A
+    scale applied per chunk, or a sum of squares missing a chunk, fails the bound."""
+    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+
+    x = _randn(m, k, dtype=dtype, seed=22, scale=2.0)
+    res = _randn(m, k, dtype=dtype, seed=23, scale=3.0) if with_residual else None
+    nw = _norm_weight(k, dtype, seed=24)
+    w = _randn(n, k, dtype=dtype, seed=25, scale=k**-0.5)
+    s = x if res is None else kernels.add_rms_norm(x, res, nw, EPS)[1]
+    s32 = s.float()
+    normed32 = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
+    ref32 = normed32 @ w.float().T
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-10
+    for tile in (Tile(2, 32, one_pass=True), Tile(16, 64, num_stages=2, one_pass=True),
+                 Tile(4, 4096, one_pass=True)):
+        got, got_res = skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)
+        err = (got.float() - ref32).abs()
+        assert (err <= 2 * ulp * ref32.abs() + 1e-4).all(), (tile, err.max())
+        if res is None:
+            assert got_res is None
+        else:
+            assert got_res is not None and torch.equal(got_res, s)
+
+
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from executor.kernels import skinny_gemm as sg
 
     path = tmp_path / "tiles.json"
     path.write_text('{"tiles": [{"prologue": 3, "n": 96, "k": 40, "tile": [8, 64, 4]},'
-                    ' {"prologue": 0, "n": 96, "k": 40, "tile": [4, 32, 8]}]}')
+                    ' {"prologue": 0, "n": 96, "k": 40, "tile": [4, 32, 8]},'
+                    ' {"prologue": 0, "n": 64, "k": 40, "tile": [2, 64, 4], "device": "A"},'
+                    ' {"prologue": 0, "n": 64, "k": 40, "tile": [8, 32, 4, 4, true],'
+                    ' "device": "B"}]}')
     monkeypatch.setattr(sg, "TILES_FILE", path)
     monkeypatch.setattr(sg, "_TUNED", None)
+    # by device: its own tile, else the first GPU's the file names
+    assert sg.pick_tile(sg.PLAIN, 1, 64, 40, "B") == sg.Tile(8, 32, 4, 4, True)
+    assert sg.pick_tile(sg.PLAIN, 1, 64, 40, "A") == sg.Tile(2, 64, 4)
+    assert sg.pick_tile(sg.PLAIN, 1, 64, 40, "C") == sg.Tile(2, 64, 4)
     assert sg.pick_tile(sg.ADD_RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)
     assert sg.pick_tile(sg.RMS_NORM, 1, 96, 40) == sg.Tile(8, 64, 4)  # its add-norm twin's
     assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.Tile(4, 32, 8)

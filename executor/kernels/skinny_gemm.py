@@ -30,6 +30,7 @@ by an ulp of the activation dtype.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # RMSNorm prologues: sum the squares in the product's pass
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -86,33 +88,83 @@ def _skinny_gemm_kernel(
     w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                       other=0.0)
     pdl_enter(USE_PDL)
-    rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
-    if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
-        act_ty = out_ptr.dtype.element_ty
-        ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
-        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+    if ONE_PASS and PROLOGUE >= 2:
+        acc = _one_pass_norm_product(x_rows, r_rows, nw_ptr, w_rows, res_out_ptr, out_ptr,
+                                     w_first, offs_m, offs_n, offs_k, mask_m, mask_n, pid,
+                                     stride_rom, K, inv_k, eps, PROLOGUE, BLOCK_M, BLOCK_N,
+                                     BLOCK_K)
+    else:
+        rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
+            act_ty = out_ptr.dtype.element_ty
+            ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+            ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x_mask = mask_m[:, None] & (ks < K)[None, :]
+                s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+                if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
+                    r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+                    s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+                    tl.store(ro_rows + ks[None, :], s,
+                             mask=x_mask & (offs_m[:, None] * 0 + pid == 0))
+                s32 = s.to(tl.float32)
+                ssq += tl.sum(s32 * s32, axis=1)
+            rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _accumulate(acc, w_first, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, offs_k,
+                                                     mask_m, offs_k < K, rstd, K, PROLOGUE),
+                          BLOCK_M)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + offs_k
-            x_mask = mask_m[:, None] & (ks < K)[None, :]
-            s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
-                r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
-                tl.store(ro_rows + ks[None, :], s, mask=x_mask & (offs_m[:, None] * 0 + pid == 0))
-            s32 = s.to(tl.float32)
-            ssq += tl.sum(s32 * s32, axis=1)
-        rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate(acc, w_first, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, offs_k, mask_m,
-                                                 offs_k < K, rstd, K, PROLOGUE), BLOCK_M)
+            mask_k = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc = _accumulate(acc, w, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m,
+                                                   mask_k, rstd, K, PROLOGUE), BLOCK_M)
+    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _one_pass_norm_product(x_rows, r_rows, nw_ptr, w_rows, res_out_ptr, out_ptr, w_first,
+                           offs_m, offs_n, offs_k, mask_m, mask_n, pid, stride_rom, K, inv_k,
+                           eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``rms_norm(s) @ W.T`` as ``rstd * ((s * nw) @ W.T)``: the norm's scale is one
+    number per row, so it can wait until the sum of squares, gathered in the same pass
+    over the input as the product, is complete. Each program reads its input rows once
+    (the two-pass prologue reads them twice); the normalized input is never rounded to
+    the activation dtype, so the product is the float32 one, not the norm kernel's
+    rounded output times ``W``."""
+    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    writes = mask_m & (offs_m * 0 + pid == 0)  # program 0 writes the new residual
+    acc, ssq = _one_pass_chunk(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                               tl.zeros((BLOCK_M,), dtype=tl.float32), w_first, x_rows, r_rows,
+                               ro_rows, nw_ptr, out_ptr, offs_k, mask_m, offs_k < K, writes,
+                               PROLOGUE, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc = _accumulate(acc, w, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m,
-                                               mask_k, rstd, K, PROLOGUE), BLOCK_M)
-    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc, ssq = _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks,
+                                   mask_m, mask_k, writes, PROLOGUE, BLOCK_M)
+    return acc * tl.math.rsqrt(ssq * inv_k + eps)[:, None]
+
+
+@triton.jit
+def _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks, mask_m, mask_k,
+                    writes, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One input chunk of ``_one_pass_norm_product``: its squares into ``ssq``, its
+    weighted (not yet normalized) columns times ``w`` into ``acc``."""
+    x_mask = mask_m[:, None] & mask_k[None, :]
+    s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+    if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
+        r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(ro_rows + ks[None, :], s, mask=writes[:, None] & mask_k[None, :])
+    s32 = s.to(tl.float32)
+    nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+    return _accumulate(acc, w, s32 * nw[None, :], BLOCK_M), ssq + tl.sum(s32 * s32, axis=1)
 
 
 @triton.jit
@@ -151,38 +203,51 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr):
 
 @dataclass(frozen=True)
 class Tile:
-    """Launch shape: output columns and K chunk per program, warps per program."""
+    """Launch shape: output columns and K chunk per program, warps per program, Triton's
+    software-pipelining depth of the K loop, and (RMSNorm prologues only) whether the
+    sum of squares is gathered in the product's pass (``_one_pass_norm_product``)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 3  # Triton's default
+    one_pass: bool = False
 
 
-# Tuned tiles at M = 1, by (prologue, N, K): written by ``bench.skinny_gemm --tiles-out``
-# from a sweep on the GPU (each candidate checked against F.linear) and shipped beside this
-# module; shapes missing from it take ``default_tile``.
+# Tuned tiles at M = 1, by (prologue, N, K) and the GPU they were tuned on: written by
+# ``bench.skinny_gemm --tiles-out`` from a sweep on the GPU (each candidate checked against
+# the unfused path) and shipped beside this module. A shape tuned on another GPU only takes
+# that GPU's tile; shapes missing from it take ``default_tile``.
 TILES_FILE = Path(__file__).with_name("skinny_tiles.json")
-_TUNED: dict[tuple[int, int, int], Tile] | None = None
+_TUNED: dict[tuple[int, int, int], dict[str, Tile]] | None = None
 
 
-def tuned_tiles() -> dict[tuple[int, int, int], Tile]:
-    """The tuned tiles of ``TILES_FILE`` (read once, at the first launch)."""
+def tuned_tiles() -> dict[tuple[int, int, int], dict[str, Tile]]:
+    """The tuned tiles of ``TILES_FILE`` by shape, then by device name, in file order
+    (read once, at the first launch)."""
     global _TUNED
     if _TUNED is None:
         _TUNED = {}
         if TILES_FILE.is_file():
             for row in json.loads(TILES_FILE.read_text())["tiles"]:
-                _TUNED[(row["prologue"], row["n"], row["k"])] = Tile(*row["tile"])
+                _TUNED.setdefault((row["prologue"], row["n"], row["k"]), {})[
+                    row.get("device", "")] = Tile(*row["tile"])
     return _TUNED
 
 
-def pick_tile(prologue: int, m: int, n: int, k: int) -> Tile:
-    """The tuned tile of this shape at M = 1 if there is one, else ``default_tile``."""
+def pick_tile(prologue: int, m: int, n: int, k: int, device: str = "") -> Tile:
+    """The tile tuned for this shape at M = 1 on ``device`` (a CUDA device name), else on
+    the first GPU the file names for it, else ``default_tile``."""
     if m == 1:  # the first layer's norm (no residual) takes its add-norm twin's tile
         tuned = tuned_tiles().get((ADD_RMS_NORM if prologue == RMS_NORM else prologue, n, k))
-        if tuned is not None:
-            return tuned
+        if tuned:
+            return tuned.get(device) or next(iter(tuned.values()))
     return default_tile(m, n, k, prologue)
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
@@ -200,13 +265,15 @@ def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
     return Tile(4, block_k, 4)
 
 
-_LAUNCHERS: dict[int, FastLauncher] = {}
+_LAUNCHERS: dict[tuple[int, int], FastLauncher] = {}
 
 
-def _launcher(num_warps: int) -> FastLauncher:
-    if num_warps not in _LAUNCHERS:
-        _LAUNCHERS[num_warps] = FastLauncher(_skinny_gemm_kernel, pdl=True, num_warps=num_warps)
-    return _LAUNCHERS[num_warps]
+def _launcher(num_warps: int, num_stages: int) -> FastLauncher:
+    key = (num_warps, num_stages)
+    if key not in _LAUNCHERS:
+        _LAUNCHERS[key] = FastLauncher(_skinny_gemm_kernel, pdl=True, num_warps=num_warps,
+                                       num_stages=num_stages)
+    return _LAUNCHERS[key]
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
@@ -249,19 +316,21 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         if res_out is not None and residual is not None:
             res_out.copy_(x + residual)
         return out.zero_(), res_out
-    tile = tile or pick_tile(prologue, m, n, k)
+    if tile is None:
+        tile = pick_tile(prologue, m, n, k, device_name(x.device) if x.is_cuda else "")
     block_m = next_power_of_2(m)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
     nw = norm_weight if norm_weight is not None else x
     strides = (x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
-    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k)
-    _launcher(tile.num_warps).launch(
+    one_pass = tile.one_pass and prologue >= RMS_NORM
+    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k, one_pass)
+    _launcher(tile.num_warps, tile.num_stages).launch(
         (cdiv(n, tile.block_n), 1, 1), key,
         (x, res_in, nw, weight, out, res_dst, m, n, k, *strides, 1.0 / k, eps),
         {"PROLOGUE": prologue, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
-         "BLOCK_K": tile.block_k})
+         "BLOCK_K": tile.block_k, "ONE_PASS": one_pass})
     return out, res_out
 
 

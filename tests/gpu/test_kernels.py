@@ -242,26 +242,62 @@ def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: boo
         assert torch.equal(x, x_before)
 
 
+def _norm32(s: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of ``s`` in float32 throughout (no rounding to the activation dtype)."""
+    s32 = s.float()
+    return s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, k: int, n: int, with_residual: bool
+                                   ) -> None:
+    """One-pass tiles (the norm's scale applied after the product) against the float32
+    norm-and-product of the same residual sum: within an ulp of the dtype; the new
+    residual bit-identical to the norm kernel's; deterministic."""
+    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for m in (1, 3):
+        x = _randn(m, k, dtype=dtype, scale=2.0)
+        res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
+        nw, w = _norm_weight(k, dtype), _randn(n, k, dtype=dtype, scale=k**-0.5)
+        s = x if res is None else kernels.add_rms_norm(x, res, nw, EPS)[1]
+        ref32 = _norm32(s, nw) @ w.float().T
+        for tile in (Tile(4, 2048, 4, one_pass=True), Tile(16, 256, 4, 4, one_pass=True)):
+            got, got_res = skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)
+            err = (got.float() - ref32).abs()
+            assert (err <= ulp * ref32.abs() + 1e-3).all(), (tile, err.max())
+            assert (got_res is None) if res is None else torch.equal(got_res, s)
+            assert torch.equal(skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)[0], got)
+
+
 def test_every_tuned_tile_matches_the_unfused_path() -> None:
     """The tiles of ``skinny_tiles.json`` (a re-tune rewrites them) on their own shapes."""
     from executor.kernels import skinny_gemm as sg
 
     dt = torch.bfloat16
     assert sg.tuned_tiles(), "no tuned tiles shipped"
-    for (prologue, n, k), tile in sg.tuned_tiles().items():
+    for (prologue, n, k), device, tile in [(key, device, tile) for key, by_device in
+                                            sg.tuned_tiles().items()
+                                            for device, tile in by_device.items()]:
         w = _randn(n, k, dtype=dt, scale=k**-0.5)
         if prologue == sg.SILU_MUL:
             g = _randn(1, 2 * k, dtype=dt, scale=2.0)
-            got, ref = sg.skinny_gemm(g, w, silu_mul=True), kernels.silu_and_mul(g) @ w.T
+            got = sg.skinny_gemm(g, w, silu_mul=True, tile=tile)
+            ref = kernels.silu_and_mul(g) @ w.T
         elif prologue in (sg.RMS_NORM, sg.ADD_RMS_NORM):
             x, r, nw = _randn(1, k, dtype=dt), _randn(1, k, dtype=dt, scale=3.0), \
                 _norm_weight(k, dt)
-            got = sg.skinny_norm_gemm(x, r, nw, EPS, w)[0]
-            ref = kernels.add_rms_norm(x, r, nw, EPS)[0] @ w.T
+            got = sg.skinny_norm_gemm(x, r, nw, EPS, w, tile=tile)[0]
+            normed, s = kernels.add_rms_norm(x, r, nw, EPS)
+            # a one-pass tile's input is the float32 norm, never rounded to bf16
+            ref = (_norm32(s, nw) @ w.float().T).to(dt) if tile.one_pass else normed @ w.T
         else:
             x = _randn(1, k, dtype=dt)
-            got, ref = sg.skinny_gemm(x, w), x @ w.T
-        assert sg.pick_tile(prologue, 1, n, k) == tile
+            got, ref = sg.skinny_gemm(x, w, tile=tile), x @ w.T
+        assert sg.pick_tile(prologue, 1, n, k, device) == tile
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=2**-6, msg=str((prologue, n, k)))
 
 
