@@ -21,7 +21,12 @@ RMSNorm prologues: the input is the residual stream before its norm, ``x`` (and 
 residual to add): each program first sums the squares of its rows (L2-resident), then
 normalizes each chunk as it loads it, rounded exactly as ``executor.kernels.norm`` rounds;
 program 0 also writes the new residual ``x + residual``. One launch instead of the norm
-kernel and the GEMM (the qkv and gate_up projections follow a norm).
+kernel and the GEMM (the qkv and gate_up projections follow a norm). Tiles with
+``one_pass`` read the input once instead: the sum of squares is gathered in the product's
+pass and the norm's scale, one number per row, multiplies the finished dot products
+(the normalized input is then the float32 one, not rounded to the activation dtype).
+Measured on an H100 it won only on small shapes (SmolLM2-135M's), where the tuned tiles
+use it (``bench/results/2026-11-26-h100-one-pass-tiles``).
 
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
