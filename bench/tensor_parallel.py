@@ -155,7 +155,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     result: dict[str, Any] = {}
-    for algo in ("nccl", "symm_mem", "auto"):
+    for algo in ("nccl", "symm_mem", "triton", "auto"):
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=120))
         tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
@@ -176,14 +176,17 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
             with torch.cuda.stream(side):
                 tp.all_reduce(x.clone())  # warm-up outside the capture
             torch.cuda.current_stream().wait_stream(side)
+            # each call of the graph its own values (x + i, still exact), so a call that
+            # read a slot or a peer's data of another call fails the check
             inputs = [x.clone() for _ in range(GRAPH_REPEATS)]
             with torch.cuda.graph(graph):
                 outs = [tp.all_reduce(c) for c in inputs]
-            for c in inputs:  # the capture ran nothing: start from the rank's values
-                c.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            ok &= all(bool(torch.equal(o, want)) for o in outs)
+            for _ in range(3):
+                for i, c in enumerate(inputs):  # NCCL's path sums its input in place
+                    c.copy_(x + i)
+                graph.replay()
+                torch.cuda.synchronize()
+                ok &= all(bool(torch.equal(o, want + world * i)) for i, o in enumerate(outs))
             times[str(rows)] = group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
             del graph, outs
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
@@ -201,7 +204,7 @@ GRAPH_REPEATS = 32
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
                  ) -> dict[str, Any]:
-    """Per algorithm ("nccl", "symm_mem", "auto"): what it resolved to (and, for "auto",
+    """Per algorithm ("nccl", "symm_mem", "triton", "auto"): what it resolved to (and, for "auto",
     its start-up probe times and the one-shot kernel's size limit), whether every sum was exact
     (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
     inside a captured graph, by rows."""

@@ -18,6 +18,7 @@ from executor.config import (
     GraphConfig,
     ModelConfig,
 )
+from executor.distributed.group import ALL_REDUCE_CHOICES
 from executor.distributed.launch import ParallelConfig, Rendezvous
 from executor.errors import ConfigError
 from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
@@ -159,12 +160,14 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "server turns UNHEALTHY")
     parallel.add_argument("--rank-heartbeat-timeout", type=float, default=15.0, metavar="S",
                           help="seconds without a heartbeat after which a rank has failed")
-    parallel.add_argument("--tp-all-reduce", choices=("auto", "nccl", "symm_mem"),
+    parallel.add_argument("--tp-all-reduce", choices=ALL_REDUCE_CHOICES,
                           default="auto",
                           help="nccl: every all-reduce through NCCL; symm_mem: those up to "
                           "512 KiB as one symmetric-memory kernel over NVLink peer access "
-                          "where every rank can, NCCL otherwise; auto: both timed at "
-                          "start-up, each size to the faster")
+                          "where every rank can, NCCL otherwise; triton: the same with our "
+                          "Triton kernel, which lets the next kernel start during it (PDL); "
+                          "auto: symm_mem and NCCL timed at start-up, each size to the "
+                          "faster")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "

@@ -43,11 +43,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
+import os
 import statistics
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,8 @@ _GROUPS: dict[str, dist.ProcessGroup] = {}
 ONE_SHOT_MAX_BYTES = 512 * 1024
 #: What "auto" times both algorithms at: (1, 8, 64) x 4096 bf16, in bytes.
 AUTO_PROBE_BYTES = (8 * 1024, 64 * 1024, 512 * 1024)
-AllReduceChoice = Literal["auto", "nccl", "symm_mem"]
+AllReduceChoice = Literal["auto", "nccl", "symm_mem", "triton"]
+ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem", "triton")
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,48 @@ class _OneShot:
         return out
 
 
+@dataclass(frozen=True)
+class _TritonOneShot:
+    """``executor.kernels.all_reduce``'s kernel over one registered buffer per rank: the
+    same one-shot algorithm as ``_OneShot``, launched with PDL where it is on, so the
+    next kernel of the step may start during the all-reduce."""
+
+    raw: torch.Tensor  # this rank's symmetric buffer (flags, then two data slots)
+    bases: torch.Tensor  # (world,) int64: every rank's buffer address
+    counters: torch.Tensor  # (MAX_PROGRAMS,) int32: calls so far, per program
+    rank: int
+    world: int
+    slot_bytes: int = ONE_SHOT_MAX_BYTES
+    max_bytes: int = ONE_SHOT_MAX_BYTES
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_cuda
+                and x.is_contiguous() and 0 < nbytes <= self.max_bytes
+                and x.data_ptr() % 16 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        from executor.kernels import all_reduce as kernel
+
+        out = torch.empty_like(x)
+        numel = x.numel()
+        _triton_launcher().launch(
+            (kernel.grid_size(numel), 1, 1), (x.dtype, numel, self.rank, self.world),
+            (x, out, self.bases, self.counters, numel, self.rank, self.slot_bytes),
+            {"WORLD": self.world, "FLAGS": kernel.FLAG_BYTES, "BLOCK": kernel.BLOCK})
+        return out
+
+
+@functools.cache
+def _triton_launcher() -> Any:
+    from executor.kernels import all_reduce as kernel
+    from executor.kernels.launch import FastLauncher
+
+    return FastLauncher(kernel.one_shot_all_reduce_kernel, pdl=True, num_warps=4)
+
+
 #: The one-shot path of each group that has one, by the same names as ``_GROUPS``.
-_ONE_SHOT: dict[str, _OneShot] = {}
+_ONE_SHOT: dict[str, _OneShot | _TritonOneShot] = {}
 #: What "auto" measured and chose, per group name (``all_reduce_choice``).
 _CHOICES: dict[str, dict[str, object]] = {}
 
@@ -275,7 +318,7 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     _CHOICES[name] = {"asked": all_reduce}
     if all_reduce != "nccl" and device.type == "cuda" and size > 1:
         nccl_us = _probe_us(tp) if all_reduce == "auto" else None
-        _setup_one_shot(tp, world)
+        _setup_one_shot(tp, world, triton=all_reduce == "triton")
         if nccl_us is not None and name in _ONE_SHOT:
             _choose(tp, nccl_us, _probe_us(tp))
     dist.barrier(group=control)
@@ -371,15 +414,25 @@ def all_reduce_algorithm(tp: TensorParallel) -> str:
     or "none" (a world without process groups)."""
     if not tp.distributed:
         return "none"
-    if tp.device_group_name in _ONE_SHOT:
-        return "symm_mem_one_shot"
+    one_shot = _ONE_SHOT.get(tp.device_group_name or "")
+    if one_shot is not None:
+        return "triton_one_shot" if isinstance(one_shot, _TritonOneShot) else \
+            "symm_mem_one_shot"
     return "nccl" if tp.device.type == "cuda" else "gloo"
 
 
-def _one_shot_possible(device: torch.device, size: int) -> bool:
-    """This rank's own view: the op exists and every local peer GPU is reachable (a group
-    spread over hosts has no peer access: ``size`` GPUs must be visible here)."""
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+def _one_shot_possible(device: torch.device, size: int, triton: bool = False) -> bool:
+    """This rank's own view: the op (or, for ``triton``, a compiled Triton on a GPU of
+    compute capability 7.0 or later: the kernel's acquire/release loads and stores) exists
+    and every local peer GPU is reachable (a group spread over hosts has no peer access:
+    ``size`` GPUs must be visible here)."""
+    if triton:
+        from executor.kernels.all_reduce import MAX_WORLD
+
+        if (os.environ.get("TRITON_INTERPRET", "0") == "1" or size > MAX_WORLD
+                or torch.cuda.get_device_capability(device)[0] < 7):
+            return False
+    elif not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.device_count() < size:
@@ -388,12 +441,14 @@ def _one_shot_possible(device: torch.device, size: int) -> bool:
                for peer in range(torch.cuda.device_count()) if peer != index)
 
 
-def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup) -> None:
-    """Register the symmetric buffer and check one sum through it; every step of the way
-    is agreed over the ranks, so either all of them use it or none does."""
+def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool = False
+                    ) -> None:
+    """Register the symmetric buffer and check one sum through it (``triton``: for our
+    kernel); every step of the way is agreed over the ranks, so either all of them use it
+    or none does."""
     name = tp.device_group_name or ""
     try:
-        ok = _one_shot_possible(tp.device, tp.size)
+        ok = _one_shot_possible(tp.device, tp.size, triton)
     except Exception:  # an old torch without symm_mem ops: no attribute, or no CUDA
         ok = False
     if tp.min_over_ranks(int(ok)) != 1:
@@ -405,10 +460,26 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup) -> None:
             with warnings.catch_warnings():  # deprecated (a no-op) in later versions
                 warnings.simplefilter("ignore")
                 symm_mem.enable_symm_mem_for_group(world.group_name)
-        raw = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
-        symm_mem.rendezvous(raw, world.group_name)
-        one_shot = _OneShot({dt: raw.view(dt) for dt in (torch.bfloat16, torch.float16,
-                                                         torch.float32)}, world.group_name)
+        one_shot: _OneShot | _TritonOneShot
+        if triton:
+            from executor.kernels.all_reduce import MAX_PROGRAMS, buffer_bytes
+
+            raw = symm_mem.empty(buffer_bytes(ONE_SHOT_MAX_BYTES), dtype=torch.uint8,
+                                 device=tp.device)
+            raw.zero_()  # the arrival flags start at 0 on every rank before any is set
+            torch.cuda.synchronize(tp.device)
+            handle = symm_mem.rendezvous(raw, world.group_name)  # collective: after the zeroing
+            one_shot = _TritonOneShot(
+                raw, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
+                                  device=tp.device),
+                torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=tp.device),
+                tp.rank, tp.size)
+        else:
+            raw = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
+            symm_mem.rendezvous(raw, world.group_name)
+            one_shot = _OneShot({dt: raw.view(dt) for dt in (torch.bfloat16, torch.float16,
+                                                             torch.float32)},
+                                world.group_name)
         probe = torch.full((1024,), float(tp.rank + 1), dtype=torch.bfloat16,
                            device=tp.device)
         good = bool((one_shot.all_reduce(probe) == tp.size * (tp.size + 1) / 2).all())

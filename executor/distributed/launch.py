@@ -30,10 +30,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 
+from executor.distributed.group import ALL_REDUCE_CHOICES, AllReduceChoice
 from executor.errors import ConfigError
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -56,7 +57,7 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
-    all_reduce: Literal["auto", "nccl", "symm_mem"] = "auto"
+    all_reduce: AllReduceChoice = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -66,9 +67,9 @@ class ParallelConfig:
                 or not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ConfigError("timeouts must be > 0 and the heartbeat interval below the "
                               "heartbeat timeout")
-        if self.all_reduce not in ("auto", "nccl", "symm_mem"):
-            raise ConfigError(f"--tp-all-reduce must be auto, nccl or symm_mem, got "
-                              f"{self.all_reduce!r}")
+        if self.all_reduce not in ALL_REDUCE_CHOICES:
+            raise ConfigError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}, "
+                              f"got {self.all_reduce!r}")
 
     @property
     def collective_timeout(self) -> datetime.timedelta:

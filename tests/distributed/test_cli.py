@@ -39,9 +39,11 @@ def test_all_reduce_algorithm_flag() -> None:
     assert parallel.all_reduce == "nccl"
     parallel, _ = parallel_configs(_args("--tp-all-reduce", "symm_mem"), {})
     assert parallel.all_reduce == "symm_mem"
+    parallel, _ = parallel_configs(_args("--tp-all-reduce", "triton"), {})
+    assert parallel.all_reduce == "triton"
     with pytest.raises(SystemExit):  # argparse: one line naming the choices
         _args("--tp-all-reduce", "ring")
-    with pytest.raises(ConfigError, match="auto, nccl or symm_mem"):
+    with pytest.raises(ConfigError, match="auto, nccl, symm_mem, triton"):
         ParallelConfig(2, all_reduce="ring")  # type: ignore[arg-type]
 
 

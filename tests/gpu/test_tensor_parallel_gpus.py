@@ -117,12 +117,14 @@ def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
 def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -> None:
     """Every ``--tp-all-reduce`` choice through ``TensorParallel.all_reduce`` on 2 (4) GPUs:
     exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
-    all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs, and
-    a size over ``ONE_SHOT_MAX_BYTES`` (600 x 2048 bf16) goes to NCCL inside it."""
+    all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs,
+    "triton" our kernel over the same memory, and a size over ``ONE_SHOT_MAX_BYTES``
+    (600 x 2048 bf16) goes to NCCL inside both."""
     got = allreduce_us(world, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
+    assert got["triton"] == {**got["triton"], "algorithm": "triton_one_shot", "ok": True}, got
     # "auto" timed both at start-up and kept the one-shot kernel up to where it won.
     auto = got["auto"]
     assert auto["ok"], got

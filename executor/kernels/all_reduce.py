@@ -1,0 +1,119 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""One-shot all-reduce over symmetric memory as a Triton kernel that keeps the PDL chain.
+
+A decode step at batch 1 of a tensor-parallel model runs two all-reduces per layer of one
+activation row (8 KiB for a 4096-wide bf16 model). Each is latency, not bandwidth: a
+barrier between the ranks and a read of every peer's row over NVLink. PyTorch's
+``symm_mem.one_shot_all_reduce`` does that in one kernel, but a kernel that is not ours
+breaks the chain of programmatic dependent launches (``executor.kernels.pdl``): the next
+GEMM starts streaming its weights only after the all-reduce has finished. This kernel
+waits for its predecessor and at once lets its successor launch, so the next projection's
+programs load their first weight chunks while the ranks meet.
+
+Layout of each rank's symmetric buffer (``buffer_bytes``): ``FLAG_BYTES`` of arrival flags
+(int32, one per (program, rank)), then two data slots of ``slot_bytes`` each.
+
+One call, in every program ``b`` of the grid (the same grid on every rank, as every rank
+reduces the same sizes in the same order):
+
+1. ``epoch = counter[b] + 1`` (a per-program count of calls, in this rank's memory: the
+   counter of a graph replay advances on the device, so captured calls stay in step);
+2. copy this program's share of the input into this rank's slot ``epoch & 1``;
+3. a CTA barrier, then store ``epoch`` with release semantics at system scope into the
+   flag ``(b, rank)`` of every rank's buffer (its own included);
+4. spin with acquire loads until every flag ``(b, r)`` in this rank's buffer has reached
+   ``epoch`` (compared as a wrapping difference: a peer may already be one call ahead,
+   never two, since its next call waits for this rank's flag);
+5. a CTA barrier, then sum every rank's share in rank order in float32 (volatile loads,
+   past L1) and store it: every rank computes the same bits;
+6. ``counter[b] = epoch``.
+
+Two slots make the one barrier enough: a rank writes slot ``e % 2`` again at call
+``e + 2``, which starts only after every peer has flagged call ``e + 1``, i.e. has finished
+reading call ``e``. There is no timeout in the spin: a dead peer hangs the kernel, and the
+service's rank heartbeats (``executor.distributed.launch``) take the process down.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from executor.kernels.pdl import pdl_enter
+
+#: Arrival flags at the start of each rank's buffer (MAX_PROGRAMS x world int32 fit).
+FLAG_BYTES = 4096
+#: Elements per program and iteration, and the most programs a call uses.
+BLOCK = 1024
+MAX_PROGRAMS = 32
+MAX_WORLD = FLAG_BYTES // (4 * MAX_PROGRAMS)
+
+
+def buffer_bytes(slot_bytes: int) -> int:
+    """Bytes of each rank's symmetric buffer for inputs of up to ``slot_bytes``."""
+    return FLAG_BYTES + 2 * slot_bytes
+
+
+def grid_size(numel: int) -> int:
+    return max(1, min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS))
+
+
+@triton.jit
+def _load_acquire(ptrs):
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release(ptrs, values):
+    return tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2;\n\tmov.b32 $0, 0;",
+                                     "=r,l,r", [ptrs, values], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def one_shot_all_reduce_kernel(
+    x_ptr,  # (numel,) this rank's input
+    out_ptr,  # (numel,) the sum, written
+    bases_ptr,  # (WORLD,) int64: every rank's symmetric buffer address
+    counter_ptr,  # (MAX_PROGRAMS,) int32: calls so far, per program
+    numel,
+    rank,
+    slot_bytes,  # bytes per data slot
+    WORLD: tl.constexpr,
+    FLAGS: tl.constexpr,  # FLAG_BYTES
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)  # the input comes from the previous kernel; the flags are shared
+    b = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    elem = x_ptr.dtype.element_ty
+    epoch = tl.load(counter_ptr + b) + 1  # wraps after 2**31 calls: compared by difference
+    data_off = FLAGS + (epoch & 1).to(tl.int64) * slot_bytes
+    # (the buffers and slots are 16-byte aligned: the hints let loads and stores vectorize)
+    mine = tl.multiple_of((tl.load(bases_ptr + rank) + data_off).to(tl.pointer_type(elem)), 16)
+    for start in range(b * BLOCK, numel, stride):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(mine + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()
+    ranks = tl.arange(0, WORLD)
+    bases = tl.load(bases_ptr + ranks)  # (WORLD,)
+    _store_release(bases.to(tl.pointer_type(tl.int32)) + b * WORLD + rank,
+                   epoch + ranks * 0)
+    flags = tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int32)) + b * WORLD + ranks
+    while tl.min(_load_acquire(flags) - epoch, axis=0) < 0:
+        pass
+    tl.debug_barrier()
+    for start in range(b * BLOCK, numel, stride):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            theirs = tl.multiple_of((tl.load(bases_ptr + r) + data_off).to(
+                tl.pointer_type(elem)), 16)
+            acc += tl.load(theirs + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(elem), mask=mask)
+    tl.store(counter_ptr + b, epoch)
