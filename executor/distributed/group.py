@@ -25,17 +25,21 @@ kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``)
 copies its input into its own registered buffer, the ranks meet at a barrier on signal
 pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
 multicast) and sums, and a closing barrier lets the buffer be reused by the next call.
+``"triton"`` runs the same sizes through our kernel (``executor.kernels.all_reduce``): one
+barrier per call over two alternating buffers, and launched with programmatic dependent
+launch, so the next kernel of the step starts loading its weights during the all-reduce.
 Larger inputs, other dtypes or misaligned ones still go to NCCL, and so does everything
 when any rank lacks the op, peer access or the buffer (decided together, so every rank
-runs the same collectives). ``"auto"`` (the default) sets the one-shot kernel up where it
-can and then times both inside CUDA graphs at start-up, at ``AUTO_PROBE_BYTES`` (one, 8
-and 64 rows of a 4096-wide bf16 activation): the one-shot kernel takes the all-reduces up
-to the largest probe at which it and every smaller probe beat NCCL, on the slowest rank,
-and NCCL the rest (``all_reduce_choice`` says what was measured and chosen). Neither is
-faster everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
-NCCL and 10.9 through the one-shot kernel on two H100s
-(``bench/results/2026-11-25-h100x2-tensor-parallel``), 10.7 and 6.8 on two H200s
-(``bench/results/2026-11-25-h200x2-tp-skew-tiles``).
+runs the same collectives). ``"auto"`` (the default) sets both one-shot paths up where it
+can and times each, and NCCL, inside CUDA graphs at start-up, at ``AUTO_PROBE_BYTES`` (one,
+8 and 64 rows of a 4096-wide bf16 activation); each size goes to the fastest on the
+slowest rank, and from the first size NCCL wins at, everything larger to NCCL
+(``size_plan``; ``all_reduce_choice`` says what was measured and planned). None is
+fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
+NCCL and 10.9 through the symm_mem kernel on two H100s
+(``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.1, 8.0 and 4.2 (ours) on two
+H200s, where at 64 rows ours was the slowest one-shot kernel (13.9 against 12.6 us;
+``bench/results/2026-11-26-h200x2-triton-all-reduce``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import functools
 import os
 import statistics
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -76,11 +80,12 @@ class _OneShot:
     buffers: dict[torch.dtype, torch.Tensor]  # flat views of one allocation, per dtype
     symm_group: str  # the process group's own name, which symm_mem looks up
     max_bytes: int = ONE_SHOT_MAX_BYTES  # larger all-reduces go to NCCL
+    min_bytes: int = 0  # ("auto") sizes up to this one take another path
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return (x.dtype in self.buffers and x.is_cuda and x.is_contiguous()
-                and 0 < nbytes <= self.max_bytes and nbytes % 16 == 0
+                and self.min_bytes < nbytes <= self.max_bytes and nbytes % 16 == 0
                 and x.data_ptr() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,11 +109,12 @@ class _TritonOneShot:
     world: int
     slot_bytes: int = ONE_SHOT_MAX_BYTES
     max_bytes: int = ONE_SHOT_MAX_BYTES
+    min_bytes: int = 0
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_cuda
-                and x.is_contiguous() and 0 < nbytes <= self.max_bytes
+                and x.is_contiguous() and self.min_bytes < nbytes <= self.max_bytes
                 and x.data_ptr() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +137,12 @@ def _triton_launcher() -> Any:
     return FastLauncher(kernel.one_shot_all_reduce_kernel, pdl=True, num_warps=4)
 
 
-#: The one-shot path of each group that has one, by the same names as ``_GROUPS``.
-_ONE_SHOT: dict[str, _OneShot | _TritonOneShot] = {}
+OneShotPath = _OneShot | _TritonOneShot
+#: The one-shot paths of each group that has any, by the same names as ``_GROUPS``, each
+#: for its range of sizes (``fits``); an all-reduce no path fits goes to NCCL.
+_ONE_SHOT: dict[str, tuple[OneShotPath, ...]] = {}
+#: What ``all_reduce_algorithm`` calls each path.
+_PATH_NAMES = {_OneShot: "symm_mem_one_shot", _TritonOneShot: "triton_one_shot"}
 #: What "auto" measured and chose, per group name (``all_reduce_choice``).
 _CHOICES: dict[str, dict[str, object]] = {}
 
@@ -153,10 +163,10 @@ def collective(what: str) -> Iterator[None]:
 
 @torch.library.custom_op("model_executor::tp_all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    one_shot = _ONE_SHOT.get(group_name)
-    if one_shot is not None and one_shot.fits(x):
-        with collective("all-reduce"):
-            return one_shot.all_reduce(x)
+    for one_shot in _ONE_SHOT.get(group_name, ()):
+        if one_shot.fits(x):
+            with collective("all-reduce"):
+                return one_shot.all_reduce(x)
     out = x.clone()
     with collective("all-reduce"):
         dist.all_reduce(out, group=_GROUPS[group_name])
@@ -318,38 +328,63 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     _CHOICES[name] = {"asked": all_reduce}
     if all_reduce != "nccl" and device.type == "cuda" and size > 1:
         nccl_us = _probe_us(tp) if all_reduce == "auto" else None
-        _setup_one_shot(tp, world, triton=all_reduce == "triton")
-        if nccl_us is not None and name in _ONE_SHOT:
-            _choose(tp, nccl_us, _probe_us(tp))
+        paths: dict[str, OneShotPath] = {}
+        for algo in ("symm_mem", "triton"):
+            if all_reduce in ("auto", algo):
+                path = _setup_one_shot(tp, world, triton=algo == "triton")
+                if path is not None:
+                    paths[algo] = path
+        if nccl_us is None:
+            _ONE_SHOT[name] = tuple(paths.values())
+        elif paths:  # "auto": time each path alone, then share the sizes out
+            times = {"nccl": nccl_us}
+            for algo, path in paths.items():
+                _ONE_SHOT[name] = (path,)
+                times[algo] = _probe_us(tp)
+            _choose(tp, times, paths)
+        if not _ONE_SHOT.get(name):
+            _ONE_SHOT.pop(name, None)
     dist.barrier(group=control)
     return tp
 
 
-def one_shot_cutoff(sizes: Sequence[int], nccl_us: Sequence[float],
-                    one_shot_us: Sequence[float]) -> int:
-    """The largest of ``sizes`` (ascending, bytes) up to which the one-shot kernel was
-    faster than NCCL at every size; 0 where it was not faster at the smallest."""
-    cutoff = 0
-    for size, nccl, one in zip(sizes, nccl_us, one_shot_us, strict=True):
-        if one >= nccl:
+def size_plan(sizes: Sequence[int], times_us: Mapping[str, Sequence[float]]
+              ) -> list[tuple[str, int]]:
+    """"auto"'s plan from probe times by algorithm (``"nccl"`` among them) at ``sizes``
+    (ascending, bytes): ``(algorithm, up to bytes)`` ranges of the one-shot algorithms,
+    smallest sizes first. At each size the fastest wins, a tie going to NCCL; from the
+    first size NCCL wins at, everything larger goes to NCCL (the one-shot kernels read
+    every peer's whole input, which scales worst)."""
+    plan: list[tuple[str, int]] = []
+    for i, size in enumerate(sizes):
+        best = min(times_us, key=lambda algo: (times_us[algo][i], algo != "nccl"))
+        if best == "nccl":
             break
-        cutoff = size
-    return cutoff
+        if plan and plan[-1][0] == best:
+            plan[-1] = (best, size)
+        else:
+            plan.append((best, size))
+    return plan
 
 
-def _choose(tp: TensorParallel, nccl_us: list[float], one_shot_us: list[float]) -> None:
-    """"auto": keep the one-shot kernel for the sizes where it won on every rank (the
-    smallest cutoff over the ranks), or drop it."""
+def _choose(tp: TensorParallel, times_us: dict[str, list[float]],
+            paths: dict[str, OneShotPath]) -> None:
+    """"auto": share the sizes out by ``size_plan`` of the slowest rank's time for each
+    (algorithm, size), so that every rank makes the same plan."""
     name = tp.device_group_name or ""
-    cutoff = tp.min_over_ranks(one_shot_cutoff(AUTO_PROBE_BYTES, nccl_us, one_shot_us))
+    algos = list(times_us)
+    local = torch.tensor([times_us[a] for a in algos], dtype=torch.float64, device=tp.device)
+    with collective("agreement"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=_GROUPS[name])
+    slowest = {a: [float(t) for t in row] for a, row in zip(algos, local.tolist(), strict=True)}
+    plan = size_plan(AUTO_PROBE_BYTES, slowest)
     _CHOICES[name].update(probe_bytes=list(AUTO_PROBE_BYTES),
-                          nccl_us=[round(t, 2) for t in nccl_us],
-                          one_shot_us=[round(t, 2) for t in one_shot_us],
-                          one_shot_max_bytes=cutoff)
-    if cutoff == 0:
-        del _ONE_SHOT[name]
-    else:
-        _ONE_SHOT[name] = dataclasses.replace(_ONE_SHOT[name], max_bytes=cutoff)
+                          **{f"{a}_us": [round(t, 2) for t in times_us[a]] for a in algos},
+                          slowest_rank_us=slowest,
+                          plan=[{"algorithm": a, "up_to_bytes": b} for a, b in plan])
+    lows = [0] + [b for _, b in plan[:-1]]
+    _ONE_SHOT[name] = tuple(dataclasses.replace(paths[a], min_bytes=lo, max_bytes=hi)
+                            for (a, hi), lo in zip(plan, lows, strict=True))
 
 
 #: All-reduces per captured graph, and timed replays, of one "auto" probe.
@@ -398,26 +433,28 @@ def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int,
 
 
 def all_reduce_choice(tp: TensorParallel) -> dict[str, object]:
-    """What was asked, what runs (``all_reduce_algorithm``), the one-shot kernel's size
-    limit and, under "auto", the probe times it was chosen by (this rank's)."""
+    """What was asked, what runs (``all_reduce_algorithm``), the largest size a one-shot
+    kernel takes and, under "auto", this rank's probe times by algorithm and the plan
+    made from the slowest rank's."""
     name = tp.device_group_name or ""
     out: dict[str, object] = {"algorithm": all_reduce_algorithm(tp)}
     out.update(_CHOICES.get(name, {}))
-    one = _ONE_SHOT.get(name)
-    if one is not None:
-        out["one_shot_max_bytes"] = one.max_bytes
+    paths = _ONE_SHOT.get(name, ())
+    if paths:
+        out["one_shot_max_bytes"] = max(p.max_bytes for p in paths)
     return out
 
 
 def all_reduce_algorithm(tp: TensorParallel) -> str:
-    """What this group's small all-reduces run as: "symm_mem_one_shot", "nccl", "gloo"
+    """What this group's small all-reduces run as: "symm_mem_one_shot", "triton_one_shot"
+    (or both, smallest sizes first: "triton_one_shot+symm_mem_one_shot"), "nccl", "gloo"
     or "none" (a world without process groups)."""
     if not tp.distributed:
         return "none"
-    one_shot = _ONE_SHOT.get(tp.device_group_name or "")
-    if one_shot is not None:
-        return "triton_one_shot" if isinstance(one_shot, _TritonOneShot) else \
-            "symm_mem_one_shot"
+    paths = _ONE_SHOT.get(tp.device_group_name or "", ())
+    names = dict.fromkeys(_PATH_NAMES[type(p)] for p in paths)
+    if names:
+        return "+".join(names)
     return "nccl" if tp.device.type == "cuda" else "gloo"
 
 
@@ -442,17 +479,16 @@ def _one_shot_possible(device: torch.device, size: int, triton: bool = False) ->
 
 
 def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool = False
-                    ) -> None:
+                    ) -> OneShotPath | None:
     """Register the symmetric buffer and check one sum through it (``triton``: for our
-    kernel); every step of the way is agreed over the ranks, so either all of them use it
-    or none does."""
-    name = tp.device_group_name or ""
+    kernel); every step of the way is agreed over the ranks, so either all of them get
+    the path or none does (None)."""
     try:
         ok = _one_shot_possible(tp.device, tp.size, triton)
     except Exception:  # an old torch without symm_mem ops: no attribute, or no CUDA
         ok = False
     if tp.min_over_ranks(int(ok)) != 1:
-        return
+        return None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -460,7 +496,7 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool =
             with warnings.catch_warnings():  # deprecated (a no-op) in later versions
                 warnings.simplefilter("ignore")
                 symm_mem.enable_symm_mem_for_group(world.group_name)
-        one_shot: _OneShot | _TritonOneShot
+        one_shot: OneShotPath
         if triton:
             from executor.kernels.all_reduce import MAX_PROGRAMS, buffer_bytes
 
@@ -468,7 +504,8 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool =
                                  device=tp.device)
             raw.zero_()  # the arrival flags start at 0 on every rank before any is set
             torch.cuda.synchronize(tp.device)
-            handle = symm_mem.rendezvous(raw, world.group_name)  # collective: after the zeroing
+            # collective: no rank signals into a buffer before its owner has zeroed it
+            handle = symm_mem.rendezvous(raw, world.group_name)
             one_shot = _TritonOneShot(
                 raw, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
                                   device=tp.device),
@@ -485,8 +522,7 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool =
         good = bool((one_shot.all_reduce(probe) == tp.size * (tp.size + 1) / 2).all())
     except Exception:  # rendezvous or the kernel refused: every rank stays on NCCL
         good = False
-    if tp.min_over_ranks(int(good)) == 1:
-        _ONE_SHOT[name] = one_shot
+    return one_shot if tp.min_over_ranks(int(good)) == 1 else None
 
 
 def shutdown(tp: TensorParallel) -> None:

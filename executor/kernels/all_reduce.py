@@ -46,7 +46,7 @@ from executor.kernels.pdl import pdl_enter
 FLAG_BYTES = 4096
 #: Elements per program and iteration, and the most programs a call uses.
 BLOCK = 1024
-MAX_PROGRAMS = 32
+MAX_PROGRAMS = 128
 MAX_WORLD = FLAG_BYTES // (4 * MAX_PROGRAMS)
 
 

@@ -154,12 +154,23 @@ def test_rendezvous_from_a_torchrun_environment() -> None:
     assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(3) == "exited with code 3"
 
 
-@pytest.mark.parametrize(("nccl", "one_shot", "cutoff"), [
-    ((10.7, 12.0, 30.0), (6.8, 9.0, 25.0), 512 * 1024),  # faster everywhere (H200-like)
-    ((8.1, 9.0, 20.0), (10.9, 8.0, 15.0), 0),  # slower at one row (H100-like): never
-    ((10.0, 12.0, 20.0), (7.0, 11.0, 26.0), 64 * 1024),  # up to 8 rows
-    ((10.0, 12.0, 20.0), (7.0, 12.0, 15.0), 8 * 1024),  # a tie is not a win; no gaps
+KIB = 1024
+
+
+@pytest.mark.parametrize(("times", "plan"), [
+    # one one-shot kernel against NCCL (the H200 and H100 cases measured)
+    ({"nccl": (10.7, 12.0, 30.0), "symm_mem": (6.8, 9.0, 25.0)}, [("symm_mem", 512 * KIB)]),
+    ({"nccl": (8.1, 9.0, 20.0), "symm_mem": (10.9, 8.0, 15.0)}, []),  # lost at one row: never
+    ({"nccl": (10.0, 12.0, 20.0), "symm_mem": (7.0, 11.0, 26.0)}, [("symm_mem", 64 * KIB)]),
+    ({"nccl": (10.0, 12.0, 20.0), "symm_mem": (7.0, 12.0, 15.0)}, [("symm_mem", 8 * KIB)]),
+    # both: each size to the fastest, in ranges; NCCL from the first size it wins at
+    ({"nccl": (12.1, 13.1, 15.5), "symm_mem": (8.0, 8.2, 12.6), "triton": (4.2, 4.5, 13.9)},
+     [("triton", 64 * KIB), ("symm_mem", 512 * KIB)]),
+    ({"nccl": (12.0, 13.0, 15.0), "symm_mem": (8.0, 8.0, 12.0), "triton": (4.0, 8.5, 11.0)},
+     [("triton", 8 * KIB), ("symm_mem", 64 * KIB), ("triton", 512 * KIB)]),
+    ({"nccl": (9.0, 9.0, 9.0), "symm_mem": (8.0, 9.5, 8.0), "triton": (9.0, 9.0, 5.0)},
+     [("symm_mem", 8 * KIB)]),  # NCCL ties at 64 KiB: it takes that and everything above
 ])
-def test_auto_keeps_the_one_shot_kernel_up_to_where_it_won_at_every_size(
-        nccl: tuple[float, ...], one_shot: tuple[float, ...], cutoff: int) -> None:
-    assert group.one_shot_cutoff(group.AUTO_PROBE_BYTES, nccl, one_shot) == cutoff
+def test_auto_shares_the_sizes_out_by_the_fastest_at_each_probe(
+        times: dict[str, tuple[float, ...]], plan: list[tuple[str, int]]) -> None:
+    assert group.size_plan(group.AUTO_PROBE_BYTES, times) == plan

@@ -20,7 +20,7 @@ import torch
 
 from bench.shapes import write_shape
 from bench.tensor_parallel import allreduce_us, serve, stop
-from executor.distributed.group import AUTO_PROBE_BYTES, one_shot_cutoff
+from executor.distributed.group import AUTO_PROBE_BYTES, size_plan
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -125,13 +125,19 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
     assert got["triton"] == {**got["triton"], "algorithm": "triton_one_shot", "ok": True}, got
-    # "auto" timed both at start-up and kept the one-shot kernel up to where it won.
+    # "auto" timed each path at start-up and shared the sizes out by the slowest rank's
+    # times: the plan is what size_plan makes of them, and the algorithm names its paths.
     auto = got["auto"]
     assert auto["ok"], got
     choice = auto["choice"]
-    assert len(choice["nccl_us"]) == len(choice["one_shot_us"]) == 3, choice
-    # (the smallest cutoff over the ranks: at most what rank 0's own times give)
-    assert choice["one_shot_max_bytes"] <= one_shot_cutoff(
-        AUTO_PROBE_BYTES, choice["nccl_us"], choice["one_shot_us"]), choice
-    assert auto["algorithm"] == ("symm_mem_one_shot" if choice["one_shot_max_bytes"]
-                                 else "nccl"), got
+    slowest = choice["slowest_rank_us"]
+    assert sorted(slowest) == ["nccl", "symm_mem", "triton"], choice
+    for algo, times in slowest.items():  # rank 0's own times are no slower than the worst
+        assert len(times) == len(AUTO_PROBE_BYTES), choice
+        assert all(mine <= worst + 0.01 for mine, worst in zip(
+            choice[f"{algo}_us"], times, strict=True)), choice
+    plan = [(p["algorithm"], p["up_to_bytes"]) for p in choice["plan"]]
+    assert plan == size_plan(AUTO_PROBE_BYTES, slowest), choice
+    names = {"symm_mem": "symm_mem_one_shot", "triton": "triton_one_shot"}
+    assert auto["algorithm"] == ("+".join(dict.fromkeys(names[a] for a, _ in plan))
+                                 or "nccl"), got
