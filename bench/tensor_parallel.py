@@ -155,9 +155,10 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     result: dict[str, Any] = {}
+    # one store for every algorithm's group (a port per group could be taken meanwhile)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=120))
     for algo in ("nccl", "symm_mem", "triton", "auto"):
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=120))
         tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
                         datetime.timedelta(seconds=120), algo)  # type: ignore[arg-type]
         name = group.all_reduce_algorithm(tp)
@@ -192,8 +193,6 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
                         "choice": group.all_reduce_choice(tp)}
         group.shutdown(tp)
-        del store
-        port += 1
     if rank == 0:
         queue.put(result)
 
