@@ -10,6 +10,7 @@ where ``tests/gpu/test_kernels.py`` runs the compiled kernels instead.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -244,6 +245,51 @@ def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
     monkeypatch.setattr(sg, "TILES_FILE", tmp_path / "absent.json")
     monkeypatch.setattr(sg, "_TUNED", None)
     assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.default_tile(1, 96, 40)
+
+
+def test_shapes_whose_sweep_found_cublas_faster_are_left_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuned row whose unfused time (norm or SiLU kernel, then cuBLAS) was at least 5 %
+    below the tile's sends that shape, with that prologue, at one row, to the unfused path
+    (the norm kernels and ``layer``); 3 % below, or two rows, stays with the skinny kernel."""
+    from executor.kernels import skinny_gemm as sg
+
+    rows = [{"prologue": p, "n": 48, "k": 32, "tile": [4, 32, 4], "us": 10.0,
+             "unfused_us": us} for p, us in ((sg.PLAIN, 9.0), (sg.ADD_RMS_NORM, 9.5),
+                                             (sg.SILU_MUL, 9.7))]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"tiles": rows}))
+    monkeypatch.setattr(sg, "TILES_FILE", path)
+    monkeypatch.setattr(sg, "_TUNED", None)
+    calls: list[str] = []
+    real_gemm, real_norm_gemm = sg.skinny_gemm, sg.skinny_norm_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **kw: calls.append("gemm")
+                        or real_gemm(*a, **kw))
+    monkeypatch.setattr(sg, "skinny_norm_gemm", lambda *a, **kw: calls.append("norm_gemm")
+                        or real_norm_gemm(*a, **kw))
+    dt = torch.float32
+    layer = torch.nn.Linear(32, 48, bias=False)
+    x, res = _randn(1, 32, dtype=dt, seed=30), _randn(1, 32, dtype=dt, seed=31)
+    nw = _norm_weight(32, dt, seed=32)
+    with torch.no_grad():
+        torch.testing.assert_close(sg.linear(layer, x), layer(x))
+        assert calls == []  # PLAIN: 9.0 <= 0.95 * 10
+        out, new_res = sg.add_rms_norm_linear(x, res, nw, EPS, layer, kernels.rms_norm,
+                                              kernels.add_rms_norm)
+        normed, want_res = kernels.add_rms_norm(x, res, nw, EPS)
+        torch.testing.assert_close(out, layer(normed))
+        assert torch.equal(new_res, want_res) and calls == []  # 9.5 <= 9.5: cuBLAS
+        out, new_res = sg.add_rms_norm_linear(x, None, nw, EPS, layer, kernels.rms_norm,
+                                              kernels.add_rms_norm)  # its twin's row
+        torch.testing.assert_close(out, layer(kernels.rms_norm(x, nw, EPS)))
+        assert new_res is x and calls == []
+        gate_up = _randn(1, 64, dtype=dt, seed=33)
+        torch.testing.assert_close(sg.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul),
+                                   layer(kernels.silu_and_mul(gate_up)), atol=1e-5, rtol=1e-5)
+        assert calls == ["gemm"]  # SILU_MUL: 9.7 is within the margin, the kernel keeps it
+        sg.linear(layer, _randn(2, 32, dtype=dt, seed=34))  # tuned at one row only
+        assert sg.cublas_faster(sg.PLAIN, x, layer.weight)
+        assert not sg.cublas_faster(sg.PLAIN, _randn(2, 32, dtype=dt, seed=34), layer.weight)
 
 
 def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:

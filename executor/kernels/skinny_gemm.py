@@ -26,7 +26,13 @@ kernel and the GEMM (the qkv and gate_up projections follow a norm). Tiles with
 pass and the norm's scale, one number per row, multiplies the finished dot products
 (the normalized input is then the float32 one, not rounded to the activation dtype).
 Measured on an H100 it won only on small shapes (SmolLM2-135M's), where the tuned tiles
-use it (``bench/results/2026-11-26-h100-one-pass-tiles``).
+use it (``bench/results/2026-11-26-h100-one-pass-tiles``), and on an H200 at K = 8192 (the
+70B's per-rank qkv and gate_up at TP = 4, ``bench/results/2026-11-26-h200-70b-tp4-tiles``).
+
+Where a GPU's sweep found the unfused path (the norm or SiLU kernel, then cuBLAS) at
+least 5 % faster than the best tile (``CUBLAS_MARGIN``), ``linear`` and its fused twins
+leave that shape to it on that GPU (``cublas_faster``): so far only the 70B's per-rank
+down projection at TP = 4 on an H200 (34.6 against 38.2 us).
 
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
@@ -225,6 +231,13 @@ class Tile:
 # that GPU's tile; shapes missing from it take ``default_tile``.
 TILES_FILE = Path(__file__).with_name("skinny_tiles.json")
 _TUNED: dict[tuple[int, int, int], dict[str, Tile]] | None = None
+#: (prologue, N, K, device) whose sweep found the unfused path (the norm or SiLU kernel,
+#: then cuBLAS) faster than the best tile by ``CUBLAS_MARGIN`` or more: left to cuBLAS.
+_CUBLAS: set[tuple[int, int, int, str]] = set()
+#: How much faster the unfused path must have been (its time / the tile's at most this):
+#: a skinny kernel keeps the PDL chain going and saves a launch, which an isolated
+#: timing does not show.
+CUBLAS_MARGIN = 0.95
 
 
 def tuned_tiles() -> dict[tuple[int, int, int], dict[str, Tile]]:
@@ -233,11 +246,27 @@ def tuned_tiles() -> dict[tuple[int, int, int], dict[str, Tile]]:
     global _TUNED
     if _TUNED is None:
         _TUNED = {}
+        _CUBLAS.clear()
         if TILES_FILE.is_file():
             for row in json.loads(TILES_FILE.read_text())["tiles"]:
-                _TUNED.setdefault((row["prologue"], row["n"], row["k"]), {})[
-                    row.get("device", "")] = Tile(*row["tile"])
+                key = (row["prologue"], row["n"], row["k"])
+                device = row.get("device", "")
+                _TUNED.setdefault(key, {})[device] = Tile(*row["tile"])
+                if "us" in row and row.get("unfused_us", float("inf")) <= \
+                        CUBLAS_MARGIN * row["us"]:
+                    _CUBLAS.add((*key, device))
     return _TUNED
+
+
+def cublas_faster(prologue: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this GPU's sweep left ``x @ weight.T`` with this prologue to the unfused
+    path (one row only: the sweep runs at M = 1)."""
+    if x.shape[0] != 1:
+        return False
+    tuned_tiles()
+    device = device_name(x.device) if x.is_cuda else ""
+    n, k = weight.shape
+    return (ADD_RMS_NORM if prologue == RMS_NORM else prologue, n, k, device) in _CUBLAS
 
 
 def pick_tile(prologue: int, m: int, n: int, k: int, device: str = "") -> Tile:
@@ -354,17 +383,21 @@ def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:
 
 
 def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, through ``skinny_gemm`` where it serves."""
-    if serves(x, layer):
+    """``layer(x)``, through ``skinny_gemm`` where it serves and cuBLAS was not faster."""
+    if serves(x, layer) and not cublas_faster(PLAIN, x, layer.weight):  # type: ignore[arg-type]
         return skinny_gemm(x, layer.weight)  # type: ignore[arg-type]
     return layer(x)  # type: ignore[no-any-return]
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,
                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it serves."""
-    if serves(gate_up, layer) and gate_up.shape[1] == 2 * layer.weight.shape[1]:  # type: ignore[index]
-        return skinny_gemm(gate_up, layer.weight, silu_mul=True)  # type: ignore[arg-type]
+    """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it serves and
+    the unfused path was not faster."""
+    if serves(gate_up, layer):  # (a plain nn.Linear: it has a weight)
+        weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+        if gate_up.shape[1] == 2 * weight.shape[1] \
+                and not cublas_faster(SILU_MUL, gate_up, weight):
+            return skinny_gemm(gate_up, weight, silu_mul=True)
     return layer(silu_and_mul(gate_up))  # type: ignore[no-any-return]
 
 
@@ -375,13 +408,18 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(layer(rms_norm(x + residual)), x + residual)`` (without a residual: the norm of
     ``x``, and ``x`` as the residual), one ``skinny_norm_gemm`` launch where it serves;
-    else ``norm``/``add_norm`` (the norm kernels) then ``linear``."""
-    if serves(x, layer) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
-            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+    else ``norm``/``add_norm`` (the norm kernels) then ``linear`` (cuBLAS where this GPU's
+    sweep found that path faster for the shape)."""
+    fused = serves(x, layer) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+    unfused = fused and cublas_faster(ADD_RMS_NORM, x, layer.weight)  # type: ignore[arg-type]
+    if fused and not unfused:
         out, res_out = skinny_norm_gemm(x, residual, norm_weight, eps,
                                         layer.weight)  # type: ignore[arg-type]
         return out, res_out if res_out is not None else x
     if residual is None:
-        return linear(layer, norm(x, norm_weight, eps)), x
-    normed, residual = add_norm(x, residual, norm_weight, eps)
-    return linear(layer, normed), residual
+        normed = norm(x, norm_weight, eps)
+        residual = x
+    else:
+        normed, residual = add_norm(x, residual, norm_weight, eps)
+    return (layer(normed) if unfused else linear(layer, normed)), residual
