@@ -460,14 +460,16 @@ def all_reduce_algorithm(tp: TensorParallel) -> str:
 
 def _one_shot_possible(device: torch.device, size: int, triton: bool = False) -> bool:
     """This rank's own view: the op (or, for ``triton``, a compiled Triton on a GPU of
-    compute capability 7.0 or later: the kernel's acquire/release loads and stores) exists
+    compute capability 7.0 or later, for the kernel's acquire/release loads and stores, and
+    a power-of-two group of at most ``MAX_WORLD``) exists
     and every local peer GPU is reachable (a group spread over hosts has no peer access:
     ``size`` GPUs must be visible here)."""
     if triton:
         from executor.kernels.all_reduce import MAX_WORLD
 
+        # (the kernel spreads the ranks over a tl.arange: a power of two)
         if (os.environ.get("TRITON_INTERPRET", "0") == "1" or size > MAX_WORLD
-                or torch.cuda.get_device_capability(device)[0] < 7):
+                or size & (size - 1) or torch.cuda.get_device_capability(device)[0] < 7):
             return False
     elif not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
         return False

@@ -174,3 +174,15 @@ KIB = 1024
 def test_auto_shares_the_sizes_out_by_the_fastest_at_each_probe(
         times: dict[str, tuple[float, ...]], plan: list[tuple[str, int]]) -> None:
     assert group.size_plan(group.AUTO_PROBE_BYTES, times) == plan
+
+
+def test_our_all_reduce_kernel_is_offered_only_to_power_of_two_groups_it_has_flags_for(
+        ) -> None:
+    """Its ranks are a tl.arange and its flag area holds ``MAX_WORLD`` ranks: a group of 3
+    or of 16 is refused before any device is asked (those fall back to PyTorch's kernel or
+    NCCL), whatever the machine."""
+    from executor.kernels.all_reduce import MAX_WORLD
+
+    assert MAX_WORLD == 8
+    for size in (3, 6, 16):
+        assert not group._one_shot_possible(torch.device("cuda", 0), size, triton=True)
