@@ -37,9 +37,9 @@ slowest rank, and from the first size NCCL wins at, everything larger to NCCL
 (``size_plan``; ``all_reduce_choice`` says what was measured and planned). None is
 fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
 NCCL and 10.9 through the symm_mem kernel on two H100s
-(``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.1, 8.0 and 4.2 (ours) on two
-H200s, where at 64 rows ours was the slowest one-shot kernel (13.9 against 12.6 us;
-``bench/results/2026-11-26-h200x2-triton-all-reduce``).
+(``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.5, 7.6 and 4.4 (ours) on two
+H200s, and 16.2, 11.5 and 7.7 at 64 rows
+(``bench/results/2026-11-26-h200x2-triton-all-reduce``).
 """
 
 from __future__ import annotations
@@ -118,23 +118,25 @@ class _TritonOneShot:
                 and x.data_ptr() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        from executor.kernels import all_reduce as kernel
-
+        launcher, grid_size, constexprs = _triton_kernel()
         out = torch.empty_like(x)
         numel = x.numel()
-        _triton_launcher().launch(
-            (kernel.grid_size(numel), 1, 1), (x.dtype, numel, self.rank, self.world),
+        launcher.launch(
+            (grid_size(numel), 1, 1), (x.dtype, numel, self.rank, self.world),
             (x, out, self.bases, self.counters, numel, self.rank, self.slot_bytes),
-            {"WORLD": self.world, "FLAGS": kernel.FLAG_BYTES, "BLOCK": kernel.BLOCK})
+            {**constexprs, "WORLD": self.world})
         return out
 
 
 @functools.cache
-def _triton_launcher() -> Any:
+def _triton_kernel() -> tuple[Any, Callable[[int], int], dict[str, int]]:
+    """The kernel's launcher, grid and fixed constexprs, bound once (the module imports
+    Triton, which the CPU-only paths of this one never need)."""
     from executor.kernels import all_reduce as kernel
     from executor.kernels.launch import FastLauncher
 
-    return FastLauncher(kernel.one_shot_all_reduce_kernel, pdl=True, num_warps=4)
+    return (FastLauncher(kernel.one_shot_all_reduce_kernel, pdl=True, num_warps=4),
+            kernel.grid_size, {"FLAGS": kernel.FLAG_BYTES, "BLOCK": kernel.BLOCK})
 
 
 OneShotPath = _OneShot | _TritonOneShot
@@ -459,15 +461,13 @@ def all_reduce_algorithm(tp: TensorParallel) -> str:
 
 
 def _one_shot_possible(device: torch.device, size: int, triton: bool = False) -> bool:
-    """This rank's own view: the op (or, for ``triton``, a compiled Triton on a GPU of
-    compute capability 7.0 or later, for the kernel's acquire/release loads and stores, and
-    a power-of-two group of at most ``MAX_WORLD``) exists
-    and every local peer GPU is reachable (a group spread over hosts has no peer access:
-    ``size`` GPUs must be visible here)."""
+    """This rank's own view: the op exists (for ``triton``: compiled Triton, a GPU of
+    compute capability 7.0 or later for the kernel's acquire/release loads and stores, and
+    a power-of-two group of at most ``MAX_WORLD``) and every local peer GPU is reachable
+    (a group spread over hosts has no peer access: ``size`` GPUs must be visible here)."""
     if triton:
         from executor.kernels.all_reduce import MAX_WORLD
 
-        # (the kernel spreads the ranks over a tl.arange: a power of two)
         if (os.environ.get("TRITON_INTERPRET", "0") == "1" or size > MAX_WORLD
                 or size & (size - 1) or torch.cuda.get_device_capability(device)[0] < 7):
             return False

@@ -25,11 +25,11 @@ reduces the same sizes in the same order):
 4. spin with acquire loads until every flag ``(b, r)`` in this rank's buffer has reached
    ``epoch`` (compared as a wrapping difference: a peer may already be one call ahead,
    never two, since its next call waits for this rank's flag);
-5. a CTA barrier, then sum every rank's share in rank order in float32 (volatile loads,
-   past L1) and store it: every rank computes the same bits;
+5. a CTA barrier, then sum every rank's share in rank order in float32 (``.cv`` loads,
+   fetched anew rather than from L1) and store it: every rank computes the same bits;
 6. ``counter[b] = epoch``.
 
-Two slots make the one barrier enough: a rank writes slot ``e % 2`` again at call
+Two slots make the one barrier enough: a rank writes slot ``e & 1`` again at call
 ``e + 2``, which starts only after every peer has flagged call ``e + 1``, i.e. has finished
 reading call ``e``. There is no timeout in the spin: a dead peer hangs the kernel, and the
 service's rank heartbeats (``executor.distributed.launch``) take the process down.

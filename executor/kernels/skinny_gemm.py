@@ -99,27 +99,20 @@ def _skinny_gemm_kernel(
     w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                       other=0.0)
     pdl_enter(USE_PDL)
+    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    writes = mask_m & (offs_m * 0 + pid == 0)  # program 0 writes the new residual
     if ONE_PASS and PROLOGUE >= 2:
-        acc = _one_pass_norm_product(x_rows, r_rows, nw_ptr, w_rows, res_out_ptr, out_ptr,
-                                     w_first, offs_m, offs_n, offs_k, mask_m, mask_n, pid,
-                                     stride_rom, K, inv_k, eps, PROLOGUE, BLOCK_M, BLOCK_N,
-                                     BLOCK_K)
+        acc = _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_ptr,
+                                     w_first, offs_k, mask_m, mask_n, K, inv_k, eps, PROLOGUE,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
         if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
-            act_ty = out_ptr.dtype.element_ty
-            ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
             ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                x_mask = mask_m[:, None] & (ks < K)[None, :]
-                s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-                if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
-                    r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
-                    s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
-                    tl.store(ro_rows + ks[None, :], s,
-                             mask=x_mask & (offs_m[:, None] * 0 + pid == 0))
-                s32 = s.to(tl.float32)
+                s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m,
+                                    ks < K, PROLOGUE).to(tl.float32)
                 ssq += tl.sum(s32 * s32, axis=1)
             rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -137,18 +130,16 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
-def _one_pass_norm_product(x_rows, r_rows, nw_ptr, w_rows, res_out_ptr, out_ptr, w_first,
-                           offs_m, offs_n, offs_k, mask_m, mask_n, pid, stride_rom, K, inv_k,
-                           eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_ptr, w_first,
+                           offs_k, mask_m, mask_n, K, inv_k, eps, PROLOGUE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
     """``rms_norm(s) @ W.T`` as ``rstd * ((s * nw) @ W.T)``: the norm's scale is one
     number per row, so it can wait until the sum of squares, gathered in the same pass
     over the input as the product, is complete. Each program reads its input rows once
     (the two-pass prologue reads them twice); the normalized input is never rounded to
     the activation dtype, so the product is the float32 one, not the norm kernel's
     rounded output times ``W``."""
-    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
-    writes = mask_m & (offs_m * 0 + pid == 0)  # program 0 writes the new residual
     acc, ssq = _one_pass_chunk(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                                tl.zeros((BLOCK_M,), dtype=tl.float32), w_first, x_rows, r_rows,
                                ro_rows, nw_ptr, out_ptr, offs_k, mask_m, offs_k < K, writes,
@@ -167,15 +158,26 @@ def _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks, m
                     writes, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
     """One input chunk of ``_one_pass_norm_product``: its squares into ``ssq``, its
     weighted (not yet normalized) columns times ``w`` into ``acc``."""
-    x_mask = mask_m[:, None] & mask_k[None, :]
-    s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-    if PROLOGUE == 3:  # the sum, rounded once to the activation dtype (HF)
-        r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(ro_rows + ks[None, :], s, mask=writes[:, None] & mask_k[None, :])
-    s32 = s.to(tl.float32)
+    s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k,
+                        PROLOGUE).to(tl.float32)
     nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
     return _accumulate(acc, w, s32 * nw[None, :], BLOCK_M), ssq + tl.sum(s32 * s32, axis=1)
+
+
+@triton.jit
+def _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k,
+                  PROLOGUE: tl.constexpr, STORE: tl.constexpr = True):
+    """Columns ``ks`` of the norm's input in the activation dtype: ``x``, or with a
+    residual (ADD_RMS_NORM) ``x + residual`` rounded once (as HF does), which the ``writes``
+    rows store as the new residual when ``STORE``."""
+    x_mask = mask_m[:, None] & mask_k[None, :]
+    s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+    if PROLOGUE == 3:
+        r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(ro_rows + ks[None, :], s, mask=writes[:, None] & mask_k[None, :])
+    return s
 
 
 @triton.jit
@@ -190,10 +192,8 @@ def _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
         act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
         x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
     elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
-        s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-        if PROLOGUE == 3:
-            r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+        s = _residual_sum(x_rows, r_rows, r_rows, mask_m, out_ptr, ks, mask_m, mask_k, PROLOGUE,
+                          STORE=False)  # (the first pass stored the new residual)
         nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
         y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
         x = (y * nw[None, :]).to(act_ty).to(tl.float32)
@@ -227,8 +227,8 @@ class Tile:
 
 # Tuned tiles at M = 1, by (prologue, N, K) and the GPU they were tuned on: written by
 # ``bench.skinny_gemm --tiles-out`` from a sweep on the GPU (each candidate checked against
-# the unfused path) and shipped beside this module. A shape tuned on another GPU only takes
-# that GPU's tile; shapes missing from it take ``default_tile``.
+# the unfused path) and shipped beside this module. A GPU takes its own tile for a shape,
+# else the first GPU's the file lists for it; shapes missing from it take ``default_tile``.
 TILES_FILE = Path(__file__).with_name("skinny_tiles.json")
 _TUNED: dict[tuple[int, int, int], dict[str, Tile]] | None = None
 #: (prologue, N, K, device) whose sweep found the unfused path (the norm or SiLU kernel,
