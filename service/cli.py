@@ -166,8 +166,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "512 KiB as one symmetric-memory kernel over NVLink peer access "
                           "where every rank can, NCCL otherwise; triton: the same with our "
                           "Triton kernel, which lets the next kernel start during it (PDL); "
-                          "auto: symm_mem and NCCL timed at start-up, each size to the "
-                          "faster")
+                          "auto: the three timed at start-up, each size to the fastest")
+    parallel.add_argument("--tp-fuse-all-reduce", choices=("on", "off"), default="on",
+                          help="on: where our kernel takes one-row all-reduces, a decode "
+                          "step at batch 1 leaves them to the projections around them (the "
+                          "row-parallel one pushes its partial row to every rank, the next "
+                          "one sums as it reads); off: always a separate all-reduce")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "
@@ -325,7 +329,8 @@ def parallel_configs(args: argparse.Namespace, env: Mapping[str, str]
         size = rendezvous.world_size
     return ParallelConfig(1 if size is None else size, args.collective_timeout,
                           heartbeat_timeout_s=args.rank_heartbeat_timeout,
-                          all_reduce=args.tp_all_reduce), rendezvous
+                          all_reduce=args.tp_all_reduce,
+                          fuse_all_reduce=args.tp_fuse_all_reduce == "on"), rendezvous
 
 
 if __name__ == "__main__":

@@ -40,6 +40,16 @@ NCCL and 10.9 through the symm_mem kernel on two H100s
 (``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.5, 7.6 and 4.4 (ours) on two
 H200s, and 16.2, 11.5 and 7.7 at 64 rows
 (``bench/results/2026-11-26-h200x2-triton-all-reduce``).
+
+Fused into the projections (``fuse=True``, the default, wherever our kernel takes one
+row): at decode batch 1 a row-parallel projection (o_proj; down_proj but the last layer's)
+and the pre-norm projection after it (gate_up; the next layer's qkv) are both skinny GEMMs
+(``executor.kernels.skinny_gemm``). The first then PUSHes its partial output row into
+every rank's reduce buffer and flags it there; the second waits for the flags and GATHERs
+the sum as its input (float32 in rank order, like our all-reduce kernel: the same bits).
+The all-reduce kernel between them, with its launch and the second NVLink round trip of
+its loads from the peers, is gone: ``TensorParallel.push_sum`` returns a ``PendingSum``
+that ``RMSNorm.linear_forward`` hands to the next projection.
 """
 
 from __future__ import annotations
@@ -53,13 +63,16 @@ import statistics
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated there); the GPU hosts run 2.11.
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+if TYPE_CHECKING:
+    from executor.kernels.skinny_gemm import ReduceSite
 
 #: Process groups by name, for the custom ops (which cannot take a group object).
 _GROUPS: dict[str, dist.ProcessGroup] = {}
@@ -147,6 +160,31 @@ _ONE_SHOT: dict[str, tuple[OneShotPath, ...]] = {}
 _PATH_NAMES = {_OneShot: "symm_mem_one_shot", _TritonOneShot: "triton_one_shot"}
 #: What "auto" measured and chose, per group name (``all_reduce_choice``).
 _CHOICES: dict[str, dict[str, object]] = {}
+
+
+#: Reduce buffers of each group that fuses its one-row all-reduces into the projections:
+#: its two sites (a layer's o_proj -> gate_up, then down_proj -> the next qkv).
+_FUSED: dict[str, tuple[ReduceSite, ReduceSite]] = {}
+#: The widest row a fused site holds, in elements of 2 bytes (hidden sizes up to 16384).
+FUSED_MAX_ROW = 16384
+
+
+@dataclass(frozen=True)
+class PendingSum:
+    """An all-reduce left to the kernels: every rank's row-parallel projection has pushed
+    its partial output row to ``site``; the next pre-norm projection sums them as it
+    reads its input (``norm_linear``). It must be consumed exactly once, next, on every
+    rank."""
+
+    site: ReduceSite
+
+    def norm_linear(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layer(rms_norm(sum + residual)), sum + residual)``."""
+        from executor.kernels import skinny_gemm
+
+        return skinny_gemm.gather_norm_linear(self.site, residual, norm_weight, eps,
+                                              layer.weight)  # type: ignore[arg-type]
 
 
 class CollectiveFailed(RuntimeError):
@@ -256,6 +294,26 @@ class TensorParallel:
         torch.ops.model_executor.tp_all_reduce_(x, name)
         return x
 
+    def push_sum(self, x: torch.Tensor, layer: torch.nn.Module, site: int,
+                 consumer: torch.nn.Module, norm_weight: torch.Tensor,
+                 silu_mul: bool = False) -> PendingSum | None:
+        """The all-reduce of ``layer(x)`` (``silu_mul``: of ``layer(silu_and_mul(x))``) left
+        to ``consumer``, the pre-norm projection that reads it next (norm weight
+        ``norm_weight``): ``layer``'s kernel pushes the partial row to reduce site ``site``
+        (0 or 1, alternating) and a ``PendingSum`` is returned. None, with nothing
+        launched, where this group does not fuse or either projection is not a one-row
+        skinny GEMM here: then all-reduce ``layer(x)`` as usual. Every rank decides alike
+        (same shapes, same GPU model)."""
+        sites = _FUSED.get(self.device_group_name or "")
+        if sites is None:
+            return None
+        from executor.kernels import skinny_gemm
+
+        if not skinny_gemm.reducible(x, layer, consumer, norm_weight, sites[site], silu_mul):
+            return None
+        skinny_gemm.push_linear(x, layer.weight, sites[site], silu_mul)  # type: ignore[arg-type]
+        return PendingSum(sites[site])
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (R, ...) stacked along dim 0 in rank order: (N * R, ...)."""
         if self.device_group_name is None:
@@ -298,14 +356,16 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
-         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto") -> TensorParallel:
+         timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto",
+         fuse: bool = True) -> TensorParallel:
     """Join the default process group over ``store`` and make this rank's two groups.
 
     ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
     turns into an error on the others within it). A warm-up all-reduce runs on each
     group, so NCCL's communicator exists before any graph captures a collective.
     ``all_reduce`` picks the algorithm (module docstring); ``all_reduce_algorithm``
-    says which one this group got.
+    says which one this group got. ``fuse``: where our kernel takes a one-row all-reduce,
+    fuse it into the projections around it (module docstring).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -346,6 +406,10 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
             _choose(tp, times, paths)
         if not _ONE_SHOT.get(name):
             _ONE_SHOT.pop(name, None)
+        if fuse and any(isinstance(p, _TritonOneShot) and p.min_bytes < AUTO_PROBE_BYTES[0]
+                        <= p.max_bytes for p in _ONE_SHOT.get(name, ())):
+            _setup_fused(tp, world)
+    _CHOICES[name]["fused_into_projections"] = name in _FUSED
     dist.barrier(group=control)
     return tp
 
@@ -527,12 +591,52 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool =
     return one_shot if tp.min_over_ranks(int(good)) == 1 else None
 
 
+def _setup_fused(tp: TensorParallel, world: dist.ProcessGroup) -> None:
+    """Register the reduce sites' buffer and check a push and a gather at each site three
+    times (both slots) against the exact sum; agreed over the ranks (``_FUSED`` holds the
+    group's sites only if every rank's check passed)."""
+    from executor.kernels import skinny_gemm
+    from executor.kernels.skinny_gemm import SITE_FLAG_BYTES, ReduceSite
+
+    slot_bytes = tp.size * FUSED_MAX_ROW * 2
+    site_bytes = SITE_FLAG_BYTES + 2 * slot_bytes
+    good = False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        raw = symm_mem.empty(2 * site_bytes, dtype=torch.uint8, device=tp.device)
+        raw.zero_()  # the flags start at 0 on every rank before any is set
+        ctl = torch.zeros(4, dtype=torch.int32, device=tp.device)
+        torch.cuda.synchronize(tp.device)
+        handle = symm_mem.rendezvous(raw, world.group_name)  # (collective)
+        bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
+        sites = tuple(ReduceSite(bases, ctl[2 * i: 2 * i + 2], tp.rank, tp.size,
+                                 i * site_bytes, slot_bytes, raw) for i in range(2))
+        n = 256
+        eye = torch.eye(n, dtype=torch.bfloat16, device=tp.device)
+        ones = torch.ones(n, dtype=torch.bfloat16, device=tp.device)
+        good = True
+        for call in range(6):  # sites 0, 1, 0, ...: each slot of each site once at least
+            x = torch.full((1, n), float(tp.rank + call + 1), dtype=torch.bfloat16,
+                           device=tp.device)
+            skinny_gemm.push_linear(x, eye, sites[call % 2])
+            out, total = skinny_gemm.gather_norm_linear(sites[call % 2], torch.zeros_like(x),
+                                                        ones, 1e-6, eye)
+            want = tp.size * (tp.size + 1) / 2 + tp.size * call
+            good &= bool((total == want).all()) and bool((out == 1).all())
+    except Exception:  # rendezvous or a kernel refused: every rank all-reduces as before
+        good = False
+    if tp.min_over_ranks(int(good)) == 1:
+        _FUSED[tp.device_group_name or ""] = (sites[0], sites[1])
+
+
 def shutdown(tp: TensorParallel) -> None:
     """Leave the process groups (best effort: a peer may be gone)."""
     if not tp.distributed or not dist.is_initialized():
         return
     _GROUPS.pop(tp.device_group_name or "", None)
     _ONE_SHOT.pop(tp.device_group_name or "", None)
+    _FUSED.pop(tp.device_group_name or "", None)
     _CHOICES.pop(tp.device_group_name or "", None)
     # Tearing down after a peer died may raise anything.
     with contextlib.suppress(Exception):

@@ -48,9 +48,12 @@ class ParallelConfig:
         fails within it on the others).
     heartbeat_interval_s / heartbeat_timeout_s: each rank bumps a counter in the store
         every interval; a rank whose counter has not moved for the timeout has failed.
-    all_reduce: "auto" (the default: the faster of the two below for each size, timed at
-        start-up), "nccl", or "symm_mem" (small all-reduces as one symmetric-memory kernel
-        where every rank can, NCCL otherwise; ``executor/distributed/group.py``).
+    all_reduce: "auto" (the default: the fastest of the three below for each size, timed
+        at start-up), "nccl", "symm_mem" (small all-reduces as PyTorch's symmetric-memory
+        kernel where every rank can, NCCL otherwise) or "triton" (the same with our kernel;
+        ``executor/distributed/group.py``).
+    fuse_all_reduce: where our kernel takes one-row all-reduces, fuse them into the
+        projections before and after them at decode batch 1 (``group.init``'s ``fuse``).
     """
 
     tensor_parallel_size: int = 1
@@ -58,6 +61,7 @@ class ParallelConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
     all_reduce: AllReduceChoice = "auto"
+    fuse_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -60,16 +60,24 @@ def grid_size(numel: int) -> int:
 
 
 @triton.jit
-def _load_acquire(ptrs):
+def load_acquire(ptrs):
     return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _store_release(ptrs, values):
+def store_release(ptrs, values):
     return tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2;\n\tmov.b32 $0, 0;",
                                      "=r,l,r", [ptrs, values], dtype=tl.int32, is_pure=False,
                                      pack=1)
+
+
+@triton.jit
+def fence_sys():
+    """``fence.acq_rel.sys`` in every thread: its earlier stores (to peers too) are ordered
+    before its later ones, such as an arrival its program then makes."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, 0;", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -101,10 +109,10 @@ def one_shot_all_reduce_kernel(
     tl.debug_barrier()
     ranks = tl.arange(0, WORLD)
     bases = tl.load(bases_ptr + ranks)  # (WORLD,)
-    _store_release(bases.to(tl.pointer_type(tl.int32)) + b * WORLD + rank,
+    store_release(bases.to(tl.pointer_type(tl.int32)) + b * WORLD + rank,
                    epoch + ranks * 0)
     flags = tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int32)) + b * WORLD + ranks
-    while tl.min(_load_acquire(flags) - epoch, axis=0) < 0:
+    while tl.min(load_acquire(flags) - epoch, axis=0) < 0:
         pass
     tl.debug_barrier()
     for start in range(b * BLOCK, numel, stride):

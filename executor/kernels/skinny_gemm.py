@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels.all_reduce import fence_sys, load_acquire, store_release
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
@@ -63,6 +64,15 @@ MAX_ROWS = 1
 # The input prologue (constexpr ``PROLOGUE``): what the kernel computes from its input
 # rows before the product. The RMSNorm ones round like executor.kernels.norm.
 PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
+# Where the output goes and the input comes from under tensor parallelism (constexpr
+# ``REDUCE``, ``ReduceSite``): a row-parallel projection PUSHes its partial output into
+# every rank's reduce buffer; the pre-norm projection after it GATHERs the sum.
+NO_REDUCE, PUSH, GATHER = 0, 1, 2
+PUSH_ = tl.constexpr(PUSH)
+GATHER_ = tl.constexpr(GATHER)
+#: Bytes of a site's arrival flags (int32 per source rank) before its two data slots.
+SITE_FLAG_BYTES = 128
+_SITE_FLAG_BYTES = tl.constexpr(SITE_FLAG_BYTES)
 
 
 @triton.jit
@@ -77,11 +87,19 @@ def _skinny_gemm_kernel(
     stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
     inv_k,  # 1 / K, for the norm's mean
     eps,
+    red_ptr,  # (WORLD,) int64: every rank's reduce buffer (REDUCE); else unused
+    ctl_ptr,  # (2,) int32, this rank's [arrivals, epoch] of the reduce site (REDUCE)
+    rank,  # this rank (REDUCE)
+    site_off,  # bytes from a reduce buffer's start to the site's flags (REDUCE)
+    slot_bytes,  # bytes per data slot of the site (REDUCE)
     PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,  # RMSNorm prologues: sum the squares in the product's pass
+    REDUCE: tl.constexpr,  # NO_REDUCE, PUSH (the output to every rank) or GATHER (the input)
+    WORLD: tl.constexpr,  # ranks (REDUCE)
+    SLICES: tl.constexpr,  # WORLD under GATHER, else 1
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -99,12 +117,15 @@ def _skinny_gemm_kernel(
     w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                       other=0.0)
     pdl_enter(USE_PDL)
+    if REDUCE == GATHER_:  # the input is the sum of the slices every rank pushed
+        x_rows = _gathered_rows(red_ptr, ctl_ptr, rank, site_off, slot_bytes, offs_m,
+                                out_ptr.dtype.element_ty, WORLD)
     ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
     writes = mask_m & (offs_m * 0 + pid == 0)  # program 0 writes the new residual
     if ONE_PASS and PROLOGUE >= 2:
         acc = _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_ptr,
                                      w_first, offs_k, mask_m, mask_n, K, inv_k, eps, PROLOGUE,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)
+                                     BLOCK_M, BLOCK_N, BLOCK_K, SLICES)
     else:
         rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
         if PROLOGUE >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
@@ -112,28 +133,72 @@ def _skinny_gemm_kernel(
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
                 s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m,
-                                    ks < K, PROLOGUE).to(tl.float32)
+                                    ks < K, K, PROLOGUE, SLICES).to(tl.float32)
                 ssq += tl.sum(s32 * s32, axis=1)
             rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _accumulate(acc, w_first, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, offs_k,
-                                                     mask_m, offs_k < K, rstd, K, PROLOGUE),
-                          BLOCK_M)
+                                                     mask_m, offs_k < K, rstd, K, PROLOGUE,
+                                                     SLICES), BLOCK_M)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + offs_k
             mask_k = ks < K
             w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc = _accumulate(acc, w, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m,
-                                                   mask_k, rstd, K, PROLOGUE), BLOCK_M)
-    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                                                   mask_k, rstd, K, PROLOGUE, SLICES), BLOCK_M)
+    if REDUCE == PUSH_:
+        _push(acc.to(out_ptr.dtype.element_ty), red_ptr, ctl_ptr, rank, site_off, slot_bytes,
+              offs_n, mask_m[:, None] & mask_n[None, :], N, WORLD)
+    else:
+        dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gathered_rows(red_ptr, ctl_ptr, rank, site_off, slot_bytes, offs_m, elem: tl.constexpr,
+                   WORLD: tl.constexpr):
+    """GATHER: wait until every rank has pushed this call's slice into this rank's buffer
+    and return the first slice's rows (the others follow, ``K`` apart). The call's epoch
+    is what this rank's PUSH, the previous kernel, recorded (complete: the PDL wait)."""
+    epoch = tl.load(ctl_ptr + 1)
+    mine = tl.load(red_ptr + rank)
+    flags = (mine + site_off).to(tl.pointer_type(tl.int32)) + tl.arange(0, WORLD)
+    while tl.min(load_acquire(flags) - epoch, axis=0) < 0:  # wrapping difference
+        pass
+    tl.debug_barrier()
+    data = mine + site_off + _SITE_FLAG_BYTES + (epoch & 1).to(tl.int64) * slot_bytes
+    return tl.multiple_of(data.to(tl.pointer_type(elem)), 16) + offs_m[:, None] * 0
+
+
+@triton.jit
+def _push(val, red_ptr, ctl_ptr, rank, site_off, slot_bytes, offs_n, mask, N,
+          WORLD: tl.constexpr):
+    """PUSH: store this program's outputs ``val`` (1, BLOCK_N) as this rank's slice in
+    every rank's buffer (slot of the call's epoch parity), then arrive; the last program
+    to arrive records the epoch here and flags it, with release semantics at system scope,
+    in every rank's buffer."""
+    epoch = tl.load(ctl_ptr + 1) + 1  # this site's calls so far, this one included
+    data = site_off + _SITE_FLAG_BYTES + (epoch & 1).to(tl.int64) * slot_bytes
+    for r in tl.static_range(WORLD):
+        dst = tl.multiple_of((tl.load(red_ptr + r) + data).to(
+            tl.pointer_type(val.dtype)), 16) + rank * N
+        tl.store(dst + offs_n[None, :], val, mask=mask)
+    fence_sys()  # each thread's stores, before its program arrives
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ctl_ptr, 1, sem="acq_rel", scope="sys")
+    if arrived == tl.num_programs(0) - 1:  # the last program: every slice is out
+        tl.store(ctl_ptr, 0)  # (the next call's programs start after this grid ends)
+        tl.store(ctl_ptr + 1, epoch)
+        ranks = tl.arange(0, WORLD)
+        flags = (tl.load(red_ptr + ranks) + site_off).to(tl.pointer_type(tl.int32)) + rank
+        store_release(flags, epoch + ranks * 0)
 
 
 @triton.jit
 def _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_ptr, w_first,
                            offs_k, mask_m, mask_n, K, inv_k, eps, PROLOGUE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SLICES: tl.constexpr):
     """``rms_norm(s) @ W.T`` as ``rstd * ((s * nw) @ W.T)``: the norm's scale is one
     number per row, so it can wait until the sum of squares, gathered in the same pass
     over the input as the product, is complete. Each program reads its input rows once
@@ -143,35 +208,46 @@ def _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_
     acc, ssq = _one_pass_chunk(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                                tl.zeros((BLOCK_M,), dtype=tl.float32), w_first, x_rows, r_rows,
                                ro_rows, nw_ptr, out_ptr, offs_k, mask_m, offs_k < K, writes,
-                               PROLOGUE, BLOCK_M)
+                               K, PROLOGUE, BLOCK_M, SLICES)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc, ssq = _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks,
-                                   mask_m, mask_k, writes, PROLOGUE, BLOCK_M)
+                                   mask_m, mask_k, writes, K, PROLOGUE, BLOCK_M, SLICES)
     return acc * tl.math.rsqrt(ssq * inv_k + eps)[:, None]
 
 
 @triton.jit
 def _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks, mask_m, mask_k,
-                    writes, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
+                    writes, K, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SLICES: tl.constexpr):
     """One input chunk of ``_one_pass_norm_product``: its squares into ``ssq``, its
     weighted (not yet normalized) columns times ``w`` into ``acc``."""
-    s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k,
-                        PROLOGUE).to(tl.float32)
+    s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k, K,
+                        PROLOGUE, SLICES).to(tl.float32)
     nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
     return _accumulate(acc, w, s32 * nw[None, :], BLOCK_M), ssq + tl.sum(s32 * s32, axis=1)
 
 
 @triton.jit
-def _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k,
-                  PROLOGUE: tl.constexpr, STORE: tl.constexpr = True):
+def _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k, K,
+                  PROLOGUE: tl.constexpr, SLICES: tl.constexpr, STORE: tl.constexpr = True):
     """Columns ``ks`` of the norm's input in the activation dtype: ``x``, or with a
     residual (ADD_RMS_NORM) ``x + residual`` rounded once (as HF does), which the ``writes``
-    rows store as the new residual when ``STORE``."""
+    rows store as the new residual when ``STORE``. With ``SLICES`` > 1 (GATHER), ``x`` is
+    the sum of that many slices ``K`` apart, in float32 in slice (rank) order and rounded
+    once, as the all-reduce kernel sums."""
     x_mask = mask_m[:, None] & mask_k[None, :]
-    s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+    if SLICES > 1:  # other GPUs wrote them: from L2, never a stale L1 line
+        s32 = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0,
+                      cache_modifier=".cg").to(tl.float32)
+        for r in tl.static_range(1, SLICES):
+            s32 += tl.load(x_rows + r * K + ks[None, :], mask=x_mask, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
+        s = s32.to(out_ptr.dtype.element_ty)
+    else:
+        s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
     if PROLOGUE == 3:
         r = tl.load(r_rows + ks[None, :], mask=x_mask, other=0.0)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -182,7 +258,7 @@ def _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k,
 
 @triton.jit
 def _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
-                 PROLOGUE: tl.constexpr):
+                 PROLOGUE: tl.constexpr, SLICES: tl.constexpr):
     """The input columns ``ks`` of every row, after the prologue, in float32."""
     act_ty = out_ptr.dtype.element_ty
     x_mask = mask_m[:, None] & mask_k[None, :]
@@ -192,8 +268,8 @@ def _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
         act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
         x = (act * u).to(act_ty).to(tl.float32)  # (BLOCK_M, BLOCK_K)
     elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
-        s = _residual_sum(x_rows, r_rows, r_rows, mask_m, out_ptr, ks, mask_m, mask_k, PROLOGUE,
-                          STORE=False)  # (the first pass stored the new residual)
+        s = _residual_sum(x_rows, r_rows, r_rows, mask_m, out_ptr, ks, mask_m, mask_k, K,
+                          PROLOGUE, SLICES, STORE=False)  # (the first pass stored it)
         nw = tl.load(nw_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
         y = (s.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
         x = (y * nw[None, :]).to(act_ty).to(tl.float32)
@@ -334,9 +410,81 @@ def skinny_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     return _launch(x, residual, norm_weight, eps, weight, prologue, tile)
 
 
+@dataclass(frozen=True, eq=False)
+class ReduceSite:
+    """Where a row-parallel projection's partial output meets its peers' (PUSH) and the
+    next pre-norm projection takes their sum (GATHER): one site of a tensor-parallel
+    group's reduce buffers, which ``executor.distributed.group`` registers as symmetric
+    memory. Each rank's buffer holds, at ``offset``, one int32 arrival flag per source
+    rank (``SITE_FLAG_BYTES``), then two data slots of ``slot_bytes`` (a call uses the slot
+    of its epoch's parity), each ``world`` slices of one row in source-rank order.
+
+    A PUSH and its GATHER must follow each other on every rank's stream, and every rank
+    must make the same calls in the same order (the epochs advance in step on the device).
+    """
+
+    bases: torch.Tensor  # (world,) int64: every rank's buffer address
+    ctl: torch.Tensor  # (2,) int32 in this rank's memory: [arrivals of the call, epoch]
+    rank: int
+    world: int
+    offset: int
+    slot_bytes: int
+    buffer: torch.Tensor | None = None  # this rank's buffer, held while the site lives
+
+    def fits(self, n: int, dtype: torch.dtype) -> bool:
+        """Whether ``world`` slices of ``n`` elements fit a slot, 16-byte aligned."""
+        size = n * dtype.itemsize
+        return size % 16 == 0 and self.world * size <= self.slot_bytes
+
+
+def push_linear(x: torch.Tensor, weight: torch.Tensor, site: ReduceSite, silu_mul: bool = False,
+                tile: Tile | None = None) -> None:
+    """``x @ weight.T`` (``silu_mul``: of ``silu_and_mul(x)``) for one row, pushed as this
+    rank's slice into every rank's buffer at ``site`` instead of returned:
+    ``gather_norm_linear`` takes the sum. Launch it on every rank."""
+    k = weight.shape[1]
+    assert x.shape == (1, 2 * k if silu_mul else k), (x.shape, weight.shape)
+    assert site.fits(weight.shape[0], x.dtype), "the output row does not fit the site's slot"
+    _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile, PUSH, site)
+
+
+def reducible(x: torch.Tensor, producer: torch.nn.Module, consumer: torch.nn.Module,
+               norm_weight: torch.Tensor, site: ReduceSite, silu_mul: bool = False) -> bool:
+    """Whether ``producer(x)`` (``silu_mul``: of ``silu_and_mul(x)``) can be pushed to
+    ``site`` for ``consumer``, a pre-norm projection with norm weight ``norm_weight``, to
+    gather: both are one-row skinny GEMMs on this GPU (``serves``, not left to cuBLAS),
+    their widths chain and the row fits the site."""
+    if not (x.is_cuda and serves(x, producer) and serves(x, consumer)):
+        return False
+    w_p: torch.Tensor = producer.weight  # type: ignore[assignment]
+    w_c: torch.Tensor = consumer.weight  # type: ignore[assignment]
+    prologue = SILU_MUL if silu_mul else PLAIN
+    return (x.shape == (1, w_p.shape[1] * (2 if silu_mul else 1))
+            and w_c.shape[1] == w_p.shape[0] and site.fits(w_p.shape[0], x.dtype)
+            and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and not cublas_faster(prologue, x, w_p) and not cublas_faster(ADD_RMS_NORM, x, w_c))
+
+
+def gather_norm_linear(site: ReduceSite, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float, weight: torch.Tensor, tile: Tile | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``skinny_norm_gemm(x, residual, ...)`` where ``x`` is the sum over ranks of what
+    their ``push_linear`` put at ``site`` (summed like the all-reduce kernel: float32, rank
+    order, rounded once): ``(rms_norm(x + residual) @ weight.T, x + residual)``."""
+    assert residual.shape == (1, weight.shape[1]) and residual.stride(-1) == 1
+    assert norm_weight.shape == (weight.shape[1],) and norm_weight.is_contiguous()
+    out, res_out = _launch(residual, residual, norm_weight, eps, weight, ADD_RMS_NORM, tile,
+                           GATHER, site)
+    assert res_out is not None
+    return out, res_out
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None
+            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None,
+            reduce: int = NO_REDUCE, site: ReduceSite | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch; under GATHER ``x`` only stands in for the activation (the input is
+    the site's sum), under PUSH nothing is returned in ``out`` (it is ``x``)."""
     assert x.stride(-1) == 1, "x must have contiguous rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be (N, K) row-major"
     m = x.shape[0]
@@ -344,7 +492,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     for t in (residual, norm_weight):
         assert t is None or t.dtype == x.dtype, "inputs must share the activation dtype"
     assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert (reduce == NO_REDUCE) == (site is None) and (site is None or m == 1)
+    out = x if reduce == PUSH else torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0 or k == 0:  # nothing to launch (an empty sum is zero)
         if res_out is not None and residual is not None:
@@ -359,12 +508,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     strides = (x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     one_pass = tile.one_pass and prologue >= RMS_NORM
-    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k, one_pass)
+    if site is None:
+        red: tuple[torch.Tensor, torch.Tensor, int, int, int] = (x, x, 0, 0, 0)
+        world = 1
+    else:
+        red, world = (site.bases, site.ctl, site.rank, site.offset, site.slot_bytes), site.world
+    key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k, one_pass,
+           reduce, world, red[2:])
     _launcher(tile.num_warps, tile.num_stages).launch(
         (cdiv(n, tile.block_n), 1, 1), key,
-        (x, res_in, nw, weight, out, res_dst, m, n, k, *strides, 1.0 / k, eps),
+        (x, res_in, nw, weight, out, res_dst, m, n, k, *strides, 1.0 / k, eps, *red),
         {"PROLOGUE": prologue, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
-         "BLOCK_K": tile.block_k, "ONE_PASS": one_pass})
+         "BLOCK_K": tile.block_k, "ONE_PASS": one_pass, "REDUCE": reduce, "WORLD": world,
+         "SLICES": world if reduce == GATHER else 1})
     return out, res_out
 
 

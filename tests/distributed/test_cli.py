@@ -47,6 +47,15 @@ def test_all_reduce_algorithm_flag() -> None:
         ParallelConfig(2, all_reduce="ring")  # type: ignore[arg-type]
 
 
+def test_fusing_the_all_reduce_into_the_projections_is_on_unless_turned_off() -> None:
+    parallel, _ = parallel_configs(_args(), {})
+    assert parallel.fuse_all_reduce is True
+    parallel, _ = parallel_configs(_args("--tp-fuse-all-reduce", "off"), {})
+    assert parallel.fuse_all_reduce is False
+    with pytest.raises(SystemExit):
+        _args("--tp-fuse-all-reduce", "maybe")
+
+
 def test_each_rank_gets_its_own_gpu() -> None:
     assert rank_device("cuda", 3) == "cuda:3" and rank_device("cpu", 3) == "cpu"
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):

@@ -28,7 +28,8 @@ def test_world_of_one_gives_the_plain_executors_tokens() -> None:
         assert ex.channel is not None and ex.rank_memory_bytes[0] > 0
         assert group.all_reduce_algorithm(tp) == "gloo"  # no symmetric memory on CPU
         # "auto", the default, asked; nothing to time on gloo, so nothing was
-        assert group.all_reduce_choice(tp) == {"algorithm": "gloo", "asked": "auto"}
+        assert group.all_reduce_choice(tp) == {"algorithm": "gloo", "asked": "auto",
+                                             "fused_into_projections": False}
         assert group.all_reduce_algorithm(group.TensorParallel.single()) == "none"
         # count the collectives one forward runs: embedding, 2 per layer, the LM head
         original_reduce, original_gather = tp.all_reduce, tp.all_gather
