@@ -624,7 +624,8 @@ def _setup_fused(tp: TensorParallel, world: dist.ProcessGroup) -> None:
                                                         ones, 1e-6, eye)
             want = tp.size * (tp.size + 1) / 2 + tp.size * call
             good &= bool((total == want).all()) and bool((out == 1).all())
-    except Exception:  # rendezvous or a kernel refused: every rank all-reduces as before
+    except Exception as exc:  # rendezvous or a kernel refused: all-reduces as before
+        warnings.warn(f"rank {tp.rank}: the fused all-reduce is off: {exc!r}", stacklevel=1)
         good = False
     if tp.min_over_ranks(int(good)) == 1:
         _FUSED[tp.device_group_name or ""] = (sites[0], sites[1])
