@@ -73,14 +73,6 @@ def store_release(ptrs, values):
 
 
 @triton.jit
-def fence_sys():
-    """``fence.acq_rel.sys`` in every thread: its earlier stores (to peers too) are ordered
-    before its later ones, such as an arrival its program then makes."""
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, 0;", "=r", [],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def one_shot_all_reduce_kernel(
     x_ptr,  # (numel,) this rank's input
     out_ptr,  # (numel,) the sum, written

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.all_reduce import fence_sys, load_acquire, store_release
+from executor.kernels.all_reduce import load_acquire, store_release
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
@@ -183,8 +183,7 @@ def _push(val, red_ptr, ctl_ptr, rank, site_off, slot_bytes, offs_n, mask, N,
         dst = tl.multiple_of((tl.load(red_ptr + r) + data).to(
             tl.pointer_type(val.dtype)), 16) + rank * N
         tl.store(dst + offs_n[None, :], val, mask=mask)
-    fence_sys()  # each thread's stores, before its program arrives
-    tl.debug_barrier()
+    tl.debug_barrier()  # every thread's stores, before the program's arrival releases them
     arrived = tl.atomic_add(ctl_ptr, 1, sem="acq_rel", scope="sys")
     if arrived == tl.num_programs(0) - 1:  # the last program: every slice is out
         tl.store(ctl_ptr, 0)  # (the next call's programs start after this grid ends)
@@ -239,12 +238,11 @@ def _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, mask_k, 
     the sum of that many slices ``K`` apart, in float32 in slice (rank) order and rounded
     once, as the all-reduce kernel sums."""
     x_mask = mask_m[:, None] & mask_k[None, :]
-    if SLICES > 1:  # other GPUs wrote them: from L2, never a stale L1 line
-        s32 = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0,
-                      cache_modifier=".cg").to(tl.float32)
+    if SLICES > 1:  # (read after the flags' acquire: plain loads see the peers' writes)
+        s32 = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
         for r in tl.static_range(1, SLICES):
-            s32 += tl.load(x_rows + r * K + ks[None, :], mask=x_mask, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
+            s32 += tl.load(x_rows + r * K + ks[None, :], mask=x_mask,
+                           other=0.0).to(tl.float32)
         s = s32.to(out_ptr.dtype.element_ty)
     else:
         s = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
