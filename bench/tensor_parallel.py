@@ -99,10 +99,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
             load_format: str = "safetensors") -> dict[str, Any]:
     """One server's figures; ``all_reduce`` is ``--tp-all-reduce``'s value, optionally
-    with ``/off`` (``--tp-fuse-all-reduce off``)."""
+    with ``/on`` or ``/off`` for ``--tp-fuse-all-reduce`` (default: the server's)."""
     algo, _, fuse = all_reduce.partition("/")
     proc, target, metrics = serve(model, tp, ["--tp-all-reduce", algo,
-                                              "--tp-fuse-all-reduce", fuse or "on",
+                                              *(["--tp-fuse-all-reduce", fuse] if fuse else []),
                                               "--load-format", load_format])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     try:
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sizes 4 and 8 only (llama-3.1-70b@4: its weights fit only there)")
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl, "
-                    ":symm_mem or :triton (--tp-all-reduce; default auto), then /off for "
-                    "--tp-fuse-all-reduce off (2:auto/off)")
+                    ":symm_mem or :triton (--tp-all-reduce; default auto), then /on or "
+                    "/off for --tp-fuse-all-reduce (2:auto/on)")
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "
                     "draw the weights on the GPUs (serve --load-format random)")

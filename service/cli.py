@@ -167,11 +167,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "where every rank can, NCCL otherwise; triton: the same with our "
                           "Triton kernel, which lets the next kernel start during it (PDL); "
                           "auto: the three timed at start-up, each size to the fastest")
-    parallel.add_argument("--tp-fuse-all-reduce", choices=("on", "off"), default="on",
-                          help="on: where our kernel takes one-row all-reduces, a decode "
-                          "step at batch 1 leaves them to the projections around them (the "
-                          "row-parallel one pushes its partial row to every rank, the next "
-                          "one sums as it reads); off: always a separate all-reduce")
+    parallel.add_argument("--tp-fuse-all-reduce", choices=("on", "off"), default="off",
+                          help="on (experimental): where our kernel takes one-row "
+                          "all-reduces, a decode step at batch 1 leaves them to the "
+                          "projections around them (the row-parallel one pushes its partial "
+                          "row to every rank, the next one sums as it reads); measured "
+                          "slower than off, the separate all-reduce kernel, on two H200s")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "

@@ -41,15 +41,18 @@ NCCL and 10.9 through the symm_mem kernel on two H100s
 H200s, and 16.2, 11.5 and 7.7 at 64 rows
 (``bench/results/2026-11-26-h200x2-triton-all-reduce``).
 
-Fused into the projections (``fuse=True``, the default, wherever our kernel takes one
-row): at decode batch 1 a row-parallel projection (o_proj; down_proj but the last layer's)
-and the pre-norm projection after it (gate_up; the next layer's qkv) are both skinny GEMMs
-(``executor.kernels.skinny_gemm``). The first then PUSHes its partial output row into
-every rank's reduce buffer and flags it there; the second waits for the flags and GATHERs
-the sum as its input (float32 in rank order, like our all-reduce kernel: the same bits).
-The all-reduce kernel between them, with its launch and the second NVLink round trip of
-its loads from the peers, is gone: ``TensorParallel.push_sum`` returns a ``PendingSum``
-that ``RMSNorm.linear_forward`` hands to the next projection.
+Fused into the projections (``fuse=True``; off by default, see below; only where our
+kernel takes one-row all-reduces): at decode batch 1 a row-parallel projection (o_proj;
+down_proj but the last layer's) and the pre-norm projection after it (gate_up; the next
+layer's qkv) are both skinny GEMMs (``executor.kernels.skinny_gemm``). The first then
+PUSHes its partial output row into every rank's reduce buffer and flags it there; the
+second waits for the flags and GATHERs the sum as its input (float32 in rank order, like
+our all-reduce kernel: the same bits, checked on GPUs). No all-reduce kernel runs between
+them: ``TensorParallel.push_sum`` returns a ``PendingSum`` that ``RMSNorm.linear_forward``
+hands to the next projection. Measured on two H200s it is *slower*: 85 against 75 us per
+layer of the 8B shape's four projections and two sums, and the 8B's batch-1 step 3.05
+against 2.93 ms (``bench/results/2026-11-26-h200x2-fused-all-reduce``), so it is off
+unless asked for (``--tp-fuse-all-reduce on``).
 """
 
 from __future__ import annotations
@@ -357,7 +360,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
          timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto",
-         fuse: bool = True) -> TensorParallel:
+         fuse: bool = False) -> TensorParallel:
     """Join the default process group over ``store`` and make this rank's two groups.
 
     ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
@@ -365,7 +368,7 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     group, so NCCL's communicator exists before any graph captures a collective.
     ``all_reduce`` picks the algorithm (module docstring); ``all_reduce_algorithm``
     says which one this group got. ``fuse``: where our kernel takes a one-row all-reduce,
-    fuse it into the projections around it (module docstring).
+    fuse it into the projections around it (module docstring; measured slower so far).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

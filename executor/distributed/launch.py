@@ -53,7 +53,8 @@ class ParallelConfig:
         kernel where every rank can, NCCL otherwise) or "triton" (the same with our kernel;
         ``executor/distributed/group.py``).
     fuse_all_reduce: where our kernel takes one-row all-reduces, fuse them into the
-        projections before and after them at decode batch 1 (``group.init``'s ``fuse``).
+        projections before and after them at decode batch 1 (``group.init``'s ``fuse``;
+        off by default: measured slower than the separate kernel so far).
     """
 
     tensor_parallel_size: int = 1
@@ -61,7 +62,7 @@ class ParallelConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
     all_reduce: AllReduceChoice = "auto"
-    fuse_all_reduce: bool = True
+    fuse_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
