@@ -34,6 +34,15 @@ least 5 % faster than the best tile (``CUBLAS_MARGIN``), ``linear`` and its fuse
 leave that shape to it on that GPU (``cublas_faster``): so far only the 70B's per-rank
 down projection at TP = 4 on an H200 (34.6 against 38.2 us).
 
+Tensor parallelism (``REDUCE``, ``ReduceSite``; ``--tp-fuse-all-reduce on``, off by
+default): a row-parallel projection may PUSH its output row into every rank's reduce
+buffer instead of storing it (``push_linear``: each program stores its columns there,
+arrives on a counter, and the last one flags the call in every buffer), and the pre-norm
+projection after it may GATHER its input as the sum of those slices (``gather_norm_linear``:
+it waits for every rank's flag, then sums in float32 in rank order, as our all-reduce
+kernel does, so the outputs are the same bits). Measured slower than the all-reduce
+kernel between two plain launches (``executor.distributed.group``).
+
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
 by an ulp of the activation dtype.
