@@ -76,11 +76,12 @@ def _worker(rank: int, world: int, port: int, shape: str, queue: Any) -> None:
 
     def unfused(attn: torch.Tensor, res: torch.Tensor) -> list[torch.Tensor]:
         s = tp.all_reduce(sg.skinny_gemm(attn, w_o))
-        gate_up, res = sg.skinny_norm_gemm(s, res, nw1, 1e-5, w_gu)
+        gate_up, res1 = sg.skinny_norm_gemm(s, res, nw1, 1e-5, w_gu)
+        assert res1 is not None
         s = tp.all_reduce(sg.skinny_gemm(gate_up, w_down, silu_mul=True))
-        qkv, res2 = sg.skinny_norm_gemm(s, res, nw2, 1e-5, w_qkv)
-        assert res is not None and res2 is not None
-        return [gate_up, res, qkv, res2]
+        qkv, res2 = sg.skinny_norm_gemm(s, res1, nw2, 1e-5, w_qkv)
+        assert res2 is not None
+        return [gate_up, res1, qkv, res2]
 
     def fused_layer(attn: torch.Tensor, res: torch.Tensor) -> list[torch.Tensor]:
         p = tp.push_sum(attn, layer["o"], 0, layer["gu"], nw1)
@@ -126,20 +127,9 @@ def _worker(rank: int, world: int, port: int, shape: str, queue: Any) -> None:
 def run(shape: str, world: int) -> dict[str, Any]:
     """Rank 0's result: whether the group fused, whether every output matched the unfused
     path bit for bit, and µs per layer (two row-parallel sums) each way."""
-    import torch.multiprocessing as mp
+    from bench.tensor_parallel import spawn_ranks
 
-    from bench.tensor_parallel import _free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, shape, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result: dict[str, Any] = queue.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    result = spawn_ranks(_worker, world, shape)
     result["device"] = torch.cuda.get_device_name(0)
     return result
 

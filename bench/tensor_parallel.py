@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,13 +212,18 @@ def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
     its start-up probe times and the one-shot kernel's size limit), whether every sum was exact
     (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
     inside a captured graph, by rows."""
+    return spawn_ranks(_allreduce_worker, world, sizes or [*BATCHES, PREFILL], hidden)
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
+    """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes
+    (``port``: a free one for their store) and return what rank 0 puts on ``queue``."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    sizes = sizes or [*BATCHES, PREFILL]
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, hidden, queue))
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -14,9 +14,10 @@ forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torc
 Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
 add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at one row (decode at batch 1) each
 norm is fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
-Under tensor parallelism the all-reduce after each row-parallel projection is then fused
-into the two GEMMs around it where the group can (``TensorParallel.push_sum``): the layer
-hands the next norm a ``PendingSum`` instead of a tensor.
+Under tensor parallelism, in a group set up to (``--tp-fuse-all-reduce on``, off by
+default: measured slower), the all-reduce after each row-parallel projection is then
+fused into the two GEMMs around it (``TensorParallel.push_sum``): the layer hands the next
+norm a ``PendingSum`` instead of a tensor.
 """
 
 from __future__ import annotations
