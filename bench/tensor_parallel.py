@@ -98,13 +98,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
-            load_format: str = "safetensors") -> dict[str, Any]:
+            load_format: str = "safetensors", extra: list[str] | None = None
+            ) -> dict[str, Any]:
     """One server's figures; ``all_reduce`` is ``--tp-all-reduce``'s value, optionally
-    with ``/on`` or ``/off`` for ``--tp-fuse-all-reduce`` (default: the server's)."""
+    with ``/on`` or ``/off`` for ``--tp-fuse-all-reduce`` (default: the server's);
+    ``extra``: more ``serve`` arguments."""
     algo, _, fuse = all_reduce.partition("/")
     proc, target, metrics = serve(model, tp, ["--tp-all-reduce", algo,
                                               *(["--tp-fuse-all-reduce", fuse] if fuse else []),
-                                              "--load-format", load_format])
+                                              "--load-format", load_format, *(extra or [])])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     try:
         with grpc.insecure_channel(target) as channel:
@@ -294,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                     "draw the weights on the GPUs (serve --load-format random)")
     ap.add_argument("--no-all-reduce-table", action="store_true",
                     help="skip the all-reduce timings (about 30 s per TP size)")
+    ap.add_argument("--serve-args", default="",
+                    help="more arguments for every server, space-separated "
+                    "('--weight-prefetch on')")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -311,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0),
                               "gpus": torch.cuda.device_count(), "read_gbs": read_gbs,
                               "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
+                              "serve_args": a.serve_args,
                               "shapes": {}}
     a.out.mkdir(parents=True, exist_ok=True)
     result["load_format"] = a.load_format
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         model, s = shapes.model(shape, a.models, a.load_format)
         runs = []
         for tp, algo in variants:
-            run = measure(model, tp, s.vocab_size, algo, a.load_format)
+            run = measure(model, tp, s.vocab_size, algo, a.load_format, a.serve_args.split())
             run["floor_ms"] = weight_bytes(shape) / tp / (read_gbs * 1e9) * 1e3
             runs.append(run)
             print(json.dumps({shape: run}), flush=True)
