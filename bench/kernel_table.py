@@ -34,7 +34,7 @@ from bench.kernel_classes import Kernel, class_bytes, floor_ms, markdown_case, s
 DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:2048")
 
 
-def _executor(source: str, attention: str, switches: dict[str, Any],
+def _executor(source: str, attention: str, switches: dict[str, str],
               load_format: str = "safetensors") -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
@@ -101,7 +101,7 @@ def case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callabl
 
 
 def measure(model: str, models_root: Path, cases: list[str], steps: int, context: int,
-            attention: str, switches: dict[str, Any] | None = None,
+            attention: str, switches: dict[str, str] | None = None,
             load_format: str = "safetensors") -> dict[str, Any]:
     import torch
 

@@ -15,7 +15,6 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from executor.executor import Executor
 
 
 def measure(source: str, rounds: int, calls: int, tokens: int = 128,
-            switches: dict[str, Any] | None = None) -> str:
+            switches: dict[str, str] | None = None) -> str:
     ex = Executor(ExecutorConfig(
         model=ModelConfig(source=source, dtype="bfloat16"), device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=64, max_context=4096),

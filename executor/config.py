@@ -21,7 +21,7 @@ LoadFormat = Literal["safetensors", "random"]
 TINY_MODEL = "tiny"
 
 
-#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``, ``weight_prefetch``).
+#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``).
 KERNEL_SWITCH_MODES = ("auto", "on", "off")
 
 
@@ -119,14 +119,6 @@ class ExecutorConfig:
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
     #: ``off``.
     pdl: str = "auto"
-    #: L2 prefetch of the weights after each layer's attention, issued by the Triton
-    #: decode attention kernel (``executor/kernels/l2.py``): ``auto`` where it can (the
-    #: triton backend on a CUDA device of compute capability 9.0+), ``on`` (refused
-    #: elsewhere), ``off``.
-    weight_prefetch: str = "off"
-    #: Bytes per layer it prefetches (o_proj, then gate_up, then down, cut there), in MiB;
-    #: None: half the device's L2.
-    weight_prefetch_mib: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
@@ -139,9 +131,7 @@ class ExecutorConfig:
                  f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
-        _require(self.weight_prefetch_mib is None or self.weight_prefetch_mib > 0,
-                 f"weight_prefetch_mib must be > 0, got {self.weight_prefetch_mib}")
-        for name in ("fuse_decode_rope", "pdl", "weight_prefetch"):
+        for name in ("fuse_decode_rope", "pdl"):
             value = getattr(self, name)
             _require(value in KERNEL_SWITCH_MODES,
                      f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")

@@ -26,7 +26,7 @@ import hashlib
 import operator
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -176,11 +176,8 @@ class Executor:
         self.fuses_decode_rope = can_fuse and config.fuse_decode_rope != "off"
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
-        #: Bytes of weights each layer's decode attention prefetches into L2 (0: none).
-        self.weight_prefetch_bytes = self._prefetch_weights(config, backend_name)
         features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
-            ("pdl",) if self.pdl else ()) + (
-            ("weight_prefetch",) if self.weight_prefetch_bytes else ())
+            ("pdl",) if self.pdl else ())
         self.model_info = dataclasses.replace(self.model_info, kernel_features=features)
         self.sampler = Sampler()
         # Each sequence's last sampled token, by request slot, written by sampling on the
@@ -215,35 +212,6 @@ class Executor:
     # ------------------------------------------------------------------------------------
     # Boot helpers
     # ------------------------------------------------------------------------------------
-    def _prefetch_weights(self, config: ExecutorConfig, backend_name: str) -> int:
-        """Resolve ``config.weight_prefetch`` and hand each layer's plan to the attention
-        backend; returns the bytes planned per layer (the largest), 0 when off."""
-        if config.weight_prefetch == "off":
-            return 0
-        weights_after: Callable[[int], list[torch.Tensor]] | None = getattr(
-            self.model, "weights_after_attention", None)
-        reason = ""
-        if not self.attn.can_prefetch_weights:
-            reason = f"the {backend_name!r} attention backend cannot (triton can)"
-        elif weights_after is None:
-            reason = f"model {type(self.model).__name__} names no weights after attention"
-        else:
-            from executor.kernels import l2  # imports Triton: CUDA or a forced "on" only
-
-            reason = l2.unsupported_reason(self.device)
-        if reason or weights_after is None:
-            if config.weight_prefetch == "on":
-                raise ConfigError(f"--weight-prefetch on: {reason}")
-            return 0
-        budget = (int(config.weight_prefetch_mib * 2**20) if config.weight_prefetch_mib
-                  else l2.default_budget(self.device))
-        planned = 0
-        for layer_id in range(self.spec.num_layers):
-            regions = l2.plan(weights_after(layer_id), budget)
-            self.attn.prefetch_weights(layer_id, regions)
-            planned = max(planned, sum(r.numel() for r in regions))
-        return planned
-
     def _kv_tokens(self, max_context: int) -> int:
         cache = self.config.cache
         if cache.kv_tokens is not None:

@@ -69,13 +69,6 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="programmatic dependent launch of the Triton kernels (CUDA "
                        "compute capability 9.0+): each kernel starts while the previous "
                        "one finishes; auto: where supported (default: %(default)s)")
-    model.add_argument("--weight-prefetch", choices=KERNEL_SWITCH_MODES, default="off",
-                       help="the triton decode attention kernel prefetches the weights read "
-                       "after it (o_proj, gate_up, down) into L2 while it runs (CUDA "
-                       "compute capability 9.0+); auto: where it can (default: %(default)s)")
-    model.add_argument("--weight-prefetch-mib", type=float, default=None,
-                       help="MiB per layer --weight-prefetch takes, in that order "
-                       "(default: half the device's L2)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -240,8 +233,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                            compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
-        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl,
-        weight_prefetch=args.weight_prefetch, weight_prefetch_mib=args.weight_prefetch_mib)
+        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

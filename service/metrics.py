@@ -115,8 +115,7 @@ class Metrics:
         self.model_info = Gauge(p + "model_info", "The served model (always 1)",
                                 ["name", "architecture", "dtype", "device"], registry=r)
         self.kernel_feature = Gauge(p + "kernel_feature", "Kernel switches in effect (1 per "
-                                    "feature: fused_decode_rope, pdl, weight_prefetch), what "
-                                    "auto resolved to",
+                                    "feature: fused_decode_rope, pdl), what auto resolved to",
                                     ["feature"], registry=r)
         self.tensor_parallel_size = Gauge(p + "tensor_parallel_size", "Ranks the model is "
                                           "split over (1: one process)", registry=r)

@@ -27,7 +27,6 @@ it supports.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeVar
 
@@ -128,18 +127,6 @@ class AttentionBackend(ABC):
         """Whether ``forward`` with ``meta`` applies RoPE itself (the caller must not)."""
         del meta
         return False
-
-    # -- weight prefetch ---------------------------------------------------------------
-    #: True when the backend's decode kernel can prefetch weights into L2
-    #: (``prefetch_weights``; ``executor.kernels.l2``).
-    can_prefetch_weights: ClassVar[bool] = False
-
-    def prefetch_weights(self, layer_id: int, regions: Sequence[torch.Tensor]) -> None:
-        """From now on, decode forwards of layer ``layer_id`` prefetch ``regions`` (byte
-        views of the weights read after the attention, ``l2.plan``) into L2 while the
-        attention runs; empty ``regions``: none. Results do not change."""
-        del layer_id, regions
-        raise NotImplementedError(f"attention backend {self.name!r} cannot prefetch weights")
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The static ``(3, bucket)`` rows (``packing.DECODE_ROW_FIELDS``) of decode capture

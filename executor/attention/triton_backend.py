@@ -20,7 +20,6 @@ and writes its K/V to the reserved location only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,7 +41,6 @@ from executor.attention.triton_kernels import (
     num_kv_splits,
 )
 from executor.forward_batch import ForwardBatch
-from executor.kernels.l2 import MAX_REGIONS
 from executor.kv.pool import KVPool, ReqToTokenTable
 from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS
 
@@ -111,8 +109,6 @@ class TritonBackend(AttentionBackend):
                         if device.type == "cuda" else _DEFAULT_NUM_SMS)
         self.graph_buffers: DecodeGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: Byte views of the weights each layer's decode kernel prefetches into L2.
-        self.prefetch: dict[int, tuple[torch.Tensor, ...]] = {}
 
     can_fuse_decode_rope: ClassVar[bool] = True
 
@@ -121,16 +117,6 @@ class TritonBackend(AttentionBackend):
 
     def fuses_rope(self, meta: AttentionMetadata) -> bool:
         return self.rope_tables is not None and isinstance(meta, TritonDecodeMetadata)
-
-    can_prefetch_weights: ClassVar[bool] = True
-
-    def prefetch_weights(self, layer_id: int, regions: Sequence[torch.Tensor]) -> None:
-        if len(regions) > MAX_REGIONS:
-            raise ValueError(f"at most {MAX_REGIONS} prefetch regions, got {len(regions)}")
-        if regions:
-            self.prefetch[layer_id] = tuple(regions)
-        else:
-            self.prefetch.pop(layer_id, None)
 
     def num_splits(self, batch_size: int) -> int:
         """Split-KV factor of a decode of ``batch_size`` rows (lengths play no part)."""
@@ -172,8 +158,7 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, self.rope_tables,
-                             self.prefetch.get(layer_id, ()))
+                             meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,

@@ -187,15 +187,6 @@ class CausalLM(nn.Module):
         assert isinstance(hidden, torch.Tensor)  # the last layer has no next to read a sum
         return self.norm.add_forward(hidden, residual, ops)[0]
 
-    def weights_after_attention(self, layer_id: int) -> list[torch.Tensor]:
-        """This rank's weights that a decode step reads after layer ``layer_id``'s
-        attention, in the order it reads them: o_proj, gate_up, down (what an attention
-        backend may prefetch while it runs, ``AttentionBackend.prefetch_weights``)."""
-        layer = self.layers[layer_id]
-        assert isinstance(layer, DecoderLayer)
-        return [layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight]
-
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """float32 logits ``(S, vocab)`` of ``hidden`` ``(S, hidden)``: in the activation

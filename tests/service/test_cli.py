@@ -46,21 +46,12 @@ def test_graph_modes_resolve_per_device() -> None:
                                                                            "tc_piecewise")
 
 
-def test_weight_prefetch_flags_reach_the_executor_config() -> None:
-    executor, _ = configs("--device", "cpu")
-    assert (executor.weight_prefetch, executor.weight_prefetch_mib) == ("off", None)
-    executor, _ = configs("--device", "cpu", "--weight-prefetch", "auto",
-                          "--weight-prefetch-mib", "12.5")
-    assert (executor.weight_prefetch, executor.weight_prefetch_mib) == ("auto", 12.5)
-
-
 @pytest.mark.parametrize(("flags", "message"), [
     (["--prefill-graph", "full"], "variable-length"),
     (["--decode-graph", "bogus"], "valid: auto"),
     (["--decode-graph", "full"], "needs a CUDA device"),
     (["--max-sequences", "0"], "max_sequences"),
     (["--port", "70000"], "port"),
-    (["--weight-prefetch-mib", "0"], "weight_prefetch_mib must be > 0"),
 ])
 def test_bad_flags_exit_2_with_the_reason(flags: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

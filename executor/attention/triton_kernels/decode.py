@@ -31,14 +31,12 @@ Design (page size 1; a sequence's KV is read through its request-slot table row)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from executor.kernels import l2, pdl
-from executor.kernels.l2 import prefetch_share
+from executor.kernels import pdl
 from executor.kernels.pdl import pdl_enter
 
 # Chunks are a multiple of this many tokens: a program does at least this much work.
@@ -76,8 +74,7 @@ def _split_size(cached, num_splits, ALIGN: tl.constexpr):
 
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
-@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h",
-                               "pf_bytes0", "pf_bytes1", "pf_bytes2"])
+@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim): one new query per sequence
     k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
@@ -100,7 +97,6 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s,
     stride_lse_b, stride_lse_h,
     stride_out_t, stride_out_h,
-    pf_ptr0, pf_bytes0, pf_ptr1, pf_bytes1, pf_ptr2, pf_bytes2,  # L2 prefetch regions
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -108,21 +104,11 @@ def _decode_split_kernel(
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
-    PREFETCH: tl.constexpr,  # regions of the weights read next to prefetch into L2 (0-3)
     USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-
-    if PREFETCH > 0:  # each program its share of each region (weights: no PDL wait needed)
-        part = (b * tl.num_programs(1) + kvh) * num_splits + split
-        parts = tl.num_programs(0) * tl.num_programs(1) * num_splits
-        prefetch_share(pf_ptr0, pf_bytes0, part, parts)
-        if PREFETCH > 1:
-            prefetch_share(pf_ptr1, pf_bytes1, part, parts)
-        if PREFETCH > 2:
-            prefetch_share(pf_ptr2, pf_bytes2, part, parts)
 
     # Before the wait (PDL): what no kernel of this step writes. The lengths, slots and
     # table arrive by copies that finish before the step's first kernel; the cached K/V
@@ -302,7 +288,6 @@ def decode_attention(
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
-    prefetch: Sequence[torch.Tensor] = (),  # byte views of weights read next (l2.plan)
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
@@ -310,9 +295,7 @@ def decode_attention(
     shape depends on ``B`` and the split count only, so it may be captured in a CUDA
     graph: lengths, slots and locations are read on the device. With ``rope`` (float32
     tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
-    rotated here at position ``seq_len - 1``; the pool receives the rotated key. The
-    split kernel's programs first prefetch the ``prefetch`` regions into L2, each its
-    share (``executor.kernels.l2``; CUDA, compute capability 9.0+ only).
+    rotated here at position ``seq_len - 1``; the pool receives the rotated key.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -350,7 +333,6 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        *l2.launch_args(prefetch, out),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
@@ -358,7 +340,6 @@ def decode_attention(
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
         ROPE=rope is not None,
-        PREFETCH=len(prefetch),
         num_warps=4,
         num_stages=2,
         **pdl.options(),
