@@ -35,7 +35,7 @@ DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:20
 
 
 def _executor(source: str, attention: str, switches: dict[str, str],
-              load_format: str = "safetensors") -> Any:
+              load_format: str = "safetensors", prefill_graph: str = "breakable") -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
 
@@ -44,7 +44,7 @@ def _executor(source: str, attention: str, switches: dict[str, str],
                           load_format=load_format),  # type: ignore[arg-type]
         device="cuda",
         cache=CacheConfig(kv_tokens=96 * 1024, max_sequences=80, max_context=4096),
-        graphs=GraphConfig(decode_mode="full", prefill_mode="breakable",
+        graphs=GraphConfig(decode_mode="full", prefill_mode=prefill_graph,
                            decode_buckets=(1, 8, 64), prefill_buckets=(128, 2048)),
         attention_backend=attention, max_decode_batch=64, max_prefill_tokens=8192,
         **switches))
@@ -102,7 +102,8 @@ def case_step(ex: Any, phase: str, size: int, context: int, tag: str) -> Callabl
 
 def measure(model: str, models_root: Path, cases: list[str], steps: int, context: int,
             attention: str, switches: dict[str, str] | None = None,
-            load_format: str = "safetensors") -> dict[str, Any]:
+            load_format: str = "safetensors", prefill_graph: str = "breakable"
+            ) -> dict[str, Any]:
     import torch
 
     from bench import hardware, shapes
@@ -112,13 +113,14 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
     path, spec = shapes.model(model, models_root, load_format)
     source = str(path)
     wbytes = shapes.weight_bytes(model)
-    ex = _executor(source, attention, switches or {}, load_format)
+    ex = _executor(source, attention, switches or {}, load_format, prefill_graph)
     ex.capture(["decode", "prefill"])
     result: dict[str, Any] = {
         "model": model, "device": torch.cuda.get_device_name(),
         "commit": os.environ.get("MODEL_EXECUTOR_COMMIT", "unknown"),
         "torch": torch.__version__, "read_bandwidth_gbs": bw, "matmul_tflops": tflops,
-        "attention": ex.model_info.attention_backend, "context": context, "steps": steps,
+        "attention": ex.model_info.attention_backend, "prefill_graph": prefill_graph,
+        "context": context, "steps": steps,
         "cases": {}}
     for n_case, case in enumerate(cases):
         phase, size_s = case.split(":")
@@ -159,7 +161,9 @@ def markdown(result: dict[str, Any], before: dict[str, Any] | None = None) -> st
     lines = [f"# Kernel table: {result['model']} on {result['device']} at {result['commit']}",
              "", f"Read bandwidth {result['read_bandwidth_gbs']:.0f} GB/s, bf16 matmul "
              f"{result['matmul_tflops']:.0f} TFLOP/s (measured in the run); attention "
-             f"{result['attention']}; decode context {result['context']}; medians of "
+             f"{result['attention']}; prefill graphs "
+             f"{result.get('prefill_graph', 'breakable')}; decode context "
+             f"{result['context']}; medians of "
              f"{result['steps']} profiled steps."
              + (f" Before: {before['commit']} (same machine, bandwidth "
                 f"{before['read_bandwidth_gbs']:.0f} GB/s)." if before else ""), ""]
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only the shape's config.json and draw the weights "
                     "on the GPU (no minutes spent writing the 8B shape)")
+    ap.add_argument("--prefill-graph", choices=("breakable", "fixed_grid", "tc_piecewise"),
+                    default="breakable", help="prefill graph mode (default: %(default)s)")
     bench_switches.add_arguments(ap)
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args(argv)
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = measure(args.model, args.models, args.case or list(DEFAULT_CASES), args.steps,
                      args.context, args.attention, bench_switches.overrides(args),
-                     args.load_format)
+                     args.load_format, args.prefill_graph)
     text = markdown(result)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,9 @@ MODE_TABLE = [
     ("prefill", "tc_piecewise", True, "tc_piecewise"),
     ("prefill", "disabled", False, "disabled"),
     ("prefill", "full", True, "ERR:variable-length"),
+    ("prefill", "fixed_grid", True, "fixed_grid"),
+    ("prefill", "fixed_grid", False, "ERR:needs a CUDA device"),
+    ("decode", "fixed_grid", True, "ERR:fixed_grid is for prefill"),
     ("decode", "tc_piecewise", True, "ERR:valid: auto, full, breakable, disabled"),
     ("decode", "fast", True, "ERR:unknown mode 'fast'"),
     ("decode", "full", False, "ERR:needs a CUDA device"),
@@ -112,12 +115,13 @@ def test_capture_backends_by_mode_name() -> None:
     cpu = torch.device("cpu")
     graphs = GraphConfig(compiler="inductor")
     made = {m: make_capture_backend(m, cpu, graphs, "k") for m in
-            ("full", "breakable", "tc_piecewise")}
+            ("full", "breakable", "fixed_grid", "tc_piecewise")}
     assert {m: b.name for m, b in made.items()} == {m: m for m in made}
-    assert [b.attention_in_graph for b in made.values()] == [True, False, False]
-    assert [b.captures_runner_forward for b in made.values()] == [True, True, False]
-    assert [b.serves_uncaptured_shapes for b in made.values()] == [False, False, True]
-    with pytest.raises(ConfigError, match="available: full, breakable, tc_piecewise"):
+    assert [b.attention_in_graph for b in made.values()] == [True, False, True, False]
+    assert [b.captures_runner_forward for b in made.values()] == [True, True, True, False]
+    assert [b.serves_uncaptured_shapes for b in made.values()] == [False, False, False, True]
+    with pytest.raises(ConfigError,
+                       match="available: full, breakable, fixed_grid, tc_piecewise"):
         make_capture_backend("turbo", cpu, graphs, "k")
     with pytest.raises(ConfigError, match="compiler must be 'eager' or 'inductor'"):
         GraphConfig(compiler="tvm")  # type: ignore[arg-type]

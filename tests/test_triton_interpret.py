@@ -9,6 +9,7 @@ compiled kernels instead.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -193,3 +194,75 @@ def test_decode_with_fused_rope_interpreted(prefix_lens: list[int], heads: int, 
     got = fused.forward(q, k, v, LAYER, fused.build_metadata(batch))
     assert torch.equal(pool.k_buffer, stored)  # the fused kernel stored the same key
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize(("prefix_lens", "new_lens", "bucket"), [
+    ([0], [9], 16),  # one sequence, a padded bucket
+    ([0, 20, 70], [70, 5, 1], 96),  # the 2nd and 3rd start mid-block (70, 75)
+    ([0, 3], [150, 140], 320),  # blocks of both sequences; the 2nd starts at 150
+    ([4, 0, 9, 0, 30], [1, 1, 2, 63, 3], 80),  # five sequences share the first block
+])
+def test_fixed_grid_extend_interpreted(prefix_lens: list[int], new_lens: list[int],
+                                       bucket: int) -> None:
+    """Prefill graph mode ``fixed_grid``: the kernel whose grid the bucket fixes, on
+    metadata refreshed into the static buffers, equals the eager kernel on the batch's
+    rows (exactly where each sequence starts on a block edge), writes no padding row,
+    stores exactly the batch's new K/V; a later, smaller batch in the same buffers too."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    shape = AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5)
+    pool, table, batch = paged_case(prefix_lens, new_lens, heads, kv_heads, head_dim, seed=5)
+    tri = TritonBackend(shape, pool, table)
+    tri.init_graph_buffers(bucket, bucket, "prefill")
+    meta = tri.capture_metadata("prefill", bucket, bucket)
+    # The capture dummy: one sequence over the whole bucket, stored at location 0.
+    assert meta.seq_rows[:, 0].tolist() == [0, 0, bucket, 0]  # type: ignore[attr-defined]
+    assert not meta.seq_rows[2, 1:].any()  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(6)
+    n = batch.num_tokens
+
+    def qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, heads, head_dim, generator=gen).to(DTYPE),
+                torch.randn(rows, kv_heads, head_dim, generator=gen).to(DTYPE),
+                torch.randn(rows, kv_heads, head_dim, generator=gen).to(DTYPE))
+
+    q, k, v = qkv(bucket)  # rows past n: the bucket's padding tokens
+    before_k, before_v = pool.k_buffer.clone(), pool.v_buffer.clone()
+    eager = tri.forward(q[:n], k[:n], v[:n], LAYER, tri.build_metadata(batch))
+    expect_k, expect_v = pool.k_buffer.clone(), pool.v_buffer.clone()
+    pool.k_buffer.copy_(before_k)
+    pool.v_buffer.copy_(before_v)
+    ptr = meta.seq_rows.data_ptr()  # type: ignore[attr-defined]
+    tri.refresh_metadata(meta, batch)
+    assert meta.seq_rows.data_ptr() == ptr  # type: ignore[attr-defined]
+    out = torch.full((bucket, heads, head_dim), float("nan"), dtype=DTYPE)
+    tri.forward_into(q, k, v, out, LAYER, meta)
+    assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
+    assert out[n:].isnan().all()
+    torch.testing.assert_close(out[:n].float(), eager.float(), atol=2e-3, rtol=2e-3)
+    starts = [0, *itertools.accumulate(new_lens)][:-1]
+    for start, length in zip(starts, new_lens, strict=True):
+        if start % 64 == 0:  # the same key blocks in the same order: the same bits
+            assert torch.equal(out[start:start + length], eager[start:start + length])
+
+    # A smaller batch next: the rows it does not have become padding again.
+    pool2, table2, small = paged_case(prefix_lens[-2:], new_lens[-2:], heads, kv_heads,
+                                      head_dim, seed=8)
+    tri.pool, tri.table = pool2, table2
+    tri.refresh_metadata(meta, small)
+    assert not meta.seq_rows[2, small.batch_size:].any()  # type: ignore[attr-defined]
+    m = small.num_tokens
+    q2, k2, v2 = qkv(bucket)
+    want = tri.forward(q2[:m], k2[:m], v2[:m], LAYER, tri.build_metadata(small))
+    got = torch.full((bucket, heads, head_dim), float("nan"), dtype=DTYPE)
+    tri.forward_into(q2, k2, v2, got, LAYER, meta)
+    torch.testing.assert_close(got[:m].float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert got[m:].isnan().all()
+
+
+def test_fixed_grid_refresh_refuses_a_batch_larger_than_the_bucket() -> None:
+    pool, table, batch = paged_case([0], [40], 4, 2, 16, seed=9)
+    tri = TritonBackend(AttentionShape(4, 2, 16, 0.25), pool, table)
+    tri.init_graph_buffers(64, 64, "prefill")
+    meta = tri.capture_metadata("prefill", 32, 32)
+    with pytest.raises(ValueError, match="does not fit a bucket of 32 tokens"):
+        tri.refresh_metadata(meta, batch)

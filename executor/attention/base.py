@@ -11,7 +11,7 @@ Eager use, once per forward pass::
 
 Graph use adds four hooks (the contract of every capturable backend)::
 
-    backend.init_graph_buffers(max_batch, max_tokens)     # once: static metadata buffers
+    backend.init_graph_buffers(max_batch, max_tokens, phase)  # once per phase: buffers
     meta = backend.capture_metadata(phase, batch_size, num_tokens)  # before capture
     backend.refresh_metadata(meta, batch)                 # before each replay, in place
     rows = backend.static_decode_rows(meta)               # optional: refresh as one copy
@@ -98,8 +98,10 @@ class AttentionBackend(ABC):
         out.copy_(self.forward(q, k, v, layer_id, meta))
 
     # -- graph hooks -------------------------------------------------------------------
-    def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:
-        """Allocate static metadata buffers big enough for the largest bucket."""
+    def init_graph_buffers(self, max_batch: int, max_tokens: int,
+                           phase: Phase = "decode") -> None:
+        """Allocate ``phase``'s static metadata buffers, big enough for the largest bucket
+        (``max_batch`` sequences, ``max_tokens`` tokens)."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
     def capture_metadata(self, phase: Phase, batch_size: int, num_tokens: int) -> AttentionMetadata:

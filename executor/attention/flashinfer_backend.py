@@ -146,10 +146,13 @@ class FlashInferBackend(AttentionBackend):
         meta.wrapper.run(q.contiguous(), self._pages[layer_id], out=out)
 
     # -- graph hooks -----------------------------------------------------------------------
-    def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:
+    def init_graph_buffers(self, max_batch: int, max_tokens: int,
+                           phase: Phase = "decode") -> None:
         """Fixed decode buffers for buckets of up to ``max_batch`` rows; idempotent while
         big enough (captured graphs keep their addresses). ``max_tokens`` is unused."""
         del max_tokens
+        if phase != "decode":
+            raise NotImplementedError(f"flashinfer attention captures decode only, not {phase}")
         if self.graph_buffers is not None and self.graph_buffers.max_batch >= max_batch:
             return
         # Pages of distinct sequences are distinct locations, so the real rows of a batch

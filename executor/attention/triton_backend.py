@@ -38,9 +38,11 @@ from executor.attention.base import (
 from executor.attention.triton_kernels import (
     decode_attention,
     extend_attention,
+    extend_attention_fixed_grid,
     num_kv_splits,
 )
 from executor.forward_batch import ForwardBatch
+from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
 from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS
 
@@ -78,6 +80,33 @@ class TritonExtendMetadata(AttentionMetadata):
     max_extend_len: int
 
 
+@dataclass(frozen=True)
+class TritonFixedExtendMetadata(AttentionMetadata):
+    """A prefill captured per token bucket (graph mode ``fixed_grid``): views of the static
+    ``ExtendGraphBuffers``; the launch depends on the bucket only."""
+
+    seq_rows: torch.Tensor  # (4, S) int64: req_pool_indices, prefix_lens, extend_lens, start
+    out_cache_loc: torch.Tensor  # (bucket,) int64
+
+
+@dataclass
+class ExtendGraphBuffers:
+    """Static extend metadata for prefill graphs: ``S`` sequence rows (a batch's rows
+    first, padding after: ``extend_lens`` 0) and the largest bucket's token locations."""
+
+    seq_rows: torch.Tensor  # (4, S) int64
+    pad_rows: torch.Tensor  # (4, S) int64: EXTEND_PAD_ROW in every column
+    out_cache_loc: torch.Tensor  # (max_tokens,) int64
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+
+#: A padded sequence row of ``ExtendGraphBuffers``: slot 0, no prefix, no new tokens.
+EXTEND_PAD_ROW = (0, 0, 0, 0)
+
+
 @dataclass
 class DecodeGraphBuffers:
     """Static decode metadata for the largest bucket; a bucket of ``bs`` rows uses the
@@ -95,7 +124,7 @@ class DecodeGraphBuffers:
 
 class TritonBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
-    capturable: ClassVar[frozenset[Phase]] = frozenset({"decode"})
+    capturable: ClassVar[frozenset[Phase]] = frozenset({"decode", "prefill"})
     # Extend programs cover the rows metadata names (extend_start + extend_lens), decode
     # programs the first B rows: padding rows after them are never read or written.
     padded_rows_ok: ClassVar[bool] = True
@@ -108,6 +137,7 @@ class TritonBackend(AttentionBackend):
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else _DEFAULT_NUM_SMS)
         self.graph_buffers: DecodeGraphBuffers | None = None
+        self.extend_buffers: ExtendGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     can_fuse_decode_rope: ClassVar[bool] = True
@@ -151,7 +181,12 @@ class TritonBackend(AttentionBackend):
         q, k, v = inner_contiguous(q), inner_contiguous(k), inner_contiguous(v)
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         table = self.table.device_table
-        if isinstance(meta, TritonDecodeMetadata):
+        if isinstance(meta, TritonFixedExtendMetadata):
+            t = meta.out_cache_loc.shape[0]
+            assert q.shape[0] == t, f"a {t}-token bucket's forward got {q.shape[0]} tokens"
+            extend_attention_fixed_grid(q, k, v, out, k_pool, v_pool, table, meta.seq_rows,
+                                        meta.out_cache_loc, self.shape.scale)
+        elif isinstance(meta, TritonDecodeMetadata):
             b = meta.batch_size
             assert q.shape[0] >= b, f"decode takes one token per row: {q.shape[0]} rows < {b}"
             if q.shape[0] > b:  # padding rows (padded_rows_ok): the launch covers B rows
@@ -168,14 +203,18 @@ class TritonBackend(AttentionBackend):
             raise TypeError(f"triton backend got {type(meta).__name__}")
 
     # -- graph hooks -----------------------------------------------------------------------
-    def init_graph_buffers(self, max_batch: int, max_tokens: int) -> None:
-        """Allocate the static decode buffers for buckets of up to ``max_batch`` rows.
+    def init_graph_buffers(self, max_batch: int, max_tokens: int,
+                           phase: Phase = "decode") -> None:
+        """Allocate the static buffers of ``phase``: decode, for buckets of up to
+        ``max_batch`` rows (``max_tokens`` unused: one token per row); prefill, for buckets
+        of up to ``max_tokens`` tokens and as many sequences as the table has slots.
 
         Idempotent while the existing buffers are big enough: graphs captured over them
-        stay valid (their addresses must not change). ``max_tokens`` is unused: decode
-        has one token per row and extend metadata is never captured.
+        stay valid (their addresses must not change).
         """
-        del max_tokens
+        if phase == "prefill":
+            self._init_extend_buffers(max_tokens)
+            return
         if self.graph_buffers is not None and self.graph_buffers.max_batch >= max_batch:
             return
         heads, dim = self.shape.num_heads, self.shape.head_dim
@@ -192,11 +231,28 @@ class TritonBackend(AttentionBackend):
                                     device=self.device),
         )
 
+    def _init_extend_buffers(self, max_tokens: int) -> None:
+        if self.extend_buffers is not None and self.extend_buffers.max_batch >= max_tokens:
+            return
+        seqs = self.table.max_sequences
+        pad = torch.tensor(EXTEND_PAD_ROW, dtype=torch.int64, device=self.device)
+        pad_rows = pad[:, None].expand(4, seqs).contiguous()
+        self.extend_buffers = ExtendGraphBuffers(
+            seq_rows=pad_rows.clone(), pad_rows=pad_rows,
+            out_cache_loc=torch.full((max_tokens,), RESERVED_LOCATION, dtype=torch.int64,
+                                     device=self.device))
+
     def capture_metadata(self, phase: Phase, batch_size: int,
-                         num_tokens: int) -> TritonDecodeMetadata:
-        if phase != "decode":
-            raise NotImplementedError(f"triton attention captures decode only, not {phase}: "
-                                      "extend attention runs eagerly between graph pieces")
+                         num_tokens: int) -> AttentionMetadata:
+        """Decode: ``batch_size`` padded rows. Prefill (``num_tokens``, the bucket): one
+        sequence of ``num_tokens`` new tokens in slot 0 without a prefix, storing every
+        token at the reserved location, so warm-up and capture run the whole kernel."""
+        if phase == "prefill":
+            ext = bucket_buffers(self.extend_buffers, num_tokens)
+            ext.seq_rows.copy_(ext.pad_rows)
+            ext.seq_rows[2, 0] = num_tokens  # extend_lens
+            ext.out_cache_loc[:num_tokens].fill_(RESERVED_LOCATION)
+            return TritonFixedExtendMetadata(ext.seq_rows, ext.out_cache_loc[:num_tokens])
         bufs = bucket_buffers(self.graph_buffers, batch_size)
         if num_tokens != batch_size:
             raise ValueError(f"decode has one token per row: {num_tokens} != {batch_size}")
@@ -213,9 +269,11 @@ class TritonBackend(AttentionBackend):
                                     rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
-        """Copy ``batch`` into the static rows of ``meta`` (padding after it): one or two
-        small device copies, no host sync, issued on the current stream before the
-        replay."""
+        """Copy ``batch`` into the static rows of ``meta`` (padding after it): a few small
+        device copies, no host sync, issued on the current stream before the replay."""
+        if isinstance(meta, TritonFixedExtendMetadata):
+            self._refresh_extend(meta, batch)
+            return
         assert isinstance(meta, TritonDecodeMetadata), type(meta).__name__
         size = meta.batch_size
         bufs = bucket_buffers(self.graph_buffers, size)
@@ -231,6 +289,24 @@ class TritonBackend(AttentionBackend):
         bufs.rows[:, :real].copy_(rows)
         if real < size:
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
+
+    def _refresh_extend(self, meta: TritonFixedExtendMetadata, batch: ForwardBatch) -> None:
+        ext = self.extend_buffers
+        assert ext is not None and meta.seq_rows.data_ptr() == ext.seq_rows.data_ptr(), \
+            "not capture metadata"
+        bucket, tokens, seqs = meta.out_cache_loc.shape[0], batch.num_tokens, batch.batch_size
+        if tokens > bucket or seqs > ext.seq_rows.shape[1]:
+            raise ValueError(f"a prefill of {tokens} tokens in {seqs} sequences does not fit "
+                             f"a bucket of {bucket} tokens and {ext.seq_rows.shape[1]} rows")
+        rows = ext.seq_rows
+        for i, field in enumerate(("req_pool_indices", "prefix_lens", "extend_lens",
+                                   "extend_start")):
+            rows[i, :seqs].copy_(getattr(batch, field))
+        rows[:, seqs:].copy_(ext.pad_rows[:, seqs:])
+        locs = batch.out_cache_loc  # the bucket's (padded) tokens, or the batch's own
+        meta.out_cache_loc[: locs.shape[0]].copy_(locs)
+        if locs.shape[0] < bucket:
+            meta.out_cache_loc[locs.shape[0]:].fill_(RESERVED_LOCATION)
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """Rows ``:size`` of the static decode rows: a batch packed for the bucket

@@ -187,3 +187,14 @@ class FullGraphBackend:
         self._graphs.clear()
         self._outputs.clear()
         self.streams.reset()
+
+
+class FixedGridGraphBackend(FullGraphBackend):
+    """Prefill graph mode ``fixed_grid``: the whole prefill forward of a token bucket as
+    one graph, attention included, launched with a grid fixed by the bucket's token count
+    and reading the batch's sequences from static buffers (an attention backend that can
+    capture prefill: triton's ``extend_attention_fixed_grid``). No eager launch between
+    layers, unlike ``breakable``; prefill batches longer than the largest bucket run
+    eagerly."""
+
+    name = "fixed_grid"

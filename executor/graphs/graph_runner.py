@@ -8,7 +8,8 @@ their memory and time. Two things vary, each decided once at construction, never
 | phase   | logits                         | attention (from the capture backend)       |
 |---------|--------------------------------|--------------------------------------------|
 | decode  | in the graph, every padded row | ``full``: inside the graph, static metadata |
-| prefill | after the graph, sampled rows  | ``breakable``: eager between segments      |
+| prefill | after the graph, sampled rows  | ``breakable``: eager between segments;     |
+|         |                                | ``fixed_grid``: inside, static metadata    |
 
 Inside-graph attention uses the attention backend's graph hooks (static buffers, dummy
 metadata at capture, a refresh before replay: captured in the prologue where the backend
@@ -156,7 +157,7 @@ class GraphRunner:
         static metadata (when captured inside the graphs) and the shared output."""
         largest = max(self.buckets)
         if self.attention_in_graph and not self._static_meta_ready:
-            self.attn.init_graph_buffers(largest, largest)
+            self.attn.init_graph_buffers(largest, largest, self.phase)
             self._static_meta_ready = True
         if self.backend.captures_runner_forward and self._out is None:
             width = self.model.spec.vocab_size if self.logits_in_graph \

@@ -72,6 +72,14 @@ def _breakable(device: torch.device, graphs: GraphConfig, key: str) -> CaptureBa
     return BreakableGraphBackend(device)
 
 
+@register_capture_backend("fixed_grid", phases=("prefill",), refused={
+    "decode": "decode's full graph already captures attention; fixed_grid is for prefill"})
+def _fixed_grid(device: torch.device, graphs: GraphConfig, key: str) -> CaptureBackend:
+    from executor.graphs.backends import FixedGridGraphBackend
+
+    return FixedGridGraphBackend(device)
+
+
 @register_capture_backend("tc_piecewise", phases=("prefill",), refused={
     "decode": "decode uses a full graph (or breakable); tc_piecewise is for prefill"})
 def _tc_piecewise(device: torch.device, graphs: GraphConfig, model_key: str) -> CaptureBackend:

@@ -1,4 +1,5 @@
-"""Breakable prefill graphs (and breakable decode) against eager on the GPU (marker ``gpu``)."""
+"""Breakable and fixed-grid prefill graphs (and breakable decode) against eager on the GPU
+(marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from tests.gpu.helpers import make_prefill_executor as make
 
 pytestmark = pytest.mark.gpu
 
-@pytest.fixture(scope="module")
-def ex(model_path: Path) -> Executor:
-    ex = make(model_path)
+@pytest.fixture(scope="module", params=["breakable", "fixed_grid"])
+def ex(model_path: Path, request: pytest.FixtureRequest) -> Executor:
+    """An executor with prefill graphs of each mode that captures the runner's forward:
+    eager attention between segments, or attention inside on a grid the bucket fixes."""
+    ex = make(model_path, prefill=request.param)
     caps = {c.phase: c for c in ex.capture(["decode", "prefill"])}
     assert all(b.ok for b in caps["prefill"].buckets), caps["prefill"]
-    assert caps["prefill"].backend == "breakable"
+    assert caps["prefill"].backend == request.param
     return ex
 
 
@@ -102,7 +105,7 @@ def _free_after_gc() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-@pytest.mark.parametrize("prefill", ["breakable", "tc_piecewise"])
+@pytest.mark.parametrize("prefill", ["breakable", "tc_piecewise", "fixed_grid"])
 def test_graph_memory_is_given_back_on_release_and_reported_alike_on_recapture(
         model_path: Path, prefill: str) -> None:
     """A capture/release cycle leaks nothing, and a recapture reports what the first
@@ -122,3 +125,28 @@ def test_graph_memory_is_given_back_on_release_and_reported_alike_on_recapture(
     assert leaked <= 4 * 2**20, f"a capture/release cycle kept {leaked / 2**20:.1f} MiB"
     e.capture(["prefill"])
     assert e.prefill([PrefillItem("after", rand_tokens(37, 9))]).step.path == "graph"
+
+
+def test_fixed_grid_needs_an_attention_backend_that_captures_prefill(model_path: Path
+                                                                     ) -> None:
+    from executor.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be captured for prefill"):
+        make(model_path, prefill="fixed_grid", attention="torch_native")
+
+
+def test_fixed_grid_runs_no_kernel_between_graph_replays(model_path: Path) -> None:
+    """The whole prefill is one replay: no eager attention launch for a batch that fits a
+    bucket (a breakable prefill launches one per layer)."""
+    e = make(model_path, prefill="fixed_grid", decode="disabled")
+    e.capture(["prefill"])
+    calls = []
+    real = e.attn.forward_into
+
+    def spy(*args: object) -> None:
+        calls.append(args[-1])
+        real(*args)  # type: ignore[arg-type]
+
+    e.attn.forward_into = spy  # type: ignore[method-assign]
+    out = e.prefill([PrefillItem("a", rand_tokens(70, 3)), PrefillItem("b", rand_tokens(9, 4))])
+    assert out.step.path == "graph" and calls == []

@@ -7,7 +7,11 @@
 """
 
 from executor.attention.triton_kernels.decode import decode_attention, num_kv_splits
-from executor.attention.triton_kernels.extend import extend_attention
+from executor.attention.triton_kernels.extend import (
+    extend_attention,
+    extend_attention_fixed_grid,
+)
 from executor.attention.triton_kernels.store import store_kv
 
-__all__ = ["decode_attention", "extend_attention", "num_kv_splits", "store_kv"]
+__all__ = ["decode_attention", "extend_attention", "extend_attention_fixed_grid",
+           "num_kv_splits", "store_kv"]

@@ -10,6 +10,11 @@ the whole prefix (read from the pool through the request-slot table) and new key
 Grid ``(ceil(max_extend_len / BLOCK_M), batch, heads)``: a program takes ``BLOCK_M`` new
 queries of one sequence and one head; blocks past a sequence's new tokens exit at once.
 The grid uses a host-side maximum, so this kernel runs eagerly (it is not captured).
+
+``extend_attention_fixed_grid`` is the capturable variant (prefill graph mode
+``fixed_grid``): grid ``(ceil(T / BLOCK_M), heads)`` over the packed tokens, each program
+finding on the device which sequences its block of tokens belongs to, so the launch is
+fixed by a graph bucket's token count and the metadata lives in static buffers.
 """
 
 from __future__ import annotations
@@ -77,89 +82,159 @@ def _extend_kernel(
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
-    num_new = tl.load(extend_lens_ptr + b).to(tl.int32)
     m0 = pid_m * BLOCK_M
-    if m0 < num_new:
-        prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
-        start = tl.load(extend_start_ptr + b).to(tl.int64)
-        kvh = h // group
-        pool_dtype = k_pool_ptr.dtype.element_ty
+    if m0 < tl.load(extend_lens_ptr + b).to(tl.int32):
+        _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
+                     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
+                     sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                     stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
+                     stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                     STORE_KV)
 
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # new-token index of each query row
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < num_new
-        mask_d = offs_d < HEAD_DIM
-        # (BLOCK_M, BLOCK_D)
-        q = tl.load(q_ptr + (start + offs_m[:, None]) * stride_q_t + h * stride_q_h
-                    + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # 1) The cached prefix, visible to every new query: no causal mask.
-        table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
-        head_off = kvh * stride_pool_h + offs_d[None, :]
-        for n0 in range(0, prefix, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < prefix
-            locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            mask_nd = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
-                        other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
-                        other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+@triton.jit(do_not_specialize=["group", "num_seqs"])
+def _extend_fixed_grid_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
+    req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (num_seqs,) each
+    loc_ptr,  # (T,) int64
+    sm_scale_log2,
+    group,
+    num_seqs,  # sequence rows; rows past the batch's have extend_lens 0 (padding)
+    stride_q_t, stride_q_h,
+    stride_k_t, stride_k_h,
+    stride_v_t, stride_v_h,
+    stride_o_t, stride_o_h,
+    stride_pool_n, stride_pool_h,
+    stride_table,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_seqs
+    USE_PDL: tl.constexpr,
+):
+    """Grid ``(ceil(T / BLOCK_M), heads)`` over the *packed* tokens, fixed by ``T`` alone: a
+    program takes packed tokens ``[t0, t0 + BLOCK_M)`` of one head and, for each sequence
+    those tokens belong to (in packed order), that sequence's rows of the block. The
+    sequences are found on the device from the metadata rows, so nothing in the launch
+    depends on the batch: it can be captured in a CUDA graph per token bucket."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = pid * BLOCK_M
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_seqs
+    # Before the wait (PDL): the metadata rows are copied in before the step's first kernel.
+    lens = tl.load(extend_lens_ptr + offs_s, mask=mask_s, other=0)
+    starts = tl.load(extend_start_ptr + offs_s, mask=mask_s, other=0)
+    real = lens > 0
+    # Packed in order: the sequences ending at or before t0 come first, then those that
+    # start before the block's end.
+    first = tl.sum((real & (starts + lens <= t0)).to(tl.int32), axis=0)
+    last = tl.sum((real & (starts < t0 + BLOCK_M)).to(tl.int32), axis=0)
+    pdl_enter(USE_PDL)
+    for b in range(first, last):
+        m0 = (t0 - tl.load(extend_start_ptr + b)).to(tl.int32)  # may be < 0: rows masked
+        _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
+                     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
+                     sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                     stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
+                     stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
 
-        # 2) The new tokens, from the packed K/V (rounded through the pool dtype so they
-        # equal what a pool read returns). Key j is visible to query i iff j <= i. Keys
-        # before this block's first query (j < m0) are visible to all its rows: no mask.
-        k_rows = k_ptr + kvh * stride_k_h + offs_d[None, :]
-        v_rows = v_ptr + kvh * stride_v_h + offs_d[None, :]
-        for n0 in range(0, m0, BLOCK_N):
-            offs_n = start + n0 + tl.arange(0, BLOCK_N)
-            k = tl.load(k_rows + offs_n[:, None] * stride_k_t, mask=mask_d[None, :],
-                        other=0.0).to(pool_dtype)
-            v = tl.load(v_rows + offs_n[:, None] * stride_v_t, mask=mask_d[None, :],
-                        other=0.0).to(pool_dtype)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
-        # The diagonal blocks, masked. Key 0 (or a block above) is visible to every row,
-        # so every m_i is finite once its first block is folded in.
-        hi = tl.minimum(num_new, m0 + BLOCK_M)
-        for n0 in range(m0, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < num_new
-            mask_nd = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_rows + (start + offs_n[:, None]) * stride_k_t, mask=mask_nd,
-                        other=0.0).to(pool_dtype)
-            v = tl.load(v_rows + (start + offs_n[:, None]) * stride_v_t, mask=mask_nd,
-                        other=0.0).to(pool_dtype)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
-            visible = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
 
-        if STORE_KV:  # noqa: SIM102 (compile-time; the inner test is a runtime one)
-            # The first query head of each KV head also writes that head's new K/V rows of
-            # this block to the pool: every new token is stored exactly once, by the same
-            # launch. Nothing in this launch reads those locations (the prefix loop reads
-            # older ones; the new keys come from the packed K/V), so there is no race.
-            if h % group == 0:
-                mask_md = mask_m[:, None] & mask_d[None, :]
-                rows = start + offs_m[:, None]
-                k_new = tl.load(k_rows + rows * stride_k_t, mask=mask_md, other=0.0)
-                v_new = tl.load(v_rows + rows * stride_v_t, mask=mask_md, other=0.0)
-                locs = tl.load(loc_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-                dst = locs[:, None] * stride_pool_n + head_off
-                tl.store(k_pool_ptr + dst, k_new.to(pool_dtype), mask=mask_md)
-                tl.store(v_pool_ptr + dst, v_new.to(pool_dtype), mask=mask_md)
+@triton.jit
+def _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
+                 req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
+                 sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                 stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n, stride_pool_h,
+                 stride_table, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr):
+    """Sequence ``b``'s new queries ``m0 .. m0 + BLOCK_M - 1`` (those in ``[0, extend_len)``;
+    ``m0`` need not be a multiple of anything, nor >= 0), head ``h``: attend, store the
+    output rows and (``STORE_KV``, first head of a KV head) the rows' new K/V."""
+    num_new = tl.load(extend_lens_ptr + b).to(tl.int32)
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    start = tl.load(extend_start_ptr + b).to(tl.int64)
+    kvh = h // group
+    pool_dtype = k_pool_ptr.dtype.element_ty
 
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + (start + offs_m[:, None]) * stride_o_t + h * stride_o_h
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_d[None, :])
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # new-token index of each query row
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = (offs_m >= 0) & (offs_m < num_new)
+    mask_d = offs_d < HEAD_DIM
+    # (BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + (start + offs_m[:, None]) * stride_q_t + h * stride_q_h
+                + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 1) The cached prefix, visible to every new query: no causal mask.
+    table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
+    head_off = kvh * stride_pool_h + offs_d[None, :]
+    for n0 in range(0, prefix, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix
+        locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                    other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+
+    # 2) The new tokens, from the packed K/V (rounded through the pool dtype so they
+    # equal what a pool read returns). Key j is visible to query i iff j <= i. Keys of
+    # whole blocks before the block's first query (j < lo <= m0) are visible to all its
+    # rows: no mask.
+    lo = tl.maximum(m0, 0) // BLOCK_N * BLOCK_N
+    k_rows = k_ptr + kvh * stride_k_h + offs_d[None, :]
+    v_rows = v_ptr + kvh * stride_v_h + offs_d[None, :]
+    for n0 in range(0, lo, BLOCK_N):
+        offs_n = start + n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_rows + offs_n[:, None] * stride_k_t, mask=mask_d[None, :],
+                    other=0.0).to(pool_dtype)
+        v = tl.load(v_rows + offs_n[:, None] * stride_v_t, mask=mask_d[None, :],
+                    other=0.0).to(pool_dtype)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+    # The diagonal blocks, masked. Key 0 (or a block above) is visible to every row, so
+    # every m_i is finite once its first block is folded in (rows outside the sequence
+    # see every key, so theirs are too; they are never stored).
+    hi = tl.minimum(num_new, m0 + BLOCK_M)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < num_new
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_rows + (start + offs_n[:, None]) * stride_k_t, mask=mask_nd,
+                    other=0.0).to(pool_dtype)
+        v = tl.load(v_rows + (start + offs_n[:, None]) * stride_v_t, mask=mask_nd,
+                    other=0.0).to(pool_dtype)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
+        visible = ((offs_n[None, :] <= offs_m[:, None]) | ~mask_m[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+
+    if STORE_KV:  # noqa: SIM102 (compile-time; the inner test is a runtime one)
+        # The first query head of each KV head also writes that head's new K/V rows of
+        # this block to the pool: every new token is stored exactly once, by the same
+        # launch. Nothing in this launch reads those locations (the prefix loop reads
+        # older ones; the new keys come from the packed K/V), so there is no race.
+        if h % group == 0:
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            rows = start + offs_m[:, None]
+            k_new = tl.load(k_rows + rows * stride_k_t, mask=mask_md, other=0.0)
+            v_new = tl.load(v_rows + rows * stride_v_t, mask=mask_md, other=0.0)
+            locs = tl.load(loc_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+            dst = locs[:, None] * stride_pool_n + head_off
+            tl.store(k_pool_ptr + dst, k_new.to(pool_dtype), mask=mask_md)
+            tl.store(v_pool_ptr + dst, v_new.to(pool_dtype), mask=mask_md)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (start + offs_m[:, None]) * stride_o_t + h * stride_o_h
+             + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_d[None, :])
 
 
 def extend_attention(
@@ -210,6 +285,48 @@ def extend_attention(
     _LAUNCHER.launch(grid, key, (*pointers, sm_scale * _LOG2E, group, *strides), constexprs)
 
 
+def extend_attention_fixed_grid(
+    q: torch.Tensor,  # (T, heads, head_dim): T fixes the grid (a graph bucket's tokens)
+    k: torch.Tensor,  # (T, kv_heads, head_dim)
+    v: torch.Tensor,  # (T, kv_heads, head_dim)
+    out: torch.Tensor,  # (T, heads, head_dim), written where a sequence has tokens
+    k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
+    table: torch.Tensor,  # (max_sequences, max_context) int32
+    seq_rows: torch.Tensor,  # (4, S) int64: req_pool_indices, prefix_lens, extend_lens, start
+    out_cache_loc: torch.Tensor,  # (T,) int64
+    sm_scale: float,
+) -> None:
+    """``extend_attention`` (storing the new K/V too) with a launch that depends on ``T``
+    and ``S`` only: the batch's sequences are rows of ``seq_rows`` in packed order, and
+    rows after them have ``extend_lens`` 0. Tokens no sequence covers (a bucket's padding)
+    are neither read as keys nor written. Results equal ``extend_attention``'s where a
+    sequence starts at a multiple of ``BLOCK_M``; elsewhere the keys are folded in other
+    blocks (float32 rounding)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_rows.shape[1]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and seq_rows.shape[0] == 4
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
+    assert seq_rows.stride(1) == 1 and out_cache_loc.shape[0] >= num_tokens
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
+               table.stride(0))
+    req, prefix, lens, start = seq_rows.unbind(0)
+    pointers = (q, k, v, out, k_pool, v_pool, table, req, prefix, lens, start, out_cache_loc)
+    block_s = max(16, next_power_of_2(num_seqs))
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_S": block_s}
+    key = (tuple(t.dtype for t in pointers), strides, head_dim, block_s)
+    _FIXED_LAUNCHER.launch((cdiv(num_tokens, BLOCK_M), num_heads, 1), key,
+                           (*pointers, sm_scale * _LOG2E, group, num_seqs, *strides),
+                           constexprs)
+
+
 # One per process: the kernel is compiled per specialization, and every executor's
 # launches share those compilations (as the JIT's own cache would).
 _LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+_FIXED_LAUNCHER = FastLauncher(_extend_fixed_grid_kernel, pdl=True, num_warps=NUM_WARPS,
+                               num_stages=NUM_STAGES)
