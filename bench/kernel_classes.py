@@ -34,8 +34,8 @@ WAIT_US = 20.0
 _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather")),
     ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_")),
-    ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_store_kv",
-                   "batchdecode", "batchprefill", "flashinfer")),
+    ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_extend_fixed_grid",
+                   "_store_kv", "batchdecode", "batchprefill", "flashinfer")),
     ("norm", ("rms_norm",)),
     ("rope", ("_rope",)),
     ("silu", ("silu",)),

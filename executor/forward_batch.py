@@ -127,6 +127,9 @@ class ForwardBatch:
     # A decode batch's (3, B) rows (``packing.DECODE_ROW_FIELDS``): one view
     # of the packed transfer, so graph metadata refreshes with one copy; None otherwise.
     decode_rows: torch.Tensor | None = None
+    # The (5, B) rows of ``packing.SEQUENCE_FIELDS``, one view of the packed transfer,
+    # when they are one block (not in a decode batch padded to a bucket); None otherwise.
+    sequence_rows: torch.Tensor | None = None
     # The graph bucket the batch was packed for (``GraphLayout``); None when packed plain.
     bucket: int | None = None
     # The packed host buffer and its sizes, as sent to the device (and, under tensor
@@ -309,6 +312,7 @@ class ForwardBatch:
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
             decode_rows=views.get("decode_rows"),
+            sequence_rows=views.get("sequence_rows"),
             bucket=None if layout is None else layout.bucket,
             packed=host,
             sizes=sizes,

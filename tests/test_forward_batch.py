@@ -17,7 +17,7 @@ from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.manager import Allocation, Extension
 from executor.packing import FIELDS as PACKED_FIELDS
-from executor.packing import GraphLayout, pack_lists
+from executor.packing import SEQUENCE_FIELDS, GraphLayout, pack_lists
 
 _WIDTH = 97  # request-slot table row length: not a power of two, so a wrong stride shows
 seqs = st.one_of(  # any lengths, or one new token per sequence (the decode packing)
@@ -93,6 +93,12 @@ def test_a_batch_packed_for_a_bucket_is_the_plain_batch_plus_padding(
         assert torch.equal(getattr(fb, name), getattr(plain, name)), name
         assert getattr(fb, name).untyped_storage().data_ptr() == dest.data_ptr(), name
     assert fb.bucket == s and plain.bucket is None and fb.decode_rows is None
+    # The sequence fields as one (5, B) block of the transfer (a fixed_grid prefill
+    # graph's attention refreshes its static rows with one copy of it).
+    want = torch.stack([getattr(plain, name) for name in SEQUENCE_FIELDS])
+    for batch in (plain, fb):
+        assert batch.sequence_rows is not None and torch.equal(batch.sequence_rows, want)
+    assert fb.sequence_rows.untyped_storage().data_ptr() == dest.data_ptr()
     t, layout = plain.num_tokens, GraphLayout(s, _SCRATCH, dest)
     pads = {"input_ids": 0, "positions": 0, "table_index": _SCRATCH,
             "out_cache_loc": RESERVED_LOCATION}
@@ -123,6 +129,8 @@ def test_a_decode_batch_packed_for_a_bucket_carries_pad_rows(
                             _WIDTH, layout=layout)
     assert fb.decode_rows is not None and plain.decode_rows is not None
     assert torch.equal(fb.decode_rows, plain.decode_rows)
+    # Padded to the bucket, the sequence fields are one block only without padding.
+    assert (fb.sequence_rows is None) == (rows < bucket)
     block = layout.decode_rows
     assert block.data_ptr() == fb.decode_rows.data_ptr()
     assert torch.equal(block[:, :rows], plain.decode_rows)

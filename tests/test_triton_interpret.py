@@ -215,8 +215,8 @@ def test_fixed_grid_extend_interpreted(prefix_lens: list[int], new_lens: list[in
     tri.init_graph_buffers(bucket, bucket, "prefill")
     meta = tri.capture_metadata("prefill", bucket, bucket)
     # The capture dummy: one sequence over the whole bucket, stored at location 0.
-    assert meta.seq_rows[:, 0].tolist() == [0, 0, bucket, 0]  # type: ignore[attr-defined]
-    assert not meta.seq_rows[2, 1:].any()  # type: ignore[attr-defined]
+    assert meta.seq_rows[:, 0].tolist() == [0, 0, 0, bucket, 0]  # type: ignore[attr-defined]
+    assert not meta.seq_rows[3, 1:].any()  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(6)
     n = batch.num_tokens
 
@@ -239,6 +239,11 @@ def test_fixed_grid_extend_interpreted(prefix_lens: list[int], new_lens: list[in
     assert torch.equal(pool.k_buffer, expect_k) and torch.equal(pool.v_buffer, expect_v)
     assert out[n:].isnan().all()
     torch.testing.assert_close(out[:n].float(), eager.float(), atol=2e-3, rtol=2e-3)
+    # A batch without the packed (5, B) block refreshes field by field, to the same rows.
+    assert batch.sequence_rows is not None
+    rows = meta.seq_rows.clone()  # type: ignore[attr-defined]
+    tri.refresh_metadata(meta, dataclasses.replace(batch, sequence_rows=None))
+    assert torch.equal(meta.seq_rows, rows)  # type: ignore[attr-defined]
     starts = [0, *itertools.accumulate(new_lens)][:-1]
     for start, length in zip(starts, new_lens, strict=True):
         if start % 64 == 0:  # the same key blocks in the same order: the same bits
@@ -249,7 +254,7 @@ def test_fixed_grid_extend_interpreted(prefix_lens: list[int], new_lens: list[in
                                       head_dim, seed=8)
     tri.pool, tri.table = pool2, table2
     tri.refresh_metadata(meta, small)
-    assert not meta.seq_rows[2, small.batch_size:].any()  # type: ignore[attr-defined]
+    assert not meta.seq_rows[3, small.batch_size:].any()  # type: ignore[attr-defined]
     m = small.num_tokens
     q2, k2, v2 = qkv(bucket)
     want = tri.forward(q2[:m], k2[:m], v2[:m], LAYER, tri.build_metadata(small))

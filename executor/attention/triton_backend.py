@@ -44,7 +44,7 @@ from executor.attention.triton_kernels import (
 from executor.forward_batch import ForwardBatch
 from executor.kv.allocator import RESERVED_LOCATION
 from executor.kv.pool import KVPool, ReqToTokenTable
-from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS
+from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS, SEQUENCE_FIELDS
 
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
@@ -85,17 +85,18 @@ class TritonFixedExtendMetadata(AttentionMetadata):
     """A prefill captured per token bucket (graph mode ``fixed_grid``): views of the static
     ``ExtendGraphBuffers``; the launch depends on the bucket only."""
 
-    seq_rows: torch.Tensor  # (4, S) int64: req_pool_indices, prefix_lens, extend_lens, start
+    seq_rows: torch.Tensor  # (5, S) int64: packing.SEQUENCE_FIELDS
     out_cache_loc: torch.Tensor  # (bucket,) int64
 
 
 @dataclass
 class ExtendGraphBuffers:
-    """Static extend metadata for prefill graphs: ``S`` sequence rows (a batch's rows
-    first, padding after: ``extend_lens`` 0) and the largest bucket's token locations."""
+    """Static extend metadata for prefill graphs: ``S`` sequence rows in the packed
+    batch's field order (``packing.SEQUENCE_FIELDS``; a batch's rows first, padding after:
+    ``extend_lens`` 0) and the largest bucket's token locations."""
 
-    seq_rows: torch.Tensor  # (4, S) int64
-    pad_rows: torch.Tensor  # (4, S) int64: EXTEND_PAD_ROW in every column
+    seq_rows: torch.Tensor  # (5, S) int64
+    pad_rows: torch.Tensor  # (5, S) int64: EXTEND_PAD_ROW in every column
     out_cache_loc: torch.Tensor  # (max_tokens,) int64
 
     @property
@@ -104,7 +105,8 @@ class ExtendGraphBuffers:
 
 
 #: A padded sequence row of ``ExtendGraphBuffers``: slot 0, no prefix, no new tokens.
-EXTEND_PAD_ROW = (0, 0, 0, 0)
+EXTEND_PAD_ROW = (0, 0, 0, 0, 0)
+_EXTEND_LENS_ROW = SEQUENCE_FIELDS.index("extend_lens")
 
 
 @dataclass
@@ -235,12 +237,15 @@ class TritonBackend(AttentionBackend):
         if self.extend_buffers is not None and self.extend_buffers.max_batch >= max_tokens:
             return
         seqs = self.table.max_sequences
-        pad = torch.tensor(EXTEND_PAD_ROW, dtype=torch.int64, device=self.device)
-        pad_rows = pad[:, None].expand(4, seqs).contiguous()
-        self.extend_buffers = ExtendGraphBuffers(
-            seq_rows=pad_rows.clone(), pad_rows=pad_rows,
-            out_cache_loc=torch.full((max_tokens,), RESERVED_LOCATION, dtype=torch.int64,
-                                     device=self.device))
+        # Normal tensors even when capture runs under inference mode: a refresh from a
+        # batch outside it updates them in place.
+        with torch.inference_mode(False):
+            pad = torch.tensor(EXTEND_PAD_ROW, dtype=torch.int64, device=self.device)
+            pad_rows = pad[:, None].expand(len(EXTEND_PAD_ROW), seqs).contiguous()
+            self.extend_buffers = ExtendGraphBuffers(
+                seq_rows=pad_rows.clone(), pad_rows=pad_rows,
+                out_cache_loc=torch.full((max_tokens,), RESERVED_LOCATION, dtype=torch.int64,
+                                         device=self.device))
 
     def capture_metadata(self, phase: Phase, batch_size: int,
                          num_tokens: int) -> AttentionMetadata:
@@ -250,7 +255,7 @@ class TritonBackend(AttentionBackend):
         if phase == "prefill":
             ext = bucket_buffers(self.extend_buffers, num_tokens)
             ext.seq_rows.copy_(ext.pad_rows)
-            ext.seq_rows[2, 0] = num_tokens  # extend_lens
+            ext.seq_rows[_EXTEND_LENS_ROW, 0] = num_tokens
             ext.out_cache_loc[:num_tokens].fill_(RESERVED_LOCATION)
             return TritonFixedExtendMetadata(ext.seq_rows, ext.out_cache_loc[:num_tokens])
         bufs = bucket_buffers(self.graph_buffers, batch_size)
@@ -299,10 +304,13 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"a prefill of {tokens} tokens in {seqs} sequences does not fit "
                              f"a bucket of {bucket} tokens and {ext.seq_rows.shape[1]} rows")
         rows = ext.seq_rows
-        for i, field in enumerate(("req_pool_indices", "prefix_lens", "extend_lens",
-                                   "extend_start")):
-            rows[i, :seqs].copy_(getattr(batch, field))
-        rows[:, seqs:].copy_(ext.pad_rows[:, seqs:])
+        if batch.sequence_rows is not None:  # one block of the packed transfer
+            rows[:, :seqs].copy_(batch.sequence_rows)
+        else:
+            for i, field in enumerate(SEQUENCE_FIELDS):
+                rows[i, :seqs].copy_(getattr(batch, field))
+        if seqs < rows.shape[1]:
+            rows[:, seqs:].copy_(ext.pad_rows[:, seqs:])
         locs = batch.out_cache_loc  # the bucket's (padded) tokens, or the batch's own
         meta.out_cache_loc[: locs.shape[0]].copy_(locs)
         if locs.shape[0] < bucket:

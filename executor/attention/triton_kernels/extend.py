@@ -83,9 +83,11 @@ def _extend_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     m0 = pid_m * BLOCK_M
-    if m0 < tl.load(extend_lens_ptr + b).to(tl.int32):
-        _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
-                     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
+    num_new = tl.load(extend_lens_ptr + b).to(tl.int32)
+    if m0 < num_new:
+        _extend_rows(h, m0, num_new, tl.load(prefix_lens_ptr + b).to(tl.int32),
+                     tl.load(extend_start_ptr + b).to(tl.int64), tl.load(req_idx_ptr + b),
+                     q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr, loc_ptr,
                      sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
                      stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
                      stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
@@ -123,9 +125,12 @@ def _extend_fixed_grid_kernel(
     t0 = pid * BLOCK_M
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < num_seqs
-    # Before the wait (PDL): the metadata rows are copied in before the step's first kernel.
+    # Before the wait (PDL): the metadata rows are copied in before the step's first
+    # kernel. All four rows at once, so no sequence's fields cost another round trip.
     lens = tl.load(extend_lens_ptr + offs_s, mask=mask_s, other=0)
     starts = tl.load(extend_start_ptr + offs_s, mask=mask_s, other=0)
+    prefixes = tl.load(prefix_lens_ptr + offs_s, mask=mask_s, other=0)
+    slots = tl.load(req_idx_ptr + offs_s, mask=mask_s, other=0)
     real = lens > 0
     # Packed in order: the sequences ending at or before t0 come first, then those that
     # start before the block's end.
@@ -133,27 +138,31 @@ def _extend_fixed_grid_kernel(
     last = tl.sum((real & (starts < t0 + BLOCK_M)).to(tl.int32), axis=0)
     pdl_enter(USE_PDL)
     for b in range(first, last):
-        m0 = (t0 - tl.load(extend_start_ptr + b)).to(tl.int32)  # may be < 0: rows masked
-        _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
-                     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
+        pick = offs_s == b
+        start = tl.sum(tl.where(pick, starts, 0), axis=0)
+        m0 = (t0 - start).to(tl.int32)  # may be < 0: those rows are masked
+        _extend_rows(h, m0, tl.sum(tl.where(pick, lens, 0), axis=0).to(tl.int32),
+                     tl.sum(tl.where(pick, prefixes, 0), axis=0).to(tl.int32), start,
+                     tl.sum(tl.where(pick, slots, 0), axis=0),
+                     q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr, loc_ptr,
                      sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
                      stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
                      stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
 
 
 @triton.jit
-def _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
-                 req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, loc_ptr,
-                 sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                 stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n, stride_pool_h,
-                 stride_table, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr):
-    """Sequence ``b``'s new queries ``m0 .. m0 + BLOCK_M - 1`` (those in ``[0, extend_len)``;
-    ``m0`` need not be a multiple of anything, nor >= 0), head ``h``: attend, store the
-    output rows and (``STORE_KV``, first head of a KV head) the rows' new K/V."""
-    num_new = tl.load(extend_lens_ptr + b).to(tl.int32)
-    prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
-    start = tl.load(extend_start_ptr + b).to(tl.int64)
+def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr,
+                 v_pool_ptr, table_ptr, loc_ptr, sm_scale_log2, group, stride_q_t, stride_q_h,
+                 stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+                 stride_pool_n, stride_pool_h, stride_table, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 STORE_KV: tl.constexpr):
+    """New queries ``m0 .. m0 + BLOCK_M - 1`` of the sequence in request slot ``slot``
+    (those in ``[0, num_new)``; ``m0`` need not be a multiple of anything, nor >= 0),
+    whose ``num_new`` tokens start at packed row ``start`` after ``prefix`` cached ones;
+    head ``h``: attend, store the output rows and (``STORE_KV``, first head of a KV head)
+    the rows' new K/V."""
+    start = start.to(tl.int64)
     kvh = h // group
     pool_dtype = k_pool_ptr.dtype.element_ty
 
@@ -169,7 +178,7 @@ def _extend_rows(b, h, m0, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # 1) The cached prefix, visible to every new query: no causal mask.
-    table_row = table_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_table
+    table_row = table_ptr + slot.to(tl.int64) * stride_table
     head_off = kvh * stride_pool_h + offs_d[None, :]
     for n0 in range(0, prefix, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -293,7 +302,7 @@ def extend_attention_fixed_grid(
     k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     table: torch.Tensor,  # (max_sequences, max_context) int32
-    seq_rows: torch.Tensor,  # (4, S) int64: req_pool_indices, prefix_lens, extend_lens, start
+    seq_rows: torch.Tensor,  # (5, S) int64: packing.SEQUENCE_FIELDS (seq_lens unread)
     out_cache_loc: torch.Tensor,  # (T,) int64
     sm_scale: float,
 ) -> None:
@@ -307,14 +316,14 @@ def extend_attention_fixed_grid(
     num_seqs = seq_rows.shape[1]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads and seq_rows.shape[0] == 4
+    assert group * num_kv_heads == num_heads and seq_rows.shape[0] == 5
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
     assert seq_rows.stride(1) == 1 and out_cache_loc.shape[0] >= num_tokens
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
                table.stride(0))
-    req, prefix, lens, start = seq_rows.unbind(0)
+    req, _, prefix, lens, start = seq_rows.unbind(0)  # packing.SEQUENCE_FIELDS
     pointers = (q, k, v, out, k_pool, v_pool, table, req, prefix, lens, start, out_cache_loc)
     block_s = max(16, next_power_of_2(num_seqs))
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
