@@ -20,7 +20,7 @@ and writes its K/V to the reserved location only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -98,10 +98,24 @@ class ExtendGraphBuffers:
     seq_rows: torch.Tensor  # (5, S) int64
     pad_rows: torch.Tensor  # (5, S) int64: EXTEND_PAD_ROW in every column
     out_cache_loc: torch.Tensor  # (max_tokens,) int64
+    _views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def max_batch(self) -> int:
         return int(self.out_cache_loc.shape[0])
+
+    def views(self, seqs: int) -> tuple[torch.Tensor, torch.Tensor | None,
+                                        torch.Tensor | None]:
+        """The rows of a batch of ``seqs`` sequences, the padding rows after them and
+        their source (None when the batch fills every row)."""
+        got = self._views.get(seqs)
+        if got is None:
+            full = seqs == self.seq_rows.shape[1]
+            got = self._views[seqs] = (self.seq_rows[:, :seqs],
+                                       None if full else self.seq_rows[:, seqs:],
+                                       None if full else self.pad_rows[:, seqs:])
+        return got
 
 
 #: A padded sequence row of ``ExtendGraphBuffers``: slot 0, no prefix, no new tokens.
@@ -296,6 +310,9 @@ class TritonBackend(AttentionBackend):
             bufs.rows[:, real:size].copy_(bufs.pad_rows[:, real:size])
 
     def _refresh_extend(self, meta: TritonFixedExtendMetadata, batch: ForwardBatch) -> None:
+        """Three device copies: the batch's (5, B) sequence rows, padding after them, and
+        the bucket's token locations (the views cached per B: each costs a dispatcher
+        call to make, and a prefill's host time is what this graph mode saves)."""
         ext = self.extend_buffers
         assert ext is not None and meta.seq_rows.data_ptr() == ext.seq_rows.data_ptr(), \
             "not capture metadata"
@@ -303,17 +320,19 @@ class TritonBackend(AttentionBackend):
         if tokens > bucket or seqs > ext.seq_rows.shape[1]:
             raise ValueError(f"a prefill of {tokens} tokens in {seqs} sequences does not fit "
                              f"a bucket of {bucket} tokens and {ext.seq_rows.shape[1]} rows")
-        rows = ext.seq_rows
+        real, pad, pad_src = ext.views(seqs)
         if batch.sequence_rows is not None:  # one block of the packed transfer
-            rows[:, :seqs].copy_(batch.sequence_rows)
+            real.copy_(batch.sequence_rows)
         else:
-            for i, field in enumerate(SEQUENCE_FIELDS):
-                rows[i, :seqs].copy_(getattr(batch, field))
-        if seqs < rows.shape[1]:
-            rows[:, seqs:].copy_(ext.pad_rows[:, seqs:])
+            for i, name in enumerate(SEQUENCE_FIELDS):
+                real[i].copy_(getattr(batch, name))
+        if pad is not None and pad_src is not None:
+            pad.copy_(pad_src)
         locs = batch.out_cache_loc  # the bucket's (padded) tokens, or the batch's own
-        meta.out_cache_loc[: locs.shape[0]].copy_(locs)
-        if locs.shape[0] < bucket:
+        if locs.shape[0] == bucket:
+            meta.out_cache_loc.copy_(locs)
+        else:
+            meta.out_cache_loc[: locs.shape[0]].copy_(locs)
             meta.out_cache_loc[locs.shape[0]:].fill_(RESERVED_LOCATION)
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:

@@ -228,10 +228,23 @@ def test_decode_graph_replay_matches_eager(backend: str, bucket: int,
         torch.testing.assert_close(graph_out, ref, atol=2e-2, rtol=2e-2)
 
 
-def test_capture_metadata_rejects_prefill(backend: str) -> None:
+def test_prefill_capture_only_where_the_backend_has_a_fixed_grid_kernel(backend: str
+                                                                       ) -> None:
+    """Triton captures prefill (graph mode ``fixed_grid``: static extend buffers and
+    capture metadata for a token bucket); FlashInfer captures decode only."""
     setup = Setup.make(1, 16, *LLAMA_1B, torch.bfloat16)
-    tri = create_backend(backend, setup.shape, setup.pool, setup.table)
-    tri.init_graph_buffers(4, 4)
-    with pytest.raises(NotImplementedError):
-        tri.capture_metadata("prefill", 4, 64)
-    assert tri.capturable == frozenset({"decode"})
+    att = create_backend(backend, setup.shape, setup.pool, setup.table)
+    att.init_graph_buffers(4, 4)
+    if backend == "flashinfer":
+        with pytest.raises(NotImplementedError):
+            att.init_graph_buffers(64, 64, "prefill")
+        with pytest.raises(NotImplementedError):
+            att.capture_metadata("prefill", 4, 64)
+        assert att.capturable == frozenset({"decode"})
+        return
+    assert att.capturable == frozenset({"decode", "prefill"})
+    att.init_graph_buffers(64, 64, "prefill")
+    meta = att.capture_metadata("prefill", 64, 64)
+    assert meta.out_cache_loc.shape == (64,)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="exceeds the graph buffers"):
+        att.capture_metadata("prefill", 128, 128)

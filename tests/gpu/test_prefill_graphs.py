@@ -132,7 +132,7 @@ def test_fixed_grid_needs_an_attention_backend_that_captures_prefill(model_path:
     from executor.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cannot be captured for prefill"):
-        make(model_path, prefill="fixed_grid", attention="torch_native")
+        make(model_path, prefill="fixed_grid", decode="disabled", attention="torch_native")
 
 
 def test_fixed_grid_runs_no_kernel_between_graph_replays(model_path: Path) -> None:

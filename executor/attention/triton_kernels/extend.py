@@ -125,25 +125,24 @@ def _extend_fixed_grid_kernel(
     t0 = pid * BLOCK_M
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < num_seqs
-    # Before the wait (PDL): the metadata rows are copied in before the step's first
-    # kernel. All four rows at once, so no sequence's fields cost another round trip.
+    # Before the wait (PDL): the metadata rows are copied in before the step's first kernel.
     lens = tl.load(extend_lens_ptr + offs_s, mask=mask_s, other=0)
     starts = tl.load(extend_start_ptr + offs_s, mask=mask_s, other=0)
-    prefixes = tl.load(prefix_lens_ptr + offs_s, mask=mask_s, other=0)
-    slots = tl.load(req_idx_ptr + offs_s, mask=mask_s, other=0)
     real = lens > 0
     # Packed in order: the sequences ending at or before t0 come first, then those that
     # start before the block's end.
     first = tl.sum((real & (starts + lens <= t0)).to(tl.int32), axis=0)
     last = tl.sum((real & (starts < t0 + BLOCK_M)).to(tl.int32), axis=0)
     pdl_enter(USE_PDL)
+    # (The sequence's fields are loaded again, one round trip for all four: keeping the
+    # rows in registers through the loop measured slower, the kernel being at its
+    # register limit.)
     for b in range(first, last):
-        pick = offs_s == b
-        start = tl.sum(tl.where(pick, starts, 0), axis=0)
+        start = tl.load(extend_start_ptr + b)
         m0 = (t0 - start).to(tl.int32)  # may be < 0: those rows are masked
-        _extend_rows(h, m0, tl.sum(tl.where(pick, lens, 0), axis=0).to(tl.int32),
-                     tl.sum(tl.where(pick, prefixes, 0), axis=0).to(tl.int32), start,
-                     tl.sum(tl.where(pick, slots, 0), axis=0),
+        _extend_rows(h, m0, tl.load(extend_lens_ptr + b).to(tl.int32),
+                     tl.load(prefix_lens_ptr + b).to(tl.int32), start,
+                     tl.load(req_idx_ptr + b),
                      q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr, loc_ptr,
                      sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
                      stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
