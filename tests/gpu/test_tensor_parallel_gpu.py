@@ -36,7 +36,7 @@ DEVICE = "cuda:0"
 DECODE_BUCKETS = (1, 2, 4, 8)
 PREFILL_BUCKETS = (16, 64, 256, 512)
 # (decode graph mode, prefill graph mode): every capture backend once
-MODES = [("full", "breakable"), ("breakable", "tc_piecewise")]
+MODES = [("full", "breakable"), ("breakable", "tc_piecewise"), ("full", "fixed_grid")]
 
 
 def make(path: Path, decode: str, prefill: str, tp: TensorParallel | None = None) -> Executor:

@@ -42,7 +42,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=[
-    (2, "breakable", "on"), (2, "tc_piecewise", "off"),
+    (2, "breakable", "on"), (2, "tc_piecewise", "off"), (2, "fixed_grid", "off"),
     pytest.param((4, "breakable", "off"), marks=pytest.mark.skipif(
         torch.cuda.device_count() < 4, reason="TP = 4 needs 4 GPUs"))],
     ids=lambda p: f"tp{p[0]}-{p[1]}" + ("-fused" if p[2] == "on" else ""))
