@@ -1,21 +1,29 @@
-"""Triton paged attention: a CUDA-graph-capturable decode and an eager packed extend.
+"""Triton paged attention: a CUDA-graph-capturable decode, and a packed extend that runs
+eagerly or, on a grid fixed by a token bucket, inside a prefill graph.
 
 Decode (one new token per sequence) is one split-KV kernel, which also stores the new
 K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
 launch shape depends on the batch size only, so one capture per batch bucket serves any
 lengths up to the table's max context. Extend (prefill, chunked prefill, mixed batches)
 is one ``extend_attention`` launch that also stores the new K/V; its grid uses the
-host-side max extend length, so it runs eagerly.
+host-side max extend length, so it runs eagerly (between ``breakable`` graph pieces).
+Prefill graph mode ``fixed_grid`` captures ``extend_attention_fixed_grid`` instead, whose
+grid depends on the bucket's token count only.
 
-Graph use (decode only; see ``AttentionBackend``):
+Graph use (see ``AttentionBackend``):
 
-* ``init_graph_buffers`` allocates ``DecodeGraphBuffers`` once for the largest bucket;
+* ``init_graph_buffers`` allocates ``DecodeGraphBuffers`` (decode) or
+  ``ExtendGraphBuffers`` (prefill) once for the largest bucket;
 * ``capture_metadata("decode", bs, bs)`` fills rows ``:bs`` with padding and returns
-  metadata whose tensors are views of them;
-* ``refresh_metadata`` copies a real batch into rows ``:B`` and padding into ``B:bs``.
+  metadata whose tensors are views of them; ``capture_metadata("prefill", t, t)`` returns
+  the sequence rows and the bucket's token locations, filled as one sequence of ``t``
+  tokens stored at the reserved location;
+* ``refresh_metadata`` copies a real batch into rows ``:B`` and padding after them (and,
+  for prefill, the bucket's token locations).
 
-A padded row is ``executor.packing.DECODE_PAD_ROW``: the kernel reads no table entry for it
-and writes its K/V to the reserved location only.
+A padded decode row is ``executor.packing.DECODE_PAD_ROW``: the kernel reads no table
+entry for it and writes its K/V to the reserved location only. A padded extend row
+(``EXTEND_PAD_ROW``) has no new tokens: no program takes it.
 """
 
 from __future__ import annotations
