@@ -242,6 +242,7 @@ def _decode_reduce_kernel(
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32
     mid_lse_ptr,  # (B, heads, num_splits) fp32, -inf for idle splits
     out_ptr,  # (B, heads, head_dim)
+    seq_lens_ptr,  # (B,) int64, including the new token
     num_splits,
     stride_mid_b, stride_mid_h, stride_mid_s,
     stride_lse_b, stride_lse_h,
@@ -249,16 +250,22 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits
+    SPLIT_ALIGN: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     # One program per (sequence, query head): a log-sum-exp weighted mean of the splits.
-    # Lengths are not needed (idle splits have lse -inf), so both loads issue at once.
     b = tl.program_id(0)
     h = tl.program_id(1)
+    # Before the wait (PDL): the lengths arrive before the step's first kernel. Only the
+    # splits that held tokens are read (the split kernel's rule: split 0, and those that
+    # start before the end): at a short context most of the scratch is never loaded.
+    cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1
+    chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
+    ran_splits = tl.minimum(tl.maximum((cached + chunk - 1) // chunk, 1), num_splits)
+    pdl_enter(USE_PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
+    mask_s = offs_s < ran_splits
     lse = tl.load(mid_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=mask_s,
                   other=float("-inf"))  # (BLOCK_S,); split 0 always ran, so max is finite
     o_ptrs = (mid_o_ptr + b * stride_mid_b + h * stride_mid_h + offs_s[:, None] * stride_mid_s
@@ -346,15 +353,19 @@ def decode_attention(
     )
     if num_splits == 1:
         return
+    block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, num_splits,
+        mid_o, mid_lse, out, seq_lens, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        # Few tile sizes, so few compiled variants across buckets.
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-        num_warps=2 if head_dim <= 64 else 4,
+        BLOCK_S=block_s,
+        SPLIT_ALIGN=SPLIT_ALIGN,
+        # Measured on an H100 (1B and SmolLM2 heads, batch 1, alone in a graph): 16 splits
+        # of 64 dims 1.53 us with 2 warps (1.76 with 4); 32 and 64 splits 2.0 with 4
+        # warps (2.6 and 2.1 with 2).
+        num_warps=2 if head_dim <= 64 and block_s <= 16 else 4,
         **pdl.options(),
     )
