@@ -336,12 +336,10 @@ class TritonBackend(AttentionBackend):
                 real[i].copy_(getattr(batch, name))
         if pad is not None and pad_src is not None:
             pad.copy_(pad_src)
-        locs = batch.out_cache_loc  # the bucket's (padded) tokens, or the batch's own
-        if locs.shape[0] == bucket:
-            meta.out_cache_loc.copy_(locs)
-        else:
-            meta.out_cache_loc[: locs.shape[0]].copy_(locs)
-            meta.out_cache_loc[locs.shape[0]:].fill_(RESERVED_LOCATION)
+        # The batch's tokens only: the kernel reads a location for a row of a sequence, so
+        # what is left past them from an earlier batch is never read.
+        locs = batch.out_cache_loc
+        meta.out_cache_loc[: locs.shape[0]].copy_(locs)
 
     def static_decode_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """Rows ``:size`` of the static decode rows: a batch packed for the bucket
