@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from bench.tensor_parallel import BATCHES, PREFILL, markdown, parse_runs
 
@@ -34,3 +37,22 @@ def test_the_report_gives_every_size_its_ratio_and_all_reduce_table() -> None:
     assert "across 2 GPUs" in md and "1 rows 10.0" in md
     assert "| 4 (auto) | 0.250 | 2.424 (9.70x)" in md
     assert "## 70B" in md and "13.635 (54.54x)" in md
+
+
+def test_serve_args_reach_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--serve-args`` (``main`` splits them on spaces) follow the run's own flags in
+    every server's command line."""
+    import bench.tensor_parallel as tp
+
+    seen: list[list[str]] = []
+
+    def fake_serve(model: Path, size: int, extra: list[str] | None = None) -> None:
+        seen.append(list(extra or []))
+        raise RuntimeError("stop")  # measure() needs no more of this server
+
+    monkeypatch.setattr(tp, "serve", fake_serve)
+    with pytest.raises(RuntimeError, match="stop"):
+        tp.measure(Path("m"), 2, 100, "triton/off", "random",
+                   ["--prefill-graph", "fixed_grid"])
+    assert seen == [["--tp-all-reduce", "triton", "--tp-fuse-all-reduce", "off",
+                     "--load-format", "random", "--prefill-graph", "fixed_grid"]]
