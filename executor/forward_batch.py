@@ -127,8 +127,8 @@ class ForwardBatch:
     # A decode batch's (3, B) rows (``packing.DECODE_ROW_FIELDS``): one view
     # of the packed transfer, so graph metadata refreshes with one copy; None otherwise.
     decode_rows: torch.Tensor | None = None
-    # The (5, B) rows of ``packing.SEQUENCE_FIELDS``, one view of the packed transfer,
-    # when they are one block (not in a decode batch padded to a bucket); None otherwise.
+    # A prefill's (5, B) rows of ``packing.SEQUENCE_FIELDS``: one view of the packed
+    # transfer, so a fixed_grid prefill graph refreshes them with one copy; None otherwise.
     sequence_rows: torch.Tensor | None = None
     # The graph bucket the batch was packed for (``GraphLayout``); None when packed plain.
     bucket: int | None = None

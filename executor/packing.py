@@ -177,8 +177,8 @@ def pack_tensors(fields: Mapping[str, torch.Tensor], sizes: PackedSizes,
 def split_packed(buf: torch.Tensor, sizes: PackedSizes) -> dict[str, torch.Tensor]:
     """Views of each field's real entries in ``buf`` (one split, padding chunks dropped),
     plus ``decode_rows``, the (3, B) view of ``DECODE_ROW_FIELDS``, when the batch has
-    them as one block, and ``sequence_rows``, the (5, B) view of ``SEQUENCE_FIELDS``, when
-    they have no padding between them (every batch but a decode one padded to a bucket)."""
+    them as one block (a decode batch), else ``sequence_rows``, the (5, B) view of
+    ``SEQUENCE_FIELDS`` (a prefill's fields have no padding between them)."""
     views = buf[: sizes.total].split_with_sizes(sizes.chunks())
     out: dict[str, torch.Tensor] = {}
     i = 0
@@ -188,7 +188,7 @@ def split_packed(buf: torch.Tensor, sizes: PackedSizes) -> dict[str, torch.Tenso
     if sizes.has_decode_rows:
         s, start = sizes.span("out_cache_loc"), sizes.offset("out_cache_loc")
         out["decode_rows"] = buf[start : start + 3 * s].view(3, s)[:, : sizes.seqs]
-    if sizes.seq_pad == 0 and sizes.seqs:
+    elif sizes.seqs:  # (not for decode: its steps have no use for it, and it costs views)
         start = sizes.offset(SEQUENCE_FIELDS[0])
         out["sequence_rows"] = buf[start : start + len(SEQUENCE_FIELDS) * sizes.seqs].view(
             len(SEQUENCE_FIELDS), sizes.seqs)

@@ -129,8 +129,8 @@ def test_a_decode_batch_packed_for_a_bucket_carries_pad_rows(
                             _WIDTH, layout=layout)
     assert fb.decode_rows is not None and plain.decode_rows is not None
     assert torch.equal(fb.decode_rows, plain.decode_rows)
-    # Padded to the bucket, the sequence fields are one block only without padding.
-    assert (fb.sequence_rows is None) == (rows < bucket)
+    # A decode batch carries its decode rows only (the sequence block is a prefill's).
+    assert fb.sequence_rows is None and plain.sequence_rows is None
     block = layout.decode_rows
     assert block.data_ptr() == fb.decode_rows.data_ptr()
     assert torch.equal(block[:, :rows], plain.decode_rows)

@@ -111,6 +111,7 @@ class ExtendGraphBuffers:
 
     @property
     def max_batch(self) -> int:
+        """Tokens of the largest bucket (``bucket_buffers`` checks a bucket against it)."""
         return int(self.out_cache_loc.shape[0])
 
     def views(self, seqs: int) -> tuple[torch.Tensor, torch.Tensor | None,
