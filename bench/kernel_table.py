@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import switches as bench_switches
-from bench.kernel_classes import Kernel, class_bytes, floor_ms, markdown_case, step_table
+from bench.kernel_classes import Kernel, class_bytes, classify, floor_ms, markdown_case, step_table
 
 DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:2048")
 
@@ -128,7 +128,8 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
         step = case_step(ex, phase, size, context, f"c{n_case}")
         for _ in range(10):  # warm: graphs replayed, kernels loaded
             step()
-        tables = [step_table(profile_step(step), spec.num_layers) for _ in range(steps)]
+        profiles = [profile_step(step) for _ in range(steps)]
+        tables = [step_table(kernels, spec.num_layers) for kernels in profiles]
         classes: dict[str, dict[str, float]] = {}
         names = sorted({c for t in tables for c in t})
         nbytes = class_bytes(spec, phase, size, context if phase == "decode" else 0,
@@ -148,13 +149,25 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
             "idle_ms": classes.get("idle", {"us": 0.0})["us"] / 1e3,
             "kernels_per_step": sum(r["n"] for c, r in classes.items()
                                     if c not in ("idle", "wait")),
-            "classes": classes}
+            "classes": classes, "small_kernels": small_kernels(profiles[-1], spec.num_layers)}
         c = result["cases"][case]
         gpu_ms = c["busy_ms"] + c["idle_ms"]
         print(f"{case}: kernels + idle {gpu_ms:.3f} ms, floor {floor:.3f} ms ({bound}), "
               f"{gpu_ms / floor:.2f}x, {c['kernels_per_step']:.0f} kernels, call span "
               f"{c['span_ms']:.3f} ms", flush=True)
     return result
+
+
+#: Classes whose kernels the JSON lists by name (``small_kernels``): what is neither a
+#: projection nor attention, so a reader can tell which launch an ``other`` row holds.
+NAMED_CLASSES = ("norm", "rope", "silu", "other", "copy")
+
+
+def small_kernels(kernels: list[Kernel], num_layers: int) -> list[dict[str, Any]]:
+    """One step's kernels of ``NAMED_CLASSES`` in launch order: class, name, microseconds."""
+    return [{"class": cls, "name": k.name[:160], "us": round(k.us, 2)}
+            for k, cls in zip(kernels, classify(kernels, num_layers), strict=True)
+            if cls in NAMED_CLASSES]
 
 
 def markdown(result: dict[str, Any], before: dict[str, Any] | None = None) -> str:

@@ -134,3 +134,15 @@ def test_overlapping_kernels_count_their_exclusive_time() -> None:
     inner = step_table([Kernel("_rms_norm_kernel", 0.0, 10.0), Kernel("_rope_kernel", 2.0, 6.0)],
                        0)
     assert sum(r["us"] for r in inner.values()) == pytest.approx(10.0)
+
+
+def test_kernel_table_lists_the_small_kernels_by_name() -> None:
+    """The JSON names what an ``other`` row holds: every kernel that is neither a
+    projection nor attention, in launch order, with its time."""
+    from bench.kernel_table import small_kernels
+
+    named = small_kernels(_step(2), 2)
+    assert named[0] == {"class": "copy", "name": "Memcpy HtoD (Pinned -> Device)", "us": 8.0}
+    assert [n["name"] for n in named if n["class"] == "other"] == [
+        "void at::native::index_elementwise_kernel", "_argmax_kernel"]
+    assert [n["class"] for n in named].count("norm") == 5 and len(named) == 12
