@@ -492,3 +492,54 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
                      "add_rms_norm": 4 * layers + (layers if bias else 1)}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("n", "decode"), [(7, True), (300, False), (1, True)])
+def test_graph_prologue_kernel_matches_the_torch_ops(n: int, decode: bool) -> None:
+    """The prologue's one-launch scatter (``executor.kernels.prologue``) writes what the
+    torch ops of ``Prologue.capture`` write: ids (a negative id takes its slot's last
+    sampled token), positions, the table cells (padding rows: the scratch cell), and a
+    decode batch's three rows into a strided static block; nothing else."""
+    from executor.kernels.prologue import graph_prologue
+
+    gen = _gen(n)
+    slots_n, context = 6, 64
+    cells = slots_n * context
+    pad = 2 if n > 2 else 0
+    ids = torch.randint(0, 1000, (n,), generator=gen)
+    slots = torch.randint(0, slots_n, (n,), generator=gen)
+    if decode:
+        ids[torch.randperm(n, generator=gen)[: (n + 1) // 2]] = -1  # USE_LAST_SAMPLED
+    positions = torch.randint(0, context, (n,), generator=gen)
+    # Distinct real cells; padding rows all write the scratch cell (index ``cells``).
+    table_index = torch.randperm(cells, generator=gen)[:n]
+    table_index[n - pad:] = cells
+    locations = torch.randint(1, 5000, (n,), generator=gen)
+    locations[n - pad:] = 0
+    last = torch.randint(0, 1000, (slots_n,), generator=gen)
+    rows = torch.randint(0, 9999, (3, n), generator=gen)
+    static_rows = torch.full((3, n + 5), -7, dtype=torch.int64)  # rows :n of a larger block
+
+    def fresh() -> tuple[torch.Tensor, ...]:
+        return (torch.full((n + 3,), -5, dtype=torch.int64),
+                torch.full((n + 3,), -5, dtype=torch.int64),
+                torch.full((cells + 1,), -3, dtype=torch.int32), static_rows.clone())
+
+    ids_ref, pos_ref, table_ref, rows_ref = fresh()
+    if decode:
+        torch.where(ids >= 0, ids, last[slots], out=ids_ref[:n])
+    else:
+        ids_ref[:n].copy_(ids)
+    pos_ref[:n].copy_(positions)
+    table_ref.index_copy_(0, table_index, locations.to(torch.int32))
+    if decode:
+        rows_ref[:, :n].copy_(rows)
+
+    ids_out, pos_out, table_out, rows_out = fresh()
+    graph_prologue(ids, positions, table_index, locations, ids_out[:n], pos_out[:n],
+                   table_out, last if decode else None, slots if decode else None,
+                   rows if decode else None, rows_out[:, :n] if decode else None)
+    assert torch.equal(ids_out, ids_ref) and torch.equal(pos_out, pos_ref)
+    assert torch.equal(table_out, table_ref) and torch.equal(rows_out, rows_ref)
+    if decode:
+        assert (ids_out[:n] >= 0).all()  # every USE_LAST_SAMPLED row was resolved

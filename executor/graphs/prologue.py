@@ -13,7 +13,8 @@ Per bucket, a small captured graph then copies it where the graphs read it:
   backend's static metadata, when the backend says that refresh is exactly one copy
   (``AttentionBackend.static_decode_rows``).
 
-One graph launch instead of four to six host-issued ops per step.
+One graph launch instead of four to six host-issued ops per step; inside it, one kernel
+(``executor.kernels.prologue``) where Triton runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from executor.api import Phase
 from executor.forward_batch import ForwardBatch
 from executor.graphs.backends import CaptureStream
 from executor.kv.pool import ReqToTokenTable
+from executor.model.layers import triton_available
 from executor.packing import GraphLayout
 
 
@@ -58,6 +60,9 @@ class Prologue:
         self.layouts = {b: GraphLayout(b, table.scratch_index, self.transfer, phase)
                         for b in buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # One Triton launch for the whole prologue (``executor.kernels.prologue``) where
+        # Triton runs; else the torch ops below, six to eight launches.
+        self.fused = device.type == "cuda" and triton_available()
         # Buckets whose prologue also refreshes the attention backend's static rows.
         self._refreshes_rows: set[int] = set()
         # Its own stream and pool, apart from the forward's graphs; a recapture after
@@ -78,7 +83,15 @@ class Prologue:
         last = self.last_tokens
         slots = layout.field("req_pool_indices") if last is not None else None
 
+        if self.fused:
+            from executor.kernels.prologue import graph_prologue
+
         def body() -> None:
+            if self.fused:
+                graph_prologue(ids, positions, table_index, locations,
+                               self.inputs.input_ids[:bucket], self.inputs.positions[:bucket],
+                               self.table.device_flat, last, slots, rows, attention_rows)
+                return
             if last is not None and slots is not None:
                 torch.where(ids >= 0, ids, last[slots], out=self.inputs.input_ids[:bucket])
             else:

@@ -118,6 +118,12 @@ class ReqToTokenTable:
             at = (at[:, None] + np.arange(n, dtype=np.int64)).ravel()
         self._host_array[at] = locs.numpy()  # int64, cast to the table's int32
 
+    @property
+    def device_flat(self) -> torch.Tensor:
+        """The device table as one flat int32 vector, ``scratch_index`` its last cell: where
+        ``table_index`` values point (for a kernel that writes the table itself)."""
+        return self._device_flat
+
     def write_device(self, table_index: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """Publish a packed batch's new locations to the device table from tensors already
         on the device (no host sync): token ``j``'s location lands at flat index
