@@ -159,12 +159,13 @@ def measure_choice(model: CausalLM, rigs: dict[int, Rig], choice: KernelChoice
 
 
 def logits_tail(model: CausalLM) -> dict[str, float]:
-    """At batch 1: the lm_head GEMM alone, with the float32 cast, and with the GEMM
-    writing float32 directly (``out_dtype``, where this torch has it)."""
+    """At batch 1: the lm_head GEMM alone, with the float32 cast (what ``compute_logits``
+    did until it kept the activation dtype), and with the GEMM writing float32 directly
+    (``out_dtype``, where this torch has it)."""
     h = torch.randn(1, model.spec.hidden_size, dtype=DTYPE, device=DEVICE)
     w = model.lm_head.weight
     res = {"lm_head_ms": graph_ms(lambda: model.lm_head(h)),
-           "lm_head_float_ms": graph_ms(lambda: model.compute_logits(h))}
+           "lm_head_float_ms": graph_ms(lambda: model.lm_head(h).float())}
     try:
         res["mm_out_dtype_f32_ms"] = graph_ms(lambda: torch.mm(h, w.t(), out_dtype=torch.float32))
     except (TypeError, RuntimeError) as exc:

@@ -623,7 +623,8 @@ class Executor:
 
     def _forward(self, batch: ForwardBatch, mode: Mode, bucket: int | None
                  ) -> torch.Tensor | None:
-        """The forward as ``mode`` says; float32 logits of the sampled rows, or None."""
+        """The forward as ``mode`` says; logits of the sampled rows in the activation
+        dtype (the sampler widens what it computes in float32), or None."""
         self._use_pdl()
         if mode is Mode.GRAPH:
             assert bucket is not None
@@ -689,8 +690,9 @@ class Executor:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Eager forward returning float32 logits of ``batch.logits_indices`` (for tests
-        and benchmarks; it does not sample)."""
+        """Eager forward returning logits of ``batch.logits_indices`` in the activation
+        dtype, as ``compute_logits`` gives them (for tests and benchmarks; it does not
+        sample)."""
         batch = self._resolve_last_sampled(batch)
         meta = self.attn.build_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)

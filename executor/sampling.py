@@ -97,8 +97,10 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of float32 ``(B, V)`` logits; on CUDA the vocabulary is split
-    across the GPU (``executor.kernels.argmax``) instead of one thread block per row."""
+    """``x.argmax(dim=-1)`` of ``(B, V)`` scores, float32 or the activation dtype (the same
+    index either way: widening to float32 is exact); on CUDA the vocabulary is split
+    across the GPU (``executor.kernels.argmax``, which widens as it loads) instead of one
+    thread block per row."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and _HAS_TRITON:
         from executor.kernels.argmax import argmax_rows as split_argmax
 
@@ -219,10 +221,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int], targets: Sequence[int] | None = None
                ) -> DeviceSample:
-        """``logits`` (B, V) float32; ``positions[i]`` is the index the new token will have
-        in its sequence (it keys the seeded noise). With ``targets`` (a token id per row,
-        or -1), also the raw log-probability of each row's target (a prompt's next token:
-        its log-likelihood). Everything stays on the device."""
+        """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
+        ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
+        have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
+        row, or -1), also the raw log-probability of each row's target (a prompt's next
+        token: its log-likelihood). Everything stays on the device.
+
+        Only what is computed in float32 is widened (exactly), and only when it runs: the
+        sampled rows before the filters and the log-softmax; greedy rows read the logits
+        as they are. So the same float32 values reach every float32 computation as when
+        the logits came in float32: tokens and log-probabilities are bit-identical."""
         tokens = argmax_rows(logits)
         # Rows usually share a few parameter objects: each is asked once (by identity).
         distinct = dict(zip(map(id, params), params, strict=True)).values() \
@@ -234,7 +242,7 @@ class Sampler:
             device = logits.device
             rows = device_tensor(sampled_rows, torch.int64, device)
             sub_params = [params[i] for i in sampled_rows]
-            filtered = apply_filters(logits.index_select(0, rows), sub_params)
+            filtered = apply_filters(logits.index_select(0, rows).float(), sub_params)
             keys = device_tensor(
                 [_row_key(p.seed if p.seed is not None else self._rng.getrandbits(63),
                           positions[i]) for i, p in zip(sampled_rows, sub_params, strict=True)],
@@ -244,7 +252,10 @@ class Sampler:
             tokens = tokens.index_copy(0, rows, drawn)
         if not want_logprobs and targets is None:
             return DeviceSample(tokens)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # NOTE: .float(), not log_softmax(dtype=float32): with fp16 on CUDA that runs ATen's
+        # fused half-to-float kernel instead of the float32 one that computed these so far
+        # (not checked to round alike); with bf16 it casts first anyway.
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         target_logprobs = None
         if targets is not None:
             ids = device_tensor(list(targets), torch.int64, logits.device)

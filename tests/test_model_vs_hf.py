@@ -121,3 +121,37 @@ def test_greedy_tokens_equal_hf_generate(pair: tuple[Executor, torch.nn.Module])
     assert ex.release(list(ours)).released == len(PROMPTS)
     ex.kv.check_invariants()
     assert ex.kv_stats().free_tokens == ex.kv_stats().total_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the LM head is the embedding
+@torch.inference_mode()
+def test_compute_logits_stay_in_the_activation_dtype(model_dirs: dict[str, Path], arch: str,
+                                                     dtype: torch.dtype) -> None:
+    """``compute_logits`` returns the LM head's output as is (no float32 cast: the sampler
+    widens what it needs); with ``out`` the GEMM writes rows ``:S`` of the buffer, and that
+    view comes back with the same values."""
+    from executor.model.llama import CausalLM
+    from executor.model.loader import load_model
+
+    model, _ = load_model(model_dirs[arch], dtype, torch.device("cpu"), 128)
+    assert isinstance(model, CausalLM) and model.hidden_dtype == dtype
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, model.spec.hidden_size, generator=gen).to(dtype)  # (S, hidden)
+    want = model.lm_head(hidden)  # (S, vocab)
+    got = model.compute_logits(hidden)
+    assert got.dtype == dtype and torch.equal(got, want)
+    out = torch.full((8, model.spec.vocab_size), float("nan"), dtype=dtype)
+    view = model.compute_logits(hidden, out=out)
+    assert view.data_ptr() == out.data_ptr() and view.shape == (5, model.spec.vocab_size)
+    assert torch.equal(view, want) and torch.equal(out[:5], want)
+    assert out[5:].isnan().all()  # rows past S untouched
+
+    # the executor's eager forward hands the sampler these same logits
+    cfg = ExecutorConfig(model=ModelConfig(source=str(model_dirs[arch]),
+                                           dtype=str(dtype).removeprefix("torch.")),
+                         device="cpu", cache=CacheConfig(kv_tokens=256, max_sequences=2,
+                                                         max_context=64))
+    ex = Executor(cfg)
+    logits = extend_logits(ex, {"a": PROMPTS[0]})["a"]
+    assert logits.dtype == dtype and logits.shape == (len(PROMPTS[0]), model.spec.vocab_size)

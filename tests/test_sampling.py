@@ -198,3 +198,38 @@ def test_a_staged_sample_gives_its_buffers_back_once() -> None:
     sample.release()
     sample.release()
     assert [t.tolist() for t in given] == [[3, 4], [-0.5, -1.0]]
+
+
+# -- logits in the activation dtype -----------------------------------------------------
+# compute_logits returns the LM head's bf16/fp16 output (no float32 cast in the decode
+# step); the sampler widens only what it computes in float32, exactly, so a step samples
+# as it did from the same logits cast to float32 first.
+_MIXED = [
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=0.8, top_k=20, seed=3),
+    SamplingParams(temperature=1.3, top_p=0.9, seed=4, logprobs=True, top_logprobs=3),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=5, top_logprobs=5),
+    SamplingParams(temperature=0.7),  # unseeded: the host RNG of equally seeded samplers
+    SamplingParams(logprobs=True),  # greedy with its logprob
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("targets", [None, [5, -1, 0, 999, -1, 17]])
+def test_half_precision_logits_sample_exactly_as_their_float32_cast(
+        dtype: torch.dtype, targets: list[int] | None) -> None:
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(len(_MIXED), 1000, generator=gen) * 4).to(dtype)  # (B, V)
+    x[0, 123] = x[0, 456] = float(x[0].max()) + 4.0  # a tie: both take its first index
+    got = Sampler(seed=0).sample(x, _MIXED, list(range(6)), targets)
+    want = Sampler(seed=0).sample(x.float(), _MIXED, list(range(6)), targets)
+    for name in ("tokens", "logprobs", "top_ids", "top_values", "target_logprobs"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), name
+        if w is not None:  # bit-identical, dtypes included (float32 log-probabilities)
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert (targets is None) == (got.target_logprobs is None)
+    assert got.top_ids is not None and got.top_ids.shape == (6, 5)
+    assert int(got.tokens[0]) == 123
+    # the greedy rows are the argmax of the bf16/fp16 logits themselves
+    assert got.tokens[[0, 5]].tolist() == x[[0, 5]].argmax(-1).tolist()

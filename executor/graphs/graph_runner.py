@@ -53,11 +53,12 @@ class GraphRunner:
         self._forward = backend.prepare_forward(self._model_forward)
         self._meta: dict[int, AttentionMetadata] = {}  # static metadata per bucket
         self._static_meta_ready = False
-        # Every bucket's graph writes its result (decode: float32 logits; prefill: hidden
-        # states) into rows of this one buffer, so each graph's own output goes back to
-        # the shared pool after capture instead of staying alive per bucket (the decode
-        # logits of 35 buckets up to batch 256 alone held 1.5 GiB). Allocated at the first
-        # capture, for backends whose captured callable is the runner's forward.
+        # Every bucket's graph writes its result (decode: logits; prefill: hidden states,
+        # both in the activation dtype) into rows of this one buffer, so each graph's own
+        # output goes back to the shared pool after capture instead of staying alive per
+        # bucket (the float32 decode logits of 35 buckets up to batch 256 alone held
+        # 1.5 GiB). Allocated at the first capture, for backends whose captured callable
+        # is the runner's forward.
         self._out: torch.Tensor | None = None
         self.failed: dict[int, str] = {}
         self._state: RunnerState | None = None
@@ -162,8 +163,10 @@ class GraphRunner:
         if self.backend.captures_runner_forward and self._out is None:
             width = self.model.spec.vocab_size if self.logits_in_graph \
                 else self.model.spec.hidden_size
-            dtype = torch.float32 if self.logits_in_graph else self.model.hidden_dtype
-            self._out = torch.empty(largest, width, dtype=dtype, device=self.device)
+            # Logits too stay in the activation dtype (``compute_logits``): half the
+            # bytes of float32, and no cast kernel in every decode step.
+            self._out = torch.empty(largest, width, dtype=self.model.hidden_dtype,
+                                    device=self.device)
 
     def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -181,8 +184,9 @@ class GraphRunner:
         return self.prologue.layouts[bucket]
 
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
-        """Run ``batch``, packed for ``bucket`` (``layout``); float32 logits of
-        ``batch.logits_indices``, valid until the next replay of this runner."""
+        """Run ``batch``, packed for ``bucket`` (``layout``); logits of
+        ``batch.logits_indices`` in the activation dtype (``compute_logits``), valid until
+        the next replay of this runner."""
         with self.timer.time():
             rows_refreshed = self.prologue.replay(batch, bucket)
             if not self.attention_in_graph:
@@ -201,6 +205,7 @@ class GraphRunner:
         return self.backend.serves_uncaptured_shapes
 
     def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits as ``replay`` gives them (a new tensor, no graph)."""
         with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
             hidden = self._forward(batch.input_ids, batch.positions, SCOPED)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -28,8 +28,8 @@ class PhaseRunner(Protocol):
 
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """Run ``batch``, packed for ``bucket`` with ``layout(bucket)`` (any other batch is
-        refused); float32 logits of ``batch.logits_indices``, valid until the runner's
-        next replay."""
+        refused); logits of ``batch.logits_indices`` in the model's activation dtype
+        (``CausalModel.compute_logits``), valid until the runner's next replay."""
         ...
 
     @property

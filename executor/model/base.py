@@ -23,8 +23,11 @@ class CausalModel(Protocol):
 
     ``__call__`` (the forward) returns final hidden states ``(T, hidden)`` in
     ``hidden_dtype``, storing each layer's new K/V through ``attn``; ``compute_logits``
-    turns selected rows into float32 logits ``(S, vocab)``. ``kernels`` names the
-    element-wise implementation (part of what a compiled forward depends on).
+    turns selected rows into logits ``(S, vocab)``, also in ``hidden_dtype`` (no float32
+    cast: the sampler widens what it computes in float32), written into rows ``:S`` of
+    ``out`` (a ``hidden_dtype`` buffer) and returned as that view when ``out`` is given.
+    ``kernels`` names the element-wise implementation (part of what a compiled forward
+    depends on).
     """
 
     spec: ModelSpec

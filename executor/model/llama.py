@@ -124,7 +124,8 @@ class DecoderLayer(nn.Module):
 @register_model(*ARCHITECTURES)
 class CausalLM(nn.Module):
     """Decoder plus LM head. ``forward`` returns final hidden states ``(T, hidden)``;
-    ``compute_logits`` turns selected rows into float32 logits ``(S, vocab)``.
+    ``compute_logits`` turns selected rows into logits ``(S, vocab)`` in the activation
+    dtype.
 
     ``kernels`` picks the implementation of the element-wise ops (``KernelChoice``):
     the default ``"auto"`` uses the fused Triton kernels for CUDA fp16/bf16 activations
@@ -189,12 +190,20 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
-        """float32 logits ``(S, vocab)`` of ``hidden`` ``(S, hidden)``: in the activation
-        dtype, then float32, as HF does; into ``out`` (rows ``:S`` of a float32 buffer)
-        when given, the cast being the copy."""
-        logits = self.lm_head(hidden)
+        """Logits ``(S, vocab)`` of ``hidden`` ``(S, hidden)`` in the activation dtype, the
+        LM head's output as is: whoever needs float32 widens the rows it reads (the sampler;
+        bf16/fp16 -> float32 is exact). With ``out`` (a buffer of the activation dtype), its
+        rows ``:S``, returned as that view.
+
+        NOTE: no float32 cast here: on an H100 it was a copy kernel of 4.0 us per decode
+        step at batch 1 and 23.65 us at batch 64 (Llama-3.2-1B, vocabulary 128256)."""
         if out is None:
-            return logits.float()
-        dst = out[: hidden.shape[0]]
-        dst.copy_(logits)
+            return self.lm_head(hidden)
+        dst = out[: hidden.shape[0]]  # (S, vocab)
+        if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
+            # The GEMM writes the buffer itself (no copy kernel after it): for 2-D input,
+            # F.linear without a bias is this same mm (the same GEMM call, the same values).
+            torch.mm(hidden, self.lm_head.weight.t(), out=dst)
+        else:  # vocabulary-parallel: the gathered logits are a new tensor
+            dst.copy_(self.lm_head(hidden))
         return dst

@@ -88,7 +88,11 @@ def graph_and_eager(ex: Executor, runner: PhaseRunner, phase: Phase, tokens: lis
         plain = dataclasses.replace(
             plain, logits_indices=torch.arange(plain.num_tokens, device=ex.device))
     eager = ex.forward_logits(plain).clone()
-    return graph, eager
+    # Both come from compute_logits, in the activation dtype (the decode graph's shared
+    # output buffer too). Compared in float32 as before the logits stayed bf16: the same
+    # values (widening is exact), and isclose's allowed error is not rounded to bf16.
+    assert graph.dtype == eager.dtype == ex.model.hidden_dtype, (graph.dtype, eager.dtype)
+    return graph.float(), eager.float()
 
 
 def assert_same_greedy(a: torch.Tensor, b: torch.Tensor) -> None:
