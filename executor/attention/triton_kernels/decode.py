@@ -46,6 +46,19 @@ MAX_SPLITS = 64
 BLOCK_N = 64  # cached tokens per inner iteration
 # Query heads of a group are padded to this many rows (tl.dot needs M >= 16).
 MIN_BLOCK_H = 16
+# Pipelining depth of the split kernel's block loop from this batch size on (else 2).
+# Measured on an H100 (the call alone, 1B and SmolLM2 heads, a 4096-context bucket's split
+# count, ``bench/results/2026-11-26-h100-prologue-logits``): 3 stages 6 % quicker at batch
+# 64 with 2048-token contexts (103.0 -> 96.7 us, 1B) and 3-5 % at batch 8 with 2048, but
+# 1-5 % slower at batch 1, where each split is a block or two; at 512 tokens +-1 %.
+DEEP_PIPELINE_FROM_BATCH = 8
+
+
+def split_stages(batch: int) -> int:
+    """``num_stages`` of the split kernel for a launch of ``batch`` rows."""
+    return 3 if batch >= DEEP_PIPELINE_FROM_BATCH else 2
+
+
 # Programs wanted per SM: enough in flight to hide the gather latency of short splits.
 # Measured on an H100 (Llama-3.2-1B shape, bf16, CUDA graph of 16 layers): 2 programs/SM
 # with 32-token alignment gave 5.3-5.5 us/layer at batch 1, context 512; 4 with 16 gave
@@ -348,7 +361,7 @@ def decode_attention(
         WRITE_OUT=num_splits == 1,
         ROPE=rope is not None,
         num_warps=4,
-        num_stages=2,
+        num_stages=split_stages(batch),
         **pdl.options(),
     )
     if num_splits == 1:
