@@ -346,9 +346,10 @@ class Executor:
                                          [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
                                          before_transfer=announce)
                 # each sequence's length after this step: the index of its new token + 1
-                sample, info = self._step(batch, decision, params, batch.seq_lens_host)
+                sample, info = self._step(batch, decision, params, batch.seq_lens_host,
+                                          remember=batch.req_pool_indices)
                 assert sample is not None
-                self._remember_last(sample, batch.req_pool_indices)
+                self._remember_last(sample, batch.req_pool_indices, stored=True)
                 samples.append(sample)
         except BaseException:
             self.kv.rollback(alloc)
@@ -424,12 +425,14 @@ class Executor:
             self._events.append(step.done)
 
     def _remember_last(self, sample: DeviceSample, slots: torch.Tensor,
-                       rows: torch.Tensor | None = None) -> None:
+                       rows: torch.Tensor | None = None, stored: bool = False) -> None:
         """Each sampled row's token (of ``rows``, where a sequence sampled several) becomes
         the last sampled token of the sequence in ``slots`` (device tensors, one slot per
-        row)."""
+        row); ``stored``: the sampler wrote them already (``_step``'s ``remember``), only
+        the other ranks are told."""
         tokens = sample.tokens if rows is None else sample.tokens.index_select(0, rows)
-        self.last_tokens.index_copy_(0, slots, tokens)
+        if not stored:
+            self.last_tokens.index_copy_(0, slots, tokens)
         if self.channel is not None:  # the other ranks' decode prologues read it too
             self.channel.send_sampled(slots, tokens)
 
@@ -574,9 +577,11 @@ class Executor:
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
-              positions: Sequence[int], targets: list[int] | None = None
-              ) -> tuple[DeviceSample | None, StepInfo]:
-        """Run the forward (graph, compiled pieces or eager) and sample on the device."""
+              positions: Sequence[int], targets: list[int] | None = None,
+              remember: torch.Tensor | None = None) -> tuple[DeviceSample | None, StepInfo]:
+        """Run the forward (graph, compiled pieces or eager) and sample on the device;
+        with ``remember`` (a slot per sampled row), the samples also become those slots'
+        last sampled tokens (``Sampler.sample``)."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -585,7 +590,9 @@ class Executor:
         logits = self._forward(batch, mode, decision.bucket)
         if self.channel is not None:  # every rank got the step (after our own launch)
             self.channel.confirm()
-        sample = self.sampler.sample(logits, params, positions, targets) \
+        sample = self.sampler.sample(
+            logits, params, positions, targets,
+            None if remember is None else (self.last_tokens, remember)) \
             if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""

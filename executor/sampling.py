@@ -96,16 +96,21 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return x
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` scores, float32 or the activation dtype (the same
     index either way: widening to float32 is exact); on CUDA the vocabulary is split
     across the GPU (``executor.kernels.argmax``, which widens as it loads) instead of one
-    thread block per row."""
+    thread block per row. With ``store = (table, slots)``, also ``table[slots] = tokens``
+    (on CUDA inside the argmax's last launch)."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and _HAS_TRITON:
         from executor.kernels.argmax import argmax_rows as split_argmax
 
-        return split_argmax(x)
-    return x.argmax(dim=-1)
+        return split_argmax(x, store=store)
+    tokens = x.argmax(dim=-1)
+    if store is not None:
+        store[0].index_copy_(0, store[1], tokens)
+    return tokens
 
 
 @dataclass
@@ -219,8 +224,8 @@ class Sampler:
         return self.sample(logits, params, positions).to_output(params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int], targets: Sequence[int] | None = None
-               ) -> DeviceSample:
+               positions: Sequence[int], targets: Sequence[int] | None = None,
+               remember: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeviceSample:
         """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
         ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
         have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
@@ -230,14 +235,19 @@ class Sampler:
         Only what is computed in float32 is widened (exactly), and only when it runs: the
         sampled rows before the filters and the log-softmax; greedy rows read the logits
         as they are. So the same float32 values reach every float32 computation as when
-        the logits came in float32: tokens and log-probabilities are bit-identical."""
-        tokens = argmax_rows(logits)
+        the logits came in float32: tokens and log-probabilities are bit-identical.
+
+        With ``remember = (table, slots)`` (int64, a slot per row), the tokens are also
+        written to ``table[slots]`` on the device: a step's samples become its sequences'
+        last sampled tokens. An all-greedy step does it inside the argmax's launch (one
+        ``index_copy_`` launch fewer per decode step)."""
         # Rows usually share a few parameter objects: each is asked once (by identity).
         distinct = dict(zip(map(id, params), params, strict=True)).values() \
             if len(params) >= 16 else params
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
             if not all(p.is_greedy for p in distinct) else []
         want_logprobs = any(p.logprobs or p.top_logprobs for p in distinct)
+        tokens = argmax_rows(logits, store=None if sampled_rows else remember)
         if sampled_rows:
             device = logits.device
             rows = device_tensor(sampled_rows, torch.int64, device)
@@ -250,6 +260,8 @@ class Sampler:
             noise = exponential_noise(keys, logits.shape[-1])
             drawn = argmax_rows(filtered.softmax(-1) / noise)
             tokens = tokens.index_copy(0, rows, drawn)
+            if remember is not None:
+                remember[0].index_copy_(0, remember[1], tokens)
         if not want_logprobs and targets is None:
             return DeviceSample(tokens)
         # NOTE: .float(), not log_softmax(dtype=float32): with fp16 on CUDA that runs ATen's

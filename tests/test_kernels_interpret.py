@@ -328,6 +328,13 @@ def test_argmax_rows_is_torch_argmax_first_index_of_the_max(rows: int, cols: int
     assert argmax_rows(flat, block).tolist() == [0] * rows
     view = x[:, 1:]  # rows with a stride above their length
     torch.testing.assert_close(argmax_rows(view, block), view.argmax(-1), rtol=0, atol=0)
+    # ``store``: the second launch also writes each row's token at its slot, nowhere else.
+    table = torch.full((rows + 5,), -1, dtype=torch.int64)
+    slots = torch.randperm(rows + 5, generator=_gen(13))[:rows]
+    tokens = argmax_rows(x, block, store=(table, slots))
+    expect = torch.full((rows + 5,), -1, dtype=torch.int64)
+    expect[slots] = x.argmax(-1)
+    assert torch.equal(tokens, x.argmax(-1)) and torch.equal(table, expect)
 
 
 def test_empty_batches() -> None:

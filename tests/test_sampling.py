@@ -233,3 +233,23 @@ def test_half_precision_logits_sample_exactly_as_their_float32_cast(
     assert int(got.tokens[0]) == 123
     # the greedy rows are the argmax of the bf16/fp16 logits themselves
     assert got.tokens[[0, 5]].tolist() == x[[0, 5]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_remember_writes_each_rows_token_at_its_slot(mixed: bool) -> None:
+    """``remember=(table, slots)``: the sampled tokens land in the table at the rows'
+    slots (greedy-only steps through the argmax's own store, mixed steps after the draw),
+    the other entries untouched, and the tokens are those of a call without it."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=7) if mixed
+              else SamplingParams(), SamplingParams(), SamplingParams()]
+    positions = [3, 4, 5, 6]
+    table = torch.full((9,), -1, dtype=torch.int64)
+    slots = torch.tensor([7, 2, 5, 0])
+    got = Sampler(seed=0).sample(logits, params, positions, remember=(table, slots)).tokens
+    plain = Sampler(seed=0).sample(logits, params, positions).tokens
+    assert torch.equal(got, plain)
+    expect = torch.full((9,), -1, dtype=torch.int64)
+    expect[slots] = plain
+    assert torch.equal(table, expect)

@@ -38,22 +38,34 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, n_chunks,
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, slots_ptr, table_ptr, n_chunks,
+                       CHUNKS: tl.constexpr, STORE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     mask = offs < n_chunks
     vals = tl.load(val_ptr + row * n_chunks + offs, mask=mask, other=float("-inf"))
     _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
+    token = tl.load(idx_ptr + row * n_chunks + first).to(tl.int64)
+    tl.store(out_ptr + row, token)
+    if STORE:
+        tl.store(table_ptr + tl.load(slots_ptr + row), token)
 
 
-def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64."""
+def argmax_rows(x: torch.Tensor, block: int = BLOCK,
+                store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64.
+
+    With ``store = (table, slots)`` (int64, ``slots`` one per row), the second launch also
+    writes ``table[slots[r]] = argmax of row r``: a decode step's greedy tokens become its
+    sequences' last sampled tokens without an ``index_copy_`` launch after it."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be (rows, cols) with contiguous rows"
     rows, cols = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if store is not None:
+        table, slots = store
+        assert table.dtype == slots.dtype == torch.int64 and table.dim() == 1
+        assert slots.shape == (rows,) and slots.stride(0) == 1 and table.stride(0) == 1
     if rows == 0:
         return out
     if cols == 0:
@@ -65,8 +77,10 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     # arguments); see executor.kernels.launch. A decode step calls this once per step.
     _CHUNK.launch((rows, n_chunks, 1), (x.dtype, cols, x.stride(0), n_chunks, block),
                   (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
-    _PICK.launch((rows, 1, 1), n_chunks, (vals, idx, out, n_chunks),
-                 {"CHUNKS": next_power_of_2(n_chunks)})
+    table, slots = store if store is not None else (out, out)
+    _PICK.launch((rows, 1, 1), (n_chunks, store is not None),
+                 (vals, idx, out, slots, table, n_chunks),
+                 {"CHUNKS": next_power_of_2(n_chunks), "STORE": store is not None})
     return out
 
 
