@@ -48,9 +48,10 @@ BLOCK_N = 64  # cached tokens per inner iteration
 MIN_BLOCK_H = 16
 # Pipelining depth of the split kernel's block loop from this batch size on (else 2).
 # Measured on an H100 (the call alone, 1B and SmolLM2 heads, a 4096-context bucket's split
-# count, ``bench/results/2026-11-26-h100-prologue-logits``): 3 stages 6 % quicker at batch
-# 64 with 2048-token contexts (103.0 -> 96.7 us, 1B) and 3-5 % at batch 8 with 2048, but
-# 1-5 % slower at batch 1, where each split is a block or two; at 512 tokens +-1 %.
+# count, ``bench/results/2026-11-26-h100-prologue-logits``), 3 stages against 2: batch 64
+# 6 % quicker (1B, 512 and 2048 tokens: 31.0 -> 29.1, 103.0 -> 96.7 us), batch 8 2-5 %
+# quicker at 2048 tokens and 1 % slower at 512, batch 1 1-5 % slower (a split is a block
+# or two there).
 DEEP_PIPELINE_FROM_BATCH = 8
 
 
