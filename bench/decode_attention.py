@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +73,7 @@ def time_case(case: Case) -> float:
     """Median microseconds per call of ``case`` on the current CUDA device."""
     import torch
 
+    from bench.gemm import replay_us
     from executor.attention.triton_kernels import decode as d
 
     dev = torch.device("cuda")
@@ -84,7 +84,9 @@ def time_case(case: Case) -> float:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)
 
-    pools = [(rand(locs, kvh, hd), rand(locs, kvh, hd)) for _ in range(POOLS)]
+    # Each pool's K and V as one (2, locations, kv_heads, head_dim) tensor: their views
+    # share strides, as the kernel requires.
+    pools = [rand(2, locs, kvh, hd) for _ in range(POOLS)]
     table = torch.arange(1, locs, device=dev, dtype=torch.int32).view(b, ctx)
     lens = torch.full((b,), ctx, device=dev, dtype=torch.int64)
     slots = torch.arange(b, device=dev)
@@ -95,27 +97,11 @@ def time_case(case: Case) -> float:
         else None
     mid_lse = torch.empty(b, case.heads, case.splits, device=dev) if case.splits > 1 else None
 
-    def call(i: int) -> None:
-        kp, vp = pools[i % POOLS]
-        d.decode_attention(q, k_new, v_new, kp, vp, table, slots, lens, new_loc, out, mid_o,
-                           mid_lse, hd ** -0.5)
+    def call(kv: torch.Tensor) -> None:
+        d.decode_attention(q, k_new, v_new, kv[0], kv[1], table, slots, lens, new_loc, out,
+                           mid_o, mid_lse, hd ** -0.5)
 
-    for i in range(POOLS):  # compile and warm
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(i)
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return replay_us(call, [pools[i % POOLS] for i in range(CALLS)], REPLAYS)
 
 
 def main(argv: list[str] | None = None) -> int:
