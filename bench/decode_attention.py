@@ -1,13 +1,14 @@
 """Decode attention alone: both Triton kernels (split + reduce) by batch, context and split
 count: ``python -m bench.decode_attention --shape smollm2-135m``.
 
-Each case is ``decode_attention`` as the model calls it (no RoPE, one new token per
+Each case is ``decode_attention`` as the model calls it (without the fused RoPE; one new token per
 sequence, page size 1, each sequence's locations contiguous), ``CALLS`` calls in one CUDA
-graph over ``POOLS`` KV pools in turn (so no call finds the previous one's K/V in L2),
-PDL off: median microseconds per call over ``REPLAYS`` replays, and the KV bytes read per
-microsecond. ``--splits shipped`` is the count a decode graph bucket of that batch picks
-for ``--max-context`` (``num_kv_splits``); numbers time that many splits whatever the
-bucket would pick.
+graph over ``POOLS`` KV pools in turn, PDL off: median microseconds per call over
+``REPLAYS`` replays, and the KV bytes read per microsecond. Where the pools together
+exceed L2 (50 MB on an H100) each call reads from HBM; small cases stay in L2, as a small
+model's KV of all layers does across steps. ``--splits shipped`` is the count a decode
+graph bucket of that batch picks for ``--max-context`` (``num_kv_splits``); numbers time
+that many splits whatever the bucket would pick.
 
 What it cannot show is how a kernel overlaps its neighbours inside the step under PDL:
 for that, ``bench.kernel_table`` (which has already disagreed with this once:
