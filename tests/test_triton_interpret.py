@@ -32,6 +32,7 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
 from executor.attention.base import AttentionShape  # noqa: E402
 from executor.attention.torch_native import TorchNativeBackend  # noqa: E402
 from executor.attention.triton_backend import TritonBackend  # noqa: E402
+from executor.kv.pool import KVPool, ReqToTokenTable  # noqa: E402
 from tests.attention_cases import paged_case  # noqa: E402
 
 DTYPE = torch.float16
@@ -271,3 +272,64 @@ def test_fixed_grid_refresh_refuses_a_batch_larger_than_the_bucket() -> None:
     meta = tri.capture_metadata("prefill", 32, 32)
     with pytest.raises(ValueError, match="does not fit a bucket of 32 tokens"):
         tri.refresh_metadata(meta, batch)
+
+
+def _backend(heads: int, kv_heads: int, max_context: int) -> TritonBackend:
+    pool = KVPool(1, 8, kv_heads, 64, DTYPE, torch.device("cpu"))
+    return TritonBackend(AttentionShape(heads, kv_heads, 64, 0.125), pool,
+                         ReqToTokenTable(4, max_context, torch.device("cpu")))
+
+
+def test_decode_context_tiers_follow_the_split_count() -> None:
+    """A tier gets a twin graph where it at least halves a bucket's split count; a decode
+    (graph or eager) launches for the smallest such tier its longest sequence fits."""
+    small = _backend(9, 3, 4096)  # SmolLM2-135M's heads; 132 SMs assumed on CPU
+    assert small.decode_context_tiers == (512, 1024)
+    assert [small.num_splits(1, c) for c in (512, 1024, None)] == [16, 32, 64]
+    assert small.tier_helps(1, 512) and small.tier_helps(1, 1024)
+    assert [small.decode_tier(1, n) for n in (1, 300, 512, 513, 1024, 1025, 4000)] == \
+        [512, 512, 512, 1024, 1024, None, None]
+    # Batch 2: 44 splits at the max context, 16 at 512 tokens, 32 at 1024 (not half).
+    assert small.num_splits(2) == 44 and small.num_splits(2, 1024) == 32
+    assert small.tier_helps(2, 512) and not small.tier_helps(2, 1024)
+    assert small.decode_tier(2, 700) is None and small.decode_tier(2, 400) == 512
+    # Batch 8: 11 splits whatever the context: no tier.
+    assert not any(small.tier_helps(8, t) for t in small.decode_context_tiers)
+    # The 1B's heads: 33 splits at batch 1, 16 at 512 tokens, 32 at 1024.
+    big = _backend(32, 8, 4096)
+    assert big.tier_helps(1, 512) and not big.tier_helps(1, 1024)
+    # A table no longer than a tier: the general launch already fits it.
+    short = _backend(9, 3, 512)
+    assert not any(short.tier_helps(1, t) for t in short.decode_context_tiers)
+    assert short.decode_tier(1, 100) is None
+
+
+def test_decode_at_a_context_tier_interpreted() -> None:
+    """A decode whose sequences fit a tier runs with the tier's split count (eagerly
+    here; a twin graph the same), with the same result as the max context's count and
+    the torch-native reference."""
+    pool, table, batch = paged_case([40, 5], [1, 1], 8, 2, 16, seed=11)
+    wide = ReqToTokenTable(table.max_sequences, 1000, torch.device("cpu"))
+    wide.device_table[:, : table.max_context] = table.device_table
+    shape = AttentionShape(8, 2, 16, 0.25)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 8, 16, generator=gen).to(DTYPE)
+    k, v = (torch.randn(2, 2, 16, generator=gen).to(DTYPE) for _ in range(2))
+
+    tri = TritonBackend(shape, pool, wide)
+    tri.decode_context_tiers = (64,)  # type: ignore[misc]
+    meta = tri.build_metadata(batch)
+    assert tri.decode_tier(2, 41) == 64
+    assert meta.partial_out.shape[2] == 2  # type: ignore[attr-defined]
+    tiered = tri.forward(q, k, v, LAYER, meta)
+
+    general = TritonBackend(shape, pool, wide)
+    general.decode_context_tiers = ()  # type: ignore[misc]
+    meta = general.build_metadata(batch)
+    assert meta.partial_out.shape[2] == 32  # type: ignore[attr-defined]
+    out = general.forward(q, k, v, LAYER, meta)
+    torch.testing.assert_close(tiered.float(), out.float(), atol=2e-3, rtol=2e-3)
+
+    ref_backend = TorchNativeBackend(shape, pool, table)
+    ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))
+    torch.testing.assert_close(tiered.float(), ref.float(), atol=2e-3, rtol=2e-3)

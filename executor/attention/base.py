@@ -104,9 +104,37 @@ class AttentionBackend(ABC):
         (``max_batch`` sequences, ``max_tokens`` tokens)."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
-    def capture_metadata(self, phase: Phase, batch_size: int, num_tokens: int) -> AttentionMetadata:
-        """Metadata over the static buffers, filled for a dummy batch of this bucket size."""
+    def capture_metadata(self, phase: Phase, batch_size: int, num_tokens: int,
+                         context_tier: int | None = None) -> AttentionMetadata:
+        """Metadata over the static buffers, filled for a dummy batch of this bucket size.
+        ``context_tier`` (decode, one of ``decode_context_tiers``): the graph will serve
+        only batches whose sequences all have at most that many tokens, and the launch may
+        be sized for them."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
+
+    #: Longest-sequence limits (tokens, ascending) under which a decode may launch
+    #: differently than at the table's max context: a decode graph captured at a fixed
+    #: launch shape then has a twin per tier that ``tier_helps`` accepts, replayed while
+    #: every sequence of the batch fits the tier (``GraphRunner``). Every process of a
+    #: tensor-parallel group sees the same candidates (a class constant).
+    decode_context_tiers: ClassVar[tuple[int, ...]] = ()
+
+    def tier_helps(self, batch_size: int, tier: int) -> bool:
+        """Whether a decode of ``batch_size`` rows whose sequences all fit ``tier`` tokens
+        launches enough leaner than one at the table's max context that a twin graph is
+        worth capturing."""
+        del batch_size, tier
+        return False
+
+    def decode_tier(self, batch_size: int, longest: int) -> int | None:
+        """The smallest tier that a decode of ``batch_size`` rows whose longest sequence
+        has ``longest`` tokens launches for (``tier_helps``), or None (the general
+        launch). Eager decodes follow it too, so they launch as the graph they stand in
+        for does."""
+        for tier in self.decode_context_tiers:
+            if longest <= tier and self.tier_helps(batch_size, tier):
+                return tier
+        return None
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
         """Rewrite ``meta``'s static buffers in place from ``batch`` (rows past

@@ -167,8 +167,9 @@ class FlashInferBackend(AttentionBackend):
                                      device=self.device),
         )
 
-    def capture_metadata(self, phase: Phase, batch_size: int,
-                         num_tokens: int) -> FlashInferMetadata:
+    def capture_metadata(self, phase: Phase, batch_size: int, num_tokens: int,
+                         context_tier: int | None = None) -> FlashInferMetadata:
+        del context_tier  # no tiers (``decode_context_tiers`` is empty)
         if phase != "decode":
             raise NotImplementedError(f"flashinfer attention captures decode only, not {phase}: "
                                       "extend attention runs eagerly between graph pieces")

@@ -3,10 +3,14 @@ eagerly or, on a grid fixed by a token bucket, inside a prefill graph.
 
 Decode (one new token per sequence) is one split-KV kernel, which also stores the new
 K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
-launch shape depends on the batch size only, so one capture per batch bucket serves any
-lengths up to the table's max context. Extend (prefill, chunked prefill, mixed batches)
-is one ``extend_attention`` launch that also stores the new K/V; its grid uses the
-host-side max extend length, so it runs eagerly (between ``breakable`` graph pieces).
+launch shape depends on the batch size and a bound on the lengths: the table's max
+context, or a context tier (``DECODE_CONTEXT_TIERS``) when every sequence fits one and
+fewer splits then cover them. A capture per batch bucket serves any lengths up to the max
+context; a small bucket also gets a twin per tier (``GraphRunner``).
+
+Extend (prefill, chunked prefill, mixed batches) is one ``extend_attention`` launch that
+also stores the new K/V; its grid uses the host-side max extend length, so it runs eagerly
+(between ``breakable`` graph pieces).
 Prefill graph mode ``fixed_grid`` captures ``extend_attention_fixed_grid`` instead, whose
 grid depends on the bucket's token count only.
 
@@ -57,6 +61,11 @@ from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS, SEQUENCE_FIELDS
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
 _SEQ_LENS_ROW = DECODE_ROW_FIELDS.index("seq_lens")
+#: ``TritonBackend.decode_context_tiers`` (tokens, ascending).
+DECODE_CONTEXT_TIERS = (512, 1024)
+#: A tier gets its twin graph where it cuts a bucket's split count at least this many
+#: times over (SmolLM2-135M at batch 1: 64 -> 16 and 32; the 1B at batch 1: 33 -> 16).
+TIER_SPLIT_RATIO = 2
 
 
 @dataclass(frozen=True)
@@ -173,16 +182,32 @@ class TritonBackend(AttentionBackend):
     def fuses_rope(self, meta: AttentionMetadata) -> bool:
         return self.rope_tables is not None and isinstance(meta, TritonDecodeMetadata)
 
-    def num_splits(self, batch_size: int) -> int:
-        """Split-KV factor of a decode of ``batch_size`` rows (lengths play no part)."""
-        return num_kv_splits(batch_size, self.shape.num_kv_heads, self.table.max_context,
+    # Decode tiers: sequences of at most 512 / 1024 tokens need at most 16 / 32 splits of
+    # ``SPLIT_ALIGN`` tokens, where the max context's launch may have up to ``MAX_SPLITS``,
+    # most of them idle. Measured on an H100 (SmolLM2-135M shape, batch 1, 512 tokens;
+    # ``bench/results/2026-11-26-h100-split-cap-by-context``): 16 splits 0.423 ms per step
+    # against 0.440 with 64, but 0.591 against 0.472 at 4000 tokens, hence a tier per
+    # bound rather than a lower cap.
+    decode_context_tiers: ClassVar[tuple[int, ...]] = DECODE_CONTEXT_TIERS
+
+    def num_splits(self, batch_size: int, context: int | None = None) -> int:
+        """Split-KV factor of a decode of ``batch_size`` rows whose sequences have at most
+        ``context`` tokens (default: the table's max context)."""
+        return num_kv_splits(batch_size, self.shape.num_kv_heads,
+                             self.table.max_context if context is None else context,
                              self.num_sms)
+
+    def tier_helps(self, batch_size: int, tier: int) -> bool:
+        """At most half the splits of the max context's launch (``TIER_SPLIT_RATIO``)."""
+        return tier < self.table.max_context and \
+            TIER_SPLIT_RATIO * self.num_splits(batch_size, tier) <= self.num_splits(batch_size)
 
     # -- eager ---------------------------------------------------------------------------
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.phase == "decode":
             check_decode_batch(self.name, batch)
-            partial_out, partial_lse = self._alloc_scratch(batch.batch_size)
+            partial_out, partial_lse = self._alloc_scratch(
+                batch.batch_size, self.decode_tier(batch.batch_size, max(batch.seq_lens_host)))
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
                                         batch.out_cache_loc, partial_out, partial_lse)
         return TritonExtendMetadata(
@@ -270,11 +295,12 @@ class TritonBackend(AttentionBackend):
                 out_cache_loc=torch.full((max_tokens,), RESERVED_LOCATION, dtype=torch.int64,
                                          device=self.device))
 
-    def capture_metadata(self, phase: Phase, batch_size: int,
-                         num_tokens: int) -> AttentionMetadata:
-        """Decode: ``batch_size`` padded rows. Prefill (``num_tokens``, the bucket): one
-        sequence of ``num_tokens`` new tokens in slot 0 without a prefix, storing every
-        token at the reserved location, so warm-up and capture run the whole kernel."""
+    def capture_metadata(self, phase: Phase, batch_size: int, num_tokens: int,
+                         context_tier: int | None = None) -> AttentionMetadata:
+        """Decode: ``batch_size`` padded rows, split for ``context_tier``. Prefill
+        (``num_tokens``, the bucket): one sequence of ``num_tokens`` new tokens in slot 0
+        without a prefix, storing every token at the reserved location, so warm-up and
+        capture run the whole kernel."""
         if phase == "prefill":
             ext = bucket_buffers(self.extend_buffers, num_tokens)
             ext.seq_rows.copy_(ext.pad_rows)
@@ -285,7 +311,7 @@ class TritonBackend(AttentionBackend):
         if num_tokens != batch_size:
             raise ValueError(f"decode has one token per row: {num_tokens} != {batch_size}")
         bufs.rows[:, :batch_size].copy_(bufs.pad_rows[:, :batch_size])
-        splits = self.num_splits(batch_size)
+        splits = self.num_splits(batch_size, context_tier)
         heads, dim = self.shape.num_heads, self.shape.head_dim
         partial_out = partial_lse = None
         if splits > 1:
@@ -354,8 +380,9 @@ class TritonBackend(AttentionBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _alloc_scratch(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        splits = self.num_splits(batch_size)
+    def _alloc_scratch(self, batch_size: int, context: int | None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        splits = self.num_splits(batch_size, context)
         if splits == 1:
             return None, None
         heads, dim = self.shape.num_heads, self.shape.head_dim

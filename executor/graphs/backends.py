@@ -161,6 +161,15 @@ class FullGraphBackend:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
+    def sibling(self) -> FullGraphBackend:
+        """Another set of graphs over the same shapes, captured on this backend's stream
+        into its pool (a variant of a bucket's forward: ``GraphRunner``'s context tiers).
+        Its graphs replay one at a time with this one's, as all of a pool's must; release
+        both together (either's ``release`` drops the shared pool)."""
+        twin = FullGraphBackend(self.device, self.warmup_runs)
+        twin.streams = self.streams
+        return twin
+
     def warm_up(self, shape: int, fn: CapturedFn) -> None:
         self.streams.warm_up(fn, self.warmup_runs)
 

@@ -15,10 +15,19 @@ Inside-graph attention uses the attention backend's graph hooks (static buffers,
 metadata at capture, a refresh before replay: captured in the prologue where the backend
 allows it). Eager attention gets the real batch's metadata through a ``BatchScope`` bound
 around the replay.
+
+Context tiers (full decode graphs): where the attention backend launches a decode of a
+bucket's size differently for short sequences (``AttentionBackend.decode_context_tiers``:
+Triton's split count follows a bound on the lengths, and the max context's bound leaves
+most splits idle at a few hundred tokens), the bucket also gets a twin graph per tier,
+captured in the same pool and fed by the same prologue (which does not depend on the
+tier). A replay takes the smallest tier that holds the batch's longest sequence, else the
+general graph; the batch's lengths are on the host, so the choice costs no sync.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,12 +38,14 @@ from executor.api import BucketCapture, Phase, PhaseCapture
 from executor.attention.base import SCOPED, AttentionBackend, AttentionMetadata
 from executor.forward_batch import ForwardBatch, dummy_batch
 from executor.graphs.accounting import CaptureMemory, ReplayTimer
-from executor.graphs.backends import BatchScope, CaptureBackend
+from executor.graphs.backends import BatchScope, CaptureBackend, FullGraphBackend
 from executor.graphs.dispatch import RunnerState
 from executor.graphs.prologue import GraphInputs, Prologue
 from executor.kv.pool import ReqToTokenTable
 from executor.model.base import CausalModel
 from executor.packing import GraphLayout
+
+log = logging.getLogger(__name__)
 
 
 class GraphRunner:
@@ -52,6 +63,12 @@ class GraphRunner:
         self.model_attn = backend.wrap_attention(attn, self.scope, max(buckets))
         self._forward = backend.prepare_forward(self._model_forward)
         self._meta: dict[int, AttentionMetadata] = {}  # static metadata per bucket
+        # Context tiers (full decode graphs only): each tier's twin graphs, in the main
+        # backend's pool, and per bucket the tiers captured for it, ascending.
+        self._tier_backends: dict[int, CaptureBackend] = {}
+        if self.logits_in_graph and isinstance(backend, FullGraphBackend):
+            self._tier_backends = {tier: backend.sibling() for tier in attn.decode_context_tiers}
+        self._tiers: dict[int, tuple[int, ...]] = {}
         self._static_meta_ready = False
         # Every bucket's graph writes its result (decode: logits; prefill: hidden states,
         # both in the activation dtype) into rows of this one buffer, so each graph's own
@@ -106,6 +123,8 @@ class GraphRunner:
                     self.failed[bucket] = "capture failed on another tensor-parallel rank"
                     result = BucketCapture(bucket, result.capture_ms, False,
                                            self.failed[bucket], result.memory_bytes)
+                if result.ok:  # (the same on every rank by now)
+                    result = self._capture_tiers(result)
                 results.append(result)
                 free = torch.cuda.mem_get_info(self.device)[0]
                 bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
@@ -137,17 +156,65 @@ class GraphRunner:
                                  self.failed[bucket])
         return BucketCapture(bucket, (time.perf_counter() - t0) * 1e3, True, "", used)
 
+    def _capture_tiers(self, result: BucketCapture) -> BucketCapture:
+        """Capture ``result``'s bucket's twin graph for each context tier at which its
+        attention launches differently (none for most buckets). A twin that fails is only
+        logged: the general graph serves those batches. Tensor parallelism: every rank
+        makes the same ``agree`` calls (one per tier, one more per tier it tries), and a
+        twin is used only where every rank captured it, since its warm-up and replays
+        run the forward's collectives."""
+        bucket, took_ms, held = result.size, result.capture_ms, result.memory_bytes
+        tiers = []
+        for tier, backend in self._tier_backends.items():
+            wanted = self.attn.tier_helps(bucket, tier)
+            if self.agree is not None:
+                wanted = self.agree(wanted)
+            if not wanted:
+                continue
+            t0 = time.perf_counter()
+            try:
+                held += self._capture_twin(backend, bucket, tier)
+                ok = True
+            except Exception as exc:  # the general graph still serves this bucket
+                log.warning("decode bucket %d: the twin graph for sequences of up to %d "
+                            "tokens failed to capture (%s: %s); the general graph serves them",
+                            bucket, tier, type(exc).__name__, exc)
+                torch.cuda.synchronize(self.device)
+                ok = False
+            if self.agree is not None:
+                ok = self.agree(ok)
+            if ok:
+                tiers.append(tier)
+            took_ms += (time.perf_counter() - t0) * 1e3
+        if tiers:
+            self._tiers[bucket] = tuple(tiers)
+        return BucketCapture(bucket, took_ms, True, "", held)
+
+    def _capture_twin(self, backend: CaptureBackend, bucket: int, tier: int) -> int:
+        """Warm up and capture ``bucket``'s twin for ``tier`` into ``backend``; returns the
+        memory its capture took."""
+        with self._capture_forward(bucket, tier) as fn:
+            backend.warm_up(bucket, fn)
+            return self.memory.held_by(lambda: backend.capture(bucket, fn))
+
+    def context_tiers(self) -> dict[int, tuple[int, ...]]:
+        """Per bucket, the context tiers (tokens) it has twin graphs for."""
+        return dict(self._tiers)
+
     @contextmanager
-    def _capture_forward(self, bucket: int) -> Iterator[Callable[[], torch.Tensor]]:
-        """The forward to warm up and capture for ``bucket``, with its attention inputs:
-        static metadata (kept for replay once captured) or a dummy batch bound to the
+    def _capture_forward(self, bucket: int, tier: int | None = None
+                         ) -> Iterator[Callable[[], torch.Tensor]]:
+        """The forward to warm up and capture for ``bucket`` (``tier``: a context tier's
+        twin), with its attention inputs: static metadata (the general graph's kept for
+        replay once captured: every tier's shares its rows) or a dummy batch bound to the
         scope (attention reads the scope, not an argument: the forward gets ``SCOPED``,
         so one compiled function serves every bucket)."""
         ids, pos = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
         if self.attention_in_graph:
-            meta = self.attn.capture_metadata(self.phase, bucket, bucket)
+            meta = self.attn.capture_metadata(self.phase, bucket, bucket, tier)
             yield lambda: self._forward(ids, pos, meta)
-            self._meta[bucket] = meta
+            if tier is None:
+                self._meta[bucket] = meta
         else:
             dummy = dummy_batch(self.phase, bucket, self.max_context, self.device)
             with self.scope.bind(self.attn.build_metadata(dummy), bucket):
@@ -195,10 +262,21 @@ class GraphRunner:
             else:
                 if not rows_refreshed:
                     self.attn.refresh_metadata(self._meta[bucket], batch)
-                out = self.backend.replay(bucket)
+                out = self._graphs_for(batch, bucket).replay(bucket)
         if self.logits_in_graph:  # decode: logits_indices are rows 0..B-1
             return out[: batch.batch_size]
         return self.model.compute_logits(out[batch.logits_indices])
+
+    def _graphs_for(self, batch: ForwardBatch, bucket: int) -> CaptureBackend:
+        """The twin of the smallest context tier that holds ``batch``'s longest sequence,
+        else the general graphs."""
+        tiers = self._tiers.get(bucket)
+        if tiers:
+            longest = max(batch.seq_lens_host)
+            for tier in tiers:
+                if longest <= tier:
+                    return self._tier_backends[tier]
+        return self.backend
 
     @property
     def runs_uncaptured(self) -> bool:
@@ -218,6 +296,9 @@ class GraphRunner:
 
     def release(self) -> None:
         self.backend.release()
+        for twins in self._tier_backends.values():
+            twins.release()
+        self._tiers.clear()
         self.prologue.release()
         self._meta.clear()
         self._state = None

@@ -79,6 +79,37 @@ def test_graph_logits_equal_eager_at_every_bucket(ex: Executor, bs: int) -> None
     ex.kv.check_invariants()
 
 
+def test_context_tier_twins_serve_short_batches(ex: Executor) -> None:
+    """Small buckets get a twin graph per context tier that at least halves their
+    attention's split count; a step takes the smallest tier its longest sequence fits, and
+    its logits match eager decode (which launches for the same tier) and the general
+    graph of the bucket on the same batch."""
+    runner, attn = ex.runners["decode"], ex.attn
+    # The test model has 2 KV heads: 64 splits at batch 1 and 2 for 2048 tokens, 33 at 4.
+    assert attn.decode_context_tiers == (512, 1024)
+    assert runner.context_tiers() == {1: (512, 1024), 2: (512, 1024), 4: (512,)}
+    gen = torch.Generator().manual_seed(3)
+    for n, tier in ((300, 512), (511, 512), (700, 1024), (1500, None)):
+        prompt = torch.randint(0, 1024, (n,), generator=gen).tolist()
+        token = int(ex.prefill([PrefillItem(f"tier{n}", prompt)]).outputs[0].token_id)  # type: ignore[arg-type]
+        alloc = ex.kv.allocate([(f"tier{n}", 1)])  # the step's sequence has n + 1 tokens
+        assert attn.decode_tier(1, n + 1) == tier
+        twin, eager = graph_and_eager(ex, runner, "decode", [token], alloc, 1)
+        torch.testing.assert_close(twin, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+        assert_same_greedy(twin, eager)
+        tiers = runner._tiers.pop(1)  # the same batch through the general graph
+        try:
+            general, _ = graph_and_eager(ex, runner, "decode", [token], alloc, 1)
+        finally:
+            runner._tiers[1] = tiers
+        if tier is None:
+            assert torch.equal(twin, general)
+        else:
+            torch.testing.assert_close(twin, general, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+        ex.release([f"tier{n}"])
+    ex.kv.check_invariants()
+
+
 def test_greedy_tokens_equal_eager_executor(ex: Executor, tmp_path: Path) -> None:
     """Public decode API, graph executor vs an eager one on the same weights, 30 steps.
 

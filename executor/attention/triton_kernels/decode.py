@@ -70,9 +70,11 @@ PROGRAMS_PER_SM = 2
 def num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Splits per sequence for a decode launch of ``batch_size`` rows.
 
-    Depends only on the batch size (fixed per graph bucket), never on the lengths: enough
-    splits that ``batch * kv_heads * splits`` fills the GPU about ``PROGRAMS_PER_SM``
-    times over, but no more than a max-context sequence has ``SPLIT_ALIGN`` chunks.
+    Depends on the batch size (fixed per graph bucket) and a bound on the lengths, never
+    on the lengths themselves: enough splits that ``batch * kv_heads * splits`` fills the
+    GPU about ``PROGRAMS_PER_SM`` times over, but no more than a ``max_context``-token
+    sequence has ``SPLIT_ALIGN`` chunks (the backend's context tiers pass a bound below
+    the table's max context).
     """
     wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
     useful = triton.cdiv(max(max_context - 1, 1), SPLIT_ALIGN)
