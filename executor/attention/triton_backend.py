@@ -62,9 +62,13 @@ from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS, SEQUENCE_FIELDS
 _DEFAULT_NUM_SMS = 132
 _SEQ_LENS_ROW = DECODE_ROW_FIELDS.index("seq_lens")
 #: ``TritonBackend.decode_context_tiers`` (tokens, ascending).
-DECODE_CONTEXT_TIERS = (512, 1024)
+#: Measured on an H100 (``bench/results/2026-11-26-h100-context-tiers``, SmolLM2-135M
+#: shape): a 512-token tier (16 splits) took batch 1 at 400 tokens from 0.433-0.436 to
+#: 0.420-0.421 ms per step; a 1024-token tier (32 splits) left 900 tokens at 0.443 ms, so
+#: it is not kept.
+DECODE_CONTEXT_TIERS = (512,)
 #: A tier gets its twin graph where it cuts a bucket's split count at least this many
-#: times over (SmolLM2-135M at batch 1: 64 -> 16 and 32; the 1B at batch 1: 33 -> 16).
+#: times over (SmolLM2-135M at batch 1 and 2: 64 and 44 -> 16; the 1B at batch 1: 33 -> 16).
 TIER_SPLIT_RATIO = 2
 
 
@@ -182,7 +186,7 @@ class TritonBackend(AttentionBackend):
     def fuses_rope(self, meta: AttentionMetadata) -> bool:
         return self.rope_tables is not None and isinstance(meta, TritonDecodeMetadata)
 
-    # Decode tiers: sequences of at most 512 / 1024 tokens need at most 16 / 32 splits of
+    # Decode tiers: sequences of at most 512 tokens need at most 16 splits of
     # ``SPLIT_ALIGN`` tokens, where the max context's launch may have up to ``MAX_SPLITS``,
     # most of them idle. Measured on an H100 (SmolLM2-135M shape, batch 1, 512 tokens;
     # ``bench/results/2026-11-26-h100-split-cap-by-context``): 16 splits 0.423 ms per step

@@ -85,11 +85,12 @@ def test_context_tier_twins_serve_short_batches(ex: Executor) -> None:
     its logits match eager decode (which launches for the same tier) and the general
     graph of the bucket on the same batch."""
     runner, attn = ex.runners["decode"], ex.attn
-    # The test model has 2 KV heads: 64 splits at batch 1 and 2 for 2048 tokens, 33 at 4.
-    assert attn.decode_context_tiers == (512, 1024)
-    assert runner.context_tiers() == {1: (512, 1024), 2: (512, 1024), 4: (512,)}
+    # The test model has 2 KV heads: 64 splits at batch 1 and 2 for 2048 tokens, 33 at 4,
+    # 17 at 8; 16 for 512 tokens.
+    assert attn.decode_context_tiers == (512,)
+    assert runner.context_tiers() == {1: (512,), 2: (512,), 4: (512,)}
     gen = torch.Generator().manual_seed(3)
-    for n, tier in ((300, 512), (511, 512), (700, 1024), (1500, None)):
+    for n, tier in ((300, 512), (511, 512), (512, None), (1500, None)):
         prompt = torch.randint(0, 1024, (n,), generator=gen).tolist()
         token = int(ex.prefill([PrefillItem(f"tier{n}", prompt)]).outputs[0].token_id)  # type: ignore[arg-type]
         alloc = ex.kv.allocate([(f"tier{n}", 1)])  # the step's sequence has n + 1 tokens
