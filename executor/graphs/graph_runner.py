@@ -130,6 +130,10 @@ class GraphRunner:
                 bar.set_postfix(size=bucket, free_gib=f"{free / 2**30:.1f}")
         bar.close()
         self._state = None
+        if self._tiers:
+            log.info("%s graphs: context-tier twins (bucket: tokens) %s", self.phase,
+                     ", ".join(f"{b}: {'/'.join(map(str, t))}" for b, t in
+                               sorted(self._tiers.items())))
         used = static_bytes + sum(r.memory_bytes for r in results)
         return PhaseCapture(self.phase, self.backend.name,
                             tuple(sorted(results, key=lambda r: r.size)),
