@@ -162,36 +162,32 @@ class GraphRunner:
 
     def _capture_tiers(self, result: BucketCapture) -> BucketCapture:
         """Capture ``result``'s bucket's twin graph for each context tier at which its
-        attention launches differently (none for most buckets). A twin that fails is only
-        logged: the general graph serves those batches. Tensor parallelism: every rank
-        makes the same ``agree`` calls (one per tier, one more per tier it tries), and a
-        twin is used only where every rank captured it, since its warm-up and replays
-        run the forward's collectives."""
-        bucket, took_ms, held = result.size, result.capture_ms, result.memory_bytes
-        tiers = []
-        for tier, backend in self._tier_backends.items():
-            wanted = self.attn.tier_helps(bucket, tier)
-            if self.agree is not None:
-                wanted = self.agree(wanted)
-            if not wanted:
-                continue
+        attention launches leaner (none for most buckets), as ``agreed_tiers`` decides
+        with the other tensor-parallel ranks. A twin that fails is only logged: the
+        general graph serves those batches."""
+        bucket = result.size
+        took_ms, held = result.capture_ms, result.memory_bytes
+
+        def capture(tier: int) -> bool:
+            nonlocal took_ms, held
             t0 = time.perf_counter()
             try:
-                held += self._capture_twin(backend, bucket, tier)
-                ok = True
+                held += self._capture_twin(self._tier_backends[tier], bucket, tier)
+                return True
             except Exception as exc:  # the general graph still serves this bucket
                 log.warning("decode bucket %d: the twin graph for sequences of up to %d "
                             "tokens failed to capture (%s: %s); the general graph serves them",
                             bucket, tier, type(exc).__name__, exc)
                 torch.cuda.synchronize(self.device)
-                ok = False
-            if self.agree is not None:
-                ok = self.agree(ok)
-            if ok:
-                tiers.append(tier)
-            took_ms += (time.perf_counter() - t0) * 1e3
+                return False
+            finally:
+                took_ms += (time.perf_counter() - t0) * 1e3
+
+        tiers = agreed_tiers(tuple(self._tier_backends),
+                             lambda tier: self.attn.tier_helps(bucket, tier), capture,
+                             self.agree)
         if tiers:
-            self._tiers[bucket] = tuple(tiers)
+            self._tiers[bucket] = tiers
         return BucketCapture(bucket, took_ms, True, "", held)
 
     def _capture_twin(self, backend: CaptureBackend, bucket: int, tier: int) -> int:
@@ -316,3 +312,29 @@ def ranks_differ(captured: list[bool], agree: Callable[[bool], bool]) -> bool:
     ``agree`` calls (a list, never a short-circuit)."""
     everywhere = [agree(c) for c in captured]
     return not agree(captured == everywhere)
+
+
+def agreed_tiers(candidates: tuple[int, ...], helps: Callable[[int], bool],
+                 capture: Callable[[int], bool], agree: Callable[[bool], bool] | None
+                 ) -> tuple[int, ...]:
+    """The context tiers a bucket keeps twins for: each candidate that ``helps`` on every
+    rank is captured (``capture``: whether it succeeded here) and kept if it succeeded on
+    every rank. ``agree``: the all-ranks AND (a collective), None in one process.
+
+    A twin's warm-up runs the forward, collectives included, so a rank may start one only
+    where every rank does; and a twin is replayed only where every rank has it, so that
+    all ranks replay graphs captured in the same order. NOTE: every rank makes the same
+    ``agree`` calls: one per candidate, one more per candidate tried."""
+    kept = []
+    for tier in candidates:
+        wanted = helps(tier)
+        if agree is not None:
+            wanted = agree(wanted)
+        if not wanted:
+            continue
+        ok = capture(tier)
+        if agree is not None:
+            ok = agree(ok)
+        if ok:
+            kept.append(tier)
+    return tuple(kept)

@@ -1,4 +1,5 @@
-"""``ranks_differ``: ranks whose captured buckets differ all start over, together."""
+"""``ranks_differ``: ranks whose captured buckets differ all start over, together.
+``agreed_tiers``: ranks try and keep the same context-tier twins."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from executor.graphs.graph_runner import ranks_differ
+from executor.graphs.graph_runner import agreed_tiers, ranks_differ
 
 
 def _world(n: int) -> list[Callable[[bool], bool]]:
@@ -30,6 +31,22 @@ def _world(n: int) -> list[Callable[[bool], bool]]:
     return [agree_for(r) for r in range(n)]
 
 
+def _run_ranks(n: int, fn: Callable[[int, Callable[[bool], bool]], object]) -> list[object]:
+    agrees = _world(n)
+    answers: list[object] = [None] * n
+
+    def run(rank: int) -> None:
+        answers[rank] = fn(rank, agrees[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a rank is stuck in a collective"
+    return answers
+
+
 @pytest.mark.parametrize(("captured", "differ"), [
     ([[True, True], [True, True], [True, True]], False),
     ([[False, False], [False, False], [False, False]], False),
@@ -37,15 +54,34 @@ def _world(n: int) -> list[Callable[[bool], bool]]:
     ([[False, True], [True, True], [True, True]], True),
 ])
 def test_every_rank_reaches_the_same_answer(captured: list[list[bool]], differ: bool) -> None:
-    agrees = _world(len(captured))
-    answers: list[bool | None] = [None] * len(captured)
-
-    def run(rank: int) -> None:
-        answers[rank] = ranks_differ(captured[rank], agrees[rank])
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(captured))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    answers = _run_ranks(len(captured), lambda rank, agree: ranks_differ(captured[rank], agree))
     assert answers == [differ] * len(captured)
+
+
+@pytest.mark.parametrize(("helps", "succeeds", "kept"), [
+    # every rank: which candidates (256, 512, 1024) help; which captures succeed
+    ([{512, 1024}] * 2, [{512, 1024}] * 2, (512, 1024)),
+    ([{512}, {512, 1024}], [{512, 1024}] * 2, (512,)),  # 1024 helps on one rank only
+    ([{512, 1024}] * 2, [{512, 1024}, {1024}], (1024,)),  # 512 failed on rank 1
+    ([set(), set()], [{256, 512, 1024}] * 2, ()),
+])
+def test_every_rank_keeps_the_same_tiers(helps: list[set[int]], succeeds: list[set[int]],
+                                         kept: tuple[int, ...]) -> None:
+    """A rank tries a tier only where every rank does (a twin's warm-up runs the
+    forward's collectives), and keeps it only where every rank captured it."""
+    tried: list[list[int]] = [[] for _ in helps]
+
+    def rank_fn(rank: int, agree: Callable[[bool], bool]) -> tuple[int, ...]:
+        def capture(tier: int) -> bool:
+            tried[rank].append(tier)
+            return tier in succeeds[rank]
+        return agreed_tiers((256, 512, 1024), helps[rank].__contains__, capture, agree)
+
+    assert _run_ranks(len(helps), rank_fn) == [kept] * len(helps)
+    wanted_everywhere = [t for t in (256, 512, 1024) if all(t in h for h in helps)]
+    assert tried == [wanted_everywhere] * len(helps)
+
+
+def test_one_process_keeps_what_it_captured() -> None:
+    tiers = agreed_tiers((512, 1024), lambda t: True, lambda t: t == 1024, None)
+    assert tiers == (1024,)
