@@ -281,27 +281,28 @@ def _backend(heads: int, kv_heads: int, max_context: int) -> TritonBackend:
 
 
 def test_decode_context_tiers_follow_the_split_count() -> None:
-    """A tier gets a twin graph where it at least halves a bucket's split count; a decode
-    (graph or eager) launches for the smallest such tier its longest sequence fits."""
+    """A tier gets a twin graph where it cuts a bucket's split count at least threefold; a
+    decode (graph or eager) launches for the smallest such tier its longest sequence fits."""
     small = _backend(9, 3, 4096)  # SmolLM2-135M's heads; 132 SMs assumed on CPU
     assert small.decode_context_tiers == (512,)
     assert [small.num_splits(1, c) for c in (512, 1024, None)] == [16, 32, 64]
-    assert small.tier_helps(1, 512) and small.tier_helps(1, 1024)
+    assert small.tier_helps(1, 512) and not small.tier_helps(1, 1024)  # 32: not a third
     assert [small.decode_tier(1, n) for n in (1, 300, 512, 513, 4000)] == \
         [512, 512, 512, None, None]
     # Several tiers: the smallest that holds the longest sequence and helps.
-    small.decode_context_tiers = (512, 1024)  # type: ignore[misc]
-    assert [small.decode_tier(1, n) for n in (300, 512, 513, 1024, 1025)] == \
-        [512, 512, 1024, 1024, None]
-    # Batch 2: 44 splits at the max context, 16 at 512 tokens, 32 at 1024 (not half).
-    assert small.num_splits(2) == 44 and small.num_splits(2, 1024) == 32
-    assert small.tier_helps(2, 512) and not small.tier_helps(2, 1024)
-    assert small.decode_tier(2, 700) is None and small.decode_tier(2, 400) == 512
+    small.decode_context_tiers = (256, 512, 1024)  # type: ignore[misc]
+    assert small.tier_helps(1, 256)
+    assert [small.decode_tier(1, n) for n in (200, 256, 257, 512, 513)] == \
+        [256, 256, 512, 512, None]
+    # Batch 2: 44 splits at the max context, 16 at 512 tokens (not a third).
+    assert small.num_splits(2) == 44 and small.num_splits(2, 512) == 16
+    assert not small.tier_helps(2, 512) and small.tier_helps(2, 256)  # 8 splits
+    assert small.decode_tier(2, 400) is None and small.decode_tier(2, 200) == 256
     # Batch 8: 11 splits whatever the context: no tier.
     assert not any(small.tier_helps(8, t) for t in small.decode_context_tiers)
-    # The 1B's heads: 33 splits at batch 1, 16 at 512 tokens, 32 at 1024.
+    # The 1B's heads: 33 splits at batch 1, 16 at 512 tokens.
     big = _backend(32, 8, 4096)
-    assert big.tier_helps(1, 512) and not big.tier_helps(1, 1024)
+    assert big.num_splits(1) == 33 and not big.tier_helps(1, 512)
     # A table no longer than a tier: the general launch already fits it.
     short = _backend(9, 3, 512)
     assert not any(short.tier_helps(1, t) for t in short.decode_context_tiers)

@@ -68,8 +68,11 @@ _SEQ_LENS_ROW = DECODE_ROW_FIELDS.index("seq_lens")
 #: it is not kept.
 DECODE_CONTEXT_TIERS = (512,)
 #: A tier gets its twin graph where it cuts a bucket's split count at least this many
-#: times over (SmolLM2-135M at batch 1 and 2: 64 and 44 -> 16; the 1B at batch 1: 33 -> 16).
-TIER_SPLIT_RATIO = 2
+#: times over. Measured on an H100 (``bench/results/2026-11-26-h100-context-tiers``,
+#: ``...-decode-grid-order-reverted``): 64 -> 16 splits (SmolLM2-135M at batch 1) gained
+#: 13-16 us per step; 44 -> 16 (SmolLM2 at batch 2), 33 -> 16 (the 1B and the 8B at
+#: batch 1) nothing beyond noise, so those buckets keep one graph.
+TIER_SPLIT_RATIO = 3
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ class TritonBackend(AttentionBackend):
                              self.num_sms)
 
     def tier_helps(self, batch_size: int, tier: int) -> bool:
-        """At most half the splits of the max context's launch (``TIER_SPLIT_RATIO``)."""
+        """At most a third of the splits of the max context's launch
+        (``TIER_SPLIT_RATIO``)."""
         return tier < self.table.max_context and \
             TIER_SPLIT_RATIO * self.num_splits(batch_size, tier) <= self.num_splits(batch_size)
 
