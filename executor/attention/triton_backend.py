@@ -180,6 +180,7 @@ class TritonBackend(AttentionBackend):
         self.graph_buffers: DecodeGraphBuffers | None = None
         self.extend_buffers: ExtendGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._splits: dict[tuple[int, int, int], int] = {}  # (rows, bound, SMs) -> splits
 
     can_fuse_decode_rope: ClassVar[bool] = True
 
@@ -189,20 +190,24 @@ class TritonBackend(AttentionBackend):
     def fuses_rope(self, meta: AttentionMetadata) -> bool:
         return self.rope_tables is not None and isinstance(meta, TritonDecodeMetadata)
 
-    # Decode tiers: sequences of at most 512 tokens need at most 16 splits of
-    # ``SPLIT_ALIGN`` tokens, where the max context's launch may have up to ``MAX_SPLITS``,
-    # most of them idle. Measured on an H100 (SmolLM2-135M shape, batch 1, 512 tokens;
-    # ``bench/results/2026-11-26-h100-split-cap-by-context``): 16 splits 0.423 ms per step
-    # against 0.440 with 64, but 0.591 against 0.472 at 4000 tokens, hence a tier per
-    # bound rather than a lower cap.
+    # Sequences of at most 512 tokens need at most 16 splits of ``SPLIT_ALIGN`` tokens,
+    # where the max context's launch may have up to ``MAX_SPLITS``, most of them idle. A
+    # lower cap instead would slow long contexts: SmolLM2-135M at batch 1 with 16 splits
+    # took 0.423 ms per step at 512 tokens (0.440 with 64) but 0.591 at 4000 (0.472),
+    # ``bench/results/2026-11-26-h100-split-cap-by-context``; see ``DECODE_CONTEXT_TIERS``.
     decode_context_tiers: ClassVar[tuple[int, ...]] = DECODE_CONTEXT_TIERS
 
     def num_splits(self, batch_size: int, context: int | None = None) -> int:
         """Split-KV factor of a decode of ``batch_size`` rows whose sequences have at most
-        ``context`` tokens (default: the table's max context)."""
-        return num_kv_splits(batch_size, self.shape.num_kv_heads,
-                             self.table.max_context if context is None else context,
-                             self.num_sms)
+        ``context`` tokens (default: the table's max context). Remembered: every eager
+        decode step asks (``decode_tier``), and working it out costs a few us of Python."""
+        bound = self.table.max_context if context is None else context
+        key = (batch_size, bound, self.num_sms)
+        splits = self._splits.get(key)
+        if splits is None:
+            splits = self._splits[key] = num_kv_splits(batch_size, self.shape.num_kv_heads,
+                                                       bound, self.num_sms)
+        return splits
 
     def tier_helps(self, batch_size: int, tier: int) -> bool:
         """At most a third of the splits of the max context's launch
