@@ -165,16 +165,18 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
     # one store for every algorithm's group (a port per group could be taken meanwhile)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
-    for algo in ("nccl", "symm_mem", "triton", "auto"):
+    for algo in ("nccl", "symm_mem", "triton", "lamport", "auto"):
         tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
                         datetime.timedelta(seconds=120), algo)  # type: ignore[arg-type]
         name = group.all_reduce_algorithm(tp)
         times: dict[str, float] = {}
         ok = True
         for rows in sizes:
-            # integers stay exact in bf16 sums: rank r holds r + 1 + (i % 7)
-            base = (torch.arange(rows * hidden, device=device) % 7).view(rows, hidden)
+            # integers stay exact in bf16 sums: rank r holds r + 1 + (i % 7) - 3, its zeros
+            # as -0.0 (the push kernel's "not arrived" mark, which it must not wait on)
+            base = (torch.arange(rows * hidden, device=device) % 7 - 3).view(rows, hidden)
             x = (base + rank + 1).to(torch.bfloat16)
+            x[x == 0] = -0.0
             want = (base * world + world * (world + 1) // 2).to(torch.bfloat16)
             # (the NCCL path reduces its input in place: each call gets its own copy)
             ok &= bool(torch.equal(tp.all_reduce(x.clone()), want))
@@ -210,7 +212,7 @@ GRAPH_REPEATS = 32
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
                  ) -> dict[str, Any]:
-    """Per algorithm ("nccl", "symm_mem", "triton", "auto"): what it resolved to (and, for "auto",
+    """Per algorithm ("nccl", "symm_mem", "triton", "lamport", "auto"): what it resolved to (and, for "auto",
     its start-up probe times and the one-shot kernel's size limit), whether every sum was exact
     (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
     inside a captured graph, by rows."""
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sizes 4 and 8 only (llama-3.1-70b@4: its weights fit only there)")
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl, "
-                    ":symm_mem or :triton (--tp-all-reduce; default auto), then /on or "
+                    ":symm_mem, :triton or :lamport (--tp-all-reduce; default auto), then /on or "
                     "/off for --tp-fuse-all-reduce (2:auto/on)")
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "

@@ -85,8 +85,11 @@ _GROUPS: dict[str, dist.ProcessGroup] = {}
 ONE_SHOT_MAX_BYTES = 512 * 1024
 #: What "auto" times both algorithms at: (1, 8, 64) x 4096 bf16, in bytes.
 AUTO_PROBE_BYTES = (8 * 1024, 64 * 1024, 512 * 1024)
-AllReduceChoice = Literal["auto", "nccl", "symm_mem", "triton"]
-ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem", "triton")
+AllReduceChoice = Literal["auto", "nccl", "symm_mem", "triton", "lamport"]
+ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem", "triton",
+                                                   "lamport")
+#: The one-shot kernels, in the order "auto" sets them up and times them.
+ONE_SHOT_KINDS = ("symm_mem", "triton", "lamport")
 
 
 @dataclass(frozen=True)
@@ -155,12 +158,57 @@ def _triton_kernel() -> tuple[Any, Callable[[int], int], dict[str, int]]:
             kernel.grid_size, {"FLAGS": kernel.FLAG_BYTES, "BLOCK": kernel.BLOCK})
 
 
-OneShotPath = _OneShot | _TritonOneShot
+@dataclass(frozen=True)
+class _TritonLamport:
+    """``executor.kernels.all_reduce.lamport_all_reduce_kernel`` over one registered buffer
+    per rank: each rank pushes its share into every peer's buffer, where elements not yet
+    arrived read -0.0, so a call crosses NVLink once and needs no flags (bf16 and fp16
+    only: fp32 has no spare bit pattern the kernel could spin on cheaply)."""
+
+    raw: torch.Tensor  # this rank's buffer (two slots of world regions), -0.0 when free
+    bases: torch.Tensor  # (world,) int64: every rank's buffer address
+    counters: torch.Tensor  # (LAMPORT_PROGRAMS,) int32: calls so far, per program
+    rank: int
+    world: int
+    slot_bytes: int = ONE_SHOT_MAX_BYTES
+    max_bytes: int = ONE_SHOT_MAX_BYTES
+    min_bytes: int = 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+                and x.is_contiguous() and self.min_bytes < nbytes <= self.max_bytes
+                and x.data_ptr() % 16 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        launcher, programs, block = _lamport_kernel()
+        out = torch.empty_like(x)
+        numel = x.numel()
+        size = block(numel)
+        launcher.launch(
+            (programs, 1, 1), (x.dtype, size, self.rank, self.world),
+            (x, out, self.bases, self.counters, numel, self.rank, self.slot_bytes // 2),
+            {"WORLD": self.world, "BLOCK": size})
+        return out
+
+
+@functools.cache
+def _lamport_kernel() -> tuple[Any, int, Callable[[int], int]]:
+    """``lamport_all_reduce_kernel``'s launcher, its fixed grid and its block per size."""
+    from executor.kernels import all_reduce as kernel
+    from executor.kernels.launch import FastLauncher
+
+    return (FastLauncher(kernel.lamport_all_reduce_kernel, pdl=True, num_warps=4),
+            kernel.LAMPORT_PROGRAMS, kernel.lamport_block)
+
+
+OneShotPath = _OneShot | _TritonOneShot | _TritonLamport
 #: The one-shot paths of each group that has any, by the same names as ``_GROUPS``, each
 #: for its range of sizes (``fits``); an all-reduce no path fits goes to NCCL.
 _ONE_SHOT: dict[str, tuple[OneShotPath, ...]] = {}
 #: What ``all_reduce_algorithm`` calls each path.
-_PATH_NAMES = {_OneShot: "symm_mem_one_shot", _TritonOneShot: "triton_one_shot"}
+_PATH_NAMES = {_OneShot: "symm_mem_one_shot", _TritonOneShot: "triton_one_shot",
+               _TritonLamport: "triton_lamport"}
 #: What "auto" measured and chose, per group name (``all_reduce_choice``).
 _CHOICES: dict[str, dict[str, object]] = {}
 
@@ -394,9 +442,9 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     if all_reduce != "nccl" and device.type == "cuda" and size > 1:
         nccl_us = _probe_us(tp) if all_reduce == "auto" else None
         paths: dict[str, OneShotPath] = {}
-        for algo in ("symm_mem", "triton"):
+        for algo in ONE_SHOT_KINDS:
             if all_reduce in ("auto", algo):
-                path = _setup_one_shot(tp, world, triton=algo == "triton")
+                path = _setup_one_shot(tp, world, algo)
                 if path is not None:
                     paths[algo] = path
         if nccl_us is None:
@@ -527,12 +575,13 @@ def all_reduce_algorithm(tp: TensorParallel) -> str:
     return "nccl" if tp.device.type == "cuda" else "gloo"
 
 
-def _one_shot_possible(device: torch.device, size: int, triton: bool = False) -> bool:
-    """This rank's own view: the op exists (for ``triton``: compiled Triton, a GPU of
-    compute capability 7.0 or later for the kernel's acquire/release loads and stores, and
-    a power-of-two group of at most ``MAX_WORLD``) and every local peer GPU is reachable
-    (a group spread over hosts has no peer access: ``size`` GPUs must be visible here)."""
-    if triton:
+def _one_shot_possible(device: torch.device, size: int, kind: str = "symm_mem") -> bool:
+    """This rank's own view: the op exists (for our kernels, ``triton`` and ``lamport``:
+    compiled Triton, a GPU of compute capability 7.0 or later for the acquire/release
+    loads and stores, and a power-of-two group of at most ``MAX_WORLD``) and every local
+    peer GPU is reachable (a group spread over hosts has no peer access: ``size`` GPUs
+    must be visible here)."""
+    if kind != "symm_mem":
         from executor.kernels.all_reduce import MAX_WORLD
 
         if (os.environ.get("TRITON_INTERPRET", "0") == "1" or size > MAX_WORLD
@@ -547,13 +596,13 @@ def _one_shot_possible(device: torch.device, size: int, triton: bool = False) ->
                for peer in range(torch.cuda.device_count()) if peer != index)
 
 
-def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool = False
+def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, kind: str = "symm_mem"
                     ) -> OneShotPath | None:
-    """Register the symmetric buffer and check one sum through it (``triton``: for our
-    kernel); every step of the way is agreed over the ranks, so either all of them get
+    """Register the symmetric buffer of one of ``ONE_SHOT_KINDS`` and check one sum
+    through it; every step of the way is agreed over the ranks, so either all of them get
     the path or none does (None)."""
     try:
-        ok = _one_shot_possible(tp.device, tp.size, triton)
+        ok = _one_shot_possible(tp.device, tp.size, kind)
     except Exception:  # an old torch without symm_mem ops: no attribute, or no CUDA
         ok = False
     if tp.min_over_ranks(int(ok)) != 1:
@@ -566,7 +615,21 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, triton: bool =
                 warnings.simplefilter("ignore")
                 symm_mem.enable_symm_mem_for_group(world.group_name)
         one_shot: OneShotPath
-        if triton:
+        if kind == "lamport":
+            from executor.kernels import all_reduce as kernel
+
+            raw = symm_mem.empty(kernel.lamport_buffer_bytes(ONE_SHOT_MAX_BYTES, tp.size),
+                                 dtype=torch.uint8, device=tp.device)
+            raw.view(torch.int16).fill_(kernel.LAMPORT_EMPTY)  # nothing has arrived
+            torch.cuda.synchronize(tp.device)
+            # collective: no rank pushes into a buffer before its owner has marked it empty
+            handle = symm_mem.rendezvous(raw, world.group_name)
+            one_shot = _TritonLamport(
+                raw, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
+                                  device=tp.device),
+                torch.zeros(kernel.LAMPORT_PROGRAMS, dtype=torch.int32, device=tp.device),
+                tp.rank, tp.size)
+        elif kind == "triton":
             from executor.kernels.all_reduce import MAX_PROGRAMS, buffer_bytes
 
             raw = symm_mem.empty(buffer_bytes(ONE_SHOT_MAX_BYTES), dtype=torch.uint8,

@@ -117,3 +117,90 @@ def one_shot_all_reduce_kernel(
             acc += tl.load(theirs + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(elem), mask=mask)
     tl.store(counter_ptr + b, epoch)
+
+
+#: ``lamport_all_reduce_kernel``: programs per call, the same for every size (see there).
+LAMPORT_PROGRAMS = 16
+#: The most elements a program handles per iteration of ``lamport_all_reduce_kernel``.
+LAMPORT_MAX_BLOCK = 2048
+#: The "not arrived" mark of ``lamport_all_reduce_kernel``: the bits of -0.0 in bf16/fp16.
+LAMPORT_EMPTY = -32768
+_EMPTY: tl.constexpr = tl.constexpr(LAMPORT_EMPTY)
+
+
+def lamport_buffer_bytes(slot_bytes: int, world: int) -> int:
+    """Bytes of each rank's buffer for ``lamport_all_reduce_kernel``: two slots, each with
+    room for every rank's share of up to ``slot_bytes``."""
+    return 2 * world * slot_bytes
+
+
+def lamport_block(numel: int) -> int:
+    """Elements per program and iteration for an all-reduce of ``numel`` elements."""
+    per_program = triton.cdiv(numel, LAMPORT_PROGRAMS)
+    return min(LAMPORT_MAX_BLOCK, max(128, triton.next_power_of_2(per_program)))
+
+
+@triton.jit
+def lamport_all_reduce_kernel(
+    x_ptr,  # (numel,) this rank's input, bf16 or fp16
+    out_ptr,  # (numel,) the sum, written
+    bases_ptr,  # (WORLD,) int64: every rank's buffer address
+    counter_ptr,  # (LAMPORT_PROGRAMS,) int32: calls so far, per program
+    numel,
+    rank,
+    slot_elems,  # elements per (slot, source rank) region
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """A one-shot all-reduce without flags: the data is its own signal.
+
+    Each rank's buffer holds two slots of ``WORLD`` regions, one per source rank, and
+    every element that has not arrived holds -0.0 (``LAMPORT_EMPTY``). In call ``e``
+    (``counter[b] + 1``, the same in every program: the grid never changes) each program
+    ``b``:
+
+    1. pushes its share of the input, with -0.0 turned into +0.0, into region ``rank`` of
+       slot ``e & 1`` of every rank's buffer (its own included): plain stores over NVLink;
+    2. for each source rank in order, spins on its own buffer's region until no element of
+       its share is -0.0, adds it in float32 and writes -0.0 back over what it read;
+    3. stores the sum (every rank adds the same values in the same order: the same bits).
+
+    A single NVLink crossing per call, where a flag protocol needs the data and then a
+    flag (and a fence between them). Why it is safe to reuse a slot: a peer writes a
+    region of slot ``e & 1`` again in call ``e + 2``, which it starts only after it has
+    read this rank's push of call ``e + 1``; this rank pushed that in a later launch than
+    the one that cleared the region, and a launch's stores are visible before the next
+    launch starts. That holds because every call uses every program with the same chunk
+    of the input per program, so a region is always cleared by the program that reads
+    it. Like ``one_shot_all_reduce_kernel``, no timeout: a dead peer hangs the spin.
+    """
+    pdl_enter(USE_PDL)  # the input comes from the previous kernel
+    b = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    elem = x_ptr.dtype.element_ty
+    epoch = tl.load(counter_ptr + b) + 1
+    slot = (epoch & 1).to(tl.int64) * WORLD
+    mine = (slot + rank) * slot_elems  # this rank's region of the slot, in every buffer
+    for start in range(b * BLOCK, numel, stride):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        bits = tl.where(bits == _EMPTY, 0, bits)  # -0.0 would read as "not arrived"
+        for r in tl.static_range(WORLD):
+            dst = tl.multiple_of(tl.load(bases_ptr + r).to(tl.pointer_type(tl.int16)), 16)
+            tl.store(dst + mine + offs, bits, mask=mask)
+    here = tl.multiple_of(tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
+    for start in range(b * BLOCK, numel, stride):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            src = here + (slot + r) * slot_elems + offs
+            bits = tl.load(src, mask=mask, other=0, volatile=True)
+            while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+                bits = tl.load(src, mask=mask, other=0, volatile=True)
+            acc += bits.to(elem, bitcast=True).to(tl.float32)
+            tl.store(src, tl.full((BLOCK,), _EMPTY, tl.int16), mask=mask)
+        tl.store(out_ptr + offs, acc.to(elem), mask=mask)
+    tl.store(counter_ptr + b, epoch)

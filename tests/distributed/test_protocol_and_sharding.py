@@ -176,13 +176,15 @@ def test_auto_shares_the_sizes_out_by_the_fastest_at_each_probe(
     assert group.size_plan(group.AUTO_PROBE_BYTES, times) == plan
 
 
-def test_our_all_reduce_kernel_is_offered_only_to_power_of_two_groups_it_has_flags_for(
-        ) -> None:
-    """Its ranks are a tl.arange and its flag area holds ``MAX_WORLD`` ranks: a group of 3
+@pytest.mark.parametrize("kind", ["triton", "lamport"])
+def test_our_all_reduce_kernels_are_offered_only_to_power_of_two_groups_they_have_room_for(
+        kind: str) -> None:
+    """The flag kernel's ranks are a tl.arange and its flag area holds ``MAX_WORLD`` ranks
+    (the push kernel unrolls a loop over the ranks, held to the same groups): a group of 3
     or of 16 is refused before any device is asked (those fall back to PyTorch's kernel or
     NCCL), whatever the machine."""
     from executor.kernels.all_reduce import MAX_WORLD
 
     assert MAX_WORLD == 8
     for size in (3, 6, 16):
-        assert not group._one_shot_possible(torch.device("cuda", 0), size, triton=True)
+        assert not group._one_shot_possible(torch.device("cuda", 0), size, kind)

@@ -133,27 +133,31 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -
     """Every ``--tp-all-reduce`` choice through ``TensorParallel.all_reduce`` on 2 (4) GPUs:
     exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
     all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs,
-    "triton" our kernel over the same memory, and a size over ``ONE_SHOT_MAX_BYTES``
+    "triton" our flag kernel over the same memory, "lamport" our push kernel (with
+    each graph call its own values, a region read before its data arrived, or not marked
+    empty again after, fails), and a size over ``ONE_SHOT_MAX_BYTES``
     (600 x 2048 bf16) goes to NCCL inside both."""
     got = allreduce_us(world, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
     assert got["triton"] == {**got["triton"], "algorithm": "triton_one_shot", "ok": True}, got
+    assert got["lamport"] == {**got["lamport"], "algorithm": "triton_lamport", "ok": True}, got
     # "auto" timed each path at start-up and shared the sizes out by the slowest rank's
     # times: the plan is what size_plan makes of them, and the algorithm names its paths.
     auto = got["auto"]
     assert auto["ok"], got
     choice = auto["choice"]
     slowest = choice["slowest_rank_us"]
-    assert sorted(slowest) == ["nccl", "symm_mem", "triton"], choice
+    assert sorted(slowest) == ["lamport", "nccl", "symm_mem", "triton"], choice
     for algo, times in slowest.items():  # rank 0's own times are no slower than the worst
         assert len(times) == len(AUTO_PROBE_BYTES), choice
         assert all(mine <= worst + 0.01 for mine, worst in zip(
             choice[f"{algo}_us"], times, strict=True)), choice
     plan = [(p["algorithm"], p["up_to_bytes"]) for p in choice["plan"]]
     assert plan == size_plan(AUTO_PROBE_BYTES, slowest), choice
-    names = {"symm_mem": "symm_mem_one_shot", "triton": "triton_one_shot"}
+    names = {"symm_mem": "symm_mem_one_shot", "triton": "triton_one_shot",
+             "lamport": "triton_lamport"}
     assert auto["algorithm"] == ("+".join(dict.fromkeys(names[a] for a, _ in plan))
                                  or "nccl"), got
 

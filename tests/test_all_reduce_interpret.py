@@ -1,0 +1,101 @@
+"""The push all-reduce kernel (``lamport_all_reduce_kernel``) on CPU through Triton's
+interpreter, one rank of two at a time: the peer's push is written by the test (or by a
+thread, late), so the slot choice, the -0.0 marks, the clearing and the wait for data still
+missing are checked without GPUs. ``tests/gpu/test_tensor_parallel_gpus.py`` runs the
+compiled kernel across real GPUs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the gpu tests cover the compiled kernel", allow_module_level=True)
+if "triton" not in sys.modules:  # (see tests/test_triton_interpret.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed")
+if type(triton.language.sum).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from executor.kernels import all_reduce as k  # noqa: E402
+
+WORLD, SLOT_BYTES = 2, 64 * 1024
+SLOT_ELEMS = SLOT_BYTES // 2
+
+
+class Rank0:
+    """Rank 0 of two: both ranks' buffers (marked empty), its counters, and the region
+    of a (slot, source rank) as a view of a rank's buffer."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        size = k.lamport_buffer_bytes(SLOT_BYTES, WORLD) // 2
+        self.buffers = [torch.full((size,), k.LAMPORT_EMPTY, dtype=torch.int16)
+                        for _ in range(WORLD)]
+        self.bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64)
+        self.counters = torch.zeros(k.LAMPORT_PROGRAMS, dtype=torch.int32)
+
+    def region(self, owner: int, epoch: int, source: int, numel: int) -> torch.Tensor:
+        start = ((epoch & 1) * WORLD + source) * SLOT_ELEMS
+        return self.buffers[owner].view(self.dtype)[start: start + numel]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        k.lamport_all_reduce_kernel[(k.LAMPORT_PROGRAMS,)](
+            x, out, self.bases, self.counters, x.numel(), 0, SLOT_ELEMS, WORLD=WORLD,
+            BLOCK=k.lamport_block(x.numel()), USE_PDL=False)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_push_all_reduce_sums_clears_and_alternates_slots_over_mixed_sizes(
+        dtype: torch.dtype) -> None:
+    """Calls of 4096, 100, 20000 (more than a block per program) and 4096 elements: each
+    sums rank 0's input and the peer's push in float32, pushes rank 0's share into the
+    peer's region of the call's slot with -0.0 made +0.0 (-0.0 marks "not arrived"),
+    leaves rank 0's buffer all marked empty again, and counts the call in every program."""
+    rank0 = Rank0(dtype)
+    gen = torch.Generator().manual_seed(0)
+    for epoch, numel in enumerate([4096, 100, 20000, 4096], start=1):
+        # small integers, so the sums are exact (the interpreter rounds bf16 toward zero)
+        x = torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
+        x[x == 0] = -0.0
+        peer = torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
+        rank0.region(0, epoch, 1, numel).copy_(peer)  # the peer pushed first
+        out = rank0.all_reduce(x)
+        assert torch.equal(out, (x.float() + peer.float()).to(dtype))
+        pushed = rank0.region(1, epoch, 0, numel)
+        assert torch.equal(pushed, x) and not torch.signbit(pushed[x == 0]).any()
+        assert (rank0.buffers[0] == k.LAMPORT_EMPTY).all()
+        assert (rank0.counters == epoch).all()
+        # the other slot is untouched: the peer would read this call's there
+        assert (rank0.region(1, epoch + 1, 0, numel).view(torch.int16) == k.LAMPORT_EMPTY).all()
+        rank0.buffers[1].fill_(k.LAMPORT_EMPTY)  # (the peer reads and clears its own)
+
+
+def test_push_all_reduce_waits_for_a_late_peer() -> None:
+    """Until the peer's share has arrived, element by element, the kernel spins: the sum
+    includes data that was written well after the launch, half of it later still."""
+    rank0 = Rank0(torch.float16)
+    x = torch.ones(4096, dtype=torch.float16)
+    late = torch.full((4096,), 2.0, dtype=torch.float16)
+    region = rank0.region(0, 1, 1, 4096)
+
+    def push() -> None:
+        time.sleep(0.3)
+        region[:2048].copy_(late[:2048])
+        time.sleep(0.3)
+        region[2048:].copy_(late[2048:])
+
+    peer = threading.Thread(target=push)
+    started = time.monotonic()
+    peer.start()
+    out = rank0.all_reduce(x)
+    peer.join()
+    assert time.monotonic() - started >= 0.6
+    assert torch.equal(out, torch.full((4096,), 3.0, dtype=torch.float16))
