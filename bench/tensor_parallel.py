@@ -212,10 +212,10 @@ GRAPH_REPEATS = 32
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
                  ) -> dict[str, Any]:
-    """Per algorithm ("nccl", "symm_mem", "triton", "lamport", "auto"): what it resolved to (and, for "auto",
-    its start-up probe times and the one-shot kernel's size limit), whether every sum was exact
-    (eager and in a graph) and the median µs of one all-reduce of (rows, hidden) bf16
-    inside a captured graph, by rows."""
+    """Per algorithm ("nccl", "symm_mem", "triton", "lamport", "auto"): what it resolved to
+    (and, for "auto", its start-up probe times and the one-shot kernel's size limit),
+    whether every sum was exact (eager and in a graph) and the median µs of one all-reduce
+    of (rows, hidden) bf16 inside a captured graph, by rows."""
     return spawn_ranks(_allreduce_worker, world, sizes or [*BATCHES, PREFILL], hidden)
 
 

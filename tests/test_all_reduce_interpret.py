@@ -24,7 +24,8 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
 
 from executor.kernels import all_reduce as k  # noqa: E402
 
-WORLD, SLOT_BYTES = 2, 64 * 1024
+WORLD = 2
+PROGRAMS, SLOT_BYTES = k.LAMPORT_LANES[0]  # the small inputs' lane
 SLOT_ELEMS = SLOT_BYTES // 2
 
 
@@ -38,7 +39,7 @@ class Rank0:
         self.buffers = [torch.full((size,), k.LAMPORT_EMPTY, dtype=torch.int16)
                         for _ in range(WORLD)]
         self.bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64)
-        self.counters = torch.zeros(k.LAMPORT_PROGRAMS, dtype=torch.int32)
+        self.counters = torch.zeros(PROGRAMS, dtype=torch.int32)
 
     def region(self, owner: int, epoch: int, source: int, numel: int) -> torch.Tensor:
         start = ((epoch & 1) * WORLD + source) * SLOT_ELEMS
@@ -46,9 +47,9 @@ class Rank0:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        k.lamport_all_reduce_kernel[(k.LAMPORT_PROGRAMS,)](
+        k.lamport_all_reduce_kernel[(PROGRAMS,)](
             x, out, self.bases, self.counters, x.numel(), 0, SLOT_ELEMS, WORLD=WORLD,
-            BLOCK=k.lamport_block(x.numel()), USE_PDL=False)
+            BLOCK=k.lamport_block(x.numel(), PROGRAMS), USE_PDL=False)
         return out
 
 

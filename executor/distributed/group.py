@@ -159,18 +159,27 @@ def _triton_kernel() -> tuple[Any, Callable[[int], int], dict[str, int]]:
 
 
 @dataclass(frozen=True)
-class _TritonLamport:
-    """``executor.kernels.all_reduce.lamport_all_reduce_kernel`` over one registered buffer
-    per rank: each rank pushes its share into every peer's buffer, where elements not yet
-    arrived read -0.0, so a call crosses NVLink once and needs no flags (bf16 and fp16
-    only: fp32 has no spare bit pattern the kernel could spin on cheaply)."""
+class _Lane:
+    """One lane of ``_TritonLamport``: a buffer per rank and the counters of its grid."""
 
+    programs: int
+    max_bytes: int
     raw: torch.Tensor  # this rank's buffer (two slots of world regions), -0.0 when free
     bases: torch.Tensor  # (world,) int64: every rank's buffer address
-    counters: torch.Tensor  # (LAMPORT_PROGRAMS,) int32: calls so far, per program
+    counters: torch.Tensor  # (programs,) int32: calls so far, per program
+
+
+@dataclass(frozen=True)
+class _TritonLamport:
+    """``executor.kernels.all_reduce.lamport_all_reduce_kernel``: each rank pushes its
+    share into every peer's buffer, where elements not yet arrived read -0.0, so a call
+    crosses NVLink once and needs no flags (bf16 and fp16 only: fp32 has no spare bit
+    pattern the kernel could spin on cheaply). Its lanes (``LAMPORT_LANES``) launch
+    different grids for small and large inputs; every rank picks the same lane by size."""
+
+    lanes: tuple[_Lane, ...]
     rank: int
     world: int
-    slot_bytes: int = ONE_SHOT_MAX_BYTES
     max_bytes: int = ONE_SHOT_MAX_BYTES
     min_bytes: int = 0
 
@@ -178,28 +187,30 @@ class _TritonLamport:
         nbytes = x.numel() * x.element_size()
         return (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
                 and x.is_contiguous() and self.min_bytes < nbytes <= self.max_bytes
-                and x.data_ptr() % 16 == 0)
+                and nbytes <= self.lanes[-1].max_bytes and x.data_ptr() % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        launcher, programs, block = _lamport_kernel()
+        launcher, block = _lamport_kernel()
         out = torch.empty_like(x)
         numel = x.numel()
-        size = block(numel)
+        nbytes = numel * x.element_size()
+        lane = next(lane for lane in self.lanes if nbytes <= lane.max_bytes)
+        size = block(numel, lane.programs)
         launcher.launch(
-            (programs, 1, 1), (x.dtype, size, self.rank, self.world),
-            (x, out, self.bases, self.counters, numel, self.rank, self.slot_bytes // 2),
+            (lane.programs, 1, 1), (x.dtype, size, self.rank, self.world),
+            (x, out, lane.bases, lane.counters, numel, self.rank, lane.max_bytes // 2),
             {"WORLD": self.world, "BLOCK": size})
         return out
 
 
 @functools.cache
-def _lamport_kernel() -> tuple[Any, int, Callable[[int], int]]:
-    """``lamport_all_reduce_kernel``'s launcher, its fixed grid and its block per size."""
+def _lamport_kernel() -> tuple[Any, Callable[[int, int], int]]:
+    """``lamport_all_reduce_kernel``'s launcher and its block per (size, programs)."""
     from executor.kernels import all_reduce as kernel
     from executor.kernels.launch import FastLauncher
 
     return (FastLauncher(kernel.lamport_all_reduce_kernel, pdl=True, num_warps=4),
-            kernel.LAMPORT_PROGRAMS, kernel.lamport_block)
+            kernel.lamport_block)
 
 
 OneShotPath = _OneShot | _TritonOneShot | _TritonLamport
@@ -618,17 +629,18 @@ def _setup_one_shot(tp: TensorParallel, world: dist.ProcessGroup, kind: str = "s
         if kind == "lamport":
             from executor.kernels import all_reduce as kernel
 
-            raw = symm_mem.empty(kernel.lamport_buffer_bytes(ONE_SHOT_MAX_BYTES, tp.size),
-                                 dtype=torch.uint8, device=tp.device)
-            raw.view(torch.int16).fill_(kernel.LAMPORT_EMPTY)  # nothing has arrived
-            torch.cuda.synchronize(tp.device)
-            # collective: no rank pushes into a buffer before its owner has marked it empty
-            handle = symm_mem.rendezvous(raw, world.group_name)
-            one_shot = _TritonLamport(
-                raw, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
-                                  device=tp.device),
-                torch.zeros(kernel.LAMPORT_PROGRAMS, dtype=torch.int32, device=tp.device),
-                tp.rank, tp.size)
+            lanes = []
+            for programs, max_bytes in kernel.LAMPORT_LANES:
+                raw = symm_mem.empty(kernel.lamport_buffer_bytes(max_bytes, tp.size),
+                                     dtype=torch.uint8, device=tp.device)
+                raw.view(torch.int16).fill_(kernel.LAMPORT_EMPTY)  # nothing has arrived
+                torch.cuda.synchronize(tp.device)
+                # collective: no rank pushes into a buffer before its owner marked it empty
+                handle = symm_mem.rendezvous(raw, world.group_name)
+                lanes.append(_Lane(programs, max_bytes, raw, torch.tensor(
+                    list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device),
+                    torch.zeros(programs, dtype=torch.int32, device=tp.device)))
+            one_shot = _TritonLamport(tuple(lanes), tp.rank, tp.size)
         elif kind == "triton":
             from executor.kernels.all_reduce import MAX_PROGRAMS, buffer_bytes
 

@@ -119,8 +119,12 @@ def one_shot_all_reduce_kernel(
     tl.store(counter_ptr + b, epoch)
 
 
-#: ``lamport_all_reduce_kernel``: programs per call, the same for every size (see there).
-LAMPORT_PROGRAMS = 16
+#: ``lamport_all_reduce_kernel``'s lanes: (programs per call, the largest input in bytes).
+#: A lane is one buffer and one set of counters, always launched with its own grid (the
+#: kernel's slot reuse needs that); an input takes the first lane it fits. Few programs
+#: win for one row, many for 64 (two H200s: 16 programs 2.7 us for 8 KiB and 14.5 for 512
+#: KiB, 64 programs 3.6 and 6.3; bench/results/2026-11-26-h200x2-lamport-all-reduce).
+LAMPORT_LANES = ((16, 64 * 1024), (64, 512 * 1024))
 #: The most elements a program handles per iteration of ``lamport_all_reduce_kernel``.
 LAMPORT_MAX_BLOCK = 2048
 #: The "not arrived" mark of ``lamport_all_reduce_kernel``: the bits of -0.0 in bf16/fp16.
@@ -129,14 +133,14 @@ _EMPTY: tl.constexpr = tl.constexpr(LAMPORT_EMPTY)
 
 
 def lamport_buffer_bytes(slot_bytes: int, world: int) -> int:
-    """Bytes of each rank's buffer for ``lamport_all_reduce_kernel``: two slots, each with
-    room for every rank's share of up to ``slot_bytes``."""
+    """Bytes of one lane's buffer on each rank: two slots, each with room for every rank's
+    share of up to ``slot_bytes``."""
     return 2 * world * slot_bytes
 
 
-def lamport_block(numel: int) -> int:
+def lamport_block(numel: int, programs: int) -> int:
     """Elements per program and iteration for an all-reduce of ``numel`` elements."""
-    per_program = triton.cdiv(numel, LAMPORT_PROGRAMS)
+    per_program = triton.cdiv(numel, programs)
     return min(LAMPORT_MAX_BLOCK, max(128, triton.next_power_of_2(per_program)))
 
 
@@ -145,7 +149,7 @@ def lamport_all_reduce_kernel(
     x_ptr,  # (numel,) this rank's input, bf16 or fp16
     out_ptr,  # (numel,) the sum, written
     bases_ptr,  # (WORLD,) int64: every rank's buffer address
-    counter_ptr,  # (LAMPORT_PROGRAMS,) int32: calls so far, per program
+    counter_ptr,  # (programs,) int32: calls so far, per program
     numel,
     rank,
     slot_elems,  # elements per (slot, source rank) region
@@ -157,8 +161,8 @@ def lamport_all_reduce_kernel(
 
     Each rank's buffer holds two slots of ``WORLD`` regions, one per source rank, and
     every element that has not arrived holds -0.0 (``LAMPORT_EMPTY``). In call ``e``
-    (``counter[b] + 1``, the same in every program: the grid never changes) each program
-    ``b``:
+    (``counter[b] + 1``, the same in every program: a lane's grid never changes) each
+    program ``b``:
 
     1. pushes its share of the input, with -0.0 turned into +0.0, into region ``rank`` of
        slot ``e & 1`` of every rank's buffer (its own included): plain stores over NVLink;
