@@ -151,8 +151,9 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                       queue: Any) -> None:
     """One rank: for each algorithm, the all-reduce of (rows, hidden) bf16 through
     ``TensorParallel.all_reduce``, checked against the exact sum eagerly and inside a CUDA
-    graph, then timed as a captured run of ``GRAPH_REPEATS`` back-to-back all-reduces (as
-    in a decode graph: no launch gaps, no skew between the ranks' host threads)."""
+    graph (and ``all_gather`` of the same input, captured between all-reduces), then
+    timed as a captured run of ``GRAPH_REPEATS`` back-to-back all-reduces (as in a decode
+    graph: no launch gaps, no skew between the ranks' host threads)."""
     import datetime
 
     import torch.distributed as dist
@@ -199,6 +200,19 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                 ok &= all(bool(torch.equal(o, want + world * i)) for i, o in enumerate(outs))
             times[str(rows)] = group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
             del graph, outs
+            # the all-gather (the LM head's logits) of the same input, eager and captured
+            # between all-reduces: every rank's x in rank order
+            every = torch.cat([(base + r + 1).to(torch.bfloat16) for r in range(world)])
+            ok &= bool(torch.equal(tp.all_gather(x), every))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                mixed = [tp.all_gather(x), tp.all_reduce(x.clone()), tp.all_gather(x + 1)]
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                ok &= (bool(torch.equal(mixed[0], every)) and bool(torch.equal(mixed[1], want))
+                       and bool(torch.equal(mixed[2], every + 1)))
+            del graph, mixed
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
                         "choice": group.all_reduce_choice(tp)}
         group.shutdown(tp)

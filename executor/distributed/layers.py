@@ -18,14 +18,26 @@ from executor.distributed.sharding import VocabShard
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab: int, hidden: int, tp: TensorParallel) -> None:
+    """``kernels``: the model's ``KernelChoice``; unless "torch", a rank of a larger group
+    looks its rows up in one kernel (``executor.kernels.embedding``) on CUDA in fp16/bf16,
+    as ``select_ops`` takes the fused kernels there."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel, kernels: str = "auto"
+                 ) -> None:
         super().__init__()
         self.tp, self.shard = tp, VocabShard.of(vocab, tp.rank, tp.size)
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
         if self.tp.size == 1:  # all rows here; the reduce still runs (one rank, real group)
             return self.tp.all_reduce(nn.functional.embedding(ids, self.weight))
+        if (self.kernels != "torch" and ids.is_cuda
+                and self.weight.dtype in (torch.float16, torch.bfloat16)):
+            from executor import kernels  # (imports Triton: only where it runs)
+
+            return self.tp.all_reduce(kernels.shard_embedding(ids, self.weight,
+                                                              self.shard.start))
         local = ids - self.shard.start
         mine = (local >= 0) & (ids < self.shard.end)
         out = nn.functional.embedding(local.clamp(0, self.shard.rows - 1), self.weight)

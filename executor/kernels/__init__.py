@@ -7,6 +7,7 @@
 * ``activation``: SiLU-and-mul over the fused gate/up output.
 * ``skinny_gemm``: the projections at one row (decode at batch 1), with the RMSNorm
   before qkv and gate_up and the SiLU-and-mul before down fused into their input.
+* ``embedding``: a tensor-parallel rank's embedding lookup (its rows, zeros elsewhere).
 
 Every kernel reproduces Hugging Face's fp16/bf16 op-by-op rounding (see each module), so
 the fused path stays close to the torch path that ``executor.model.layers`` keeps as the
@@ -23,9 +24,10 @@ path (see ``executor.model.layers.select_ops``).
 """
 
 from executor.kernels.activation import silu_and_mul
+from executor.kernels.embedding import shard_embedding
 from executor.kernels.norm import add_rms_norm, rms_norm
 from executor.kernels.rope import rope_qk
 from executor.kernels.skinny_gemm import add_rms_norm_linear, linear, silu_and_mul_linear
 
 __all__ = ["add_rms_norm", "add_rms_norm_linear", "linear", "rms_norm", "rope_qk",
-           "silu_and_mul", "silu_and_mul_linear"]
+           "shard_embedding", "silu_and_mul", "silu_and_mul_linear"]

@@ -147,7 +147,7 @@ def lamport_block(numel: int, programs: int) -> int:
 @triton.jit
 def lamport_all_reduce_kernel(
     x_ptr,  # (numel,) this rank's input, bf16 or fp16
-    out_ptr,  # (numel,) the sum, written
+    out_ptr,  # (numel,) the sum, written; GATHER: (WORLD * numel,) every rank's input
     bases_ptr,  # (WORLD,) int64: every rank's buffer address
     counter_ptr,  # (programs,) int32: calls so far, per program
     numel,
@@ -155,6 +155,7 @@ def lamport_all_reduce_kernel(
     slot_elems,  # elements per (slot, source rank) region
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,  # an all-gather: rank r's input to out[r * numel:], no sum
     USE_PDL: tl.constexpr,
 ):
     """A one-shot all-reduce without flags: the data is its own signal.
@@ -168,7 +169,9 @@ def lamport_all_reduce_kernel(
        slot ``e & 1`` of every rank's buffer (its own included): plain stores over NVLink;
     2. for each source rank in order, spins on its own buffer's region until no element of
        its share is -0.0, adds it in float32 and writes -0.0 back over what it read;
-    3. stores the sum (every rank adds the same values in the same order: the same bits).
+    3. stores the sum (every rank adds the same values in the same order: the same bits);
+       as an all-gather (``GATHER``), stores each source rank's share in its place instead
+       (-0.0 in an input arrives as +0.0).
 
     A single NVLink crossing per call, where a flag protocol needs the data and then a
     flag (and a fence between them). Why it is safe to reuse a slot: a peer writes a
@@ -204,7 +207,11 @@ def lamport_all_reduce_kernel(
             bits = tl.load(src, mask=mask, other=0, volatile=True)
             while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
-            acc += bits.to(elem, bitcast=True).to(tl.float32)
+            if GATHER:
+                tl.store(out_ptr + r * numel + offs, bits.to(elem, bitcast=True), mask=mask)
+            else:
+                acc += bits.to(elem, bitcast=True).to(tl.float32)
             tl.store(src, tl.full((BLOCK,), _EMPTY, tl.int16), mask=mask)
-        tl.store(out_ptr + offs, acc.to(elem), mask=mask)
+        if not GATHER:
+            tl.store(out_ptr + offs, acc.to(elem), mask=mask)
     tl.store(counter_ptr + b, epoch)

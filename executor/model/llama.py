@@ -149,7 +149,8 @@ class CausalLM(nn.Module):
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding
         self.lm_head: nn.Linear | ParallelLMHead
         if tp.distributed:
-            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp,
+                                                       kernels)
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         else:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)

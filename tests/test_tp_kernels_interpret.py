@@ -1,8 +1,10 @@
-"""The push all-reduce kernel (``lamport_all_reduce_kernel``) on CPU through Triton's
-interpreter, one rank of two at a time: the peer's push is written by the test (or by a
-thread, late), so the slot choice, the -0.0 marks, the clearing and the wait for data still
-missing are checked without GPUs. ``tests/gpu/test_tensor_parallel_gpus.py`` runs the
-compiled kernel across real GPUs."""
+"""Tensor parallelism's kernels on CPU through Triton's interpreter.
+
+The push all-reduce (``lamport_all_reduce_kernel``) runs as one rank of two: the peer's
+push is written by the test (or by a thread, late), so the slot choice, the -0.0 marks, the
+clearing and the wait for data still missing are checked without GPUs; the shard embedding
+lookup against the torch ops it replaces. ``tests/gpu/test_tensor_parallel_gpus.py`` runs
+the compiled kernels across real GPUs."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 from executor.kernels import all_reduce as k  # noqa: E402
+from executor.kernels import embedding  # noqa: E402
 
 WORLD = 2
 PROGRAMS, SLOT_BYTES = k.LAMPORT_LANES[0]  # the small inputs' lane
@@ -45,11 +48,11 @@ class Rank0:
         start = ((epoch & 1) * WORLD + source) * SLOT_ELEMS
         return self.buffers[owner].view(self.dtype)[start: start + numel]
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
+    def all_reduce(self, x: torch.Tensor, gather: bool = False) -> torch.Tensor:
+        out = x.new_empty(WORLD * x.numel()) if gather else torch.empty_like(x)
         k.lamport_all_reduce_kernel[(PROGRAMS,)](
             x, out, self.bases, self.counters, x.numel(), 0, SLOT_ELEMS, WORLD=WORLD,
-            BLOCK=k.lamport_block(x.numel(), PROGRAMS), USE_PDL=False)
+            BLOCK=k.lamport_block(x.numel(), PROGRAMS), GATHER=gather, USE_PDL=False)
         return out
 
 
@@ -100,3 +103,42 @@ def test_push_all_reduce_waits_for_a_late_peer() -> None:
     peer.join()
     assert time.monotonic() - started >= 0.6
     assert torch.equal(out, torch.full((4096,), 3.0, dtype=torch.float16))
+
+
+def test_push_all_gather_stacks_the_ranks_in_order_between_all_reduces() -> None:
+    """The kernel as an all-gather (the LM head's logits) shares a lane's slots and
+    counters with its all-reduces: sum, gather, sum, each with the peer's push of that
+    call, gives rank 0's input then the peer's (its -0.0 as +0.0) in the middle."""
+    rank0 = Rank0(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    for epoch, gather in enumerate([False, True, False], start=1):
+        x = torch.randint(-8, 9, (3000,), generator=gen).to(torch.bfloat16)
+        x[x == 0] = -0.0
+        peer = torch.randint(-8, 9, (3000,), generator=gen).to(torch.bfloat16)
+        rank0.region(0, epoch, 1, 3000).copy_(peer)
+        out = rank0.all_reduce(x, gather)
+        want = torch.cat([x, peer]) if gather else (x.float() + peer.float()).bfloat16()
+        assert torch.equal(out, want)
+        if gather:
+            assert not torch.signbit(out[:3000][x == 0]).any()
+        assert (rank0.buffers[0] == k.LAMPORT_EMPTY).all()
+        rank0.buffers[1].fill_(k.LAMPORT_EMPTY)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_shard_embedding_copies_this_ranks_rows_and_zeros_the_rest(dtype: torch.dtype) -> None:
+    """Rank 1 of 3 over a vocabulary of 50 (rows 17..33) with a hidden size over a block:
+    ids below, in and above the shard (both ends) give exactly what the torch ops of
+    ``VocabParallelEmbedding`` give (their signed zeros as +0.0)."""
+    gen = torch.Generator().manual_seed(2)
+    start, rows, hidden = 17, 17, embedding.BLOCK + 70
+    weight = torch.randn(rows, hidden, generator=gen).to(dtype)
+    ids = torch.tensor([0, 16, 17, 25, 33, 34, 49, 17], dtype=torch.int64)
+    got = embedding._launch(ids, weight, start)
+    local = ids - start
+    mine = (local >= 0) & (local < rows)
+    want = torch.nn.functional.embedding(local.clamp(0, rows - 1), weight)
+    want = want * mine.unsqueeze(-1).to(dtype)
+    assert torch.equal(got, want)
+    assert not torch.signbit(got[~mine]).any()
+    assert embedding._launch(ids[:0], weight, start).shape == (0, hidden)
