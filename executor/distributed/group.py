@@ -25,21 +25,28 @@ kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``)
 copies its input into its own registered buffer, the ranks meet at a barrier on signal
 pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
 multicast) and sums, and a closing barrier lets the buffer be reused by the next call.
-``"triton"`` runs the same sizes through our kernel (``executor.kernels.all_reduce``): one
-barrier per call over two alternating buffers, and launched with programmatic dependent
-launch, so the next kernel of the step starts loading its weights during the all-reduce.
-Larger inputs, other dtypes or misaligned ones still go to NCCL, and so does everything
-when any rank lacks the op, peer access or the buffer (decided together, so every rank
-runs the same collectives). ``"auto"`` (the default) sets both one-shot paths up where it
-can and times each, and NCCL, inside CUDA graphs at start-up, at ``AUTO_PROBE_BYTES`` (one,
-8 and 64 rows of a 4096-wide bf16 activation); each size goes to the fastest on the
-slowest rank, and from the first size NCCL wins at, everything larger to NCCL
-(``size_plan``; ``all_reduce_choice`` says what was measured and planned). None is
-fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
-NCCL and 10.9 through the symm_mem kernel on two H100s
-(``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.5, 7.6 and 4.4 (ours) on two
+``"triton"`` runs the same sizes through our flag kernel (``executor.kernels.all_reduce``):
+one barrier per call over two alternating buffers, and launched with programmatic
+dependent launch, so the next kernel of the step starts loading its weights during the
+all-reduce. ``"lamport"`` runs them through our push kernel (bf16 and fp16): each rank
+stores its share straight into every peer's buffer, whose empty elements read -0.0, and
+spins on its own buffer until nothing is missing, so a call crosses NVLink once and
+needs no flags; it also serves the LM head's all-gather (``_all_gather``) where a lane
+holds the logits. Larger inputs, other dtypes or misaligned ones still go to NCCL, and so
+does everything when any rank lacks the op, peer access or the buffer (decided together,
+so every rank runs the same collectives). ``"auto"`` (the default) sets every one-shot
+path up where it can and times each, and NCCL, inside CUDA graphs at start-up, at
+``AUTO_PROBE_BYTES`` (one, 8 and 64 rows of a 4096-wide bf16 activation); each size goes
+to the fastest on the slowest rank, and from the first size NCCL wins at, everything
+larger to NCCL (``size_plan``; ``all_reduce_choice`` says what was measured and planned).
+None is fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us
+through NCCL and 10.9 through the symm_mem kernel on two H100s
+(``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.5, 7.6 and 4.4 (flags) on two
 H200s, and 16.2, 11.5 and 7.7 at 64 rows
-(``bench/results/2026-11-26-h200x2-triton-all-reduce``).
+(``bench/results/2026-11-26-h200x2-triton-all-reduce``); on two H100s NCCL 9.1, symm_mem
+9.0, flags 5.5 and push 3.2 us at one row, 12.6, 13.5, 9.5 and 5.9 at 64, so ``auto``
+planned the push kernel for every size up to 512 KiB
+(``bench/results/2026-11-26-tp-push-all-reduce``).
 
 Fused into the projections (``fuse=True``; off by default, see below; only where our
 kernel takes one-row all-reduces): at decode batch 1 a row-parallel projection (o_proj;
@@ -196,9 +203,10 @@ class _TritonLamport:
 
     def gathers(self, x: torch.Tensor) -> bool:
         """Whether ``all_gather`` takes ``x``: what a lane holds, whatever range of
-        all-reduce sizes "auto" gave this path (the gather was not timed against NCCL's:
-        the logits' all-gather measured 8.9 us in NCCL's kernel plus 2.5 us of copy-out on
-        two H100s, one launch of this kernel moves as much as its all-reduce does)."""
+        all-reduce sizes "auto" gave this path. (Not timed against NCCL's on its own: in a
+        profiled TP = 2 step on two H100s the logits' all-gather took 8.9 us in NCCL's
+        kernel plus a 2.5 us copy-out kernel; this kernel moves 512 KiB all-reduces, the
+        same bytes per rank, in about 6 us.)"""
         return (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
                 and x.is_contiguous() and 0 < x.numel() * x.element_size()
                 <= self.lanes[-1].max_bytes and x.data_ptr() % 16 == 0)

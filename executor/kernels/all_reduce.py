@@ -123,7 +123,7 @@ def one_shot_all_reduce_kernel(
 #: A lane is one buffer and one set of counters, always launched with its own grid (the
 #: kernel's slot reuse needs that); an input takes the first lane it fits. Few programs
 #: win for one row, many for 64 (two H200s: 16 programs 2.7 us for 8 KiB and 14.5 for 512
-#: KiB, 64 programs 3.6 and 6.3; bench/results/2026-11-26-h200x2-lamport-all-reduce).
+#: KiB, 64 programs 3.6 and 6.3; bench/results/2026-11-26-tp-push-all-reduce).
 LAMPORT_LANES = ((16, 64 * 1024), (64, 512 * 1024))
 #: The most elements a program handles per iteration of ``lamport_all_reduce_kernel``.
 LAMPORT_MAX_BLOCK = 2048
