@@ -165,10 +165,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="nccl: every all-reduce through NCCL; symm_mem: those up to "
                           "512 KiB as one symmetric-memory kernel over NVLink peer access "
                           "where every rank can, NCCL otherwise; triton: the same with our "
-                          "Triton kernel, which lets the next kernel start during it (PDL); "
-                          "auto: the three timed at start-up, each size to the fastest")
+                          "flag kernel, which lets the next kernel start during it (PDL); "
+                          "lamport: our push kernel (bf16/fp16; one NVLink crossing, no "
+                          "flags); auto: all timed at start-up, each size to the fastest")
     parallel.add_argument("--tp-fuse-all-reduce", choices=("on", "off"), default="off",
-                          help="on (experimental): where our kernel takes one-row "
+                          help="on (experimental): where our flag kernel (triton) takes one-row "
                           "all-reduces, a decode step at batch 1 leaves them to the "
                           "projections around them (the row-parallel one pushes its partial "
                           "row to every rank, the next one sums as it reads); measured "

@@ -456,8 +456,9 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     turns into an error on the others within it). A warm-up all-reduce runs on each
     group, so NCCL's communicator exists before any graph captures a collective.
     ``all_reduce`` picks the algorithm (module docstring); ``all_reduce_algorithm``
-    says which one this group got. ``fuse``: where our kernel takes a one-row all-reduce,
-    fuse it into the projections around it (module docstring; measured slower so far).
+    says which one this group got. ``fuse``: where our flag kernel takes a one-row
+    all-reduce, fuse it into the projections around it (module docstring; measured slower
+    so far).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

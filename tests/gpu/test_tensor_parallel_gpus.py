@@ -48,11 +48,13 @@ def _tokens(seed: int, n: int) -> list[int]:
     ids=lambda p: f"tp{p[0]}-{p[1]}" + ("-fused" if p[2] == "on" else ""))
 def servers(request: pytest.FixtureRequest, model: Path
             ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
-    """TP = 1 and TP = N servers; the first pair with ``--tp-fuse-all-reduce on`` (its
-    batch-1 decode steps fuse the all-reduces into the projections where the group's
-    one-row all-reduces run through our kernel, as "auto" chose on H200s)."""
+    """TP = 1 and TP = N servers; the first pair with ``--tp-fuse-all-reduce on`` and the
+    flag kernel (its batch-1 decode steps fuse the all-reduces into the projections),
+    the others with "auto" (which chose the push kernel on two H100s)."""
     size, prefill, fuse = request.param
     extra = ["--prefill-graph", prefill, "--tp-fuse-all-reduce", fuse]
+    if fuse == "on":  # fusion needs the flag kernel's one-row all-reduces
+        extra += ["--tp-all-reduce", "triton"]
     procs: list[subprocess.Popen[bytes]] = []
     stubs = []
     try:
