@@ -191,10 +191,7 @@ class _TritonLamport:
     min_bytes: int = 0
 
     def fits(self, x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
-                and x.is_contiguous() and self.min_bytes < nbytes <= self.max_bytes
-                and nbytes <= self.lanes[-1].max_bytes and x.data_ptr() % 16 == 0)
+        return self._holds(x) and self.min_bytes < x.numel() * x.element_size() <= self.max_bytes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -207,9 +204,14 @@ class _TritonLamport:
         profiled TP = 2 step on two H100s the logits' all-gather took 8.9 us in NCCL's
         kernel plus a 2.5 us copy-out kernel; this kernel moves 512 KiB all-reduces, the
         same bytes per rank, in about 6 us.)"""
+        return self._holds(x) and x.numel() > 0
+
+    def _holds(self, x: torch.Tensor) -> bool:
+        """The kernel can take ``x`` at all: bf16/fp16, on CUDA, contiguous, aligned, and
+        small enough for the largest lane."""
         return (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
-                and x.is_contiguous() and 0 < x.numel() * x.element_size()
-                <= self.lanes[-1].max_bytes and x.data_ptr() % 16 == 0)
+                and x.is_contiguous() and x.data_ptr() % 16 == 0
+                and x.numel() * x.element_size() <= self.lanes[-1].max_bytes)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (R, ...) stacked along dim 0 in rank order."""

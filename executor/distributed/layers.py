@@ -15,15 +15,16 @@ from torch import nn
 
 from executor.distributed.group import TensorParallel
 from executor.distributed.sharding import VocabShard
+from executor.model.layers import TRITON_OPS, KernelChoice, select_ops
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``kernels``: the model's ``KernelChoice``; unless "torch", a rank of a larger group
-    looks its rows up in one kernel (``executor.kernels.embedding``) on CUDA in fp16/bf16,
-    as ``select_ops`` takes the fused kernels there."""
+    """``kernels``: the model's ``KernelChoice``; where ``select_ops`` takes the fused
+    kernels for this weight, a rank of a larger group looks its rows up in one of them
+    (``executor.kernels.embedding``)."""
 
-    def __init__(self, vocab: int, hidden: int, tp: TensorParallel, kernels: str = "auto"
-                 ) -> None:
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel,
+                 kernels: KernelChoice = "auto") -> None:
         super().__init__()
         self.tp, self.shard = tp, VocabShard.of(vocab, tp.rank, tp.size)
         self.kernels = kernels
@@ -32,8 +33,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
         if self.tp.size == 1:  # all rows here; the reduce still runs (one rank, real group)
             return self.tp.all_reduce(nn.functional.embedding(ids, self.weight))
-        if (self.kernels != "torch" and ids.is_cuda
-                and self.weight.dtype in (torch.float16, torch.bfloat16)):
+        if select_ops(self.kernels, self.weight) is TRITON_OPS:
             from executor import kernels  # (imports Triton: only where it runs)
 
             return self.tp.all_reduce(kernels.shard_embedding(ids, self.weight,
