@@ -338,3 +338,41 @@ def test_decode_at_a_context_tier_interpreted() -> None:
     ref_backend = TorchNativeBackend(shape, pool, table)
     ref = ref_backend.forward(q, k, v, LAYER, ref_backend.build_metadata(batch))
     torch.testing.assert_close(tiered.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim"), [
+    ([5, 40, 130], 8, 2, 16),  # several splits, a partial last split, idle splits
+    ([90, 3], 9, 3, 24),  # SmolLM2's group of 3; head_dim not a power of two
+])
+def test_decode_merged_in_the_split_kernel_interpreted(prefix_lens: list[int], heads: int,
+                                                       kv_heads: int, head_dim: int) -> None:
+    """``arrivals``: the split kernel's last program of each (sequence, KV head) merges the
+    splits, with the same bits as the reduction kernel's launch (``_merge_head`` in both),
+    and leaves every count at zero, so the counts serve launch after launch (as every
+    layer and replay of a decode graph shares them) and rows past the batch stay unused."""
+    from executor.attention.triton_kernels.decode import decode_attention
+
+    pool, table, batch = paged_case(prefix_lens, [1] * len(prefix_lens), heads, kv_heads,
+                                    head_dim, seed=21)
+    tri = TritonBackend(AttentionShape(heads, kv_heads, head_dim, head_dim**-0.5), pool, table)
+    meta = tri.build_metadata(batch)
+    assert tri.merge_splits and meta.arrivals is not None  # type: ignore[attr-defined]
+    assert meta.partial_out.shape[2] > 2  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(22)
+    b = batch.batch_size
+    arrivals = torch.zeros((b + 2, kv_heads), dtype=torch.int32)  # a bucket's rows and more
+    for layer in range(2):
+        q = torch.randn(b, heads, head_dim, generator=gen).to(DTYPE)
+        k, v = (torch.randn(b, kv_heads, head_dim, generator=gen).to(DTYPE) for _ in range(2))
+        outs = []
+        for counts in (None, arrivals):
+            scratch = [torch.full_like(t, float("nan"))  # what a merge must not read
+                       for t in (meta.partial_out, meta.partial_lse)]  # type: ignore[attr-defined]
+            out = torch.full((b, heads, head_dim), float("nan"), dtype=DTYPE)
+            decode_attention(q, k, v, pool.k[layer], pool.v[layer], table.device_table,
+                             batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, out,
+                             *scratch, head_dim**-0.5, arrivals=counts)
+            outs.append(out)
+        assert not outs[1].isnan().any()
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(arrivals, torch.zeros_like(arrivals))

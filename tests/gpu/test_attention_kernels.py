@@ -248,3 +248,72 @@ def test_prefill_capture_only_where_the_backend_has_a_fixed_grid_kernel(backend:
     assert meta.out_cache_loc.shape == (64,)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="exceeds the graph buffers"):
         att.capture_metadata("prefill", 128, 128)
+
+
+# -- splits merged in the split kernel -------------------------------------------------------
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [
+    (32, 8, 64),  # the 1B
+    (16, 4, 128),  # the 8B's heads on one of two tensor-parallel ranks
+    (9, 3, 64),  # SmolLM2-135M
+])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_merged_splits_equal_the_merge_launch_in_a_graph(heads: int, kv_heads: int,
+                                                         head_dim: int, batch: int) -> None:
+    """``arrivals``: the split kernel's last program merges each (sequence, KV head).
+    ``LAYERS`` calls back to back in one CUDA graph, with PDL where the GPU has it, share
+    one set of counts, as a decode graph's layers do; every replay, with new lengths and
+    queries, equals the split and merge launches run eagerly (the merge's float32 sums may
+    be ordered differently in a program of another warp count: within bf16 rounding), and
+    the counts are all zero after it."""
+    from executor.attention.triton_kernels.decode import decode_attention, num_kv_splits
+    from executor.kernels import pdl
+
+    layers, max_context = 12, 2048
+    setup = Setup.make(batch, max_context, heads, kv_heads, head_dim, torch.bfloat16, seed=9)
+    splits = num_kv_splits(batch, kv_heads, max_context,
+                           torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    assert splits > 1
+    pool_k, pool_v = setup.pool.k[LAYER], setup.pool.v[LAYER]
+    table = setup.table.device_table
+    req = torch.tensor(setup.slots, device=DEVICE)
+    seq_lens = torch.ones(batch, dtype=torch.int64, device=DEVICE)
+    loc = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+    qs = [torch.empty(batch, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+          for _ in range(layers)]
+    k_new, v_new = (torch.empty(batch, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+                    for _ in range(2))
+    outs = [torch.empty_like(q) for q in qs]
+    mid_o = torch.empty(batch, heads, splits, head_dim, device=DEVICE)
+    mid_lse = torch.empty(batch, heads, splits, device=DEVICE)
+    arrivals = torch.zeros(batch, kv_heads, dtype=torch.int32, device=DEVICE)
+
+    def attend(merged: bool, q: torch.Tensor, out: torch.Tensor) -> None:
+        decode_attention(q, k_new, v_new, pool_k, pool_v, table, req, seq_lens, loc, out,
+                         mid_o, mid_lse, head_dim**-0.5, arrivals=arrivals if merged else None)
+
+    before = pdl.enabled()
+    pdl.use(pdl.unsupported_reason(DEVICE) == "")
+    try:
+        for q, out in zip(qs, outs, strict=True):  # compiles outside the capture
+            attend(True, q, out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for q, out in zip(qs, outs, strict=True):
+                attend(True, q, out)
+        gen = torch.Generator().manual_seed(batch)
+        for replay in range(6):
+            lens = torch.randint(2, max_context + 1, (batch,), generator=gen)
+            lens[0] = (1, max_context, 33, 600, 2, 1500)[replay]  # one split, all of them
+            seq_lens.copy_(lens)
+            loc.copy_(table[req, lens.to(DEVICE) - 1].to(torch.int64))
+            for t in (*qs, k_new, v_new):
+                t.normal_()
+            graph.replay()
+            for q, out in zip(qs, outs, strict=True):
+                expect = torch.empty_like(out)
+                attend(False, q, expect)
+                torch.testing.assert_close(out, expect, atol=1e-2, rtol=1e-2)
+            assert int(arrivals.abs().sum()) == 0
+    finally:
+        pdl.use(before)
