@@ -107,7 +107,6 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
     import torch
 
     from bench import hardware, shapes
-    from executor.attention.triton_backend import TritonBackend
 
     bw = hardware.read_bandwidth_gbs()
     tflops = hardware.matmul_tflops()
@@ -122,7 +121,6 @@ def measure(model: str, models_root: Path, cases: list[str], steps: int, context
         "torch": torch.__version__, "read_bandwidth_gbs": bw, "matmul_tflops": tflops,
         "attention": ex.model_info.attention_backend, "prefill_graph": prefill_graph,
         "context": context, "steps": steps,
-        "merge_decode_splits": TritonBackend.merge_splits,
         "cases": {}}
     for n_case, case in enumerate(cases):
         phase, size_s = case.split(":")
@@ -210,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         before, after = (json.loads(p.read_text()) for p in args.compare)
         print(markdown(after, before))
         return 0
-    bench_switches.apply(args)
     result = measure(args.model, args.models, args.case or list(DEFAULT_CASES), args.steps,
                      args.context, args.attention, bench_switches.overrides(args),
                      args.load_format, args.prefill_graph)

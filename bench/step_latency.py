@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.step_latency needs a CUDA device", file=sys.stderr)
         return 2
-    bench_switches.apply(args)
     print(measure(args.model, args.rounds, args.calls, switches=bench_switches.overrides(args)))
     return 0
 

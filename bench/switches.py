@@ -1,7 +1,5 @@
 """The executor's kernel switches (``ExecutorConfig.fuse_decode_rope``, ``.pdl``) as
-benchmark flags, so one tree can be A/B-timed against itself with a switch flipped; and
-``--merge-decode-splits``, the Triton backend's class-wide choice of who merges the
-decode splits (``TritonBackend.merge_splits``), which is not a config field."""
+benchmark flags, so one tree can be A/B-timed against itself with a switch flipped."""
 
 from __future__ import annotations
 
@@ -18,19 +16,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     for name in SWITCHES:
         ap.add_argument("--" + name.replace("_", "-"), choices=KERNEL_SWITCH_MODES,
                         default=None, help=f"ExecutorConfig.{name} (default: the config's)")
-
-
-    ap.add_argument("--merge-decode-splits", choices=("on", "off"), default=None,
-                    help="on: the split kernel's last program merges the decode splits; "
-                    "off: a second launch does (default: TritonBackend.merge_splits)")
-
-
-def apply(args: argparse.Namespace) -> None:
-    """Set what ``--merge-decode-splits`` asked for, before any backend is built."""
-    if args.merge_decode_splits is not None:
-        from executor.attention.triton_backend import TritonBackend
-
-        TritonBackend.merge_splits = args.merge_decode_splits == "on"
 
 
 def overrides(args: argparse.Namespace) -> dict[str, str]:

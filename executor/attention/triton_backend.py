@@ -86,9 +86,6 @@ class TritonDecodeMetadata(AttentionMetadata):
     # Split-KV scratch; None when each sequence runs as one split (no reduction).
     partial_out: torch.Tensor | None  # (B, heads, splits, head_dim) fp32
     partial_lse: torch.Tensor | None  # (B, heads, splits) fp32
-    # Splits arrived per (sequence, KV head), zero between launches: the split kernel's
-    # last program merges (``merge_splits``); None: the reduction kernel merges.
-    arrivals: torch.Tensor | None = None  # (B, kv_heads) int32
 
     @property
     def batch_size(self) -> int:
@@ -160,7 +157,6 @@ class DecodeGraphBuffers:
     pad_rows: torch.Tensor  # (3, max_batch) int64: DECODE_PAD_ROW in every column
     partial_out: torch.Tensor  # (max over buckets of bs * splits * heads * head_dim,) fp32
     partial_lse: torch.Tensor  # (max over buckets of bs * splits * heads,) fp32
-    arrivals: torch.Tensor  # (max_batch * kv_heads,) int32, zero between launches
 
     @property
     def max_batch(self) -> int:
@@ -185,10 +181,6 @@ class TritonBackend(AttentionBackend):
         self.extend_buffers: ExtendGraphBuffers | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._splits: dict[tuple[int, int, int], int] = {}  # (rows, bound, SMs) -> splits
-
-    #: Decode splits merged by the split kernel's last program of each (sequence, KV
-    #: head) rather than by a second launch (``decode_attention``'s ``arrivals``).
-    merge_splits: ClassVar[bool] = True
 
     can_fuse_decode_rope: ClassVar[bool] = True
 
@@ -227,11 +219,10 @@ class TritonBackend(AttentionBackend):
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.phase == "decode":
             check_decode_batch(self.name, batch)
-            partial_out, partial_lse, arrivals = self._alloc_scratch(
+            partial_out, partial_lse = self._alloc_scratch(
                 batch.batch_size, self.decode_tier(batch.batch_size, max(batch.seq_lens_host)))
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
-                                        batch.out_cache_loc, partial_out, partial_lse,
-                                        arrivals)
+                                        batch.out_cache_loc, partial_out, partial_lse)
         return TritonExtendMetadata(
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens,
@@ -265,8 +256,7 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, self.rope_tables,
-                             meta.arrivals)
+                             meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
@@ -302,8 +292,6 @@ class TritonBackend(AttentionBackend):
                                     device=self.device),
             partial_lse=torch.empty(rows_x_splits * heads, dtype=torch.float32,
                                     device=self.device),
-            arrivals=torch.zeros(max_batch * self.shape.num_kv_heads, dtype=torch.int32,
-                                 device=self.device),
         )
 
     def _init_extend_buffers(self, max_tokens: int) -> None:
@@ -338,17 +326,14 @@ class TritonBackend(AttentionBackend):
         bufs.rows[:, :batch_size].copy_(bufs.pad_rows[:, :batch_size])
         splits = self.num_splits(batch_size, context_tier)
         heads, dim = self.shape.num_heads, self.shape.head_dim
-        partial_out = partial_lse = arrivals = None
+        partial_out = partial_lse = None
         if splits > 1:
             n = batch_size * heads * splits
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
-            if self.merge_splits:
-                kv_heads = self.shape.num_kv_heads
-                arrivals = bufs.arrivals[: batch_size * kv_heads].view(batch_size, kv_heads)
         rows = dict(zip(DECODE_ROW_FIELDS, bufs.rows[:, :batch_size], strict=True))
         return TritonDecodeMetadata(rows["req_pool_indices"], rows["seq_lens"],
-                                    rows["out_cache_loc"], partial_out, partial_lse, arrivals)
+                                    rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:
         """Copy ``batch`` into the static rows of ``meta`` (padding after it): a few small
@@ -409,17 +394,12 @@ class TritonBackend(AttentionBackend):
     # -- helpers ---------------------------------------------------------------------------
 
     def _alloc_scratch(self, batch_size: int, context: int | None
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                  torch.Tensor | None]:
-        """An eager decode's split scratch (partial outputs, their lse, arrival counts):
-        its own, so eager steps on different streams never share it."""
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         splits = self.num_splits(batch_size, context)
         if splits == 1:
-            return None, None, None
+            return None, None
         heads, dim = self.shape.num_heads, self.shape.head_dim
         out = torch.empty((batch_size, heads, splits, dim), dtype=torch.float32,
                           device=self.device)
         lse = torch.empty((batch_size, heads, splits), dtype=torch.float32, device=self.device)
-        arrivals = torch.zeros((batch_size, self.shape.num_kv_heads), dtype=torch.int32,
-                               device=self.device) if self.merge_splits else None
-        return out, lse, arrivals
+        return out, lse

@@ -13,7 +13,6 @@ read or wrote before its wait would show up here as a differing value, in some r
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,19 +111,17 @@ def test_attention_and_rope_equal_their_plain_launches() -> None:
     cos = torch.randn(2048, d, generator=g, device=dev)
     sin = torch.randn(2048, d, generator=g, device=dev)
 
-    def attend(merged: bool) -> tuple[torch.Tensor, ...]:
+    def attend() -> tuple[torch.Tensor, ...]:
         kp, vp = pool_k.clone(), pool_v.clone()
         out = torch.empty_like(q)
         mid_o = torch.empty(b, heads, splits, d, device=dev)
         mid_lse = torch.empty(b, heads, splits, device=dev)
-        arrivals = torch.zeros(b, kv_heads, dtype=torch.int32, device=dev) if merged else None
         decode_attention(q, k_new, v_new, kp, vp, table, req, seq_lens, loc, out, mid_o,
-                         mid_lse, d ** -0.5, rope=(cos, sin), arrivals=arrivals)
+                         mid_lse, d ** -0.5, rope=(cos, sin))
         store_kv(kp, vp, loc.flip(0), k_new, v_new)
         return (out, kp, vp, *rope_qk(q, k_new, positions, cos, sin))
 
-    for merged in (False, True):  # splits merged by a second launch / by the last split
-        assert_same(*both(functools.partial(attend, merged)))
+    assert_same(*both(attend))
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,9 @@ Design (page size 1; a sequence's KV is read through its request-slot table row)
   graph row (``seq_len`` 1, ``out_cache_loc`` 0) therefore reads no table entry at all
   and writes only the reserved location 0.
 * Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch
-  (an idle split writes lse -inf only), and the splits of each (sequence, head) are merged
-  by a log-sum-exp weighted mean (``_merge_head``). With ``arrivals`` (an int32 count per
-  (sequence, KV head), zero between launches) the split kernel merges them itself: each
-  program counts its arrival with one atomic after its partial stores, and the program
-  that arrives last merges its KV head's group and sets the count back to zero. No second
-  launch, so no kernel boundary (a gap and a ramp under PDL) between attention and the o
-  projection. Without ``arrivals`` ``_decode_reduce_kernel`` merges them in a launch of
-  its own (the same ``_merge_head``). With one split the split kernel writes the final
-  output and nothing is merged.
+  (an idle split writes lse -inf only); ``_decode_reduce_kernel`` merges the splits of
+  each (sequence, head). With one split the split kernel writes the final output and the
+  reduction is not launched.
 """
 
 from __future__ import annotations
@@ -96,8 +90,7 @@ def _split_size(cached, num_splits, ALIGN: tl.constexpr):
 
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
-@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h",
-                              "stride_arrivals"])
+@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim): one new query per sequence
     k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
@@ -106,8 +99,7 @@ def _decode_split_kernel(
     req_idx_ptr, seq_lens_ptr, out_loc_ptr,  # (B,) int64 each
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
-    out_ptr,  # (B, heads, head_dim): written when WRITE_OUT, or by the last split (MERGE)
-    arrivals_ptr,  # (B, kv_heads) int32 splits arrived so far, zero between launches (MERGE)
+    out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
     cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
     stride_cos,
     sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
@@ -121,15 +113,12 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s,
     stride_lse_b, stride_lse_h,
     stride_out_t, stride_out_h,
-    stride_arrivals,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # >= num_splits (MERGE)
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
-    MERGE: tl.constexpr,  # the last split of each (sequence, KV head) merges the splits
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
     USE_PDL: tl.constexpr,
 ):
@@ -225,22 +214,6 @@ def _decode_split_kernel(
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
 
-    if MERGE:
-        # Every thread's partial stores are issued before the count, whose release (at GPU
-        # scope, cumulative over the CTA barrier) publishes them to the program that sees
-        # the count complete; that program's acquire orders its loads after them, and the
-        # loads skip L1 (".cg"), which may hold this SM's lines from an earlier launch.
-        tl.debug_barrier()
-        count_ptr = arrivals_ptr + b * stride_arrivals + kvh
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(count_ptr, 0)  # every split has counted: ready for the next launch
-            ran_splits = tl.minimum(tl.maximum((cached + chunk - 1) // chunk, 1), num_splits)
-            for i in range(0, group):
-                _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh * group + i, ran_splits,
-                            stride_mid_b, stride_mid_h, stride_mid_s,
-                            stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
-                            HEAD_DIM, BLOCK_D, BLOCK_S, ".cg")
-
 
 @triton.jit
 def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_off,
@@ -306,28 +279,14 @@ def _decode_reduce_kernel(
     chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
     ran_splits = tl.minimum(tl.maximum((cached + chunk - 1) // chunk, 1), num_splits)
     pdl_enter(USE_PDL)
-    _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, ran_splits,
-                stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                stride_out_t, stride_out_h, HEAD_DIM, BLOCK_D, BLOCK_S, "")
-
-
-@triton.jit
-def _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, ran_splits,
-                stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                stride_out_t, stride_out_h,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                CACHE: tl.constexpr):
-    """Query head ``h`` of sequence ``b``: the log-sum-exp weighted mean of its first
-    ``ran_splits`` splits' partial outputs (loads with cache modifier ``CACHE``)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < ran_splits
     lse = tl.load(mid_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=mask_s,
-                  other=float("-inf"), cache_modifier=CACHE)  # split 0 ran: max is finite
+                  other=float("-inf"))  # (BLOCK_S,); split 0 always ran, so max is finite
     o_ptrs = (mid_o_ptr + b * stride_mid_b + h * stride_mid_h + offs_s[:, None] * stride_mid_s
               + offs_d[None, :])
-    mid = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
-                  cache_modifier=CACHE)
+    mid = tl.load(o_ptrs, mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     ran = lse > float("-inf")
     weight = tl.where(ran, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
     # An idle split's partial output was never written: drop it (it may hold NaN).
@@ -352,7 +311,6 @@ def decode_attention(
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
-    arrivals: torch.Tensor | None = None,  # (>= B, kv_heads) int32, all zero
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
 
@@ -360,10 +318,7 @@ def decode_attention(
     shape depends on ``B`` and the split count only, so it may be captured in a CUDA
     graph: lengths, slots and locations are read on the device. With ``rope`` (float32
     tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
-    rotated here at position ``seq_len - 1``; the pool receives the rotated key. With
-    ``arrivals`` (int32, all zero, rows contiguous; left all zero again) a split count
-    above 1 is merged by the split kernel's last program of each (sequence, KV head)
-    instead of a second launch.
+    rotated here at position ``seq_len - 1``; the pool receives the rotated key.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -388,16 +343,9 @@ def decode_attention(
         assert cos.dtype == sin.dtype == torch.float32
     else:
         cos = sin = out  # never read
-    merge = arrivals is not None and num_splits > 1
-    if arrivals is None:
-        arrivals = out  # never read
-    else:
-        assert arrivals.dtype == torch.int32 and arrivals.shape[0] >= batch
-        assert arrivals.shape[1] == num_kv_heads and arrivals.stride(1) == 1
-    block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
-        mid_o, mid_lse, out, arrivals,
+        mid_o, mid_lse, out,
         cos, sin, cos.stride(0),
         scale_log2, group, num_splits,
         q.stride(0), q.stride(1),
@@ -408,22 +356,20 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        arrivals.stride(0),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N,
-        BLOCK_S=block_s,
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
-        MERGE=merge,
         ROPE=rope is not None,
         num_warps=4,
         num_stages=split_stages(batch),
         **pdl.options(),
     )
-    if num_splits == 1 or merge:
+    if num_splits == 1:
         return
+    block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
