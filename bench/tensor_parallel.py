@@ -214,7 +214,8 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                        and bool(torch.equal(mixed[2], every + 1)))
             del graph, mixed
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
-                        "choice": group.all_reduce_choice(tp)}
+                        "choice": group.all_reduce_choice(tp),
+                        "send": _send_check(tp, rank, hidden)}
         group.shutdown(tp)
     if rank == 0:
         queue.put(result)
@@ -222,6 +223,53 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
 
 #: All-reduces per captured graph in ``allreduce_us``.
 GRAPH_REPEATS = 32
+#: The row-parallel projection of ``_send_check``: the 8B's o_proj input at TP = 2.
+SEND_K = 2048
+
+
+def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
+    """A one-row row-parallel projection and its all-reduce, through
+    ``TensorParallel.linear_all_reduce`` (where the push all-reduce runs it, the skinny
+    GEMM sends its output into the all-reduce's buffers) against the projection then
+    ``all_reduce``: whether the send path ran, the same bits eagerly and from a graph of
+    ``GRAPH_REPEATS`` pairs (each with its own input), and each graph's µs per pair."""
+    from executor.distributed import group
+    from executor.kernels import skinny_gemm
+
+    device = torch.device("cuda", rank)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    layer = torch.nn.Linear(SEND_K, hidden, bias=False, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_(0, SEND_K ** -0.5, generator=gen)
+    inputs = [torch.randn(1, SEND_K, generator=gen, device=device, dtype=torch.bfloat16)
+              for _ in range(GRAPH_REPEATS)]
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(skinny_gemm.linear(layer, x))
+
+    def sent(x: torch.Tensor) -> torch.Tensor:
+        return tp.linear_all_reduce(layer, x, lambda: skinny_gemm.linear(layer, x))
+
+    probe = torch.empty(1, hidden, device=device, dtype=torch.bfloat16)
+    ok = all(bool(torch.equal(plain(x), sent(x))) for x in inputs[:4])
+    graphs, outs = {}, {}
+    for label, fn in (("plain", plain), ("send", sent)):
+        graphs[label] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[label]):
+            outs[label] = [fn(x) for x in inputs]
+    for _ in range(3):
+        for x in inputs:
+            x.normal_(generator=gen)
+        for graph in graphs.values():
+            graph.replay()
+        torch.cuda.synchronize()
+        ok &= all(bool(torch.equal(a, b)) for a, b in zip(outs["plain"], outs["send"],
+                                                          strict=True))
+    import torch.distributed as dist
+
+    us = {label: group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
+          for label, graph in graphs.items()}
+    return {"sends": tp.push_path(probe) is not None, "ok": ok, "us_per_pair": us}
 
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
@@ -281,6 +329,14 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"- `--tp-all-reduce {algo}` ({got['algorithm']}, sums exact: "
                              f"{got['ok']}): " + ", ".join(
                                  f"{k} rows {v:.1f}" for k, v in got["us"].items()))
+                send = got.get("send")
+                if send:
+                    lines.append(
+                        f"  - one-row projection ({SEND_K} -> hidden) + all-reduce, µs per "
+                        f"pair: {send['us_per_pair']['plain']:.1f} as two calls, "
+                        f"{send['us_per_pair']['send']:.1f} through `linear_all_reduce` "
+                        f"(the GEMM {'sends' if send['sends'] else 'does not send'}; "
+                        f"same bits: {send['ok']})")
         lines.append("")
     return "\n".join(lines)
 

@@ -48,11 +48,13 @@ class Rank0:
         start = ((epoch & 1) * WORLD + source) * SLOT_ELEMS
         return self.buffers[owner].view(self.dtype)[start: start + numel]
 
-    def all_reduce(self, x: torch.Tensor, gather: bool = False) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, gather: bool = False, sent: bool = False
+                   ) -> torch.Tensor:
         out = x.new_empty(WORLD * x.numel()) if gather else torch.empty_like(x)
         k.lamport_all_reduce_kernel[(PROGRAMS,)](
             x, out, self.bases, self.counters, x.numel(), 0, SLOT_ELEMS, WORLD=WORLD,
-            BLOCK=k.lamport_block(x.numel(), PROGRAMS), GATHER=gather, USE_PDL=False)
+            BLOCK=k.lamport_block(x.numel(), PROGRAMS), GATHER=gather, SENT=sent,
+            USE_PDL=False)
         return out
 
 
@@ -122,6 +124,44 @@ def test_push_all_gather_stacks_the_ranks_in_order_between_all_reduces() -> None
         if gather:
             assert not torch.signbit(out[:3000][x == 0]).any()
         assert (rank0.buffers[0] == k.LAMPORT_EMPTY).all()
+        rank0.buffers[1].fill_(k.LAMPORT_EMPTY)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool) -> None:
+    """``skinny_gemm.send_linear`` then the lane's kernel with ``SENT``, between plain
+    calls of the lane: the projection stores exactly what ``skinny_gemm`` returns (its -0.0
+    as +0.0) as rank 0's share of the call's slot in both buffers, the kernel sums it with
+    the peer's without reading its input, clears rank 0's buffer and counts the call
+    (``-0.0`` sent as ``+0.0`` is ``lamport_send``'s, shared with the kernel's own push)."""
+    from executor.kernels import skinny_gemm
+
+    rank0 = Rank0(torch.float16)
+    lane = skinny_gemm.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)
+    gen = torch.Generator().manual_seed(3)
+    n, k_in = 300, 48
+    tile = skinny_gemm.Tile(block_n=64, block_k=32, num_warps=4, num_stages=1)
+    for epoch, send in enumerate([False, True, True, False, True], start=1):
+        peer = torch.randint(-8, 9, (n,), generator=gen).to(torch.float16)
+        rank0.region(0, epoch, 1, n).copy_(peer)
+        if not send:
+            x = torch.randint(-8, 9, (n,), generator=gen).to(torch.float16)
+            assert torch.equal(rank0.all_reduce(x), (x.float() + peer.float()).half())
+        else:
+            # integers: the products and sums are exact, some outputs are zeros
+            x = torch.randint(-2, 3, (1, 2 * k_in if silu_mul else k_in), generator=gen)
+            w = torch.randint(-1, 2, (n, k_in), generator=gen).to(torch.float16)
+            mine = skinny_gemm.skinny_gemm(x.half(), w, silu_mul=silu_mul, tile=tile)
+            skinny_gemm.send_linear(x.half(), w, lane, silu_mul=silu_mul, tile=tile)
+            pushed = rank0.region(1, epoch, 0, n)
+            zeros = mine[0] == 0
+            assert torch.equal(pushed, mine[0]) and (silu_mul or zeros.any())
+            assert not torch.signbit(pushed[zeros]).any()
+            stale = torch.full((1, n), float("nan"), dtype=torch.float16)  # never read
+            out = rank0.all_reduce(stale, sent=True)
+            assert torch.equal(out[0], (mine[0].float() + peer.float()).half())
+        assert (rank0.buffers[0] == k.LAMPORT_EMPTY).all()
+        assert (rank0.counters == epoch).all()
         rank0.buffers[1].fill_(k.LAMPORT_EMPTY)
 
 

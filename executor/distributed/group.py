@@ -219,16 +219,34 @@ class _TritonLamport:
         self._launch(x, out, gather=True)
         return out
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, gather: bool) -> None:
+    def send_all_reduce(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool,
+                        out: torch.Tensor) -> None:
+        """``out`` = the sum over ranks of ``x @ weight.T`` (``silu_mul``: of
+        ``silu_and_mul(x)``), one row, in two launches: the skinny GEMM stores its output
+        straight into every rank's lane buffer (``skinny_gemm.send_linear``), where an
+        all-reduce kernel would first read it back and then push it, and the lane's kernel
+        sums what arrived (``SENT``). ``out`` must fit this path (``fits``)."""
+        from executor.kernels import skinny_gemm
+
+        lane = self._lane(out)
+        skinny_gemm.send_linear(x, weight, skinny_gemm.SendLane(
+            lane.bases, lane.counters, self.rank, self.world, lane.max_bytes // 2), silu_mul)
+        self._launch(out, out, gather=False, sent=True)
+
+    def _lane(self, x: torch.Tensor) -> _Lane:
+        nbytes = x.numel() * x.element_size()
+        return next(lane for lane in self.lanes if nbytes <= lane.max_bytes)
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, gather: bool,
+                sent: bool = False) -> None:
         launcher, block = _lamport_kernel()
         numel = x.numel()
-        nbytes = numel * x.element_size()
-        lane = next(lane for lane in self.lanes if nbytes <= lane.max_bytes)
+        lane = self._lane(x)
         size = block(numel, lane.programs)
         launcher.launch(
-            (lane.programs, 1, 1), (x.dtype, size, self.rank, self.world, gather),
+            (lane.programs, 1, 1), (x.dtype, size, self.rank, self.world, gather, sent),
             (x, out, lane.bases, lane.counters, numel, self.rank, lane.max_bytes // 2),
-            {"WORLD": self.world, "BLOCK": size, "GATHER": gather})
+            {"WORLD": self.world, "BLOCK": size, "GATHER": gather, "SENT": sent})
 
 
 @functools.cache
@@ -407,6 +425,39 @@ class TensorParallel:
             return None
         skinny_gemm.push_linear(x, layer.weight, sites[site], silu_mul)  # type: ignore[arg-type]
         return PendingSum(sites[site])
+
+    def linear_all_reduce(self, layer: torch.nn.Module, x: torch.Tensor,
+                          compute: Callable[[], torch.Tensor], silu_mul: bool = False,
+                          send: bool = True) -> torch.Tensor:
+        """``all_reduce(compute())``, where ``compute`` is the row-parallel projection
+        ``layer`` of ``x`` (``silu_mul``: of ``silu_and_mul(x)``). With ``send`` (the
+        model's kernels are ours), where the push all-reduce takes the output and the
+        projection is a one-row skinny GEMM, that GEMM stores its output into the
+        all-reduce's buffers itself and one kernel sums what arrived
+        (``_TritonLamport.send_all_reduce``); else ``compute`` and ``all_reduce``. Every
+        rank decides alike (same shapes, same plan, same GPU model)."""
+        name = self.device_group_name
+        if send and name is not None and not torch.compiler.is_compiling() and x.is_cuda:
+            from executor.kernels import skinny_gemm
+
+            weight = getattr(layer, "weight", None)
+            if (weight is not None and skinny_gemm.serves(x, layer)
+                    and x.shape[1] == weight.shape[1] * (2 if silu_mul else 1)
+                    and not skinny_gemm.cublas_faster(
+                        skinny_gemm.SILU_MUL if silu_mul else skinny_gemm.PLAIN, x, weight)):
+                out = x.new_empty((x.shape[0], weight.shape[0]))
+                path = self.push_path(out)
+                if path is not None:
+                    with collective("all-reduce"):
+                        path.send_all_reduce(x, weight, silu_mul, out)
+                    return out
+        return self.all_reduce(compute())
+
+    def push_path(self, x: torch.Tensor) -> _TritonLamport | None:
+        """The push all-reduce where it is what ``all_reduce(x)`` runs, else None."""
+        paths = _ONE_SHOT.get(self.device_group_name or "", ())
+        path = next((p for p in paths if p.fits(x)), None)
+        return path if isinstance(path, _TritonLamport) else None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (R, ...) stacked along dim 0 in rank order: (N * R, ...)."""

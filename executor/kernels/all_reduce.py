@@ -132,6 +132,26 @@ LAMPORT_EMPTY = -32768
 _EMPTY: tl.constexpr = tl.constexpr(LAMPORT_EMPTY)
 
 
+@triton.jit
+def lamport_send(values, offs, mask, bases_ptr, region, WORLD: tl.constexpr):
+    """Store ``values`` (bf16/fp16) at element offsets ``offs`` of ``region`` in every
+    rank's buffer (its own included), -0.0 sent as +0.0: -0.0 reads as "not arrived"."""
+    bits = values.to(tl.int16, bitcast=True)
+    bits = tl.where(bits == _EMPTY, 0, bits)
+    for r in tl.static_range(WORLD):
+        dst = tl.multiple_of(tl.load(bases_ptr + r).to(tl.pointer_type(tl.int16)), 16)
+        tl.store(dst + region + offs, bits, mask=mask)
+
+
+@triton.jit
+def lamport_next_region(counter_ptr, rank, slot_elems, WORLD: tl.constexpr):
+    """Where this rank's share of a lane's next call goes in every buffer (elements):
+    region ``rank`` of the slot of the call's parity. ``counter_ptr``: the lane's program
+    0 counter (a lane's programs all count every call)."""
+    epoch = tl.load(counter_ptr) + 1
+    return ((epoch & 1).to(tl.int64) * WORLD + rank) * slot_elems
+
+
 def lamport_buffer_bytes(slot_bytes: int, world: int) -> int:
     """Bytes of one lane's buffer on each rank: two slots, each with room for every rank's
     share of up to ``slot_bytes``."""
@@ -156,6 +176,7 @@ def lamport_all_reduce_kernel(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     GATHER: tl.constexpr,  # an all-gather: rank r's input to out[r * numel:], no sum
+    SENT: tl.constexpr,  # the shares were pushed by the producer's kernel: no push here
     USE_PDL: tl.constexpr,
 ):
     """A one-shot all-reduce without flags: the data is its own signal.
@@ -181,6 +202,14 @@ def lamport_all_reduce_kernel(
     launch starts. That holds because every call uses every program with the same chunk
     of the input per program, so a region is always cleared by the program that reads
     it. Like ``one_shot_all_reduce_kernel``, no timeout: a dead peer hangs the spin.
+
+    ``SENT``: step 1 was done by the kernel that computed the input (``lamport_send``, in
+    the epilogue of a row-parallel projection's skinny GEMM: each of its programs stores
+    its output tile, -0.0 as +0.0, into region ``rank`` of slot ``(counter[0] + 1) & 1``
+    of every rank's buffer), so this launch only waits, sums and clears (``x_ptr`` is not
+    read). The slots stay safe: the producer stores only after its PDL wait, i.e. after
+    this lane's previous launch (which cleared what it read) has completed on this rank,
+    and a peer stores into a slot again only after it has read this rank's next call.
     """
     pdl_enter(USE_PDL)  # the input comes from the previous kernel
     b = tl.program_id(0)
@@ -189,14 +218,12 @@ def lamport_all_reduce_kernel(
     epoch = tl.load(counter_ptr + b) + 1
     slot = (epoch & 1).to(tl.int64) * WORLD
     mine = (slot + rank) * slot_elems  # this rank's region of the slot, in every buffer
-    for start in range(b * BLOCK, numel, stride):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < numel
-        bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        bits = tl.where(bits == _EMPTY, 0, bits)  # -0.0 would read as "not arrived"
-        for r in tl.static_range(WORLD):
-            dst = tl.multiple_of(tl.load(bases_ptr + r).to(tl.pointer_type(tl.int16)), 16)
-            tl.store(dst + mine + offs, bits, mask=mask)
+    if not SENT:
+        for start in range(b * BLOCK, numel, stride):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < numel
+            bits = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            lamport_send(bits, offs, mask, bases_ptr, mine, WORLD)
     here = tl.multiple_of(tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
     for start in range(b * BLOCK, numel, stride):
         offs = start + tl.arange(0, BLOCK)

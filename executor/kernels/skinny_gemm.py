@@ -60,7 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.all_reduce import load_acquire, store_release
+from executor.kernels.all_reduce import (
+    lamport_next_region,
+    lamport_send,
+    load_acquire,
+    store_release,
+)
 from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
@@ -76,9 +81,12 @@ PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
 # Where the output goes and the input comes from under tensor parallelism (constexpr
 # ``REDUCE``, ``ReduceSite``): a row-parallel projection PUSHes its partial output into
 # every rank's reduce buffer; the pre-norm projection after it GATHERs the sum.
-NO_REDUCE, PUSH, GATHER = 0, 1, 2
+# SEND: a row-parallel projection stores its partial output as this rank's share of the
+# all-reduce that ``lamport_all_reduce_kernel`` (``SENT``) completes (``SendLane``).
+NO_REDUCE, PUSH, GATHER, SEND = 0, 1, 2, 3
 PUSH_ = tl.constexpr(PUSH)
 GATHER_ = tl.constexpr(GATHER)
+SEND_ = tl.constexpr(SEND)
 #: Bytes of a site's arrival flags (int32 per source rank) before its two data slots.
 SITE_FLAG_BYTES = 128
 _SITE_FLAG_BYTES = tl.constexpr(SITE_FLAG_BYTES)
@@ -97,16 +105,18 @@ def _skinny_gemm_kernel(
     inv_k,  # 1 / K, for the norm's mean
     eps,
     red_ptr,  # (WORLD,) int64: every rank's reduce buffer (REDUCE); else unused
-    ctl_ptr,  # (2,) int32, this rank's [arrivals, epoch] of the reduce site (REDUCE)
+    ctl_ptr,  # (2,) int32, this rank's [arrivals, epoch] of the reduce site (PUSH,
+    # GATHER); SEND: the lane's counters
     rank,  # this rank (REDUCE)
-    site_off,  # bytes from a reduce buffer's start to the site's flags (REDUCE)
-    slot_bytes,  # bytes per data slot of the site (REDUCE)
+    site_off,  # bytes from a reduce buffer's start to the site's flags (PUSH, GATHER)
+    slot_bytes,  # bytes per data slot of the site (PUSH, GATHER); SEND: elements per region
     PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,  # RMSNorm prologues: sum the squares in the product's pass
-    REDUCE: tl.constexpr,  # NO_REDUCE, PUSH (the output to every rank) or GATHER (the input)
+    REDUCE: tl.constexpr,  # NO_REDUCE, PUSH (the output to every rank), GATHER (the
+    # input) or SEND (the output to every rank's all-reduce lane)
     WORLD: tl.constexpr,  # ranks (REDUCE)
     SLICES: tl.constexpr,  # WORLD under GATHER, else 1
     USE_PDL: tl.constexpr,
@@ -158,6 +168,10 @@ def _skinny_gemm_kernel(
     if REDUCE == PUSH_:
         _push(acc.to(out_ptr.dtype.element_ty), red_ptr, ctl_ptr, rank, site_off, slot_bytes,
               offs_n, mask_m[:, None] & mask_n[None, :], N, WORLD)
+    elif REDUCE == SEND_:
+        lamport_send(acc.to(out_ptr.dtype.element_ty), offs_m[:, None] * N + offs_n[None, :],
+                     mask_m[:, None] & mask_n[None, :], red_ptr,
+                     lamport_next_region(ctl_ptr, rank, slot_bytes, WORLD), WORLD)
     else:
         dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -446,6 +460,29 @@ class ReduceSite:
         return size % 16 == 0 and self.world * size <= self.slot_bytes
 
 
+@dataclass(frozen=True)
+class SendLane:
+    """A lane of the push all-reduce (``executor.distributed.group._TritonLamport``) as a
+    SEND target: every rank's buffer, the lane's counters, and the elements per region."""
+
+    bases: torch.Tensor  # (world,) int64
+    counters: torch.Tensor  # (programs,) int32
+    rank: int
+    world: int
+    region_elems: int
+
+
+def send_linear(x: torch.Tensor, weight: torch.Tensor, lane: SendLane,
+                silu_mul: bool = False, tile: Tile | None = None) -> None:
+    """``x @ weight.T`` (``silu_mul``: of ``silu_and_mul(x)``) for one row, stored as this
+    rank's share of the lane's next all-reduce in every rank's buffer instead of returned;
+    the lane's kernel launched next with ``SENT`` sums it. Launch both on every rank."""
+    n, k = weight.shape
+    assert x.shape == (1, 2 * k if silu_mul else k), (x.shape, weight.shape)
+    assert 0 < n <= lane.region_elems and k > 0, "the output row must fit the lane"
+    _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile, SEND, lane)
+
+
 def push_linear(x: torch.Tensor, weight: torch.Tensor, site: ReduceSite, silu_mul: bool = False,
                 tile: Tile | None = None) -> None:
     """``x @ weight.T`` (``silu_mul``: of ``silu_and_mul(x)``) for one row, pushed as this
@@ -490,10 +527,10 @@ def gather_norm_linear(site: ReduceSite, residual: torch.Tensor, norm_weight: to
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None,
-            reduce: int = NO_REDUCE, site: ReduceSite | None = None
+            reduce: int = NO_REDUCE, site: ReduceSite | SendLane | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch; under GATHER ``x`` only stands in for the activation (the input is
-    the site's sum), under PUSH nothing is returned in ``out`` (it is ``x``)."""
+    the site's sum), under PUSH and SEND nothing is returned in ``out`` (it is ``x``)."""
     assert x.stride(-1) == 1, "x must have contiguous rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be (N, K) row-major"
     m = x.shape[0]
@@ -502,7 +539,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         assert t is None or t.dtype == x.dtype, "inputs must share the activation dtype"
     assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
     assert (reduce == NO_REDUCE) == (site is None) and (site is None or m == 1)
-    out = x if reduce == PUSH else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = x if reduce in (PUSH, SEND) else torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0 or k == 0:  # nothing to launch (an empty sum is zero)
         if res_out is not None and residual is not None:
@@ -520,6 +557,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     if site is None:
         red: tuple[torch.Tensor, torch.Tensor, int, int, int] = (x, x, 0, 0, 0)
         world = 1
+    elif isinstance(site, SendLane):
+        red = (site.bases, site.counters, site.rank, 0, site.region_elems)
+        world = site.world
     else:
         red, world = (site.bases, site.ctl, site.rank, site.offset, site.slot_bytes), site.world
     key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k, one_pass,

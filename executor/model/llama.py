@@ -83,7 +83,8 @@ class Attention(nn.Module):
             pending = self.tp.push_sum(out, self.o_proj, 0, then[1], then[0].weight)
             if pending is not None:
                 return pending
-        return self.tp.all_reduce(ops.linear(self.o_proj, out))
+        return self.tp.linear_all_reduce(self.o_proj, out, lambda: ops.linear(self.o_proj, out),
+                                         send=ops.fuses_reductions)
 
 
 class DecoderLayer(nn.Module):
@@ -118,7 +119,10 @@ class DecoderLayer(nn.Module):
                                        next_layer.input_layernorm.weight, silu_mul=True)
             if pending is not None:
                 return pending, residual
-        return self.tp.all_reduce(self.mlp.down(gate_up, ops)), residual
+        down = self.tp.linear_all_reduce(self.mlp.down_proj, gate_up,
+                                         lambda: self.mlp.down(gate_up, ops), silu_mul=True,
+                                         send=ops.fuses_reductions)
+        return down, residual
 
 
 @register_model(*ARCHITECTURES)

@@ -138,13 +138,21 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -
     "triton" our flag kernel over the same memory, "lamport" our push kernel (with
     each graph call its own values, a region read before its data arrived, or not marked
     empty again after, fails), and a size over ``ONE_SHOT_MAX_BYTES``
-    (600 x 2048 bf16) goes to NCCL inside both."""
+    (600 x 2048 bf16) goes to NCCL inside both. A row-parallel projection's output sent
+    by its GEMM into the push all-reduce (``linear_all_reduce``) equals the two calls."""
     got = allreduce_us(world, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
     assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
                                "ok": True}, got
     assert got["triton"] == {**got["triton"], "algorithm": "triton_one_shot", "ok": True}, got
     assert got["lamport"] == {**got["lamport"], "algorithm": "triton_lamport", "ok": True}, got
+    # A one-row projection sending its output into the push all-reduce: taken where the
+    # push kernel runs the all-reduce (not through NCCL or the other kernels), and the same
+    # bits as the projection then the all-reduce, eagerly and from graphs.
+    for algo, result in got.items():
+        assert result["send"]["ok"] is True, (algo, result["send"])
+        assert result["send"]["sends"] is (algo == "lamport" or (
+            algo == "auto" and result["algorithm"].startswith("triton_lamport"))), got
     # "auto" timed each path at start-up and shared the sizes out by the slowest rank's
     # times: the plan is what size_plan makes of them, and the algorithm names its paths.
     auto = got["auto"]
