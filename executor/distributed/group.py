@@ -20,27 +20,30 @@ graph capture backends record whatever kernels it launches. ``TensorParallel.sin
 is the world of one without any process group: its collectives return their input.
 
 All-reduce algorithm: ``all_reduce="nccl"`` runs every all-reduce through NCCL.
-``"symm_mem"`` runs those up to ``ONE_SHOT_MAX_BYTES`` (a decode step's activations) as one
-kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``): each rank
-copies its input into its own registered buffer, the ranks meet at a barrier on signal
-pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no NVLink
-multicast) and sums, and a closing barrier lets the buffer be reused by the next call.
-``"triton"`` runs the same sizes through our flag kernel (``executor.kernels.all_reduce``):
-one barrier per call over two alternating buffers, and launched with programmatic
-dependent launch, so the next kernel of the step starts loading its weights during the
-all-reduce. ``"lamport"`` runs them through our push kernel (bf16 and fp16): each rank
-stores its share straight into every peer's buffer, whose empty elements read -0.0, and
-spins on its own buffer until nothing is missing, so a call crosses NVLink once and
-needs no flags; it also serves the LM head's all-gather (``_all_gather``) where a lane
-holds the logits. Larger inputs, other dtypes or misaligned ones still go to NCCL, and so
-does everything when any rank lacks the op, peer access or the buffer (decided together,
-so every rank runs the same collectives). ``"auto"`` (the default) sets every one-shot
-path up where it can and times each, and NCCL, inside CUDA graphs at start-up, at
-``AUTO_PROBE_BYTES`` (one, 8 and 64 rows of a 4096-wide bf16 activation); each size goes
-to the fastest on the slowest rank, and from the first size NCCL wins at, everything
-larger to NCCL (``size_plan``; ``all_reduce_choice`` says what was measured and planned).
-None is fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us
-through NCCL and 10.9 through the symm_mem kernel on two H100s
+``"symm_mem"`` runs those up to ``ONE_SHOT_MAX_BYTES`` (a decode step's activations) as
+one kernel over PyTorch symmetric memory (``symm_mem.one_shot_all_reduce_copy_out``):
+each rank copies its input into its own registered buffer, the ranks meet at a barrier
+on signal pads, each reads every peer's buffer over NVLink (peer-to-peer loads, no
+NVLink multicast) and sums, and a closing barrier lets the buffer be reused by the next
+call. ``"triton"`` runs the same sizes through our flag kernel
+(``executor.kernels.all_reduce``): one barrier per call over two alternating buffers,
+and launched with programmatic dependent launch, so the next kernel of the step starts
+loading its weights during the all-reduce. ``"lamport"`` runs them through our push
+kernel (bf16 and fp16): each rank stores its share straight into every peer's buffer,
+whose empty elements read -0.0, and spins on its own buffer until nothing is missing, so
+a call crosses NVLink once and needs no flags; it also serves the LM head's all-gather
+(``_all_gather``) where a lane holds the logits, and where it takes a one-row
+row-parallel projection's all-reduce the projection's skinny GEMM pushes its output
+itself and the kernel only sums (``TensorParallel.linear_all_reduce``). Larger inputs,
+other dtypes or misaligned ones still go to NCCL, and so does everything when any rank
+lacks the op, peer access or the buffer (decided together, so every rank runs the same
+collectives). ``"auto"`` (the default) sets every one-shot path up where it can and
+times each, and NCCL, inside CUDA graphs at start-up, at ``AUTO_PROBE_BYTES`` (one, 8
+and 64 rows of a 4096-wide bf16 activation); each size goes to the fastest on the
+slowest rank, and from the first size NCCL wins at, everything larger to NCCL
+(``size_plan``; ``all_reduce_choice`` says what was measured and planned). None is
+fastest everywhere: one all-reduce of a 4096-wide row inside a graph took 8.1 us through
+NCCL and 10.9 through the symm_mem kernel on two H100s
 (``bench/results/2026-11-25-h100x2-tensor-parallel``); 12.5, 7.6 and 4.4 (flags) on two
 H200s, and 16.2, 11.5 and 7.7 at 64 rows
 (``bench/results/2026-11-26-h200x2-triton-all-reduce``); on two H100s NCCL 9.1, symm_mem

@@ -41,7 +41,10 @@ arrives on a counter, and the last one flags the call in every buffer), and the 
 projection after it may GATHER its input as the sum of those slices (``gather_norm_linear``:
 it waits for every rank's flag, then sums in float32 in rank order, as our all-reduce
 kernel does, so the outputs are the same bits). Measured slower than the all-reduce
-kernel between two plain launches (``executor.distributed.group``).
+kernel between two plain launches (``executor.distributed.group``). SEND (on by default
+where the push all-reduce takes the row): a row-parallel projection stores its output
+row as this rank's share of the push all-reduce's next call in every rank's lane buffer
+(``send_linear``, ``all_reduce.lamport_send``), and that kernel, launched next, only sums.
 
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
