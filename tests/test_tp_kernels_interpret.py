@@ -163,6 +163,9 @@ def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool) ->
         assert (rank0.buffers[0] == k.LAMPORT_EMPTY).all()
         assert (rank0.counters == epoch).all()
         rank0.buffers[1].fill_(k.LAMPORT_EMPTY)
+    # a sent call is one block per program (it sums before its PDL wait, in registers)
+    assert k.sent_fits(PROGRAMS * k.LAMPORT_MAX_BLOCK, PROGRAMS)
+    assert not k.sent_fits(PROGRAMS * k.LAMPORT_MAX_BLOCK + 1, PROGRAMS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

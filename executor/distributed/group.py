@@ -236,6 +236,14 @@ class _TritonLamport:
             lane.bases, lane.counters, self.rank, self.world, lane.max_bytes // 2), silu_mul)
         self._launch(out, out, gather=False, sent=True)
 
+    def sends(self, out: torch.Tensor) -> bool:
+        """Whether ``send_all_reduce`` takes an all-reduce into ``out`` (which ``fits``):
+        one block per program of its lane (``all_reduce.sent_fits``; any one-row output
+        of a model up to 16384 wide)."""
+        from executor.kernels import all_reduce as kernel
+
+        return kernel.sent_fits(out.numel(), self._lane(out).programs)
+
     def _lane(self, x: torch.Tensor) -> _Lane:
         nbytes = x.numel() * x.element_size()
         return next(lane for lane in self.lanes if nbytes <= lane.max_bytes)
@@ -450,7 +458,7 @@ class TensorParallel:
                         skinny_gemm.SILU_MUL if silu_mul else skinny_gemm.PLAIN, x, weight)):
                 out = x.new_empty((x.shape[0], weight.shape[0]))
                 path = self.push_path(out)
-                if path is not None:
+                if path is not None and path.sends(out):
                     with collective("all-reduce"):
                         path.send_all_reduce(x, weight, silu_mul, out)
                     return out

@@ -119,6 +119,42 @@ def one_shot_all_reduce_kernel(
     tl.store(counter_ptr + b, epoch)
 
 
+@triton.jit
+def _sum_sent(out_ptr, here, counter_ptr, numel, slot_elems, WORLD: tl.constexpr,
+              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """``lamport_all_reduce_kernel`` under ``SENT``, one block per program (``numel`` at
+    most programs x ``BLOCK``: ``sent_fits``). Under PDL this launch starts while the
+    producer still runs, and it spins and sums *before* its wait: what it loads is only
+    the buffer's regions, where every element is -0.0 until its final value arrives, and
+    the lane's counter, last written by this lane's previous launch, which completed
+    before the producer passed its own wait (loaded past L1 all the same). Only the
+    stores (the sum, the regions marked empty again, the counter) come after the wait, so
+    the producer's completion is followed by stores alone instead of a read and a sum."""
+    b = tl.program_id(0)
+    epoch = tl.load(counter_ptr + b, volatile=True) + 1
+    slot = (epoch & 1).to(tl.int64) * WORLD
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        src = here + (slot + r) * slot_elems + offs
+        bits = tl.load(src, mask=mask, other=0, volatile=True)
+        while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+            bits = tl.load(src, mask=mask, other=0, volatile=True)
+        acc += bits.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    pdl_enter(USE_PDL)
+    for r in tl.static_range(WORLD):
+        tl.store(here + (slot + r) * slot_elems + offs, tl.full((BLOCK,), _EMPTY, tl.int16),
+                 mask=mask)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(counter_ptr + b, epoch)
+
+
+def sent_fits(numel: int, programs: int) -> bool:
+    """Whether a ``SENT`` call of ``numel`` elements takes one block per program."""
+    return numel <= programs * LAMPORT_MAX_BLOCK
+
+
 #: ``lamport_all_reduce_kernel``'s lanes: (programs per call, the largest input in bytes).
 #: A lane is one buffer and one set of counters, always launched with its own grid (the
 #: kernel's slot reuse needs that); an input takes the first lane it fits. Few programs
@@ -206,39 +242,42 @@ def lamport_all_reduce_kernel(
     ``SENT``: step 1 was done by the kernel that computed the input (``lamport_send``, in
     the epilogue of a row-parallel projection's skinny GEMM: each of its programs stores
     its output tile, -0.0 as +0.0, into region ``rank`` of slot ``(counter[0] + 1) & 1``
-    of every rank's buffer), so this launch only waits, sums and clears (``x_ptr`` is not
-    read). The slots stay safe: the producer stores only after its PDL wait, i.e. after
-    this lane's previous launch (which cleared what it read) has completed on this rank,
-    and a peer stores into a slot again only after it has read this rank's next call.
+    of every rank's buffer), so this launch only sums and clears (``x_ptr`` is not read;
+    ``_sum_sent``). The slots stay safe: the producer stores only after its PDL wait, i.e.
+    after this lane's previous launch (which cleared what it read) has completed on this
+    rank, and a peer stores into a slot again only after it has read this rank's next
+    call.
     """
-    pdl_enter(USE_PDL)  # the input comes from the previous kernel
     b = tl.program_id(0)
-    stride = tl.num_programs(0) * BLOCK
     elem = x_ptr.dtype.element_ty
-    epoch = tl.load(counter_ptr + b) + 1
-    slot = (epoch & 1).to(tl.int64) * WORLD
-    mine = (slot + rank) * slot_elems  # this rank's region of the slot, in every buffer
-    if not SENT:
+    here = tl.multiple_of(tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
+    if SENT:
+        _sum_sent(out_ptr, here, counter_ptr, numel, slot_elems, WORLD, BLOCK, USE_PDL)
+    else:
+        pdl_enter(USE_PDL)  # the input comes from the previous kernel
+        stride = tl.num_programs(0) * BLOCK
+        epoch = tl.load(counter_ptr + b) + 1
+        slot = (epoch & 1).to(tl.int64) * WORLD
+        mine = (slot + rank) * slot_elems  # this rank's region of the slot, in every buffer
         for start in range(b * BLOCK, numel, stride):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             bits = tl.load(x_ptr + offs, mask=mask, other=0.0)
             lamport_send(bits, offs, mask, bases_ptr, mine, WORLD)
-    here = tl.multiple_of(tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
-    for start in range(b * BLOCK, numel, stride):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < numel
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            src = here + (slot + r) * slot_elems + offs
-            bits = tl.load(src, mask=mask, other=0, volatile=True)
-            while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+        for start in range(b * BLOCK, numel, stride):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < numel
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                src = here + (slot + r) * slot_elems + offs
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
-            if GATHER:
-                tl.store(out_ptr + r * numel + offs, bits.to(elem, bitcast=True), mask=mask)
-            else:
-                acc += bits.to(elem, bitcast=True).to(tl.float32)
-            tl.store(src, tl.full((BLOCK,), _EMPTY, tl.int16), mask=mask)
-        if not GATHER:
-            tl.store(out_ptr + offs, acc.to(elem), mask=mask)
-    tl.store(counter_ptr + b, epoch)
+                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+                    bits = tl.load(src, mask=mask, other=0, volatile=True)
+                if GATHER:
+                    tl.store(out_ptr + r * numel + offs, bits.to(elem, bitcast=True), mask=mask)
+                else:
+                    acc += bits.to(elem, bitcast=True).to(tl.float32)
+                tl.store(src, tl.full((BLOCK,), _EMPTY, tl.int16), mask=mask)
+            if not GATHER:
+                tl.store(out_ptr + offs, acc.to(elem), mask=mask)
+        tl.store(counter_ptr + b, epoch)
