@@ -120,6 +120,16 @@ def one_shot_all_reduce_kernel(
 
 
 @triton.jit
+def _arrived(src, mask):
+    """The int16 bits at ``src`` (masked) once none of them reads -0.0: a spin on
+    volatile loads, which fetch anew from L2 each round."""
+    bits = tl.load(src, mask=mask, other=0, volatile=True)
+    while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+        bits = tl.load(src, mask=mask, other=0, volatile=True)
+    return bits
+
+
+@triton.jit
 def _sum_sent(out_ptr, here, counter_ptr, numel, slot_elems, WORLD: tl.constexpr,
               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``lamport_all_reduce_kernel`` under ``SENT``, one block per program (``numel`` at
@@ -137,10 +147,7 @@ def _sum_sent(out_ptr, here, counter_ptr, numel, slot_elems, WORLD: tl.constexpr
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in tl.static_range(WORLD):
-        src = here + (slot + r) * slot_elems + offs
-        bits = tl.load(src, mask=mask, other=0, volatile=True)
-        while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
-            bits = tl.load(src, mask=mask, other=0, volatile=True)
+        bits = _arrived(here + (slot + r) * slot_elems + offs, mask)
         acc += bits.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
     pdl_enter(USE_PDL)
     for r in tl.static_range(WORLD):
@@ -270,9 +277,7 @@ def lamport_all_reduce_kernel(
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for r in tl.static_range(WORLD):
                 src = here + (slot + r) * slot_elems + offs
-                bits = tl.load(src, mask=mask, other=0, volatile=True)
-                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
-                    bits = tl.load(src, mask=mask, other=0, volatile=True)
+                bits = _arrived(src, mask)
                 if GATHER:
                     tl.store(out_ptr + r * numel + offs, bits.to(elem, bitcast=True), mask=mask)
                 else:
