@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, shape: str, queue: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
     tp = group.init(rank, world, device, store, datetime.timedelta(seconds=120), "triton",
-                    fuse=True)
+                    fuse="on")
     fused = bool(group.all_reduce_choice(tp).get("fused_into_projections"))
     cfg = shapes.SHAPES[shape]
     hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], \

@@ -101,7 +101,7 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
             load_format: str = "safetensors", extra: list[str] | None = None
             ) -> dict[str, Any]:
     """One server's figures; ``all_reduce`` is ``--tp-all-reduce``'s value, optionally
-    with ``/on`` or ``/off`` for ``--tp-fuse-all-reduce`` (default: the server's);
+    with ``/send``, ``/off`` or ``/on`` for ``--tp-fuse-all-reduce`` (default: the server's);
     ``extra``: more ``serve`` arguments."""
     algo, _, fuse = all_reduce.partition("/")
     proc, target, metrics = serve(model, tp, ["--tp-all-reduce", algo,
@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sizes 4 and 8 only (llama-3.1-70b@4: its weights fit only there)")
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl, "
-                    ":symm_mem, :triton or :lamport (--tp-all-reduce; default auto), then /on or "
-                    "/off for --tp-fuse-all-reduce (2:auto/on)")
+                    ":symm_mem, :triton or :lamport (--tp-all-reduce; default auto), then /send, "
+                    "/off or /on for --tp-fuse-all-reduce (2:auto/off)")
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "
                     "draw the weights on the GPUs (serve --load-format random)")

@@ -51,7 +51,7 @@ H200s, and 16.2, 11.5 and 7.7 at 64 rows
 planned the push kernel for every size up to 512 KiB
 (``bench/results/2026-11-26-tp-push-all-reduce``).
 
-Fused into the projections (``fuse=True``; off by default, see below; only where our
+Fused into the projections (``fuse="on"``; off by default, see below; only where our
 kernel takes one-row all-reduces): at decode batch 1 a row-parallel projection (o_proj;
 down_proj but the last layer's) and the pre-norm projection after it (gate_up; the next
 layer's qkv) are both skinny GEMMs (``executor.kernels.skinny_gemm``). The first then
@@ -62,7 +62,8 @@ them: ``TensorParallel.push_sum`` returns a ``PendingSum`` that ``RMSNorm.linear
 hands to the next projection. Measured on two H200s it is *slower*: 85 against 75 us per
 layer of the 8B shape's four projections and two sums, and the 8B's batch-1 step 3.05
 against 2.93 ms (``bench/results/2026-11-26-h200x2-fused-all-reduce``), so it is off
-unless asked for (``--tp-fuse-all-reduce on``).
+unless asked for (``--tp-fuse-all-reduce on``); the default, ``send``, only lets the
+projection before a push-kernel all-reduce store into its buffers (``FuseMode``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,14 @@ ALL_REDUCE_CHOICES: tuple[AllReduceChoice, ...] = ("auto", "nccl", "symm_mem", "
                                                    "lamport")
 #: The one-shot kernels, in the order "auto" sets them up and times them.
 ONE_SHOT_KINDS = ("symm_mem", "triton", "lamport")
+#: How far the one-row all-reduces of decode at batch 1 move into the projections
+#: (``init``'s ``fuse``, ``--tp-fuse-all-reduce``): "send" (the default) where the push
+#: kernel runs them, o_proj/down_proj's GEMM stores its output into its buffers and the
+#: kernel only sums (``TensorParallel.linear_all_reduce``); "off" a separate all-reduce
+#: after each projection; "on" (experimental, measured slower) where the flag kernel runs
+#: them, no all-reduce kernel at all (``push_sum``), and "send" where the push kernel does.
+FuseMode = Literal["send", "off", "on"]
+FUSE_MODES: tuple[FuseMode, ...] = ("send", "off", "on")
 
 
 @dataclass(frozen=True)
@@ -284,6 +293,9 @@ _CHOICES: dict[str, dict[str, object]] = {}
 #: Reduce buffers of each group that fuses its one-row all-reduces into the projections:
 #: its two sites (a layer's o_proj -> gate_up, then down_proj -> the next qkv).
 _FUSED: dict[str, tuple[ReduceSite, ReduceSite]] = {}
+#: Groups whose row-parallel projections send their one-row outputs into the push
+#: all-reduce (``fuse`` "send" or "on", and a push path set up).
+_SENDS: set[str] = set()
 #: The widest row a fused site holds, in elements of 2 bytes (hidden sizes up to 16384).
 FUSED_MAX_ROW = 16384
 
@@ -448,7 +460,7 @@ class TensorParallel:
         (``_TritonLamport.send_all_reduce``); else ``compute`` and ``all_reduce``. Every
         rank decides alike (same shapes, same plan, same GPU model)."""
         name = self.device_group_name
-        if send and name is not None and not torch.compiler.is_compiling() and x.is_cuda:
+        if send and name in _SENDS and not torch.compiler.is_compiling() and x.is_cuda:
             from executor.kernels import skinny_gemm
 
             weight = getattr(layer, "weight", None)
@@ -513,17 +525,18 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
          timeout: datetime.timedelta, all_reduce: AllReduceChoice = "auto",
-         fuse: bool = False) -> TensorParallel:
+         fuse: FuseMode = "send") -> TensorParallel:
     """Join the default process group over ``store`` and make this rank's two groups.
 
     ``timeout`` bounds every data-plane collective (a rank that dies or hangs mid-step
     turns into an error on the others within it). A warm-up all-reduce runs on each
     group, so NCCL's communicator exists before any graph captures a collective.
     ``all_reduce`` picks the algorithm (module docstring); ``all_reduce_algorithm``
-    says which one this group got. ``fuse``: where our flag kernel takes a one-row
-    all-reduce, fuse it into the projections around it (module docstring; measured slower
-    so far).
+    says which one this group got. ``fuse`` (``FUSE_MODES``): how far one-row all-reduces
+    move into the projections around them.
     """
+    if fuse not in FUSE_MODES:
+        raise ValueError(f"fuse must be one of {list(FUSE_MODES)}, got {fuse!r}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -563,10 +576,15 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
             _choose(tp, times, paths)
         if not _ONE_SHOT.get(name):
             _ONE_SHOT.pop(name, None)
-        if fuse and any(isinstance(p, _TritonOneShot) and p.min_bytes < AUTO_PROBE_BYTES[0]
-                        <= p.max_bytes for p in _ONE_SHOT.get(name, ())):
+        if fuse == "on" and any(isinstance(p, _TritonOneShot) and p.min_bytes
+                                < AUTO_PROBE_BYTES[0] <= p.max_bytes
+                                for p in _ONE_SHOT.get(name, ())):
             _setup_fused(tp, world)
+        if fuse != "off" and any(isinstance(p, _TritonLamport)
+                                 for p in _ONE_SHOT.get(name, ())):
+            _SENDS.add(name)
     _CHOICES[name]["fused_into_projections"] = name in _FUSED
+    _CHOICES[name]["projections_send"] = name in _SENDS
     dist.barrier(group=control)
     return tp
 
@@ -811,6 +829,7 @@ def shutdown(tp: TensorParallel) -> None:
     _GROUPS.pop(tp.device_group_name or "", None)
     _ONE_SHOT.pop(tp.device_group_name or "", None)
     _FUSED.pop(tp.device_group_name or "", None)
+    _SENDS.discard(tp.device_group_name or "")
     _CHOICES.pop(tp.device_group_name or "", None)
     # Tearing down after a peer died may raise anything.
     with contextlib.suppress(Exception):

@@ -34,7 +34,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from executor.distributed.group import ALL_REDUCE_CHOICES, AllReduceChoice
+from executor.distributed.group import (
+    ALL_REDUCE_CHOICES,
+    FUSE_MODES,
+    AllReduceChoice,
+    FuseMode,
+)
 from executor.errors import ConfigError
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -52,9 +57,11 @@ class ParallelConfig:
         at start-up), "nccl", "symm_mem" (small all-reduces as PyTorch's symmetric-memory
         kernel where every rank can, NCCL otherwise) or "triton" (the same with our kernel;
         ``executor/distributed/group.py``).
-    fuse_all_reduce: where our kernel takes one-row all-reduces, fuse them into the
-        projections before and after them at decode batch 1 (``group.init``'s ``fuse``;
-        off by default: measured slower than the separate kernel so far).
+    fuse_all_reduce: how far one-row all-reduces at decode batch 1 move into the
+        projections around them (``group.FUSE_MODES``, ``group.init``'s ``fuse``): "send"
+        (the default: o_proj/down_proj store into the push kernel's buffers, the kernel
+        only sums), "off" (a separate all-reduce after each projection), "on"
+        (experimental, measured slower: where the flag kernel takes them, none at all).
     """
 
     tensor_parallel_size: int = 1
@@ -62,7 +69,7 @@ class ParallelConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
     all_reduce: AllReduceChoice = "auto"
-    fuse_all_reduce: bool = False
+    fuse_all_reduce: FuseMode = "send"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -75,6 +82,9 @@ class ParallelConfig:
         if self.all_reduce not in ALL_REDUCE_CHOICES:
             raise ConfigError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}, "
                               f"got {self.all_reduce!r}")
+        if self.fuse_all_reduce not in FUSE_MODES:
+            raise ConfigError(f"--tp-fuse-all-reduce must be one of {', '.join(FUSE_MODES)}, "
+                              f"got {self.fuse_all_reduce!r}")
 
     @property
     def collective_timeout(self) -> datetime.timedelta:
