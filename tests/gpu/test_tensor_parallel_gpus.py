@@ -42,15 +42,17 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=[
-    (2, "breakable", "on"), (2, "tc_piecewise", "off"), (2, "fixed_grid", "off"),
-    pytest.param((4, "breakable", "off"), marks=pytest.mark.skipif(
+    (2, "breakable", "on"), (2, "tc_piecewise", "send"), (2, "fixed_grid", "off"),
+    pytest.param((4, "breakable", "send"), marks=pytest.mark.skipif(
         torch.cuda.device_count() < 4, reason="TP = 4 needs 4 GPUs"))],
-    ids=lambda p: f"tp{p[0]}-{p[1]}" + ("-fused" if p[2] == "on" else ""))
+    ids=lambda p: f"tp{p[0]}-{p[1]}" + {"on": "-fused", "off": "-unfused", "send": ""}[p[2]])
 def servers(request: pytest.FixtureRequest, model: Path
             ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
     """TP = 1 and TP = N servers; the first pair with ``--tp-fuse-all-reduce on`` and the
     flag kernel (its batch-1 decode steps fuse the all-reduces into the projections),
-    the others with "auto" (which chose the push kernel on two H100s)."""
+    the others under "auto" (which chose the push kernel on two H100s and two H200s):
+    with the projections sending into it (``send``, the default), and with a separate
+    all-reduce after each (``off``)."""
     size, prefill, fuse = request.param
     extra = ["--prefill-graph", prefill, "--tp-fuse-all-reduce", fuse]
     if fuse == "on":  # fusion needs the flag kernel's one-row all-reduces
