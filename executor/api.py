@@ -263,10 +263,14 @@ class ModelInfo:
     tensor_parallel_size: int = 1  # ranks the model is split over
     # bytes of weights and KV cache each rank holds, in rank order (measured at start-up)
     rank_memory_bytes: tuple[int, ...] = ()
-    # kernel switches in effect ("fused_decode_rope", "pdl"): what ``auto`` resolved to
+    # kernel switches in effect ("fused_decode_rope", "pdl", "tp_projections_send",
+    # "tp_fused_all_reduce"): what ``auto`` and the defaults resolved to
     kernel_features: tuple[str, ...] = ()
     # where the weights came from: "safetensors", or "random" (``--load-format random``)
     load_format: str = "safetensors"
+    # what a tensor-parallel group's small all-reduces run as (``all_reduce_algorithm``);
+    # "" for one process
+    tp_all_reduce: str = ""
 
 
 @dataclass(frozen=True)

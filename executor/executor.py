@@ -51,6 +51,7 @@ from executor.api import (
 from executor.attention import create_backend, resolve_backend_name
 from executor.attention.base import AttentionShape
 from executor.config import ExecutorConfig
+from executor.distributed import group
 from executor.distributed.channel import StepChannel
 from executor.distributed.group import TensorParallel
 from executor.distributed.protocol import (
@@ -177,8 +178,10 @@ class Executor:
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
         features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
-            ("pdl",) if self.pdl else ())
-        self.model_info = dataclasses.replace(self.model_info, kernel_features=features)
+            ("pdl",) if self.pdl else ()) + group.projection_features(self.tp)
+        self.model_info = dataclasses.replace(
+            self.model_info, kernel_features=features,
+            tp_all_reduce=group.all_reduce_algorithm(self.tp) if self.tp.distributed else "")
         self.sampler = Sampler()
         # Each sequence's last sampled token, by request slot, written by sampling on the
         # device; a decode item without a token reads it there (``USE_LAST_SAMPLED``).

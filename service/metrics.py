@@ -115,8 +115,12 @@ class Metrics:
         self.model_info = Gauge(p + "model_info", "The served model (always 1)",
                                 ["name", "architecture", "dtype", "device"], registry=r)
         self.kernel_feature = Gauge(p + "kernel_feature", "Kernel switches in effect (1 per "
-                                    "feature: fused_decode_rope, pdl), what auto resolved to",
+                                    "feature: fused_decode_rope, pdl, tp_projections_send, "
+                                    "tp_fused_all_reduce), what auto resolved to",
                                     ["feature"], registry=r)
+        self.tp_all_reduce = Gauge(p + "tp_all_reduce", "What the tensor-parallel group's "
+                                   "small all-reduces run as (always 1; absent for one "
+                                   "process)", ["algorithm"], registry=r)
         self.tensor_parallel_size = Gauge(p + "tensor_parallel_size", "Ranks the model is "
                                           "split over (1: one process)", registry=r)
         self.rank_memory_bytes = Gauge(p + "rank_memory_bytes", "Weights and KV cache held "

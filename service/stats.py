@@ -136,6 +136,8 @@ class StatsRecorder:
         self.metrics.tensor_parallel_size.set(info.tensor_parallel_size)
         for feature in info.kernel_features:
             self.metrics.kernel_feature.labels(feature).set(1)
+        if info.tp_all_reduce:
+            self.metrics.tp_all_reduce.labels(info.tp_all_reduce).set(1)
         for rank, size in enumerate(info.rank_memory_bytes):
             self.metrics.rank_memory_bytes.labels(str(rank)).set(size)
 

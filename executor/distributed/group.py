@@ -686,6 +686,14 @@ def all_reduce_choice(tp: TensorParallel) -> dict[str, object]:
     return out
 
 
+def projection_features(tp: TensorParallel) -> tuple[str, ...]:
+    """How far this group's one-row all-reduces moved into the projections (what
+    ``fuse`` took effect as), as ``ModelInfo.kernel_features`` names them."""
+    name = tp.device_group_name or ""
+    return (("tp_projections_send",) if name in _SENDS else ()) + (
+        ("tp_fused_all_reduce",) if name in _FUSED else ())
+
+
 def all_reduce_algorithm(tp: TensorParallel) -> str:
     """What this group's small all-reduces run as: "symm_mem_one_shot", "triton_one_shot"
     (or both, smallest sizes first: "triton_one_shot+symm_mem_one_shot"), "nccl", "gloo"

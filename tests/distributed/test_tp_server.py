@@ -45,8 +45,14 @@ def _run(args: list[str], world_size: int = 1) -> scenario.Transcript:
         assert health.model.tensor_parallel_size == world_size
         per_rank = list(health.model.rank_memory_bytes)
         assert len(per_rank) == world_size and all(b > 0 for b in per_rank)
+        # what the group's all-reduces run as: gloo on CPU ("" for one process), and no
+        # projection sends (the push kernel needs CUDA)
+        assert health.model.tp_all_reduce == ("gloo" if world_size > 1 else "")
+        assert not any(f.startswith("tp_") for f in health.model.kernel_features)
         metrics = _scrape(str(server.events("serving")[0]["metrics"]))
         assert metrics["model_executor_tensor_parallel_size"] == {(): world_size}
+        assert metrics.get("model_executor_tp_all_reduce") == (
+            {(("algorithm", "gloo"),): 1} if world_size > 1 else None)
         assert metrics["model_executor_rank_memory_bytes"] == {
             (("rank", str(r)),): b for r, b in enumerate(per_rank)}
         return scenario.run(server.stub, PROMPT_A, PROMPT_B, kv_tokens=KV_TOKENS)

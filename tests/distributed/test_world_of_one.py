@@ -29,7 +29,12 @@ def test_world_of_one_gives_the_plain_executors_tokens() -> None:
         assert group.all_reduce_algorithm(tp) == "gloo"  # no symmetric memory on CPU
         # "auto", the default, asked; nothing to time on gloo, so nothing was
         assert group.all_reduce_choice(tp) == {"algorithm": "gloo", "asked": "auto",
-                                             "fused_into_projections": False}
+                                             "fused_into_projections": False,
+                                             "projections_send": False}
+        # what Health reports: the group's algorithm, no projection features on gloo
+        assert ex.model_info.tp_all_reduce == "gloo"
+        assert not any(f.startswith("tp_") for f in ex.model_info.kernel_features)
+        assert Executor(cfg).model_info.tp_all_reduce == ""
         assert group.all_reduce_algorithm(group.TensorParallel.single()) == "none"
         # count the collectives one forward runs: embedding, 2 per layer, the LM head
         original_reduce, original_gather = tp.all_reduce, tp.all_gather

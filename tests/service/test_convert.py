@@ -172,16 +172,19 @@ def test_health_says_what_the_kernel_switches_resolved_to() -> None:
     chose) reaches Health, as grpcurl users read it."""
     from executor.api import ExecutorStatus, KVStats, ModelInfo
 
+    features = ("fused_decode_rope", "pdl", "tp_projections_send")
     model = ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096, "triton",
-                      kernel_features=("fused_decode_rope", "pdl"))
+                      tensor_parallel_size=2, kernel_features=features,
+                      tp_all_reduce="triton_lamport")
     kv = KVStats(total_tokens=100, free_tokens=100, total_slots=4, free_slots=4,
                  active_sequences=0)
     msg = convert.health_response(pb.SERVER_STATE_READY, ExecutorStatus(model, kv), "v", 1.0, 0)
-    assert list(msg.model.kernel_features) == ["fused_decode_rope", "pdl"]
+    assert list(msg.model.kernel_features) == list(features)
+    assert msg.model.tp_all_reduce == "triton_lamport"
     bare = convert.health_response(pb.SERVER_STATE_READY,
                                    ExecutorStatus(ModelInfo("m", "a", "f", "cpu", 1, 1, "t"), kv),
                                    "v", 1.0, 0)
-    assert list(bare.model.kernel_features) == []
+    assert list(bare.model.kernel_features) == [] and bare.model.tp_all_reduce == ""
 
 
 def test_kernel_features_are_a_metric_per_feature() -> None:
@@ -200,6 +203,13 @@ def test_kernel_features_are_a_metric_per_feature() -> None:
                                          {"feature": feature}) == 1
     assert registry.get_sample_value("model_executor_kernel_feature",
                                      {"feature": "other"}) is None
+    # one process: no all-reduce; a tensor-parallel group: what its all-reduces run as
+    assert "model_executor_tp_all_reduce" not in {
+        s.name for m in registry.collect() for s in m.samples}
+    recorder.model(ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096,
+                             "triton", tensor_parallel_size=2, tp_all_reduce="triton_lamport"))
+    assert registry.get_sample_value("model_executor_tp_all_reduce",
+                                     {"algorithm": "triton_lamport"}) == 1
 
 
 @pytest.mark.parametrize("long_id", [False, True])
