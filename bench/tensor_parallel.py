@@ -269,7 +269,9 @@ def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
 
     us = {label: group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
           for label, graph in graphs.items()}
-    return {"sends": tp.push_path(probe) is not None, "ok": ok, "us_per_pair": us}
+    sends = tp.push_path(probe) is not None and \
+        "tp_projections_send" in group.projection_features(tp)
+    return {"sends": sends, "ok": ok, "us_per_pair": us}
 
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
