@@ -463,11 +463,8 @@ class TensorParallel:
         if send and name in _SENDS and not torch.compiler.is_compiling() and x.is_cuda:
             from executor.kernels import skinny_gemm
 
-            weight = getattr(layer, "weight", None)
-            if (weight is not None and skinny_gemm.serves(x, layer)
-                    and x.shape[1] == weight.shape[1] * (2 if silu_mul else 1)
-                    and not skinny_gemm.cublas_faster(
-                        skinny_gemm.SILU_MUL if silu_mul else skinny_gemm.PLAIN, x, weight)):
+            if skinny_gemm.takes(x, layer, silu_mul):
+                weight: torch.Tensor = layer.weight  # type: ignore[assignment]
                 out = x.new_empty((x.shape[0], weight.shape[0]))
                 path = self.push_path(out)
                 if path is not None and path.sends(out):

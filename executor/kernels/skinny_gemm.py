@@ -503,15 +503,14 @@ def reducible(x: torch.Tensor, producer: torch.nn.Module, consumer: torch.nn.Mod
     ``site`` for ``consumer``, a pre-norm projection with norm weight ``norm_weight``, to
     gather: both are one-row skinny GEMMs on this GPU (``serves``, not left to cuBLAS),
     their widths chain and the row fits the site."""
-    if not (x.is_cuda and serves(x, producer) and serves(x, consumer)):
+    if not (x.is_cuda and x.shape[0] == 1 and takes(x, producer, silu_mul)
+            and serves(x, consumer)):
         return False
     w_p: torch.Tensor = producer.weight  # type: ignore[assignment]
     w_c: torch.Tensor = consumer.weight  # type: ignore[assignment]
-    prologue = SILU_MUL if silu_mul else PLAIN
-    return (x.shape == (1, w_p.shape[1] * (2 if silu_mul else 1))
-            and w_c.shape[1] == w_p.shape[0] and site.fits(w_p.shape[0], x.dtype)
+    return (w_c.shape[1] == w_p.shape[0] and site.fits(w_p.shape[0], x.dtype)
             and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-            and not cublas_faster(prologue, x, w_p) and not cublas_faster(ADD_RMS_NORM, x, w_c))
+            and not cublas_faster(ADD_RMS_NORM, x, w_c))
 
 
 def gather_norm_linear(site: ReduceSite, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -590,22 +589,30 @@ def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:
             and x.dtype == layer.weight.dtype and layer.weight.stride(-1) == 1)
 
 
+def takes(x: torch.Tensor, layer: torch.nn.Module, silu_mul: bool = False) -> bool:
+    """Whether ``layer(x)`` (``silu_mul``: ``layer(silu_and_mul(x))``) runs as one
+    ``skinny_gemm`` launch here: the kernel serves them, the widths chain, and this GPU's
+    sweep did not find the unfused path faster (``cublas_faster``)."""
+    if not serves(x, layer):  # (a plain nn.Linear: it has a weight)
+        return False
+    weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+    return x.shape[1] == weight.shape[1] * (2 if silu_mul else 1) \
+        and not cublas_faster(SILU_MUL if silu_mul else PLAIN, x, weight)
+
+
 def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, through ``skinny_gemm`` where it serves and cuBLAS was not faster."""
-    if serves(x, layer) and not cublas_faster(PLAIN, x, layer.weight):  # type: ignore[arg-type]
+    """``layer(x)``, through ``skinny_gemm`` where it ``takes`` it."""
+    if takes(x, layer):
         return skinny_gemm(x, layer.weight)  # type: ignore[arg-type]
     return layer(x)  # type: ignore[no-any-return]
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,
                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it serves and
-    the unfused path was not faster."""
-    if serves(gate_up, layer):  # (a plain nn.Linear: it has a weight)
-        weight: torch.Tensor = layer.weight  # type: ignore[assignment]
-        if gate_up.shape[1] == 2 * weight.shape[1] \
-                and not cublas_faster(SILU_MUL, gate_up, weight):
-            return skinny_gemm(gate_up, weight, silu_mul=True)
+    """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it ``takes``
+    it."""
+    if takes(gate_up, layer, silu_mul=True):
+        return skinny_gemm(gate_up, layer.weight, silu_mul=True)  # type: ignore[arg-type]
     return layer(silu_and_mul(gate_up))  # type: ignore[no-any-return]
 
 
