@@ -12,21 +12,27 @@ default, otherwise), a real
 
 * decode at batch 1, 8 and 64 (context 512): the graph replay's time per step, read from
   the server's ``model_executor_graph_replay_seconds`` histogram (CUDA events on rank 0,
-  all-reduces included, and so is any wait for a rank that launched its replay later),
-  and the executor's step time (``StepInfo.forward_ms``, medians);
+  all-reduces included, and so is any wait for a rank that launched its replay later)
+  after each of ``WINDOWS`` windows of the steps: the median of the windows' means (the
+  histogram gives sums, not single steps) and the mean; and the executor's step time
+  (``StepInfo.forward_ms``, medians);
 * prefill of 2048 tokens (one sequence): ``forward_ms``, median of 3.
 
 Beside them, measured in the same run: the HBM read bandwidth of GPU 0, the per-rank floor
 (weight bytes / N / bandwidth) and, for both all-reduce algorithms, the time of one
 all-reduce of a layer's activation (rows x hidden, bf16) across N GPUs inside a CUDA
 graph (two per layer), with a check that every sum is exact, for each size above 1.
-Decode at batch 1 at TP = N (``auto``) over TP = 1 for each N when both ran. Writes
+Decode at batch 1 at TP = N (``auto``) over TP = 1 for each N when both ran, as the
+median over each side's runs where a size runs more than once (``--tp 2,1,2,1,2``: a
+TP = N server's step time moved by up to 0.15 ms from one start to the next on two H100s,
+a TP = 1 server's by 0.02, ``bench/results/2026-11-26-tp-at-head``). Writes
 ``tensor_parallel.json`` and ``tensor_parallel.md``. Needs N GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -35,7 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,8 @@ BATCHES = (1, 8, 64)
 CONTEXT = 512
 PREFILL = 2048
 STEPS = 40
+#: The steps of a batch size are read in this many windows (``replay_ms``).
+WINDOWS = 8
 
 
 def _replay_seconds(metrics_port: int) -> tuple[float, float]:
@@ -65,6 +73,38 @@ def _replay_seconds(metrics_port: int) -> tuple[float, float]:
         elif line.startswith('model_executor_graph_replay_seconds_count{phase="decode"}'):
             count = float(line.split()[-1])
     return total, count
+
+
+def replay_ms(marks: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """The replay figures of one batch size from the histogram's (sum, count) read before
+    the steps and after each window of them: the mean over every step, each window's mean
+    (a window holds the replays recorded since the last read: they trail their steps by a
+    call or so), and the median of those, which one slow step moves only within its own
+    window."""
+    (s0, c0), (s1, c1) = marks[0], marks[-1]
+    windows = [(b[0] - a[0]) / (b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(marks)
+               if b[1] > a[1]]
+    return {"replay_ms_mean": (s1 - s0) / max(1.0, c1 - c0) * 1e3,
+            "replay_ms_windows": windows,
+            "replay_ms_median": statistics.median(windows) if windows else float("nan")}
+
+
+def bs1_ratios(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Decode at batch 1, TP = N (the default ``auto`` runs) over TP = 1, for each N run
+    beside TP = 1: the median over each side's runs (a size may be run several times,
+    interleaved with the others, as ``--tp 2,1,2,1,2`` does), with every run's figure.
+    A run's figure is its windows' median (its mean where a result predates them)."""
+    one = [_step_ms(r["decode_bs1"]) for r in runs if r["tp"] == 1]
+    if not one:
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for tp in sorted({r["tp"] for r in runs if r["tp"] > 1}):
+        many = [_step_ms(r["decode_bs1"]) for r in runs
+                if r["tp"] == tp and r["all_reduce"] == "auto"]
+        if many:
+            out[tp] = {"ratio": statistics.median(many) / statistics.median(one),
+                       "tp1_ms": one, "tpn_ms": many}
+    return out
 
 
 def serve(model: Path, tp: int, extra: list[str] | None = None
@@ -124,13 +164,15 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                                                  for s in ids])
                 for _ in range(5):
                     stub.Decode(decode, timeout=60)
-                before = _replay_seconds(metrics)
-                forward = [stub.Decode(decode, timeout=60).step for _ in range(STEPS)]
-                after = _replay_seconds(metrics)
+                marks = [_replay_seconds(metrics)]
+                forward = []
+                for _ in range(WINDOWS):
+                    forward += [stub.Decode(decode, timeout=60).step
+                                for _ in range(STEPS // WINDOWS)]
+                    marks.append(_replay_seconds(metrics))
                 assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
                 out[f"decode_bs{bs}"] = {
-                    "replay_ms_mean": (after[0] - before[0]) / max(1.0, after[1] - before[1])
-                    * 1e3,
+                    **replay_ms(marks),
                     "forward_ms_median": statistics.median(s.forward_ms for s in forward)}
                 stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
             times = []
@@ -301,12 +343,18 @@ def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str
     return result
 
 
+def _step_ms(got: dict[str, Any]) -> float:
+    """A batch size's step figure: the windows' median (the mean in older results)."""
+    return float(got["replay_ms_median"] if "replay_ms_median" in got else got["replay_ms_mean"])
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Tensor parallelism ({result['device']} x{result['gpus']}, commit "
              f"{result['commit']})", "",
              f"HBM read bandwidth (GPU 0): {result['read_gbs']:.0f} GB/s. Decode at context "
-             f"{CONTEXT}; replay = graph replay per step on rank 0 (all-reduces included); "
-             "floor = weight bytes per rank / bandwidth.", ""]
+             f"{CONTEXT}; replay = graph replay per step on rank 0 (all-reduces included), "
+             f"the median of {WINDOWS} windows' means; floor = weight bytes per rank / "
+             "bandwidth.", ""]
     for shape, runs in result["shapes"].items():
         lines += [f"## {shape}", "",
                   "| TP | floor ms | " + " | ".join(f"bs{b} replay ms (x floor)"
@@ -315,15 +363,20 @@ def markdown(result: dict[str, Any]) -> str:
                   "|---:|---:|" + "---:|" * len(BATCHES) + "---:|"]
         for run in runs["runs"]:
             floor = run["floor_ms"]
-            cells = [f"{run[f'decode_bs{b}']['replay_ms_mean']:.3f} "
-                     f"({run[f'decode_bs{b}']['replay_ms_mean'] / floor:.2f}x)"
-                     for b in BATCHES]
+            steps = [_step_ms(run[f"decode_bs{b}"]) for b in BATCHES]
+            cells = [f"{ms:.3f} ({ms / floor:.2f}x)" for ms in steps]
             label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
             lines.append(f"| {label} | {floor:.3f} | " + " | ".join(cells)
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
-        for tp, ratio in runs.get("bs1_ratios", {}).items():
-            lines += ["", f"Decode batch 1, TP = {tp} (auto) / TP = 1: {ratio:.2f} "
-                      "(target for the 8B at TP = 2: <= 0.6)."]
+        for tp, got in runs.get("bs1_ratios", {}).items():
+            if not isinstance(got, dict):  # a result written before the medians
+                got = {"ratio": got, "tp1_ms": [], "tpn_ms": []}
+            spread = "".join(
+                f"; TP = {n} runs {min(v):.3f}-{max(v):.3f} ms" for n, v
+                in ((1, got["tp1_ms"]), (tp, got["tpn_ms"])) if len(v) > 1)
+            lines += ["", f"Decode batch 1, TP = {tp} (auto) / TP = 1: {got['ratio']:.3f} "
+                      f"(medians over {len(got['tpn_ms']) or 1} and {len(got['tp1_ms']) or 1}"
+                      f" runs{spread}; target for the 8B at TP = 2: <= 0.6)."]
         for tp, ar in runs.get("allreduce_us", {}).items():
             lines += ["", f"All-reduce of one (rows, hidden) bf16 activation across "
                       f"{tp} GPUs inside a CUDA graph, µs (two per layer):", ""]
@@ -364,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl, "
                     ":symm_mem, :triton or :lamport (--tp-all-reduce; default auto), then /send, "
-                    "/off or /on for --tp-fuse-all-reduce (2:auto/off)")
+                    "/off or /on for --tp-fuse-all-reduce (2:auto/off); a size may repeat "
+                    "(2,1,2,1,2): the batch-1 ratio is then the median over its runs")
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "
                     "draw the weights on the GPUs (serve --load-format random)")
@@ -404,15 +458,14 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(json.dumps({shape: run}), flush=True)
         entry: dict[str, Any] = {"runs": runs, "seconds": time.perf_counter() - started}
-        one = [r for r in runs if r["tp"] == 1]
-        many = {r["tp"]: r for r in reversed(runs) if r["tp"] > 1 and r["all_reduce"] == "auto"}
-        if one:
-            entry["bs1_ratios"] = {tp: r["decode_bs1"]["replay_ms_mean"]
-                                   / one[0]["decode_bs1"]["replay_ms_mean"]
-                                   for tp, r in sorted(many.items())}
+        ratios = bs1_ratios(runs)
+        if ratios:
+            entry["bs1_ratios"] = ratios
         if not a.no_all_reduce_table:
             entry["allreduce_us"] = {tp: allreduce_us(tp, s.hidden_size)
-                                     for tp in sorted(many)}
+                                     for tp in sorted({r["tp"] for r in runs
+                                                       if r["tp"] > 1
+                                                       and r["all_reduce"] == "auto"})}
         result["shapes"][shape] = entry
         (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -5,16 +5,16 @@
 # STEPS (default "tests"): any of "tests regress bench"; "regress" runs the single-GPU
 # step-path tests on GPU 1 while the world-of-one test runs on GPU 0. WS1_K and TP2_K are
 # pytest -k filters of the world-of-one and the 2-GPU tests; SHAPES and RUNS (--tp) the
-# benchmark's (a shape written name@4 runs at size 4 only; the default RUNS times TP = 2
-# with the projections sending into the all-reduce, the default, and with
-# --tp-fuse-all-reduce off, in the same call), LOAD_FORMAT its weights (default random:
-# drawn on the GPUs, no checkpoint written first).
+# benchmark's (a shape written name@4 runs at size 4 only; the default RUNS alternates
+# TP = 2 and TP = 1 servers, three and two starts, for medians over starts; add
+# 2:auto/off for the projections not sending into the all-reduce), LOAD_FORMAT its weights
+# (default random: drawn on the GPUs, no checkpoint written first).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-results-local}
 STEPS=${STEPS:-tests}
 SHAPES=${SHAPES:-llama-3.2-1b,llama-3.1-8b}
-RUNS=${RUNS:-1,2,2:auto/off}
+RUNS=${RUNS:-2,1,2,1,2}
 LOAD_FORMAT=${LOAD_FORMAT:-random}
 WS1_K=${WS1_K:-}
 TP2_K=${TP2_K:-}

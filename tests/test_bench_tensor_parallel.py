@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.tensor_parallel import BATCHES, PREFILL, markdown, parse_runs
+from bench.tensor_parallel import BATCHES, PREFILL, bs1_ratios, markdown, parse_runs, replay_ms
 
 
 def test_a_shape_can_keep_only_some_sizes() -> None:
@@ -25,15 +25,15 @@ def _run(tp: int, algo: str, bs1_ms: float) -> dict[str, object]:
 
 
 def test_the_report_gives_every_size_its_ratio_and_all_reduce_table() -> None:
+    runs = [_run(1, "auto", 4.0), _run(2, "auto", 3.0), _run(4, "auto", 2.4)]
     result = {"device": "GPU", "gpus": 4, "commit": "abc", "read_gbs": 1000.0, "shapes": {
-        "8B": {"runs": [_run(1, "auto", 4.0), _run(2, "auto", 3.0), _run(4, "auto", 2.4)],
-               "bs1_ratios": {2: 0.75, 4: 0.6},
+        "8B": {"runs": runs, "bs1_ratios": bs1_ratios(runs),
                "allreduce_us": {2: {"nccl": {"algorithm": "nccl", "ok": True,
                                              "us": {"1": 10.0}}}}},
         "70B": {"runs": [_run(4, "auto", 13.5)]}}}
     # As written to tensor_parallel.json and read back (the sizes become strings).
     md = markdown(json.loads(json.dumps(result)))
-    assert "TP = 2 (auto) / TP = 1: 0.75" in md and "TP = 4 (auto) / TP = 1: 0.60" in md
+    assert "TP = 2 (auto) / TP = 1: 0.750" in md and "TP = 4 (auto) / TP = 1: 0.600" in md
     assert "across 2 GPUs" in md and "1 rows 10.0" in md
     assert "| 4 (auto) | 0.250 | 2.424 (9.70x)" in md
     assert "## 70B" in md and "13.635 (54.54x)" in md
@@ -56,3 +56,46 @@ def test_serve_args_reach_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
                    ["--prefill-graph", "fixed_grid"])
     assert seen == [["--tp-all-reduce", "triton", "--tp-fuse-all-reduce", "off",
                      "--load-format", "random", "--prefill-graph", "fixed_grid"]]
+
+
+def test_a_slow_step_moves_the_median_only_within_its_window() -> None:
+    # (sum s, count) after each window of 5 steps of 3 ms; the third window holds one
+    # step of 23 ms, and its replays trail the steps by one (the first read has 4).
+    marks, total, count = [(0.0, 0.0)], 0.0, 0
+    for w, n in enumerate((4, 5, 5, 5, 5)):
+        total += n * 0.003 + (0.020 if w == 2 else 0.0)
+        count += n
+        marks.append((total, float(count)))
+    got = replay_ms(marks)
+    assert got["replay_ms_windows"] == pytest.approx([3.0, 3.0, 7.0, 3.0, 3.0])
+    assert got["replay_ms_median"] == pytest.approx(3.0)
+    assert got["replay_ms_mean"] == pytest.approx((24 * 3 + 20) / 24)
+    # a window with no replay recorded yet is left out, not divided by zero
+    assert replay_ms([(0.0, 0.0), (0.0, 0.0), (0.006, 2.0)])["replay_ms_windows"] == \
+        pytest.approx([3.0])
+
+
+def test_the_ratio_is_the_median_over_repeated_runs_of_the_default_algorithm() -> None:
+    runs = [_run(2, "auto", 3.32), _run(1, "auto", 5.437), _run(2, "auto", 3.309),
+            _run(1, "auto", 5.452), _run(2, "auto", 3.365), _run(2, "lamport/off", 2.0)]
+    for r, ms in zip(runs, (3.32, 5.437, 3.309, 5.452, 3.365, 2.0), strict=True):
+        r["decode_bs1"] = {"replay_ms_median": ms, "replay_ms_mean": 9.0}  # the median counts
+    got = bs1_ratios(runs)
+    assert list(got) == [2]
+    assert got[2]["ratio"] == pytest.approx(3.32 / ((5.437 + 5.452) / 2))
+    assert got[2]["tpn_ms"] == [3.32, 3.309, 3.365]  # not the off run
+    md = markdown({"device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
+                   "shapes": {"8B": {"runs": runs, "bs1_ratios": got}}})
+    assert "TP = 2 (auto) / TP = 1: 0.610 (medians over 3 and 2 runs; TP = 1 runs " \
+        "5.437-5.452 ms; TP = 2 runs 3.309-3.365 ms" in md
+    assert bs1_ratios([_run(2, "auto", 3.0)]) == {}  # no TP = 1 run: no ratio
+
+
+def test_results_written_before_the_medians_still_render() -> None:
+    """Older ``tensor_parallel.json`` files (means only, a bare ratio) are re-rendered by
+    ``markdown`` (``bench.run --render`` style)."""
+    runs = [_run(1, "auto", 4.0), _run(2, "auto", 3.0)]
+    md = markdown({"device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
+                   "shapes": {"8B": {"runs": runs, "bs1_ratios": {"2": 0.75}}}})
+    assert "TP = 2 (auto) / TP = 1: 0.750 (medians over 1 and 1 runs;" in md
+    assert "| 2 (auto) | 0.500 | 3.030 (6.06x)" in md
