@@ -62,17 +62,31 @@ STEPS = 40
 WINDOWS = 8
 
 
-def _replay_seconds(metrics_port: int) -> tuple[float, float]:
-    """(sum, count) of the decode graph replays so far."""
+def _decode_histograms(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) so far of the decode phase's graph replays (``replay``) and, under
+    tensor parallelism, launch lags (``lag``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                   timeout=10).read().decode()
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith('model_executor_graph_replay_seconds_sum{phase="decode"}'):
-            total = float(line.split()[-1])
-        elif line.startswith('model_executor_graph_replay_seconds_count{phase="decode"}'):
-            count = float(line.split()[-1])
-    return total, count
+    return decode_histograms(text)
+
+
+def decode_histograms(text: str) -> dict[str, tuple[float, float]]:
+    """``_decode_histograms`` of a scrape's text."""
+    found: dict[str, list[float]] = {"replay": [0.0, 0.0], "lag": [0.0, 0.0]}
+    for key, name in (("replay", "graph_replay_seconds"), ("lag", "tp_launch_lag_seconds")):
+        for i, part in enumerate(("sum", "count")):
+            head = f'model_executor_{name}_{part}{{phase="decode"}}'
+            for line in text.splitlines():
+                if line.startswith(head):
+                    found[key][i] = float(line.split()[-1])
+    return {k: (v[0], v[1]) for k, v in found.items()}
+
+
+def lag_ms_mean(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]]
+                ) -> float | None:
+    """Mean launch lag (ms) of the steps between two reads; None without any (TP = 1)."""
+    (s0, c0), (s1, c1) = first["lag"], last["lag"]
+    return (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else None
 
 
 def replay_ms(marks: Sequence[tuple[float, float]]) -> dict[str, Any]:
@@ -164,15 +178,16 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                                                  for s in ids])
                 for _ in range(5):
                     stub.Decode(decode, timeout=60)
-                marks = [_replay_seconds(metrics)]
+                marks = [_decode_histograms(metrics)]
                 forward = []
                 for _ in range(WINDOWS):
                     forward += [stub.Decode(decode, timeout=60).step
                                 for _ in range(STEPS // WINDOWS)]
-                    marks.append(_replay_seconds(metrics))
+                    marks.append(_decode_histograms(metrics))
                 assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
                 out[f"decode_bs{bs}"] = {
-                    **replay_ms(marks),
+                    **replay_ms([m["replay"] for m in marks]),
+                    "launch_lag_ms_mean": lag_ms_mean(marks[0], marks[-1]),
                     "forward_ms_median": statistics.median(s.forward_ms for s in forward)}
                 stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
             times = []
@@ -368,6 +383,16 @@ def markdown(result: dict[str, Any]) -> str:
             label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
             lines.append(f"| {label} | {floor:.3f} | " + " | ".join(cells)
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
+        lags = [(run, [run[f"decode_bs{b}"].get("launch_lag_ms_mean") for b in BATCHES])
+                for run in runs["runs"] if run["tp"] > 1]
+        lags = [(run, got) for run, got in lags if any(v is not None for v in got)]
+        if lags:
+            lines += ["", "Launch lag, how much later than rank 0 the last other rank "
+                      "launched a decode step (mean, ms, batch "
+                      + "/".join(str(b) for b in BATCHES) + "): " + "; ".join(
+                          f"TP = {run['tp']} ({run['all_reduce']}) "
+                          + " / ".join("-" if v is None else f"{v:.3f}" for v in got)
+                          for run, got in lags) + "."]
         for tp, got in runs.get("bs1_ratios", {}).items():
             if not isinstance(got, dict):  # a result written before the medians
                 got = {"ratio": got, "tp1_ms": [], "tpn_ms": []}

@@ -155,12 +155,16 @@ class StepInfo:
     forward_ms: float
     #: Decode steps run (``num_steps``; 1 for every other step).
     num_steps: int = 1
+    #: Tensor parallelism with the local control transport: how much later than rank 0
+    #: the last other rank launched the step's forward (ms; 0 when every one launched
+    #: first; the largest over ``num_steps``); None otherwise.
+    launch_lag_ms: float | None = None
 
     def timed(self, forward_ms: float) -> StepInfo:
         """This info with ``forward_ms`` (once per step: cheaper than
         ``dataclasses.replace``, which looks the fields up each call)."""
         return StepInfo(self.phase, self.path, self.fallback_reason, self.num_tokens,
-                        self.padded_tokens, forward_ms, self.num_steps)
+                        self.padded_tokens, forward_ms, self.num_steps, self.launch_lag_ms)
 
 
 @dataclass(frozen=True)

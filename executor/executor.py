@@ -338,6 +338,7 @@ class Executor:
         n = len(items)
         rows = list(range(n))
         samples: list[DeviceSample] = []
+        lags: list[float] = []
         try:
             decision = self._decide("decode", len(items))
             first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
@@ -354,6 +355,8 @@ class Executor:
                 assert sample is not None
                 self._remember_last(sample, batch.req_pool_indices, stored=True)
                 samples.append(sample)
+                if info.launch_lag_ms is not None:
+                    lags.append(info.launch_lag_ms)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -369,7 +372,8 @@ class Executor:
         if num_steps != 1:
             info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
                                        padded_tokens=info.padded_tokens * num_steps,
-                                       num_steps=num_steps)
+                                       num_steps=num_steps,
+                                       launch_lag_ms=max(lags) if lags else None)
         return self._pending(PendingStep(
             "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling, stops,
             samples, info, started=started, had_last=had_last))
@@ -591,8 +595,9 @@ class Executor:
         mode = self._mode(batch.phase, decision, params)
         # (the other ranks got the step from ``_announcer`` while it was packed)
         logits = self._forward(batch, mode, decision.bucket)
-        if self.channel is not None:  # every rank got the step (after our own launch)
-            self.channel.confirm()
+        lag = None
+        if self.channel is not None:  # every rank launched the step (after our own launch)
+            lag = self.channel.confirm(time.monotonic_ns())
         sample = self.sampler.sample(
             logits, params, positions, targets,
             None if remember is None else (self.last_tokens, remember)) \
@@ -600,7 +605,8 @@ class Executor:
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"
-        return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms)
+        return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms,
+                                launch_lag_ms=None if lag is None else lag * 1e3)
 
     def _mode(self, phase: Phase, decision: Decision, params: list[SamplingParams]) -> Mode:
         """How a step's forward runs (every rank runs it the same way)."""
@@ -660,6 +666,8 @@ class Executor:
         if layout is None:
             self.table.write_device(batch.table_index, batch.out_cache_loc)
         self._forward(batch, header.mode, header.bucket)
+        if self.channel is not None:
+            self.channel.launched()  # rank 0's confirmation, with our launch time
         if header.sampled and self.channel is not None:
             sampled = self.channel.receive_sampled(header.sampled)  # (2, sequences)
             self.last_tokens.index_copy_(0, sampled[0], sampled[1])

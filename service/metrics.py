@@ -34,6 +34,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 REPLAY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                   0.1, 0.25, 0.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+LAUNCH_LAG_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                      0.01, 0.1)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                5.0, 10.0, 30.0)
 
@@ -126,6 +128,12 @@ class Metrics:
         self.rank_memory_bytes = Gauge(p + "rank_memory_bytes", "Weights and KV cache held "
                                        "by each tensor-parallel rank, at start-up", ["rank"],
                                        registry=r)
+        self.tp_launch_lag_seconds = Histogram(
+            p + "tp_launch_lag_seconds", "How much later than rank 0 the last other "
+            "tensor-parallel rank launched a step's forward (0 when every one launched "
+            "first): what rank 0's device waits at the step's first collective (ranks on "
+            "one host only; absent otherwise)", ["phase"], buckets=LAUNCH_LAG_BUCKETS,
+            registry=r)
         # -- gRPC (the go-grpc-prometheus names, so stock gRPC dashboards work) --------
         rpc_labels = ["grpc_service", "grpc_method", "grpc_type"]
         self.grpc_started = Counter("grpc_server_started", "RPCs started", rpc_labels,

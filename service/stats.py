@@ -59,6 +59,8 @@ class StatsRecorder:
         child(m.tokens, phase).inc(step.num_tokens)
         child(m.batch_size, phase).observe(batch_size)
         child(m.padded_tokens, phase).inc(step.padded_tokens)
+        if step.launch_lag_ms is not None:
+            child(m.tp_launch_lag_seconds, phase).observe(step.launch_lag_ms / 1e3)
         if step.path == "graph":
             child(m.graph_replays, phase).inc()
         else:

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.tensor_parallel import BATCHES, PREFILL, bs1_ratios, markdown, parse_runs, replay_ms
+from bench.tensor_parallel import (
+    BATCHES,
+    PREFILL,
+    bs1_ratios,
+    decode_histograms,
+    lag_ms_mean,
+    markdown,
+    parse_runs,
+    replay_ms,
+)
 
 
 def test_a_shape_can_keep_only_some_sizes() -> None:
@@ -99,3 +108,29 @@ def test_results_written_before_the_medians_still_render() -> None:
                    "shapes": {"8B": {"runs": runs, "bs1_ratios": {"2": 0.75}}}})
     assert "TP = 2 (auto) / TP = 1: 0.750 (medians over 1 and 1 runs;" in md
     assert "| 2 (auto) | 0.500 | 3.030 (6.06x)" in md
+
+
+def test_the_launch_lag_is_read_from_the_scrape_and_reported_per_run() -> None:
+    def scrape(replay: tuple[float, float], lag: tuple[float, float] | None) -> str:
+        lines = [f'model_executor_graph_replay_seconds_sum{{phase="decode"}} {replay[0]}',
+                 f'model_executor_graph_replay_seconds_count{{phase="decode"}} {replay[1]}',
+                 'model_executor_graph_replay_seconds_sum{phase="prefill"} 99.0']
+        if lag is not None:
+            lines += [f'model_executor_tp_launch_lag_seconds_sum{{phase="decode"}} {lag[0]}',
+                      f'model_executor_tp_launch_lag_seconds_count{{phase="decode"}} {lag[1]}']
+        return "\n".join(lines) + "\n"
+
+    first = decode_histograms(scrape((1.0, 10.0), (0.001, 10.0)))
+    last = decode_histograms(scrape((1.2, 50.0), (0.003, 50.0)))
+    assert first == {"replay": (1.0, 10.0), "lag": (0.001, 10.0)}
+    assert lag_ms_mean(first, last) == pytest.approx(0.05)  # 2 ms over 40 steps
+    tp1 = decode_histograms(scrape((1.0, 10.0), None))  # one process: no lag series
+    assert tp1["lag"] == (0.0, 0.0) and lag_ms_mean(tp1, tp1) is None
+
+    runs = [_run(1, "auto", 4.0), _run(2, "auto", 3.0)]
+    for b in BATCHES:
+        runs[0][f"decode_bs{b}"]["launch_lag_ms_mean"] = None  # type: ignore[index]
+        runs[1][f"decode_bs{b}"]["launch_lag_ms_mean"] = 0.05 * b  # type: ignore[index]
+    md = markdown({"device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
+                   "shapes": {"8B": {"runs": runs}}})
+    assert "(mean, ms, batch 1/8/64): TP = 2 (auto) 0.050 / 0.400 / 3.200." in md

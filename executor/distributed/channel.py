@@ -19,9 +19,14 @@ over the ranks, so all use the same one).
 
 Delivery is confirmed, so a hung rank still fails a step within the collective timeout:
 a gloo broadcast's root returns only once every rank received; on ``local`` each rank
-answers every message with one byte, and rank 0 waits for the answers of everything it
-sent in ``confirm`` (after launching its own forward: the wait overlaps its work) up to
-the group's timeout.
+answers every message (``ANSWER_BYTES``), and rank 0 waits for the answers of everything
+it sent in ``confirm`` (after launching its own forward: the wait overlaps its work) up
+to the group's timeout. A rank answers a step only once it has launched that step's
+forward (``launched``), with the monotonic clock of that moment (every rank of ``local``
+shares rank 0's host, hence its clock), so the answer costs the rank nothing before its
+launch and tells rank 0 how much later than its own the last rank's launch came: the
+*launch lag*, which a forward's first collective makes rank 0's device wait out
+(``model_executor_tp_launch_lag_seconds``).
 
 Every call here is a collective: rank 0 and every other rank make the matching calls in
 the same order (``Executor`` on rank 0, ``follower.follow`` elsewhere).
@@ -55,7 +60,10 @@ INLINE_ENTRIES = 1024
 Transport = Literal["auto", "local", "gloo"]
 #: How long the ranks try to connect at start-up before they all fall back to gloo.
 CONNECT_TIMEOUT_S = 20.0
-_ACK = b"\x01"
+#: Each answer on ``local``: an int64, for a step the monotonic clock (ns) when the rank
+#: had launched its forward, else 0.
+ANSWER_BYTES = 8
+_NOT_A_STEP = (0).to_bytes(ANSWER_BYTES, "little")
 #: How long another rank polls for the next message after one arrived, before it sleeps
 #: in ``recv``: while steps keep coming (a serving scheduler's), the rank never sleeps.
 #: Waking a sleeping process and running its first Python on a cold core took ~150-200 us
@@ -79,6 +87,7 @@ class StepChannel:
         self._leader: socket.socket | None = None  # another rank, local: rank 0's socket
         self._unconfirmed = 0  # rank 0, local: messages sent whose answers are not read
         self.spin_s = spin_s  # another rank, local: how long to poll after a message
+        self._owed = False  # another rank, local: a step received, not yet answered
         self._last_message = 0.0  # when the last one arrived (time.monotonic)
         self.transport: Literal["local", "gloo"] = "gloo"
         if transport != "gloo" and tp.size > 1:
@@ -187,17 +196,26 @@ class StepChannel:
         if not isinstance(header, ShutdownHeader):  # not answered: rank 0 closes after it
             self._unconfirmed += 1
 
-    def confirm(self) -> None:
+    def confirm(self, launched_ns: int | None = None) -> float | None:
         """Wait until every other rank answered every message sent so far (local; a gloo
-        broadcast confirmed already). Raises ``CollectiveFailed`` past the timeout."""
+        broadcast confirmed already). Raises ``CollectiveFailed`` past the timeout.
+
+        With ``launched_ns``, this rank's monotonic clock when it launched the forward of
+        the step it sent last: the launch lag in seconds, how much later the last other
+        rank launched that step's forward (0 when every one launched first); None where
+        it is not known (gloo, or the last message was not a step)."""
         if not self._unconfirmed:
-            return
+            return None
+        n = self._unconfirmed * ANSWER_BYTES
         try:
-            for peer in self._peers:
-                _read(peer, self._unconfirmed)
+            last = [int.from_bytes(_read(peer, n)[-ANSWER_BYTES:], "little")
+                    for peer in self._peers]
         except OSError as exc:  # socket.timeout is an OSError
             raise CollectiveFailed(f"tensor-parallel step delivery failed: {exc}") from exc
         self._unconfirmed = 0
+        if launched_ns is None or not last or min(last) <= 0:
+            return None
+        return max(0, max(last) - launched_ns) / 1e9
 
     def send_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each sampled row's (slot, token) to the other ranks' ``last_tokens``."""
@@ -210,8 +228,12 @@ class StepChannel:
 
     # -- other ranks ----------------------------------------------------------------------
     def receive(self) -> tuple[Header, torch.Tensor | None]:
-        """The next header and, for a step, its packed host buffer (a new tensor)."""
+        """The next header and, for a step, its packed host buffer (a new tensor). A step
+        is answered by ``launched`` (or, if that was not called, here, before the next
+        message is read)."""
         if self._leader is not None:
+            if self._owed:
+                self._answer(self._leader, _NOT_A_STEP)
             return self._receive_local(self._leader)
         with collective("step broadcast"):
             dist.broadcast(self._message, src=0, group=self._control)
@@ -236,12 +258,27 @@ class StepChannel:
                 packed = torch.empty(header.sizes.total, dtype=torch.int64)
                 if header.sizes.total:
                     _read_into(leader, packed.numpy().data.cast("B"))
-            if not isinstance(header, ShutdownHeader):  # rank 0 closes right after it
-                leader.sendall(_ACK)
         except OSError as exc:
             raise CollectiveFailed(f"tensor-parallel step receive failed: {exc}") from exc
+        if isinstance(header, StepHeader):
+            self._owed = True  # answered once its forward is launched (``launched``)
+        elif not isinstance(header, ShutdownHeader):  # rank 0 closes right after it
+            self._answer(leader, _NOT_A_STEP)
         self._last_message = time.monotonic()
         return header, packed
+
+    def launched(self) -> None:
+        """Another rank: it has launched the forward of the step it received last;
+        answer that step with the time (local; nothing to do on gloo)."""
+        if self._owed and self._leader is not None:
+            self._answer(self._leader, time.monotonic_ns().to_bytes(ANSWER_BYTES, "little"))
+
+    def _answer(self, leader: socket.socket, answer: bytes) -> None:
+        try:
+            leader.sendall(answer)
+        except OSError as exc:
+            raise CollectiveFailed(f"tensor-parallel step answer failed: {exc}") from exc
+        self._owed = False
 
     def _spin_until(self) -> float:
         """Until when to poll for the next message instead of sleeping in ``recv``: up to

@@ -1,6 +1,7 @@
 """The step channel between real processes, over each transport (local Unix sockets and
 gloo): every kind of header arrives as sent, with its packed buffer (inline in gloo's
-header broadcast or after it), the sampled tokens land on the other rank, and a rank that
+header broadcast or after it), the sampled tokens land on the other rank, rank 0 learns
+how much later than its own the other rank launched a step (local), and a rank that
 stops reading fails rank 0's confirmation within the timeout."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from executor.distributed.protocol import (
 from executor.packing import PackedSizes
 
 INLINE = 64
+LATE_S = 0.05
 
 
 def _messages() -> list[tuple[Any, torch.Tensor | None]]:
@@ -50,21 +52,31 @@ def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -
     channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport,
                           spin_s=spin_s)
     received: list[Any] = [channel.transport]
+    lags: list[float | None] = []
     for i, (header, packed) in enumerate(_messages()):
         if rank == 0:
             if i == 2:  # past the receiver's polling: it sleeps in recv for this one
                 time.sleep(spin_s + 0.1)
             channel.send(header, packed)
-            channel.confirm()
+            launched = time.monotonic_ns()  # "our forward": launched right after the send
+            if i == 1:  # this step: the other rank launches first
+                time.sleep(LATE_S)
+                launched = time.monotonic_ns()
+            lags.append(channel.confirm(launched))
         else:
             got, got_packed = channel.receive()
             received.append((got, None if got_packed is None else got_packed.tolist()))
+            if i == 0:  # the first step: this rank launches LATE_S after rank 0
+                time.sleep(LATE_S)
+            if i < 2:  # the third step is never said launched: answered at the next read
+                channel.launched()
     slots, tokens = torch.tensor([4, 0, 2]), torch.tensor([17, 99, 5])
     if rank == 0:
         channel.send_sampled(slots, tokens)
+        out.put((0, lags))
     else:
         received.append(("sampled", channel.receive_sampled(3).tolist()))
-        out.put(received)
+        out.put((1, received))
     channel.close()
     group.shutdown(tp)
 
@@ -87,20 +99,29 @@ def test_headers_and_packed_steps_cross_between_processes(transport: Transport,
                                                          spin_s: float) -> None:
     procs, out = _spawn(_rank, transport, spin_s)
     try:
-        received = out.get(timeout=120)
+        got = dict(out.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
             p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
+    received, lags = got[1], got[0]
     assert received[0] == ("gloo" if transport == "gloo" else "local")
     want = [(h, None if p is None else p.tolist()) for h, p in _messages()]
     assert received[1:-1] == want
     assert received[-1] == ("sampled", [[4, 0, 2], [17, 99, 5]])
+    if transport == "gloo":  # a broadcast confirms delivery, not launches
+        assert lags == [None] * len(want)
+        return
+    # the late launch, then one ahead of rank 0's (0, not negative); then a step never
+    # said launched, a fork and a capture: no lag; SHUTDOWN is not answered
+    assert lags[0] is not None and LATE_S * 0.8 < lags[0] < 5.0
+    assert lags[1:] == [0.0, None, None, None, None]
 
 
-def _silent_rank(rank: int, port: int, out: Any) -> None:
-    """Rank 1 takes one step, then stops reading; rank 0 reports what its next
-    confirmation raised and how long it took (timeout 2 s)."""
+def _silent_rank(rank: int, port: int, out: Any, reads_second: bool) -> None:
+    """Rank 1 takes (and launches) one step, then stops reading, or reads the second step
+    but never launches it (``reads_second``: stuck before its launch); rank 0 reports what
+    its next confirmation raised and how long it took (timeout 2 s)."""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
@@ -119,12 +140,17 @@ def _silent_rank(rank: int, port: int, out: Any) -> None:
         store.set("done", "1")
     else:
         channel.receive()
+        channel.launched()
+        if reads_second:
+            channel.receive()
         store.wait(["done"], datetime.timedelta(seconds=60))
     channel.close()
 
 
-def test_a_rank_that_stops_reading_fails_the_confirmation_within_the_timeout() -> None:
-    procs, out = _spawn(_silent_rank)
+@pytest.mark.parametrize("reads_second", [False, True], ids=["stops-reading", "never-launches"])
+def test_a_rank_that_stops_reading_fails_the_confirmation_within_the_timeout(
+        reads_second: bool) -> None:
+    procs, out = _spawn(_silent_rank, reads_second)
     try:
         what, waited = out.get(timeout=120)
     finally:

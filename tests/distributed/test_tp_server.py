@@ -55,7 +55,17 @@ def _run(args: list[str], world_size: int = 1) -> scenario.Transcript:
             {(("algorithm", "gloo"),): 1} if world_size > 1 else None)
         assert metrics["model_executor_rank_memory_bytes"] == {
             (("rank", str(r)),): b for r, b in enumerate(per_rank)}
-        return scenario.run(server.stub, PROMPT_A, PROMPT_B, kv_tokens=KV_TOKENS)
+        transcript = scenario.run(server.stub, PROMPT_A, PROMPT_B, kv_tokens=KV_TOKENS)
+        # every step's launch lag (the follower's answer carries its launch time; the
+        # ranks share this host, so the local transport): observed for both phases
+        lag = _scrape(str(server.events("serving")[0]["metrics"])).get(
+            "model_executor_tp_launch_lag_seconds_count", {})
+        if world_size > 1:
+            assert lag.get((("phase", "prefill"),), 0) > 0, lag
+            assert lag.get((("phase", "decode"),), 0) > 0, lag
+        else:
+            assert lag == {}
+        return transcript
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]
         if "--tensor-parallel-size" in args:

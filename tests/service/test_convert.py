@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.api import GREEDY, MAX_TOP_LOGPROBS, PhaseCapture, SamplingParams
+from executor.api import GREEDY, MAX_TOP_LOGPROBS, PhaseCapture, SamplingParams, StepInfo
 from executor.errors import InvalidRequest
 from service import convert
 from service.config import RequestLimits
@@ -210,6 +210,34 @@ def test_kernel_features_are_a_metric_per_feature() -> None:
                              "triton", tensor_parallel_size=2, tp_all_reduce="triton_lamport"))
     assert registry.get_sample_value("model_executor_tp_all_reduce",
                                      {"algorithm": "triton_lamport"}) == 1
+
+
+def test_a_steps_launch_lag_lands_in_its_phases_histogram_only_when_known() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from service.metrics import Metrics
+    from service.stats import StatsRecorder
+
+    registry = CollectorRegistry()
+    recorder = StatsRecorder(Metrics(registry, ("oom",)))
+    recorder.step(StepInfo("decode", "graph", "", 1, 0, 3.3), 1, 0.004)  # one process
+    assert "model_executor_tp_launch_lag_seconds_count" not in {
+        s.name for m in registry.collect() for s in m.samples}
+    for lag_ms in (0.0, 0.04, 0.2):
+        recorder.step(StepInfo("decode", "graph", "", 1, 0, 3.3, launch_lag_ms=lag_ms), 1,
+                      0.004)
+    labels = {"phase": "decode"}
+    assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_count",
+                                     labels) == 3
+    assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_sum",
+                                     labels) == pytest.approx(0.00024)
+    # 0 and 40 us at or under 50 us, 200 us above it
+    assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_bucket",
+                                     {**labels, "le": "5e-05"}) == 2
+    assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_count",
+                                     {"phase": "prefill"}) is None
+    # the lag survives the step's completion (``timed``)
+    assert StepInfo("decode", "graph", "", 1, 0, 0.0, 2, 0.07).timed(4.0).launch_lag_ms == 0.07
 
 
 @pytest.mark.parametrize("long_id", [False, True])
