@@ -5,7 +5,13 @@
 #   BASE=path/to/base/tree bash bench/kernel_check.sh
 # BASE: a checkout of the code to compare with (it needs bench/kernel_table.py and
 # bench/kernel_classes.py copied in if it predates them); without it, no A/B and no
-# "before" tables; BASE_COMMIT names it in the results. Logs go to $OUT/log.txt and $OUT/gpu_tests.log; JSON to $OUT.
+# "before" tables; BASE_COMMIT names it in the results. Issue 20's whole before/after on
+# one machine: main before its kernels, 282e7e2, prepared where the call can carry it:
+#   git archive 282e7e2 executor service bench | gzip > .cache/gpu/base.tgz
+# then on the GPU machine: mkdir base && tar xzf .cache/gpu/base.tgz -C base &&
+#   cp bench/{kernel_table,kernel_classes,shapes,hardware,switches}.py base/bench/
+# (today's kernel_table runs against that tree: checked on CPU up to the executor's
+# construction). Logs go to $OUT/log.txt and $OUT/gpu_tests.log; JSON to $OUT.
 # STEPS (default "tests skinny tables ab small") picks the parts; TESTS the test files and
 # TESTS_K a -k filter; AB_ROUNDS and AB_ORDER the A/B processes; SHAPES the shapes written.
 # "skinny" sweeps the skinny GEMM's tiles and writes them into this tree's kernels.

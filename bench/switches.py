@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from executor.config import KERNEL_SWITCH_MODES
+from executor import config
 
+# A base tree older than the switches (``kernel_check.sh``'s "before" side runs this file
+# in one) has none: the flags then still parse, and none may be given.
+KERNEL_SWITCH_MODES: tuple[str, ...] = getattr(config, "KERNEL_SWITCH_MODES", ("auto", "on", "off"))
 SWITCHES = ("fuse_decode_rope", "pdl")
 
 
