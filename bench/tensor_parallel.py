@@ -64,16 +64,20 @@ WINDOWS = 8
 
 def _decode_histograms(metrics_port: int) -> dict[str, tuple[float, float]]:
     """(sum, count) so far of the decode phase's graph replays (``replay``) and, under
-    tensor parallelism, launch lags (``lag``)."""
+    tensor parallelism, step deliveries and launch lags (``delivery``, ``lag``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                   timeout=10).read().decode()
     return decode_histograms(text)
 
 
+_HISTOGRAMS = (("replay", "graph_replay_seconds"), ("delivery", "tp_step_delivery_seconds"),
+               ("lag", "tp_launch_lag_seconds"))
+
+
 def decode_histograms(text: str) -> dict[str, tuple[float, float]]:
     """``_decode_histograms`` of a scrape's text."""
-    found: dict[str, list[float]] = {"replay": [0.0, 0.0], "lag": [0.0, 0.0]}
-    for key, name in (("replay", "graph_replay_seconds"), ("lag", "tp_launch_lag_seconds")):
+    found: dict[str, list[float]] = {key: [0.0, 0.0] for key, _ in _HISTOGRAMS}
+    for key, name in _HISTOGRAMS:
         for i, part in enumerate(("sum", "count")):
             head = f'model_executor_{name}_{part}{{phase="decode"}}'
             for line in text.splitlines():
@@ -82,10 +86,11 @@ def decode_histograms(text: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in found.items()}
 
 
-def lag_ms_mean(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]]
-                ) -> float | None:
-    """Mean launch lag (ms) of the steps between two reads; None without any (TP = 1)."""
-    (s0, c0), (s1, c1) = first["lag"], last["lag"]
+def mean_ms(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]],
+            key: str) -> float | None:
+    """Mean of histogram ``key`` (ms) over the steps between two reads; None without any
+    (``delivery`` and ``lag`` at TP = 1)."""
+    (s0, c0), (s1, c1) = first[key], last[key]
     return (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else None
 
 
@@ -187,7 +192,8 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                 assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
                 out[f"decode_bs{bs}"] = {
                     **replay_ms([m["replay"] for m in marks]),
-                    "launch_lag_ms_mean": lag_ms_mean(marks[0], marks[-1]),
+                    "delivery_ms_mean": mean_ms(marks[0], marks[-1], "delivery"),
+                    "launch_lag_ms_mean": mean_ms(marks[0], marks[-1], "lag"),
                     "forward_ms_median": statistics.median(s.forward_ms for s in forward)}
                 stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
             times = []
@@ -383,16 +389,19 @@ def markdown(result: dict[str, Any]) -> str:
             label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
             lines.append(f"| {label} | {floor:.3f} | " + " | ".join(cells)
                          + f" | {run[f'prefill_{PREFILL}_ms_median']:.2f} |")
-        lags = [(run, [run[f"decode_bs{b}"].get("launch_lag_ms_mean") for b in BATCHES])
-                for run in runs["runs"] if run["tp"] > 1]
-        lags = [(run, got) for run, got in lags if any(v is not None for v in got)]
-        if lags:
-            lines += ["", "Launch lag, how much later than rank 0 the last other rank "
-                      "launched a decode step (mean, ms, batch "
-                      + "/".join(str(b) for b in BATCHES) + "): " + "; ".join(
-                          f"TP = {run['tp']} ({run['all_reduce']}) "
-                          + " / ".join("-" if v is None else f"{v:.3f}" for v in got)
-                          for run, got in lags) + "."]
+        for key, what in (("delivery", "Step delivery, from rank 0 starting to send a "
+                           "decode step to the last other rank having it"),
+                          ("launch_lag", "Launch lag, how much later than rank 0 the last "
+                           "other rank launched a decode step")):
+            got = [(run, [run[f"decode_bs{b}"].get(f"{key}_ms_mean") for b in BATCHES])
+                   for run in runs["runs"] if run["tp"] > 1]
+            got = [(run, v) for run, v in got if any(x is not None for x in v)]
+            if got:
+                lines += ["", f"{what} (mean, ms, batch " + "/".join(str(b) for b in BATCHES)
+                          + "): " + "; ".join(
+                              f"TP = {run['tp']} ({run['all_reduce']}) "
+                              + " / ".join("-" if x is None else f"{x:.3f}" for x in v)
+                              for run, v in got) + "."]
         for tp, got in runs.get("bs1_ratios", {}).items():
             if not isinstance(got, dict):  # a result written before the medians
                 got = {"ratio": got, "tp1_ms": [], "tpn_ms": []}

@@ -155,16 +155,31 @@ class StepInfo:
     forward_ms: float
     #: Decode steps run (``num_steps``; 1 for every other step).
     num_steps: int = 1
-    #: Tensor parallelism with the local control transport: how much later than rank 0
-    #: the last other rank launched the step's forward (ms; 0 when every one launched
-    #: first; the largest over ``num_steps``); None otherwise.
-    launch_lag_ms: float | None = None
+    #: Tensor parallelism with the ranks on rank 0's host: when the other ranks had the
+    #: step and launched its forward (the largest over ``num_steps``); None otherwise.
+    ranks: RankTiming | None = None
 
     def timed(self, forward_ms: float) -> StepInfo:
         """This info with ``forward_ms`` (once per step: cheaper than
         ``dataclasses.replace``, which looks the fields up each call)."""
         return StepInfo(self.phase, self.path, self.fallback_reason, self.num_tokens,
-                        self.padded_tokens, forward_ms, self.num_steps, self.launch_lag_ms)
+                        self.padded_tokens, forward_ms, self.num_steps, self.ranks)
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """A tensor-parallel step's other ranks against rank 0 (ranks on one host, whose
+    monotonic clock they share), ms: ``delivery_ms`` from rank 0 starting to send the step
+    to the last rank having it; ``launch_lag_ms`` how much later than rank 0's the last
+    rank's launch of the step's forward came (0 when every one launched first), which
+    rank 0's device waits out at the forward's first collective."""
+
+    delivery_ms: float
+    launch_lag_ms: float
+
+    def worst(self, other: RankTiming) -> RankTiming:
+        return RankTiming(max(self.delivery_ms, other.delivery_ms),
+                          max(self.launch_lag_ms, other.launch_lag_ms))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from executor.api import (
     Phase,
     PhaseCapture,
     PrefillItem,
+    RankTiming,
     ReleaseResult,
     SamplingParams,
     StepInfo,
@@ -338,7 +339,7 @@ class Executor:
         n = len(items)
         rows = list(range(n))
         samples: list[DeviceSample] = []
-        lags: list[float] = []
+        ranks: RankTiming | None = None  # the worst over the steps
         try:
             decision = self._decide("decode", len(items))
             first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
@@ -355,8 +356,8 @@ class Executor:
                 assert sample is not None
                 self._remember_last(sample, batch.req_pool_indices, stored=True)
                 samples.append(sample)
-                if info.launch_lag_ms is not None:
-                    lags.append(info.launch_lag_ms)
+                if info.ranks is not None:
+                    ranks = info.ranks if ranks is None else ranks.worst(info.ranks)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -373,7 +374,7 @@ class Executor:
             info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
                                        padded_tokens=info.padded_tokens * num_steps,
                                        num_steps=num_steps,
-                                       launch_lag_ms=max(lags) if lags else None)
+                                       ranks=ranks)
         return self._pending(PendingStep(
             "decode", seq_ids, alloc, batch.seq_lens_host, tuple(rows), sampling, stops,
             samples, info, started=started, had_last=had_last))
@@ -595,9 +596,9 @@ class Executor:
         mode = self._mode(batch.phase, decision, params)
         # (the other ranks got the step from ``_announcer`` while it was packed)
         logits = self._forward(batch, mode, decision.bucket)
-        lag = None
+        ranks = None
         if self.channel is not None:  # every rank launched the step (after our own launch)
-            lag = self.channel.confirm(time.monotonic_ns())
+            ranks = self.channel.confirm(time.monotonic_ns())
         sample = self.sampler.sample(
             logits, params, positions, targets,
             None if remember is None else (self.last_tokens, remember)) \
@@ -606,7 +607,7 @@ class Executor:
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"
         return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms,
-                                launch_lag_ms=None if lag is None else lag * 1e3)
+                                ranks=ranks)
 
     def _mode(self, phase: Phase, decision: Decision, params: list[SamplingParams]) -> Mode:
         """How a step's forward runs (every rank runs it the same way)."""

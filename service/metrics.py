@@ -128,6 +128,10 @@ class Metrics:
         self.rank_memory_bytes = Gauge(p + "rank_memory_bytes", "Weights and KV cache held "
                                        "by each tensor-parallel rank, at start-up", ["rank"],
                                        registry=r)
+        self.tp_step_delivery_seconds = Histogram(
+            p + "tp_step_delivery_seconds", "From rank 0 starting to send a step to the "
+            "last other tensor-parallel rank having it (ranks on one host only; absent "
+            "otherwise)", ["phase"], buckets=LAUNCH_LAG_BUCKETS, registry=r)
         self.tp_launch_lag_seconds = Histogram(
             p + "tp_launch_lag_seconds", "How much later than rank 0 the last other "
             "tensor-parallel rank launched a step's forward (0 when every one launched "

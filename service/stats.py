@@ -59,8 +59,9 @@ class StatsRecorder:
         child(m.tokens, phase).inc(step.num_tokens)
         child(m.batch_size, phase).observe(batch_size)
         child(m.padded_tokens, phase).inc(step.padded_tokens)
-        if step.launch_lag_ms is not None:
-            child(m.tp_launch_lag_seconds, phase).observe(step.launch_lag_ms / 1e3)
+        if step.ranks is not None:
+            child(m.tp_step_delivery_seconds, phase).observe(step.ranks.delivery_ms / 1e3)
+            child(m.tp_launch_lag_seconds, phase).observe(step.ranks.launch_lag_ms / 1e3)
         if step.path == "graph":
             child(m.graph_replays, phase).inc()
         else:

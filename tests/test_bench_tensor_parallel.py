@@ -12,8 +12,8 @@ from bench.tensor_parallel import (
     PREFILL,
     bs1_ratios,
     decode_histograms,
-    lag_ms_mean,
     markdown,
+    mean_ms,
     parse_runs,
     replay_ms,
 )
@@ -116,21 +116,28 @@ def test_the_launch_lag_is_read_from_the_scrape_and_reported_per_run() -> None:
                  f'model_executor_graph_replay_seconds_count{{phase="decode"}} {replay[1]}',
                  'model_executor_graph_replay_seconds_sum{phase="prefill"} 99.0']
         if lag is not None:
-            lines += [f'model_executor_tp_launch_lag_seconds_sum{{phase="decode"}} {lag[0]}',
-                      f'model_executor_tp_launch_lag_seconds_count{{phase="decode"}} {lag[1]}']
+            for name, (total, n) in (("tp_launch_lag_seconds", lag),
+                                     ("tp_step_delivery_seconds", (lag[0] / 2, lag[1]))):
+                lines += [f'model_executor_{name}_sum{{phase="decode"}} {total}',
+                          f'model_executor_{name}_count{{phase="decode"}} {n}']
         return "\n".join(lines) + "\n"
 
     first = decode_histograms(scrape((1.0, 10.0), (0.001, 10.0)))
     last = decode_histograms(scrape((1.2, 50.0), (0.003, 50.0)))
-    assert first == {"replay": (1.0, 10.0), "lag": (0.001, 10.0)}
-    assert lag_ms_mean(first, last) == pytest.approx(0.05)  # 2 ms over 40 steps
-    tp1 = decode_histograms(scrape((1.0, 10.0), None))  # one process: no lag series
-    assert tp1["lag"] == (0.0, 0.0) and lag_ms_mean(tp1, tp1) is None
+    assert first == {"replay": (1.0, 10.0), "lag": (0.001, 10.0), "delivery": (0.0005, 10.0)}
+    assert mean_ms(first, last, "lag") == pytest.approx(0.05)  # 2 ms over 40 steps
+    assert mean_ms(first, last, "delivery") == pytest.approx(0.025)
+    tp1 = decode_histograms(scrape((1.0, 10.0), None))  # one process: no such series
+    assert tp1["lag"] == (0.0, 0.0) and mean_ms(tp1, tp1, "lag") is None
 
     runs = [_run(1, "auto", 4.0), _run(2, "auto", 3.0)]
     for b in BATCHES:
-        runs[0][f"decode_bs{b}"]["launch_lag_ms_mean"] = None  # type: ignore[index]
+        for key in ("launch_lag_ms_mean", "delivery_ms_mean"):
+            runs[0][f"decode_bs{b}"][key] = None  # type: ignore[index]
         runs[1][f"decode_bs{b}"]["launch_lag_ms_mean"] = 0.05 * b  # type: ignore[index]
+        runs[1][f"decode_bs{b}"]["delivery_ms_mean"] = 0.01  # type: ignore[index]
     md = markdown({"device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
                    "shapes": {"8B": {"runs": runs}}})
-    assert "(mean, ms, batch 1/8/64): TP = 2 (auto) 0.050 / 0.400 / 3.200." in md
+    assert "launched a decode step (mean, ms, batch 1/8/64): TP = 2 (auto) 0.050 / 0.400 / " \
+        "3.200." in md
+    assert "having it (mean, ms, batch 1/8/64): TP = 2 (auto) 0.010 / 0.010 / 0.010." in md

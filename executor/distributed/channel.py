@@ -22,11 +22,12 @@ a gloo broadcast's root returns only once every rank received; on ``local`` each
 answers every message (``ANSWER_BYTES``), and rank 0 waits for the answers of everything
 it sent in ``confirm`` (after launching its own forward: the wait overlaps its work) up
 to the group's timeout. A rank answers a step only once it has launched that step's
-forward (``launched``), with the monotonic clock of that moment (every rank of ``local``
-shares rank 0's host, hence its clock), so the answer costs the rank nothing before its
-launch and tells rank 0 how much later than its own the last rank's launch came: the
-*launch lag*, which a forward's first collective makes rank 0's device wait out
-(``model_executor_tp_launch_lag_seconds``).
+forward (``launched``), with the monotonic clock of its receipt and of that moment
+(every rank of ``local`` shares rank 0's host, hence its clock), so the answer costs the
+rank nothing before its launch and tells rank 0 how long the step took to arrive and how
+much later than its own the last rank's launch came: the *launch lag*, which a forward's
+first collective makes rank 0's device wait out (``RankTiming``;
+``model_executor_tp_step_delivery_seconds``, ``model_executor_tp_launch_lag_seconds``).
 
 Every call here is a collective: rank 0 and every other rank make the matching calls in
 the same order (``Executor`` on rank 0, ``follower.follow`` elsewhere).
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from executor.api import RankTiming
 from executor.distributed.group import _GROUPS, CollectiveFailed, TensorParallel, collective
 from executor.distributed.protocol import (
     HEADER_LEN,
@@ -60,10 +62,10 @@ INLINE_ENTRIES = 1024
 Transport = Literal["auto", "local", "gloo"]
 #: How long the ranks try to connect at start-up before they all fall back to gloo.
 CONNECT_TIMEOUT_S = 20.0
-#: Each answer on ``local``: an int64, for a step the monotonic clock (ns) when the rank
-#: had launched its forward, else 0.
-ANSWER_BYTES = 8
-_NOT_A_STEP = (0).to_bytes(ANSWER_BYTES, "little")
+#: Each answer on ``local``: two int64, for a step the rank's monotonic clock (ns) when it
+#: had received the step and when it had launched its forward, else zeros.
+ANSWER_BYTES = 16
+_NOT_A_STEP = bytes(ANSWER_BYTES)
 #: How long another rank polls for the next message after one arrived, before it sleeps
 #: in ``recv``: while steps keep coming (a serving scheduler's), the rank never sleeps.
 #: Waking a sleeping process and running its first Python on a cold core took ~150-200 us
@@ -88,6 +90,8 @@ class StepChannel:
         self._unconfirmed = 0  # rank 0, local: messages sent whose answers are not read
         self.spin_s = spin_s  # another rank, local: how long to poll after a message
         self._owed = False  # another rank, local: a step received, not yet answered
+        self._received_ns = 0  # another rank, local: when that step's header arrived
+        self._sent_ns = 0  # rank 0: when it began sending the last step
         self._last_message = 0.0  # when the last one arrived (time.monotonic)
         self.transport: Literal["local", "gloo"] = "gloo"
         if transport != "gloo" and tp.size > 1:
@@ -163,6 +167,7 @@ class StepChannel:
     # -- rank 0 ---------------------------------------------------------------------------
     def send(self, header: Header, packed: torch.Tensor | None = None) -> None:
         """Send ``header`` and, for a step, its packed host buffer to every other rank."""
+        self._sent_ns = time.monotonic_ns()
         total = header.sizes.total if isinstance(header, StepHeader) else 0
         if total:
             assert packed is not None and packed.numel() >= total
@@ -196,26 +201,29 @@ class StepChannel:
         if not isinstance(header, ShutdownHeader):  # not answered: rank 0 closes after it
             self._unconfirmed += 1
 
-    def confirm(self, launched_ns: int | None = None) -> float | None:
+    def confirm(self, launched_ns: int | None = None) -> RankTiming | None:
         """Wait until every other rank answered every message sent so far (local; a gloo
         broadcast confirmed already). Raises ``CollectiveFailed`` past the timeout.
 
         With ``launched_ns``, this rank's monotonic clock when it launched the forward of
-        the step it sent last: the launch lag in seconds, how much later the last other
-        rank launched that step's forward (0 when every one launched first); None where
-        it is not known (gloo, or the last message was not a step)."""
+        the step it sent last: when the other ranks had that step and launched its
+        forward, against this rank; None where that is not known (gloo, or the last
+        message was not a step, or a rank did not say it launched)."""
         if not self._unconfirmed:
             return None
         n = self._unconfirmed * ANSWER_BYTES
         try:
-            last = [int.from_bytes(_read(peer, n)[-ANSWER_BYTES:], "little")
+            last = [np.frombuffer(_read(peer, n)[-ANSWER_BYTES:], dtype="<i8")
                     for peer in self._peers]
         except OSError as exc:  # socket.timeout is an OSError
             raise CollectiveFailed(f"tensor-parallel step delivery failed: {exc}") from exc
         self._unconfirmed = 0
-        if launched_ns is None or not last or min(last) <= 0:
+        if launched_ns is None or not last or min(int(a[1]) for a in last) <= 0:
             return None
-        return max(0, max(last) - launched_ns) / 1e9
+        received = max(int(a[0]) for a in last)
+        launched = max(int(a[1]) for a in last)
+        return RankTiming((received - self._sent_ns) / 1e6,
+                          max(0, launched - launched_ns) / 1e6)
 
     def send_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each sampled row's (slot, token) to the other ranks' ``last_tokens``."""
@@ -252,6 +260,7 @@ class StepChannel:
         try:
             view = self._wire[:HEADER_LEN].data.cast("B")
             _read_into(leader, view, self._spin_until())
+            received = time.monotonic_ns()
             header = decode(self._wire[:HEADER_LEN].tolist())
             packed = None
             if isinstance(header, StepHeader):
@@ -262,6 +271,7 @@ class StepChannel:
             raise CollectiveFailed(f"tensor-parallel step receive failed: {exc}") from exc
         if isinstance(header, StepHeader):
             self._owed = True  # answered once its forward is launched (``launched``)
+            self._received_ns = received
         elif not isinstance(header, ShutdownHeader):  # rank 0 closes right after it
             self._answer(leader, _NOT_A_STEP)
         self._last_message = time.monotonic()
@@ -271,7 +281,8 @@ class StepChannel:
         """Another rank: it has launched the forward of the step it received last;
         answer that step with the time (local; nothing to do on gloo)."""
         if self._owed and self._leader is not None:
-            self._answer(self._leader, time.monotonic_ns().to_bytes(ANSWER_BYTES, "little"))
+            times = np.array([self._received_ns, time.monotonic_ns()], dtype="<i8")
+            self._answer(self._leader, times.tobytes())
 
     def _answer(self, leader: socket.socket, answer: bytes) -> None:
         try:

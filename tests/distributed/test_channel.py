@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from executor.api import RankTiming
 from executor.distributed import group
 from executor.distributed.channel import StepChannel, Transport
 from executor.distributed.group import CollectiveFailed
@@ -52,7 +53,7 @@ def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -
     channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport,
                           spin_s=spin_s)
     received: list[Any] = [channel.transport]
-    lags: list[float | None] = []
+    lags: list[RankTiming | None] = []
     for i, (header, packed) in enumerate(_messages()):
         if rank == 0:
             if i == 2:  # past the receiver's polling: it sleeps in recv for this one
@@ -113,9 +114,16 @@ def test_headers_and_packed_steps_cross_between_processes(transport: Transport,
         assert lags == [None] * len(want)
         return
     # the late launch, then one ahead of rank 0's (0, not negative); then a step never
-    # said launched, a fork and a capture: no lag; SHUTDOWN is not answered
-    assert lags[0] is not None and LATE_S * 0.8 < lags[0] < 5.0
-    assert lags[1:] == [0.0, None, None, None, None]
+    # said launched, a fork and a capture: no lag; SHUTDOWN is not answered. Each step
+    # arrived after it was sent, and before the other rank launched it.
+    late, early = lags[0], lags[1]
+    assert late is not None and early is not None
+    assert LATE_S * 1e3 * 0.8 < late.launch_lag_ms < 5000
+    assert early.launch_lag_ms == 0.0
+    for got in (late, early):
+        assert 0 < got.delivery_ms < 2000
+    assert late.delivery_ms < late.launch_lag_ms
+    assert lags[2:] == [None, None, None, None]
 
 
 def _silent_rank(rank: int, port: int, out: Any, reads_second: bool) -> None:

@@ -56,15 +56,17 @@ def _run(args: list[str], world_size: int = 1) -> scenario.Transcript:
         assert metrics["model_executor_rank_memory_bytes"] == {
             (("rank", str(r)),): b for r, b in enumerate(per_rank)}
         transcript = scenario.run(server.stub, PROMPT_A, PROMPT_B, kv_tokens=KV_TOKENS)
-        # every step's launch lag (the follower's answer carries its launch time; the
-        # ranks share this host, so the local transport): observed for both phases
-        lag = _scrape(str(server.events("serving")[0]["metrics"])).get(
-            "model_executor_tp_launch_lag_seconds_count", {})
-        if world_size > 1:
-            assert lag.get((("phase", "prefill"),), 0) > 0, lag
-            assert lag.get((("phase", "decode"),), 0) > 0, lag
-        else:
-            assert lag == {}
+        # every step's delivery and launch lag (the follower's answer carries its receipt
+        # and launch times; the ranks share this host, so the local transport): observed
+        # for both phases
+        scraped = _scrape(str(server.events("serving")[0]["metrics"]))
+        for name in ("tp_step_delivery_seconds", "tp_launch_lag_seconds"):
+            counts = scraped.get(f"model_executor_{name}_count", {})
+            if world_size > 1:
+                assert counts.get((("phase", "prefill"),), 0) > 0, (name, counts)
+                assert counts.get((("phase", "decode"),), 0) > 0, (name, counts)
+            else:
+                assert counts == {}, name
         return transcript
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]

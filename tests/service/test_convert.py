@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.api import GREEDY, MAX_TOP_LOGPROBS, PhaseCapture, SamplingParams, StepInfo
+from executor.api import (
+    GREEDY,
+    MAX_TOP_LOGPROBS,
+    PhaseCapture,
+    RankTiming,
+    SamplingParams,
+    StepInfo,
+)
 from executor.errors import InvalidRequest
 from service import convert
 from service.config import RequestLimits
@@ -212,7 +219,7 @@ def test_kernel_features_are_a_metric_per_feature() -> None:
                                      {"algorithm": "triton_lamport"}) == 1
 
 
-def test_a_steps_launch_lag_lands_in_its_phases_histogram_only_when_known() -> None:
+def test_a_steps_rank_timing_lands_in_its_phases_histograms_only_when_known() -> None:
     from prometheus_client import CollectorRegistry
 
     from service.metrics import Metrics
@@ -224,8 +231,8 @@ def test_a_steps_launch_lag_lands_in_its_phases_histogram_only_when_known() -> N
     assert "model_executor_tp_launch_lag_seconds_count" not in {
         s.name for m in registry.collect() for s in m.samples}
     for lag_ms in (0.0, 0.04, 0.2):
-        recorder.step(StepInfo("decode", "graph", "", 1, 0, 3.3, launch_lag_ms=lag_ms), 1,
-                      0.004)
+        recorder.step(StepInfo("decode", "graph", "", 1, 0, 3.3,
+                               ranks=RankTiming(0.01, lag_ms)), 1, 0.004)
     labels = {"phase": "decode"}
     assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_count",
                                      labels) == 3
@@ -236,8 +243,13 @@ def test_a_steps_launch_lag_lands_in_its_phases_histogram_only_when_known() -> N
                                      {**labels, "le": "5e-05"}) == 2
     assert registry.get_sample_value("model_executor_tp_launch_lag_seconds_count",
                                      {"phase": "prefill"}) is None
-    # the lag survives the step's completion (``timed``)
-    assert StepInfo("decode", "graph", "", 1, 0, 0.0, 2, 0.07).timed(4.0).launch_lag_ms == 0.07
+    assert registry.get_sample_value("model_executor_tp_step_delivery_seconds_sum",
+                                     labels) == pytest.approx(0.00003)
+    # the timing survives the step's completion (``timed``); a multi-step call keeps the
+    # worst of its steps
+    ranks = RankTiming(0.02, 0.07)
+    assert StepInfo("decode", "graph", "", 1, 0, 0.0, 2, ranks).timed(4.0).ranks == ranks
+    assert ranks.worst(RankTiming(0.05, 0.01)) == RankTiming(0.05, 0.07)
 
 
 @pytest.mark.parametrize("long_id", [False, True])
