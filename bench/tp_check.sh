@@ -2,7 +2,9 @@
 # One call on a multi-GPU machine for issue 22: the GPU tests of tensor parallelism and,
 # with STEPS containing "bench", bench.tensor_parallel. Run from the repo root with the
 # wheels on PYTHONPATH. Logs go to $OUT; the servers' JSON logs of a failed test too.
-# STEPS (default "tests"): any of "tests regress bench"; "regress" runs the single-GPU
+# STEPS (default "tests"): any of "tests regress bench profile"; "profile" runs
+# bench.tp_profile (the 8B at TP = 2, batch 1: per rank, kernels by class and which rank's
+# device reaches the first collective last); "regress" runs the single-GPU
 # step-path tests on GPU 1 while the world-of-one test runs on GPU 0. WS1_K and TP2_K are
 # pytest -k filters of the world-of-one and the 2-GPU tests; SHAPES and RUNS (--tp) the
 # benchmark's (a shape written name@4 runs at size 4 only; the default RUNS alternates
@@ -52,6 +54,12 @@ if has tests; then
   if [ $rc -ne 0 ]; then
     for f in /tmp/tp*-serve-*.log; do grep -v '"level": "info"' "$f" | tail -200 > "$OUT/$(basename "$f")"; done
   fi
+fi
+if has profile; then
+  log "bench.tp_profile (llama-3.1-8b, TP = 2, batch 1)"
+  timeout 150 python -m bench.tp_profile --model llama-3.1-8b --tp 2 --batches 1 \
+    --load-format "$LOAD_FORMAT" --out "$OUT/prof" > "$OUT/prof.log" 2>&1
+  log "profile rc=$?"
 fi
 if has bench; then
   log "bench.tensor_parallel ($SHAPES)"
