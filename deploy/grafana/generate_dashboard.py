@@ -242,6 +242,32 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             "{{grpc_method}}"),),
             "Server-side latency of Executor calls, from the interceptor.", unit="s", width=8),
     )),
+    ("Tensor parallelism", (
+        Panel("Other ranks: step delivery and launch lag (p50, p99)", "timeseries",
+              quantiles("model_executor_tp_launch_lag_seconds", "phase", "lag {{phase}}")
+              + quantiles("model_executor_tp_step_delivery_seconds", "phase",
+                          "delivery {{phase}}"),
+              "Servers split over several GPUs of one host (--tensor-parallel-size): per "
+              "call, from rank 0 starting to send a step to the last other rank having it "
+              "(delivery), and how much later than rank 0 that rank launched the step's "
+              "forward (launch lag: rank 0's GPU waits that long at the step's first "
+              "collective; 0 when every rank launched first). Empty for one-process servers.",
+              unit="s"),
+        Panel("Tensor-parallel servers", "table", (
+            Query(f"max by (instance) (model_executor_tensor_parallel_size{{{SEL}}}) > 1",
+                  instant=True),
+            Query(f"max by (instance, algorithm) (model_executor_tp_all_reduce{{{SEL}}})",
+                  instant=True)),
+            "Per tensor-parallel instance: its ranks and what its small all-reduces run as "
+            "(--tp-all-reduce, auto's choice included: triton_lamport, triton_one_shot, "
+            "symm_mem_one_shot, nccl; gloo on CPU).",
+            extra={"transformations": [
+                {"id": "merge", "options": {}},
+                {"id": "organize", "options": {
+                    "excludeByName": {"Time": True, "Value #B": True},
+                    "renameByName": {"Value #A": "ranks",
+                                     "algorithm": "small all-reduces"}}}]}),
+    )),
 )
 
 

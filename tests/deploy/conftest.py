@@ -181,13 +181,24 @@ def drive_traffic(target: str, sequences: int = 3, decode_steps: int = 4) -> Non
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """The service started through its CLI, as the image's ENTRYPOINT does, on CPU."""
-    log = tmp_path_factory.mktemp("live-server") / "server.log"
+    yield from _serve(tmp_path_factory.mktemp("live-server") / "server.log", [])
+
+
+@pytest.fixture(scope="session")
+def live_tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The same at ``--tensor-parallel-size 2`` (two CPU ranks over gloo): the metrics
+    only a tensor-parallel server exports (the dashboard's tensor-parallelism row)."""
+    yield from _serve(tmp_path_factory.mktemp("live-tp-server") / "server.log",
+                      ["--tensor-parallel-size", "2"])
+
+
+def _serve(log: Path, extra: list[str]) -> Iterator[LiveServer]:
     grpc_port, metrics_port = free_port(), free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
     argv = [sys.executable, "-m", "service.cli", "serve", "--model", "tiny", "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(grpc_port), "--metrics-port",
             str(metrics_port), "--kv-tokens", "4096", "--max-sequences", "16",
-            "--grace-period", "2", "--log-format", "json"]
+            "--grace-period", "2", "--log-format", "json", *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out,
                                    stderr=subprocess.STDOUT)

@@ -1,4 +1,5 @@
-"""A real Prometheus (Debian's ``prometheus`` package) scrapes the live ``tiny`` server with
+"""A real Prometheus (Debian's ``prometheus`` package) scrapes the live ``tiny`` servers (one
+process, and two tensor-parallel ranks) with
 deploy/prometheus/alerts.yml loaded: every dashboard query must evaluate to data, every
 alert rule must evaluate without error, and on a healthy CPU server under light traffic
 only the eager-fallback condition holds (every CPU step runs eagerly: reason no_cuda).
@@ -57,14 +58,17 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def prometheus(live_server: LiveServer, prometheus_bin: str,
+def prometheus(live_server: LiveServer, live_tp_server: LiveServer, prometheus_bin: str,
                prometheus_dir: Path) -> Iterator[Prometheus]:
+    """Scraping a one-process and a tensor-parallel server (the dashboard's
+    tensor-parallelism row reads series only the latter exports)."""
+    servers = (live_server, live_tp_server)
     config = {
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                    "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "rule_files": [str(ALERTS)],
         "scrape_configs": [{"job_name": "model-executor", "static_configs": [
-            {"targets": [f"127.0.0.1:{live_server.metrics_port}"]}]}],
+            {"targets": [f"127.0.0.1:{s.metrics_port}" for s in servers]}]}],
     }
     config_path = prometheus_dir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config))
@@ -78,9 +82,10 @@ def prometheus(live_server: LiveServer, prometheus_bin: str,
             stdout=out, stderr=subprocess.STDOUT, cwd=prometheus_dir)
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
-        wait_for(lambda: prom.query('up{job="model-executor"} == 1'), 30,
-                 "Prometheus to scrape the server", process, log)
-        drive_traffic(live_server.target)
+        wait_for(lambda: len(prom.query('up{job="model-executor"} == 1')) == len(servers),
+                 30, "Prometheus to scrape the servers", process, log)
+        for server in servers:
+            drive_traffic(server.target)
         time.sleep(3 * SCRAPE_INTERVAL_S)  # the traffic's counters reach the TSDB
         yield prom
     finally:

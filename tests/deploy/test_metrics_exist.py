@@ -20,14 +20,16 @@ from tests.deploy.queries import (
 
 
 @pytest.fixture(scope="module")
-def exported(live_server: LiveServer) -> dict[str, set[str]]:
+def exported(live_server: LiveServer, live_tp_server: LiveServer) -> dict[str, set[str]]:
     """Series name (``_total``, ``_bucket``, ... included) -> its label names, after traffic
-    (gRPC series only appear once a call has been handled)."""
-    drive_traffic(live_server.target)
+    (gRPC series only appear once a call has been handled), over a one-process and a
+    tensor-parallel server (some series exist only there)."""
     series: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(live_server.scrape()):
-        for sample in family.samples:
-            series.setdefault(sample.name, set()).update(sample.labels)
+    for server in (live_server, live_tp_server):
+        drive_traffic(server.target)
+        for family in text_string_to_metric_families(server.scrape()):
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
     return series
 
 
