@@ -75,14 +75,15 @@ _HISTOGRAMS = (("replay", "graph_replay_seconds"), ("delivery", "tp_step_deliver
 
 
 def decode_histograms(text: str) -> dict[str, tuple[float, float]]:
-    """``_decode_histograms`` of a scrape's text."""
-    found: dict[str, list[float]] = {key: [0.0, 0.0] for key, _ in _HISTOGRAMS}
-    for key, name in _HISTOGRAMS:
-        for i, part in enumerate(("sum", "count")):
-            head = f'model_executor_{name}_{part}{{phase="decode"}}'
-            for line in text.splitlines():
-                if line.startswith(head):
-                    found[key][i] = float(line.split()[-1])
+    """``_decode_histograms`` of a scrape's text (a series not exported reads 0, 0)."""
+    series = {f'model_executor_{name}_{part}{{phase="decode"}}': (key, i)
+              for key, name in _HISTOGRAMS for i, part in enumerate(("sum", "count"))}
+    found = {key: [0.0, 0.0] for key, _ in _HISTOGRAMS}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in series:
+            key, i = series[name]
+            found[key][i] = float(value)
     return {k: (v[0], v[1]) for k, v in found.items()}
 
 
@@ -112,7 +113,7 @@ def bs1_ratios(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Decode at batch 1, TP = N (the default ``auto`` runs) over TP = 1, for each N run
     beside TP = 1: the median over each side's runs (a size may be run several times,
     interleaved with the others, as ``--tp 2,1,2,1,2`` does), with every run's figure.
-    A run's figure is its windows' median (its mean where a result predates them)."""
+    A run's figure is its windows' median."""
     one = [_step_ms(r["decode_bs1"]) for r in runs if r["tp"] == 1]
     if not one:
         return {}
@@ -365,8 +366,8 @@ def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str
 
 
 def _step_ms(got: dict[str, Any]) -> float:
-    """A batch size's step figure: the windows' median (the mean in older results)."""
-    return float(got["replay_ms_median"] if "replay_ms_median" in got else got["replay_ms_mean"])
+    """A batch size's step figure: the median of its windows' means."""
+    return float(got["replay_ms_median"])
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -393,23 +394,21 @@ def markdown(result: dict[str, Any]) -> str:
                            "decode step to the last other rank having it"),
                           ("launch_lag", "Launch lag, how much later than rank 0 the last "
                            "other rank launched a decode step")):
-            got = [(run, [run[f"decode_bs{b}"].get(f"{key}_ms_mean") for b in BATCHES])
-                   for run in runs["runs"] if run["tp"] > 1]
-            got = [(run, v) for run, v in got if any(x is not None for x in v)]
-            if got:
+            means = [(run, [run[f"decode_bs{b}"].get(f"{key}_ms_mean") for b in BATCHES])
+                     for run in runs["runs"] if run["tp"] > 1]
+            means = [(run, v) for run, v in means if any(x is not None for x in v)]
+            if means:
                 lines += ["", f"{what} (mean, ms, batch " + "/".join(str(b) for b in BATCHES)
                           + "): " + "; ".join(
                               f"TP = {run['tp']} ({run['all_reduce']}) "
                               + " / ".join("-" if x is None else f"{x:.3f}" for x in v)
-                              for run, v in got) + "."]
+                              for run, v in means) + "."]
         for tp, got in runs.get("bs1_ratios", {}).items():
-            if not isinstance(got, dict):  # a result written before the medians
-                got = {"ratio": got, "tp1_ms": [], "tpn_ms": []}
             spread = "".join(
                 f"; TP = {n} runs {min(v):.3f}-{max(v):.3f} ms" for n, v
                 in ((1, got["tp1_ms"]), (tp, got["tpn_ms"])) if len(v) > 1)
             lines += ["", f"Decode batch 1, TP = {tp} (auto) / TP = 1: {got['ratio']:.3f} "
-                      f"(medians over {len(got['tpn_ms']) or 1} and {len(got['tp1_ms']) or 1}"
+                      f"(medians over {len(got['tpn_ms'])} and {len(got['tp1_ms'])}"
                       f" runs{spread}; target for the 8B at TP = 2: <= 0.6)."]
         for tp, ar in runs.get("allreduce_us", {}).items():
             lines += ["", f"All-reduce of one (rows, hidden) bf16 activation across "

@@ -28,8 +28,9 @@ def test_a_shape_can_keep_only_some_sizes() -> None:
 
 def _run(tp: int, algo: str, bs1_ms: float) -> dict[str, object]:
     return {"tp": tp, "all_reduce": algo, "floor_ms": 1.0 / tp,
-            **{f"decode_bs{b}": {"replay_ms_mean": bs1_ms * (1 + b / 100),
-                                 "forward_ms_median": bs1_ms} for b in BATCHES},
+            **{f"decode_bs{b}": {"replay_ms_median": bs1_ms * (1 + b / 100),
+                                 "replay_ms_mean": 9.0, "forward_ms_median": bs1_ms}
+               for b in BATCHES},
             f"prefill_{PREFILL}_ms_median": 10.0 / tp}
 
 
@@ -98,16 +99,6 @@ def test_the_ratio_is_the_median_over_repeated_runs_of_the_default_algorithm() -
     assert "TP = 2 (auto) / TP = 1: 0.610 (medians over 3 and 2 runs; TP = 1 runs " \
         "5.437-5.452 ms; TP = 2 runs 3.309-3.365 ms" in md
     assert bs1_ratios([_run(2, "auto", 3.0)]) == {}  # no TP = 1 run: no ratio
-
-
-def test_results_written_before_the_medians_still_render() -> None:
-    """Older ``tensor_parallel.json`` files (means only, a bare ratio) are re-rendered by
-    ``markdown`` (``bench.run --render`` style)."""
-    runs = [_run(1, "auto", 4.0), _run(2, "auto", 3.0)]
-    md = markdown({"device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
-                   "shapes": {"8B": {"runs": runs, "bs1_ratios": {"2": 0.75}}}})
-    assert "TP = 2 (auto) / TP = 1: 0.750 (medians over 1 and 1 runs;" in md
-    assert "| 2 (auto) | 0.500 | 3.030 (6.06x)" in md
 
 
 def test_the_launch_lag_is_read_from_the_scrape_and_reported_per_run() -> None:
