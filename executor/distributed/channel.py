@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import struct
 import time
 import uuid
 from typing import Literal
@@ -64,8 +65,9 @@ Transport = Literal["auto", "local", "gloo"]
 CONNECT_TIMEOUT_S = 20.0
 #: Each answer on ``local``: two int64, for a step the rank's monotonic clock (ns) when it
 #: had received the step and when it had launched its forward, else zeros.
-ANSWER_BYTES = 16
-_NOT_A_STEP = bytes(ANSWER_BYTES)
+_ANSWER = struct.Struct("<qq")
+ANSWER_BYTES = _ANSWER.size
+_NOT_A_STEP = _ANSWER.pack(0, 0)
 #: How long another rank polls for the next message after one arrived, before it sleeps
 #: in ``recv``: while steps keep coming (a serving scheduler's), the rank never sleeps.
 #: Waking a sleeping process and running its first Python on a cold core took ~150-200 us
@@ -213,15 +215,14 @@ class StepChannel:
             return None
         n = self._unconfirmed * ANSWER_BYTES
         try:
-            last = [np.frombuffer(_read(peer, n)[-ANSWER_BYTES:], dtype="<i8")
+            last = [_ANSWER.unpack_from(_read(peer, n), n - ANSWER_BYTES)
                     for peer in self._peers]
         except OSError as exc:  # socket.timeout is an OSError
             raise CollectiveFailed(f"tensor-parallel step delivery failed: {exc}") from exc
         self._unconfirmed = 0
-        if launched_ns is None or not last or min(int(a[1]) for a in last) <= 0:
+        if launched_ns is None or not last or min(launched for _, launched in last) <= 0:
             return None
-        received = max(int(a[0]) for a in last)
-        launched = max(int(a[1]) for a in last)
+        received, launched = (max(times) for times in zip(*last, strict=True))
         return RankTiming((received - self._sent_ns) / 1e6,
                           max(0, launched - launched_ns) / 1e6)
 
@@ -281,8 +282,7 @@ class StepChannel:
         """Another rank: it has launched the forward of the step it received last;
         answer that step with the time (local; nothing to do on gloo)."""
         if self._owed and self._leader is not None:
-            times = np.array([self._received_ns, time.monotonic_ns()], dtype="<i8")
-            self._answer(self._leader, times.tobytes())
+            self._answer(self._leader, _ANSWER.pack(self._received_ns, time.monotonic_ns()))
 
     def _answer(self, leader: socket.socket, answer: bytes) -> None:
         try:
