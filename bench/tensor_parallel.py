@@ -16,6 +16,13 @@ default, otherwise), a real
   after each of ``WINDOWS`` windows of the steps: the median of the windows' means (the
   histogram gives sums, not single steps) and the mean; and the executor's step time
   (``StepInfo.forward_ms``, medians);
+* the same batch sizes through one Session with two steps in flight, each continuing from
+  the device's last samples, as a pipelined scheduler runs (``pipelined``): the client's
+  wall time per token and the replay's mean. A unary step's replay on rank 0 includes
+  any wait in its first all-reduce for a rank that launched later (the launch lag,
+  0-0.2 ms a step on two H200s, ``bench/results/2026-11-27-tp-session``); a step
+  launched while the one before still runs is not waited for, so there the replay is
+  the device's time and the time per token what a scheduler gets;
 * prefill of 2048 tokens (one sequence): ``forward_ms``, median of 3.
 
 Beside them, measured in the same run: the HBM read bandwidth of GPU 0, the per-rank floor
@@ -50,6 +57,7 @@ import torch
 
 from bench import shapes
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
+from bench.session import Client
 from bench.shapes import weight_bytes
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -60,6 +68,8 @@ PREFILL = 2048
 STEPS = 40
 #: The steps of a batch size are read in this many windows (``replay_ms``).
 WINDOWS = 8
+#: Timed steps of the pipelined Session per batch size (``pipelined``).
+SESSION_STEPS = 80
 
 
 def _decode_histograms(metrics_port: int) -> dict[str, tuple[float, float]]:
@@ -109,18 +119,27 @@ def replay_ms(marks: Sequence[tuple[float, float]]) -> dict[str, Any]:
             "replay_ms_median": statistics.median(windows) if windows else float("nan")}
 
 
-def bs1_ratios(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def bs1_ratios(runs: Sequence[dict[str, Any]],
+               figure: Callable[[dict[str, Any]], float | None] | None = None
+               ) -> dict[int, dict[str, Any]]:
     """Decode at batch 1, TP = N (the default ``auto`` runs) over TP = 1, for each N run
     beside TP = 1: the median over each side's runs (a size may be run several times,
     interleaved with the others, as ``--tp 2,1,2,1,2`` does), with every run's figure.
-    A run's figure is its windows' median."""
-    one = [_step_ms(r["decode_bs1"]) for r in runs if r["tp"] == 1]
+    A run's ``figure`` (of its ``decode_bs1``) is by default its unary steps' replay, the
+    windows' median (``_step_ms``); runs where it is None are left out."""
+    pick = figure or _step_ms
+
+    def figures(tp: int) -> list[float]:
+        got = (pick(r["decode_bs1"]) for r in runs
+               if r["tp"] == tp and (tp == 1 or r["all_reduce"] == "auto"))
+        return [float(v) for v in got if v is not None]
+
+    one = figures(1)
     if not one:
         return {}
     out: dict[int, dict[str, Any]] = {}
     for tp in sorted({r["tp"] for r in runs if r["tp"] > 1}):
-        many = [_step_ms(r["decode_bs1"]) for r in runs
-                if r["tp"] == tp and r["all_reduce"] == "auto"]
+        many = figures(tp)
         if many:
             out[tp] = {"ratio": statistics.median(many) / statistics.median(one),
                        "tp1_ms": one, "tpn_ms": many}
@@ -168,6 +187,7 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                                               *(["--tp-fuse-all-reduce", fuse] if fuse else []),
                                               "--load-format", load_format, *(extra or [])])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
+    session = Client(target, vocab)
     try:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.ExecutorStub(channel)
@@ -195,7 +215,8 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                     **replay_ms([m["replay"] for m in marks]),
                     "delivery_ms_mean": mean_ms(marks[0], marks[-1], "delivery"),
                     "launch_lag_ms_mean": mean_ms(marks[0], marks[-1], "lag"),
-                    "forward_ms_median": statistics.median(s.forward_ms for s in forward)}
+                    "forward_ms_median": statistics.median(s.forward_ms for s in forward),
+                    "session": pipelined(session, metrics, ids)}
                 stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
             times = []
             for r in range(4):
@@ -207,8 +228,27 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                 stub.Release(pb.ReleaseRequest(seq_ids=[f"pf{r}"]), timeout=60)
             out[f"prefill_{PREFILL}_ms_median"] = statistics.median(times[1:])
     finally:
+        session.channel.close()
         stop(proc)
     return out
+
+
+def pipelined(client: Client, metrics_port: int, ids: list[str]) -> dict[str, Any]:
+    """Decode ``ids`` through one Session with two steps in flight, each continuing from
+    the device's last samples, as a pipelined scheduler runs them
+    (``bench.session.Client.session``; ``SESSION_STEPS`` timed after 10 untimed): the
+    wall time per token between the client's answers, and over the whole session the
+    replays' mean (its first step, which has none ahead of it, included), delivery and
+    launch lag. A step launched while the one before still runs on the device is not
+    waited for by the GPU, on any rank, so here the replay is the device's time alone."""
+    first = _decode_histograms(metrics_port)
+    per_token_s = client.session(ids, [0] * len(ids), SESSION_STEPS, 2)
+    last = _decode_histograms(metrics_port)
+    client.seen.clear()
+    return {"per_token_ms": per_token_s * 1e3,
+            "replay_ms_mean": mean_ms(first, last, "replay"),
+            "delivery_ms_mean": mean_ms(first, last, "delivery"),
+            "launch_lag_ms_mean": mean_ms(first, last, "lag")}
 
 
 def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden: int,
@@ -370,6 +410,35 @@ def _step_ms(got: dict[str, Any]) -> float:
     return float(got["replay_ms_median"])
 
 
+def _session_figure(key: str) -> Callable[[dict[str, Any]], float | None]:
+    """A batch size's ``pipelined`` figure ``key``; None for a run without a Session."""
+    def figure(got: dict[str, Any]) -> float | None:
+        session = got.get("session")
+        return None if session is None or session.get(key) is None else float(session[key])
+    return figure
+
+
+#: The batch-1 ratios through the Session: what the client waits per token, and the
+#: device's replay when every rank's step is launched ahead of it.
+SESSION_RATIOS = (("per_token", "wall time per token at the client", "per_token_ms"),
+                  ("replay", "replay per step on rank 0", "replay_ms_mean"))
+
+
+def session_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """``bs1_ratios`` of the pipelined Session's figures (``SESSION_RATIOS``)."""
+    out = {name: bs1_ratios(runs, _session_figure(key)) for name, _, key in SESSION_RATIOS}
+    return {name: got for name, got in out.items() if got}
+
+
+def _ratio_line(what: str, tp: int | str, got: dict[str, Any]) -> str:
+    spread = "".join(
+        f"; TP = {n} runs {min(v):.3f}-{max(v):.3f} ms" for n, v
+        in ((1, got["tp1_ms"]), (tp, got["tpn_ms"])) if len(v) > 1)
+    return (f"{what}, TP = {tp} (auto) / TP = 1: {got['ratio']:.3f} "
+            f"(medians over {len(got['tpn_ms'])} and {len(got['tp1_ms'])}"
+            f" runs{spread}; target for the 8B at TP = 2: <= 0.6).")
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Tensor parallelism ({result['device']} x{result['gpus']}, commit "
              f"{result['commit']})", "",
@@ -404,12 +473,26 @@ def markdown(result: dict[str, Any]) -> str:
                               + " / ".join("-" if x is None else f"{x:.3f}" for x in v)
                               for run, v in means) + "."]
         for tp, got in runs.get("bs1_ratios", {}).items():
-            spread = "".join(
-                f"; TP = {n} runs {min(v):.3f}-{max(v):.3f} ms" for n, v
-                in ((1, got["tp1_ms"]), (tp, got["tpn_ms"])) if len(v) > 1)
-            lines += ["", f"Decode batch 1, TP = {tp} (auto) / TP = 1: {got['ratio']:.3f} "
-                      f"(medians over {len(got['tpn_ms'])} and {len(got['tp1_ms'])}"
-                      f" runs{spread}; target for the 8B at TP = 2: <= 0.6)."]
+            lines += ["", _ratio_line("Decode batch 1", tp, got)]
+        piped = [run for run in runs["runs"] if "session" in run["decode_bs1"]]
+        if piped:
+            lines += ["", "Through a Session with two steps in flight, each continuing from "
+                      "the device's last samples (as a pipelined scheduler runs): wall ms "
+                      "per token at the client / replay ms per step on rank 0 (mean) / "
+                      "launch lag ms (mean).", "",
+                      "| TP | " + " | ".join(f"bs{b}" for b in BATCHES) + " |",
+                      "|---:|" + "---|" * len(BATCHES)]
+            for run in piped:
+                label = run["tp"] if run["tp"] == 1 else f"{run['tp']} ({run['all_reduce']})"
+                cells = [" / ".join("-" if v is None else f"{v:.3f}" for v in (
+                    session.get("per_token_ms"), session.get("replay_ms_mean"),
+                    session.get("launch_lag_ms_mean")))
+                    for session in (run[f"decode_bs{b}"].get("session", {}) for b in BATCHES)]
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        for name, what, _ in SESSION_RATIOS:
+            for tp, got in runs.get("bs1_session_ratios", {}).get(name, {}).items():
+                lines += ["", _ratio_line(f"Decode batch 1 through the Session, {what}",
+                                          tp, got)]
         for tp, ar in runs.get("allreduce_us", {}).items():
             lines += ["", f"All-reduce of one (rows, hidden) bf16 activation across "
                       f"{tp} GPUs inside a CUDA graph, µs (two per layer):", ""]
@@ -494,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios = bs1_ratios(runs)
         if ratios:
             entry["bs1_ratios"] = ratios
+        piped = session_ratios(runs)
+        if piped:
+            entry["bs1_session_ratios"] = piped
         if not a.no_all_reduce_table:
             entry["allreduce_us"] = {tp: allreduce_us(tp, s.hidden_size)
                                      for tp in sorted({r["tp"] for r in runs

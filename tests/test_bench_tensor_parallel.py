@@ -16,6 +16,7 @@ from bench.tensor_parallel import (
     mean_ms,
     parse_runs,
     replay_ms,
+    session_ratios,
 )
 
 
@@ -132,3 +133,76 @@ def test_the_launch_lag_is_read_from_the_scrape_and_reported_per_run() -> None:
     assert "launched a decode step (mean, ms, batch 1/8/64): TP = 2 (auto) 0.050 / 0.400 / " \
         "3.200." in md
     assert "having it (mean, ms, batch 1/8/64): TP = 2 (auto) 0.010 / 0.010 / 0.010." in md
+
+
+def _piped(run: dict[str, object], per_token: float, replay: float) -> None:
+    for b in BATCHES:
+        run[f"decode_bs{b}"]["session"] = {  # type: ignore[index]
+            "per_token_ms": per_token, "replay_ms_mean": replay,
+            "launch_lag_ms_mean": None if run["tp"] == 1 else 0.004, "delivery_ms_mean": None}
+
+
+def test_the_session_gives_its_own_ratios_and_table() -> None:
+    runs = [_run(2, "auto", 3.3), _run(1, "auto", 5.4), _run(2, "auto", 3.2),
+            _run(1, "auto", 5.5), _run(2, "lamport/off", 9.0)]
+    for run, (per_token, replay) in zip(runs, ((3.4, 3.1), (5.6, 5.4), (3.5, 3.0),
+                                                (5.8, 5.5), (9.0, 9.0)), strict=True):
+        _piped(run, per_token, replay)
+    got = session_ratios(runs)
+    assert got["per_token"][2]["ratio"] == pytest.approx(3.45 / 5.7)
+    assert got["replay"][2]["ratio"] == pytest.approx(3.05 / 5.45)
+    assert got["replay"][2]["tpn_ms"] == [3.1, 3.0]  # the default algorithm's runs only
+    md = markdown(json.loads(json.dumps({
+        "device": "GPU", "gpus": 2, "commit": "abc", "read_gbs": 1000.0,
+        "shapes": {"8B": {"runs": runs, "bs1_ratios": bs1_ratios(runs),
+                          "bs1_session_ratios": got}}})))
+    assert "| 2 (auto) | 3.400 / 3.100 / 0.004 |" in md and "| 1 | 5.600 / 5.400 / - |" in md
+    assert "through the Session, wall time per token at the client, TP = 2 (auto) / TP = 1: " \
+        "0.605 (medians over 2 and 2 runs; TP = 1 runs 5.600-5.800 ms; TP = 2 runs " \
+        "3.400-3.500 ms" in md
+    assert "through the Session, replay per step on rank 0, TP = 2 (auto) / TP = 1: 0.560" in md
+    # runs without a Session (older results, or a server that failed before it) give none
+    assert session_ratios([_run(2, "auto", 3.0), _run(1, "auto", 5.0)]) == {}
+
+
+def test_the_pipelined_session_is_timed_with_every_step_answered_by_the_other_rank() -> None:
+    """``pipelined`` against a real ``serve --tensor-parallel-size 2`` on CPU (gloo, the
+    local control channel): the client's time per token, and each of the session's steps
+    (10 untimed + ``SESSION_STEPS``) answered by rank 1 with its receipt and launch."""
+    from urllib.parse import urlparse
+
+    from bench.session import Client
+    from bench.tensor_parallel import SESSION_STEPS, _decode_histograms, pipelined
+    from service.gen.model_executor.v1 import executor_pb2 as pb
+    from tests.distributed.serving import ServeProcess
+
+    server = ServeProcess(["--model", "tiny", "--kv-tokens", "512", "--max-context", "128",
+                           "--max-sequences", "4", "--drain-delay", "0",
+                           "--tensor-parallel-size", "2", "--metrics-port", "0"])
+    try:
+        server.wait_ready()
+        port = urlparse(str(server.events("serving")[0]["metrics"])).port
+        assert port is not None
+        ids = ["a", "b"]
+        server.stub.Prefill(pb.PrefillRequest(items=[
+            pb.PrefillItem(seq_id=s, token_ids=[3 + i, 9, 27, 81], sample=True)
+            for i, s in enumerate(ids)]), timeout=60)
+        before = _decode_histograms(port)
+        client = Client(server.target, 256)
+        try:
+            got = pipelined(client, port, ids)
+        finally:
+            client.channel.close()
+        after = _decode_histograms(port)
+        assert after["delivery"][1] - before["delivery"][1] == SESSION_STEPS + 10
+        assert after["lag"][1] - before["lag"][1] == SESSION_STEPS + 10
+        assert got["per_token_ms"] > 0 and got["delivery_ms_mean"] > 0
+        assert got["launch_lag_ms_mean"] is not None and got["launch_lag_ms_mean"] >= 0
+        assert got["replay_ms_mean"] is None  # no graphs on CPU
+        assert client.seen == []
+        # the sequences went on from the Session's last samples: 4 + 1 + 90 tokens each
+        out = server.stub.Decode(pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id=s, use_last_sampled=True) for s in ids]), timeout=60)
+        assert [o.seq_len for o in out.outputs] == [4 + SESSION_STEPS + 10 + 1] * 2
+    finally:
+        server.stop(10)
