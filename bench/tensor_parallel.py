@@ -20,7 +20,7 @@ default, otherwise), a real
   the device's last samples, as a pipelined scheduler runs (``pipelined``): the client's
   wall time per token and the replay's mean. A unary step's replay on rank 0 includes
   any wait in its first all-reduce for a rank that launched later (the launch lag,
-  0-0.2 ms a step on two H200s, ``bench/results/2026-11-27-tp-session``); a step
+  0-0.2 ms a step on two H200s, ``bench/results/2026-11-26-tp-session``); a step
   launched while the one before still runs is not waited for, so there the replay is
   the device's time and the time per token what a scheduler gets;
 * prefill of 2048 tokens (one sequence): ``forward_ms``, median of 3.
