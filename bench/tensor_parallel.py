@@ -240,7 +240,9 @@ def pipelined(client: Client, metrics_port: int, ids: list[str]) -> dict[str, An
     wall time per token between the client's answers, and over the whole session the
     replays' mean (its first step, which has none ahead of it, included), delivery and
     launch lag. A step launched while the one before still runs on the device is not
-    waited for by the GPU, on any rank, so here the replay is the device's time alone."""
+    waited for by the GPU, on any rank, so here the replay is the device's time alone.
+    ``measure`` runs it on the sequences its unary steps left: contexts of 557 to 647
+    tokens against their 512 to 557, the same at every TP size."""
     first = _decode_histograms(metrics_port)
     per_token_s = client.session(ids, [0] * len(ids), SESSION_STEPS, 2)
     last = _decode_histograms(metrics_port)
