@@ -2,7 +2,9 @@
 # One call on a multi-GPU machine for issue 22: the GPU tests of tensor parallelism and,
 # with STEPS containing "bench", bench.tensor_parallel. Run from the repo root with the
 # wheels on PYTHONPATH. Logs go to $OUT; the servers' JSON logs of a failed test too.
-# STEPS (default "tests"): any of "tests regress bench profile"; "profile" runs
+# STEPS (default "tests"): any of "tests regress bench profile trace"; "trace" runs
+# bench.tensor_parallel (--tp TRACE_RUNS, default 2,2) with every rank's step path traced
+# (bench.tp_trace: host moments of each step, medians per batch in trace.md); "profile" runs
 # bench.tp_profile (the 8B at TP = 2, batch 1: per rank, kernels by class and which rank's
 # device reaches the first collective last); "regress" runs the single-GPU
 # step-path tests on GPU 1 while the world-of-one test runs on GPU 0. WS1_K and TP2_K are
@@ -60,6 +62,17 @@ if has profile; then
   timeout 150 python -m bench.tp_profile --model llama-3.1-8b --tp 2 --batches 1 \
     --load-format "$LOAD_FORMAT" --out "$OUT/prof" > "$OUT/prof.log" 2>&1
   log "profile rc=$?"
+fi
+if has trace; then
+  log "bench.tensor_parallel traced ($SHAPES, --tp ${TRACE_RUNS:-2,2})"
+  mkdir -p "$OUT/trace"
+  MODEL_EXECUTOR_TP_TRACE="$OUT/trace" PYTHONPATH="bench/tp_trace:${PYTHONPATH:-.}" \
+    python -m bench.tensor_parallel --shapes "$SHAPES" --tp "${TRACE_RUNS:-2,2}" \
+    --load-format "$LOAD_FORMAT" --no-all-reduce-table --out "$OUT/traced" \
+    > "$OUT/traced.log" 2>&1
+  log "traced rc=$?"
+  python -m bench.tp_trace "$OUT/trace" > "$OUT/trace.md" 2>&1
+  head -30 "$OUT/trace.md"
 fi
 if has bench; then
   log "bench.tensor_parallel ($SHAPES)"
