@@ -82,7 +82,8 @@ def _agree(ref: pb.ItemOutput, got: pb.ItemOutput) -> bool:
 def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
                                                     pb_grpc.ExecutorStub]) -> None:
     """Chunked prefill (graph pieces), 12 decode steps at batch 3 (full decode graph), a
-    4-step decode from the tokens on the device, Release: TP = N reproduces TP = 1."""
+    4-step decode from the tokens on the device, a Session with two steps in flight,
+    Release: TP = N reproduces TP = 1."""
     ref, tp2 = servers
     prompts = {"a": _tokens(1, 300), "b": _tokens(2, 45), "c": _tokens(3, 700)}
     agree = total = 0
@@ -126,6 +127,25 @@ def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
     r, g = both("Decode", pb.DecodeRequest(num_steps=4, items=[
         pb.DecodeItem(seq_id=s, token_id=t) for s, t in last.items()]))
     assert [o.seq_len for o in g.outputs] == [o.seq_len for o in r.outputs]  # type: ignore[attr-defined]
+
+    # A Session with two steps in flight (the servers' default depth), every step from the
+    # tokens each server sampled on its devices: rank 0 launches a step, on every rank,
+    # before the one ahead of it has finished. Compared up to the first token the two may
+    # take differently (a near tie), after which their inputs differ.
+    def session() -> Iterator[pb.SessionRequest]:
+        for n in range(1, 7):
+            yield pb.SessionRequest(step=n, decode=pb.DecodeRequest(items=[
+                pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=SCORED)
+                for s in prompts]))
+
+    answers = [list(stub.Session(session(), timeout=120)) for stub in (ref, tp2)]
+    assert len(answers[0]) == len(answers[1]) == 6
+    for rs, gs in zip(*answers, strict=True):
+        assert rs.WhichOneof("result") == gs.WhichOneof("result") == "decode", (rs, gs)
+        assert rs.decode.step.path == gs.decode.step.path == pb.PATH_GRAPH
+        if not all([_agree(ro, go) for ro, go in zip(rs.decode.outputs, gs.decode.outputs,
+                                                       strict=True)]):
+            break
     both("Release", pb.ReleaseRequest(seq_ids=list(prompts)))
     kv = [stub.Health(pb.HealthRequest(), timeout=10).kv for stub in (ref, tp2)]
     assert [k.free_tokens for k in kv] == [k.total_tokens for k in kv]
