@@ -14,6 +14,7 @@ each step, when another rank had received it, had unpacked it
 left its forward (the replay's launch). ``python -m bench.tp_trace DIR`` pairs each rank
 0 with its other ranks and prints, per phase and batch size, the medians of those moments
 against rank 0's send, and the launch lag per step. The wrappers cost each call about a
-microsecond; a trace file is appended every 400 records (one step in about 60 then takes
-that write) and at exit.
+microsecond; a thread appends the records to the trace file every half second (taking
+the interpreter's lock for that moment) and at exit, so a rank killed loses at most its
+last half second.
 """

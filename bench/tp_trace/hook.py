@@ -9,40 +9,50 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-#: Records kept in memory before they are appended to the trace file.
-FLUSH_EVERY = 400
+#: Seconds between the writer thread's appends to the trace file.
+FLUSH_S = 0.5
 
-_records: list[str] = []
+# (a deque: the traced threads append while the writer pops, each step atomic)
+_records: deque[str] = deque()
 _path: Path | None = None
 
 
+_writing = threading.Lock()  # the writer thread and atexit: one appends at a time, in order
+
+
 def flush() -> None:
-    global _records
-    if _records and _path is not None:
-        with _path.open("a") as f:
-            f.write("".join(_records))
-        _records = []
+    """Append every record so far to the trace file."""
+    with _writing:
+        lines = []
+        while _records:
+            lines.append(_records.popleft())
+        if lines and _path is not None:
+            with _path.open("a") as f:
+                f.write("".join(lines))
+
+
+def _writer() -> None:
+    while True:
+        time.sleep(FLUSH_S)
+        flush()
 
 
 def _record(tag: str, extra: str = "") -> None:
     _records.append(f"{tag} {time.monotonic_ns()}{extra}\n")
-    if len(_records) >= FLUSH_EVERY:
-        flush()
 
 
 def _step_fields(header: Any) -> str:
     """`` phase seqs`` of a step header, else nothing."""
-    from executor.distributed.protocol import StepHeader
-
-    if isinstance(header, StepHeader):
-        return f" {header.phase} {header.sizes.seqs}"
-    return ""
+    sizes = getattr(header, "sizes", None)  # only a StepHeader has sizes
+    return "" if sizes is None else f" {header.phase} {sizes.seqs}"
 
 
 def _wrap(owner: Any, name: str, tag: str,
@@ -99,6 +109,9 @@ def arm(directory: str) -> None:
     """Trace this process into ``directory`` from the executor's import on."""
     global _path
     _path = Path(directory, f"trace-{os.getpid()}.txt")
+    # The ranks of a CUDA server may leave by os._exit or SIGKILL (a rank dies with rank
+    # 0), skipping atexit: a thread writes the records as they come.
+    threading.Thread(target=_writer, name="tp-trace-writer", daemon=True).start()
     atexit.register(flush)
     if "executor.executor" in sys.modules:
         install()
