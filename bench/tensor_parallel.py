@@ -52,7 +52,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from bench import shapes
@@ -60,7 +59,6 @@ from bench.grpc_overhead import _free_port, _tokens, _wait_ready
 from bench.session import Client
 from bench.shapes import weight_bytes
 from service.gen.model_executor.v1 import executor_pb2 as pb
-from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 BATCHES = (1, 8, 64)
 CONTEXT = 512
@@ -187,48 +185,47 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
                                               *(["--tp-fuse-all-reduce", fuse] if fuse else []),
                                               "--load-format", load_format, *(extra or [])])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
-    session = Client(target, vocab)
+    client = Client(target, vocab)  # its stub serves the unary calls too
+    stub = client.stub
     try:
-        with grpc.insecure_channel(target) as channel:
-            stub = pb_grpc.ExecutorStub(channel)
-            for bs in BATCHES:
-                ids = [f"d{bs}-{i}" for i in range(bs)]
-                per_call = PREFILL // CONTEXT  # calls of at most --max-prefill-tokens
-                for start in range(0, bs, per_call):
-                    stub.Prefill(pb.PrefillRequest(items=[
-                        pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CONTEXT, vocab),
-                                       sample=True)
-                        for i, s in enumerate(ids) if start <= i < start + per_call]),
-                        timeout=300)
-                decode = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s, use_last_sampled=True)
-                                                 for s in ids])
-                for _ in range(5):
-                    stub.Decode(decode, timeout=60)
-                marks = [_decode_histograms(metrics)]
-                forward = []
-                for _ in range(WINDOWS):
-                    forward += [stub.Decode(decode, timeout=60).step
-                                for _ in range(STEPS // WINDOWS)]
-                    marks.append(_decode_histograms(metrics))
-                assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
-                out[f"decode_bs{bs}"] = {
-                    **replay_ms([m["replay"] for m in marks]),
-                    "delivery_ms_mean": mean_ms(marks[0], marks[-1], "delivery"),
-                    "launch_lag_ms_mean": mean_ms(marks[0], marks[-1], "lag"),
-                    "forward_ms_median": statistics.median(s.forward_ms for s in forward),
-                    "session": pipelined(session, metrics, ids)}
-                stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
-            times = []
-            for r in range(4):
-                res = stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
-                    seq_id=f"pf{r}", token_ids=_tokens(100 + r, PREFILL, vocab), sample=True)]),
+        for bs in BATCHES:
+            ids = [f"d{bs}-{i}" for i in range(bs)]
+            per_call = PREFILL // CONTEXT  # calls of at most --max-prefill-tokens
+            for start in range(0, bs, per_call):
+                stub.Prefill(pb.PrefillRequest(items=[
+                    pb.PrefillItem(seq_id=s, token_ids=_tokens(i, CONTEXT, vocab),
+                                   sample=True)
+                    for i, s in enumerate(ids) if start <= i < start + per_call]),
                     timeout=300)
-                times.append(res.step.forward_ms)
-                out["prefill_path"] = pb.Path.Name(res.step.path)
-                stub.Release(pb.ReleaseRequest(seq_ids=[f"pf{r}"]), timeout=60)
-            out[f"prefill_{PREFILL}_ms_median"] = statistics.median(times[1:])
+            decode = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s, use_last_sampled=True)
+                                             for s in ids])
+            for _ in range(5):
+                stub.Decode(decode, timeout=60)
+            marks = [_decode_histograms(metrics)]
+            forward = []
+            for _ in range(WINDOWS):
+                forward += [stub.Decode(decode, timeout=60).step
+                            for _ in range(STEPS // WINDOWS)]
+                marks.append(_decode_histograms(metrics))
+            assert all(s.path == pb.PATH_GRAPH for s in forward), forward[0]
+            out[f"decode_bs{bs}"] = {
+                **replay_ms([m["replay"] for m in marks]),
+                "delivery_ms_mean": mean_ms(marks[0], marks[-1], "delivery"),
+                "launch_lag_ms_mean": mean_ms(marks[0], marks[-1], "lag"),
+                "forward_ms_median": statistics.median(s.forward_ms for s in forward),
+                "session": pipelined(client, metrics, ids)}
+            stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+        times = []
+        for r in range(4):
+            res = stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+                seq_id=f"pf{r}", token_ids=_tokens(100 + r, PREFILL, vocab), sample=True)]),
+                timeout=300)
+            times.append(res.step.forward_ms)
+            out["prefill_path"] = pb.Path.Name(res.step.path)
+            stub.Release(pb.ReleaseRequest(seq_ids=[f"pf{r}"]), timeout=60)
+        out[f"prefill_{PREFILL}_ms_median"] = statistics.median(times[1:])
     finally:
-        session.channel.close()
+        client.channel.close()
         stop(proc)
     return out
 
