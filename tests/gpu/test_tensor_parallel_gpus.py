@@ -128,14 +128,19 @@ def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
         pb.DecodeItem(seq_id=s, token_id=t) for s, t in last.items()]))
     assert [o.seq_len for o in g.outputs] == [o.seq_len for o in r.outputs]  # type: ignore[attr-defined]
 
-    # A Session with two steps in flight (the servers' default depth), every step from the
-    # tokens each server sampled on its devices: rank 0 launches a step, on every rank,
-    # before the one ahead of it has finished. Compared up to the first token the two may
-    # take differently (a near tie), after which their inputs differ.
+    # A Session with two steps in flight (the servers' default depth): the first step from
+    # the same tokens on both servers (TP = 1's last samples: the multi-step decode above
+    # compares lengths only), every later one from the tokens each server sampled on its
+    # devices; rank 0 launches a step, on every rank, before the one ahead of it has
+    # finished. Compared up to the first token the two may take differently (a near
+    # tie), after which their inputs differ.
+    first = {o.seq_id: o.token_id for o in r.outputs}  # type: ignore[attr-defined]
+
     def session() -> Iterator[pb.SessionRequest]:
         for n in range(1, 7):
             yield pb.SessionRequest(step=n, decode=pb.DecodeRequest(items=[
-                pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=SCORED)
+                pb.DecodeItem(seq_id=s, sampling=SCORED, **(
+                    {"token_id": first[s]} if n == 1 else {"use_last_sampled": True}))
                 for s in prompts]))
 
     answers = [list(stub.Session(session(), timeout=120)) for stub in (ref, tp2)]
