@@ -23,8 +23,6 @@ FLUSH_S = 0.5
 # (a deque: the traced threads append while the writer pops, each step atomic)
 _records: deque[str] = deque()
 _path: Path | None = None
-
-
 _writing = threading.Lock()  # the writer thread and atexit: one appends at a time, in order
 
 
