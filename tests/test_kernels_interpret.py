@@ -218,6 +218,78 @@ def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, m: int, n: int, k: int,
             assert got_res is not None and torch.equal(got_res, s)
 
 
+# (N, K) with row tiles whose programs loop over several column blocks, a last block
+# past N (masked columns) and a row shorter than its power-of-two block (masked K).
+ROW_CASES = [(37, 48, (4, 4, 2)), (64, 96, (2, 4, 3)), (10, 33, (8, 4, 1))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k", "tile"), ROW_CASES)
+@pytest.mark.parametrize("prologue", ["plain", "silu_mul", "norm", "add_norm"])
+def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, int, int],
+                           prologue: str) -> None:
+    """The persistent one-row kernel (``RowTile``) with each prologue: within an ulp of
+    the float32 product of what the unfused kernels compute first (SiLU-and-mul, the norm
+    kernel's rounded output), the new residual the norm kernel's bit for bit, and as close
+    to the classic kernel as the classic kernel is to the reference."""
+    from executor.kernels.skinny_gemm import RowTile, Tile, skinny_gemm, skinny_norm_gemm
+
+    x = _randn(1, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=40, scale=2.0)
+    w = _randn(n, k, dtype=dtype, seed=41, scale=k**-0.5)
+    res = _randn(1, k, dtype=dtype, seed=42, scale=3.0) if prologue == "add_norm" else None
+    nw = _norm_weight(k, dtype, seed=43)
+    ref_res = None
+    if prologue == "plain":
+        a = x
+    elif prologue == "silu_mul":
+        a = kernels.silu_and_mul(x)
+    elif res is None:
+        a = kernels.rms_norm(x, nw, EPS)
+    else:
+        a, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+    ref32 = a.float() @ w.float().T
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-10
+    outs = []
+    for t in (RowTile(*tile), Tile(16, 64)):
+        if prologue in ("plain", "silu_mul"):
+            got, got_res = skinny_gemm(x, w, silu_mul=prologue == "silu_mul", tile=t), None
+        else:
+            got, got_res = skinny_norm_gemm(x, res, nw, EPS, w, tile=t)
+        assert got.shape == (1, n) and got.dtype == dtype
+        err = (got.float() - ref32).abs()
+        assert (err <= 2 * ulp * ref32.abs() + 1e-4).all(), (t, err.max())
+        assert (got_res is None) == (ref_res is None)
+        assert ref_res is None or torch.equal(got_res, ref_res)
+        outs.append(got.float())
+    assert ((outs[0] - outs[1]).abs() <= 4 * ulp * ref32.abs() + 1e-4).all()
+
+
+def test_row_kernel_takes_one_row_plain_or_sent_within_its_k_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the row kernel serves one-row launches storing or SENDing their output
+    with ``K`` in ``ROW_KERNEL_K``; more rows, PUSH/GATHER and other ``K`` keep the
+    classic kernel. A default launch in range runs it (and is right)."""
+    from executor.kernels import skinny_gemm as sg
+
+    lo, hi = sg.ROW_KERNEL_K
+    assert sg.row_tile(sg.SILU_MUL, 1, 64, lo) == sg.RowTile(2, 8, 2)
+    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo) == sg.RowTile(4, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND) is not None
+    for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
+                         (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.PUSH), (1, lo, sg.GATHER)):
+        assert sg.row_tile(sg.PLAIN, m, 64, k, reduce) is None
+    launched: list[sg.RowTile] = []
+    real = sg._launch_row
+    monkeypatch.setattr(sg, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
+    x = _randn(1, lo, dtype=torch.float32, seed=44)
+    w = _randn(24, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
+    torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+    assert launched == [sg.RowTile(4, 8, 4)]
+    sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
+    assert len(launched) == 1
+
+
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from executor.kernels import skinny_gemm as sg

@@ -314,6 +314,79 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _skinny_row_kernel(
+    x_ptr,  # (1, K) row; (1, 2K) gate|up for SILU_MUL
+    res_ptr,  # (1, K) residual in (ADD_RMS_NORM)
+    nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
+    w_ptr,  # (N, K) row-major
+    out_ptr,  # (1, N)
+    res_out_ptr,  # (1, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
+    N, K, stride_wn,
+    inv_k, eps,
+    red_ptr,  # SEND: (WORLD,) int64, every rank's lane buffer; else unused
+    ctl_ptr,  # SEND: the lane's counters
+    rank,
+    slot_elems,  # SEND: elements per region
+    PROLOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: the whole input row
+    REDUCE: tl.constexpr,  # NO_REDUCE or SEND
+    WORLD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row, a persistent grid (``RowTile``): each program computes the prologue's
+    input row once and keeps it in registers, then takes column blocks ``pid``,
+    ``pid + programs``, ... with the next block's weight load issued before the current
+    block is reduced, so its weight stream has no gaps. The prologue rounds exactly as the
+    classic kernel's two-pass one (and the norm and SiLU kernels) do."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_n = pid * BLOCK_N + offs_b
+    # The first block's weight depends on nothing the step writes: in flight before the
+    # PDL wait, while the previous kernel finishes.
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
+    pdl_enter(USE_PDL)
+    act_ty = out_ptr.dtype.element_ty
+    if PROLOGUE == 1:  # silu(gate) * up, rounded like executor.kernels.activation
+        g = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+        x = (a * u).to(act_ty).to(tl.float32)
+    elif PROLOGUE >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
+        s = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        if PROLOGUE == 3:
+            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+            tl.store(res_out_ptr + offs_k, s, mask=mask_k & (offs_k * 0 + pid == 0))
+        s32 = s.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * inv_k + eps)
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = ((s32 * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    region = 0
+    if REDUCE == SEND_:  # (the lane's counter: written by the all-reduce, after the wait)
+        region = lamport_next_region(ctl_ptr, rank, slot_elems, WORLD)
+    block = pid
+    while block < tl.cdiv(N, BLOCK_N):
+        offs_n = block * BLOCK_N + offs_b
+        block += programs
+        offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
+        w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                         mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(act_ty)
+        if REDUCE == SEND_:
+            lamport_send(acc, offs_n, offs_n < N, red_ptr, region, WORLD)
+        else:
+            tl.store(out_ptr + offs_n, acc, mask=offs_n < N)
+        w = w_next
+
+
 @dataclass(frozen=True)
 class Tile:
     """Launch shape: output columns and K chunk per program, warps per program, Triton's
@@ -401,6 +474,49 @@ def default_tile(m: int, n: int, k: int, prologue: int = PLAIN) -> Tile:
     return Tile(4, block_k, 4)
 
 
+@dataclass(frozen=True)
+class RowTile:
+    """Launch shape of the persistent one-row kernel (``_skinny_row_kernel``): output
+    columns per block, warps per program, and programs per SM (the grid is at most that
+    many times the GPU's SM count; each program loops over its column blocks)."""
+
+    block_n: int
+    num_warps: int = 8
+    programs_per_sm: int = 4
+
+
+#: Inner sizes ``K`` (the weight's) the row kernel takes by default: the whole input row
+#: sits in each program's registers, with two weight blocks of ``block_n`` rows. Measured
+#: on an H100 from 2048 to 8192 (``bench/results/2026-11-26-h100-row-kernel``); smaller
+#: rows (SmolLM2's 576 and 1536) keep their tuned classic tiles, and longer ones (the 8B's
+#: down projection, 14336) the classic kernel's K loop.
+ROW_KERNEL_K = (2048, 8192)
+#: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
+_INTERPRETER_SMS = 2
+
+
+def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE) -> RowTile | None:
+    """The row kernel's tile for a launch it takes by default, else None (the classic
+    kernel): one row, a plain or SEND output, ``K`` in ``ROW_KERNEL_K``. By the H100 sweep
+    of the 1B and the 8B at TP = 2 (``bench/results/2026-11-26-h100-row-kernel``): 8 warps;
+    SiLU-and-mul inputs 2 columns per block, 2 programs per SM (down: 13.7 against the
+    classic tile's 15.2 us at 8192 x 2048, 21.5 against 22.2 at 7168 x 4096); the others
+    4 columns up to K = 2048 and 2 above, 4 programs per SM (qkv 5.6 against 7.4 us at
+    2048 x 3072, 9.5 against 10.5 at 4096 x 3072)."""
+    if m != 1 or reduce not in (NO_REDUCE, SEND) or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
+        return None
+    if prologue == SILU_MUL:
+        return RowTile(2, 8, 2)
+    return RowTile(4 if k <= 2048 else 2, 8, 4)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _LAUNCHERS: dict[tuple[int, int], FastLauncher] = {}
 
 
@@ -412,8 +528,18 @@ def _launcher(num_warps: int, num_stages: int) -> FastLauncher:
     return _LAUNCHERS[key]
 
 
+_ROW_LAUNCHERS: dict[int, FastLauncher] = {}
+
+
+def _row_launcher(num_warps: int) -> FastLauncher:
+    if num_warps not in _ROW_LAUNCHERS:
+        _ROW_LAUNCHERS[num_warps] = FastLauncher(_skinny_row_kernel, pdl=True,
+                                                 num_warps=num_warps)
+    return _ROW_LAUNCHERS[num_warps]
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                tile: Tile | None = None) -> torch.Tensor:
+                tile: Tile | RowTile | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` (M, K) and ``weight`` (N, K); with ``silu_mul``, ``x`` is
     (M, 2K) gate|up and the product is ``silu_and_mul(x) @ weight.T``. A new (M, N) tensor.
     Rows of ``x`` and ``weight`` must have unit column stride."""
@@ -423,7 +549,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
 
 
 def skinny_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                     eps: float, weight: torch.Tensor, tile: Tile | None = None
+                     eps: float, weight: torch.Tensor, tile: Tile | RowTile | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rms_norm(x [+ residual]) @ weight.T, x + residual)`` in one launch: the norm of
     ``executor.kernels.norm`` (same roundings) fused into the GEMM's input; the new
@@ -476,7 +602,7 @@ class SendLane:
 
 
 def send_linear(x: torch.Tensor, weight: torch.Tensor, lane: SendLane,
-                silu_mul: bool = False, tile: Tile | None = None) -> None:
+                silu_mul: bool = False, tile: Tile | RowTile | None = None) -> None:
     """``x @ weight.T`` (``silu_mul``: of ``silu_and_mul(x)``) for one row, stored as this
     rank's share of the lane's next all-reduce in every rank's buffer instead of returned;
     the lane's kernel launched next with ``SENT`` sums it. Launch both on every rank."""
@@ -487,7 +613,7 @@ def send_linear(x: torch.Tensor, weight: torch.Tensor, lane: SendLane,
 
 
 def push_linear(x: torch.Tensor, weight: torch.Tensor, site: ReduceSite, silu_mul: bool = False,
-                tile: Tile | None = None) -> None:
+                tile: Tile | RowTile | None = None) -> None:
     """``x @ weight.T`` (``silu_mul``: of ``silu_and_mul(x)``) for one row, pushed as this
     rank's slice into every rank's buffer at ``site`` instead of returned:
     ``gather_norm_linear`` takes the sum. Launch it on every rank."""
@@ -514,7 +640,7 @@ def reducible(x: torch.Tensor, producer: torch.nn.Module, consumer: torch.nn.Mod
 
 
 def gather_norm_linear(site: ReduceSite, residual: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float, weight: torch.Tensor, tile: Tile | None = None
+                       eps: float, weight: torch.Tensor, tile: Tile | RowTile | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``skinny_norm_gemm(x, residual, ...)`` where ``x`` is the sum over ranks of what
     their ``push_linear`` put at ``site`` (summed like the all-reduce kernel: float32, rank
@@ -528,7 +654,7 @@ def gather_norm_linear(site: ReduceSite, residual: torch.Tensor, norm_weight: to
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | None,
+            eps: float, weight: torch.Tensor, prologue: int, tile: Tile | RowTile | None,
             reduce: int = NO_REDUCE, site: ReduceSite | SendLane | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch; under GATHER ``x`` only stands in for the activation (the input is
@@ -548,7 +674,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             res_out.copy_(x + residual)
         return out.zero_(), res_out
     if tile is None:
-        tile = pick_tile(prologue, m, n, k, device_name(x.device) if x.is_cuda else "")
+        tile = row_tile(prologue, m, n, k, reduce) or \
+            pick_tile(prologue, m, n, k, device_name(x.device) if x.is_cuda else "")
+    if isinstance(tile, RowTile):
+        assert m == 1 and reduce in (NO_REDUCE, SEND), "the row kernel: one row, no gather"
+        _launch_row(x, residual, norm_weight, eps, weight, out, res_out, prologue, tile,
+                    reduce, site)
+        return out, res_out
     block_m = next_power_of_2(m)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
@@ -573,6 +705,33 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
          "BLOCK_K": tile.block_k, "ONE_PASS": one_pass, "REDUCE": reduce, "WORLD": world,
          "SLICES": world if reduce == GATHER else 1})
     return out, res_out
+
+
+def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
+                norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                out: torch.Tensor, res_out: torch.Tensor | None, prologue: int, tile: RowTile,
+                reduce: int, site: ReduceSite | SendLane | None) -> None:
+    """``_skinny_row_kernel`` on a grid of ``tile.programs_per_sm`` programs per SM (at
+    most one per column block)."""
+    n, k = weight.shape
+    if isinstance(site, SendLane):
+        red: tuple[torch.Tensor, torch.Tensor, int, int] = (
+            site.bases, site.counters, site.rank, site.region_elems)
+        world = site.world
+    else:
+        red, world = (x, x, 0, 0), 1
+    block_k = next_power_of_2(k)
+    programs = min(cdiv(n, tile.block_n), tile.programs_per_sm * _sm_count(x.device))
+    # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
+    key = (x.dtype, n, k, weight.stride(0), prologue, tile.block_n, block_k, reduce, world,
+           red[2:])
+    _row_launcher(tile.num_warps).launch(
+        (programs, 1, 1), key,
+        (x, residual if residual is not None else x,
+         norm_weight if norm_weight is not None else x, weight, out,
+         res_out if res_out is not None else out, n, k, weight.stride(0), 1.0 / k, eps, *red),
+        {"PROLOGUE": prologue, "BLOCK_N": tile.block_n, "BLOCK_K": block_k, "REDUCE": reduce,
+         "WORLD": world})
 
 
 def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:

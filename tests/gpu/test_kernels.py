@@ -216,11 +216,19 @@ def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None
 def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: bool) -> None:
     """The fused norm against the norm kernels: the new residual bit-identical, the product
     within about an ulp of the float32 product of the norm kernel's output."""
-    from executor.kernels.skinny_gemm import ADD_RMS_NORM, device_name, pick_tile, skinny_norm_gemm
+    from executor.kernels.skinny_gemm import (
+        ADD_RMS_NORM,
+        device_name,
+        pick_tile,
+        row_tile,
+        skinny_norm_gemm,
+    )
 
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     for m in (1, 3):
-        one_pass = pick_tile(ADD_RMS_NORM, m, n, k, device_name(torch.device("cuda"))).one_pass
+        # (the row kernel, where it serves, rounds the norm like the two-pass tiles)
+        one_pass = row_tile(ADD_RMS_NORM, m, n, k) is None and pick_tile(
+            ADD_RMS_NORM, m, n, k, device_name(torch.device("cuda"))).one_pass
         x = _randn(m, k, dtype=dtype, scale=2.0)
         res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
         nw, w = _norm_weight(k, dtype), _randn(n, k, dtype=dtype, scale=k**-0.5)
@@ -243,6 +251,51 @@ def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: boo
         else:
             assert got_res is not None and torch.equal(got_res, ref_res)
         assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("prologue", ["plain", "silu_mul", "add_norm"])
+def test_skinny_row_kernel(k: int, n: int, prologue: str, dtype: torch.dtype = torch.bfloat16
+                           ) -> None:
+    """The persistent one-row kernel with the tiles ``row_tile`` picks (and a wide and a
+    one-program-per-SM one) on the model's shapes and odd ones: within about an ulp of
+    the float32 product of the unfused kernels' output (SiLU-and-mul, the norm kernel's),
+    the new residual the norm kernel's bit for bit, deterministic, and within two ulps of
+    the classic kernel (bfloat16 here; float16 and float32 in the interpreter's test)."""
+    from executor.kernels import skinny_gemm as sg
+
+    x = _randn(1, 2 * k if prologue == "silu_mul" else k, dtype=dtype, scale=2.0)
+    w = _randn(n, k, dtype=dtype, scale=k**-0.5)
+    res = _randn(1, k, dtype=dtype, scale=3.0) if prologue == "add_norm" else None
+    nw = _norm_weight(k, dtype)
+    if prologue == "plain":
+        a, ref_res = x, None
+    elif prologue == "silu_mul":
+        a, ref_res = kernels.silu_and_mul(x), None
+    else:
+        a, ref_res = kernels.add_rms_norm(x, res, nw, EPS)
+    ref32 = a.float() @ w.float().T
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+
+    def run(tile: sg.Tile | sg.RowTile) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if prologue == "add_norm":
+            return sg.skinny_norm_gemm(x, res, nw, EPS, w, tile=tile)
+        return sg.skinny_gemm(x, w, silu_mul=prologue == "silu_mul", tile=tile), None
+
+    p = {"plain": sg.PLAIN, "silu_mul": sg.SILU_MUL, "add_norm": sg.ADD_RMS_NORM}[prologue]
+    classic, _ = run(sg.pick_tile(p, 1, n, k, sg.device_name(x.device)))
+    tiles = [sg.RowTile(8 if k <= 4096 else 1, 8, 1), sg.RowTile(1, 4, 4)]
+    picked = sg.row_tile(p, 1, n, k)
+    tiles += [picked] if picked is not None else []
+    for tile in tiles:
+        got, got_res = run(tile)
+        assert got.shape == (1, n) and got.dtype == dtype and not got.isnan().any()
+        err = (got.float() - ref32).abs()
+        assert (err <= 2 * ulp * ref32.abs() + 2e-3).all(), (tile, err.max())
+        assert (got.float() - classic.float()).abs().le(
+            2 * ulp * ref32.abs() + 2e-3).all(), tile
+        assert ref_res is None or (got_res is not None and torch.equal(got_res, ref_res))
+        assert torch.equal(run(tile)[0], got)  # deterministic
 
 
 def _norm32(s: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
