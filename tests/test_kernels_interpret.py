@@ -264,20 +264,21 @@ def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, 
     assert ((outs[0] - outs[1]).abs() <= 4 * ulp * ref32.abs() + 1e-4).all()
 
 
-def test_row_kernel_takes_one_row_plain_or_sent_within_its_k_range(
+def test_row_kernel_takes_one_stored_row_within_its_k_range(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the row kernel serves one-row launches storing or SENDing their output
-    with ``K`` in ``ROW_KERNEL_K``; more rows, PUSH/GATHER and other ``K`` keep the
-    classic kernel. A default launch in range runs it (and is right)."""
+    """By default the row kernel serves one-row launches storing their output with ``K``
+    in ``ROW_KERNEL_K``; more rows, other ``K`` and the tensor-parallel outputs (SEND,
+    PUSH, GATHER) keep the classic kernel. A default launch in range runs it (and is
+    right)."""
     from executor.kernels import skinny_gemm as sg
 
     lo, hi = sg.ROW_KERNEL_K
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo) == sg.RowTile(4, 8, 4)
     assert sg.row_tile(sg.PLAIN, 1, 64, hi) == sg.RowTile(2, 8, 4)
-    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND) is not None
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
-                         (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.PUSH), (1, lo, sg.GATHER)):
+                         (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.SEND), (1, lo, sg.PUSH),
+                         (1, lo, sg.GATHER)):
         assert sg.row_tile(sg.PLAIN, m, 64, k, reduce) is None
     launched: list[sg.RowTile] = []
     real = sg._launch_row

@@ -46,6 +46,18 @@ where the push all-reduce takes the row): a row-parallel projection stores its o
 row as this rank's share of the push all-reduce's next call in every rank's lane buffer
 (``send_linear``, ``all_reduce.lamport_send``), and that kernel, launched next, only sums.
 
+The row kernel (``_skinny_row_kernel``, ``RowTile``): one row on a persistent grid of a
+few programs per SM. Each program computes its input row once (the norm or SiLU-and-mul
+prologue, rounded as above) and keeps it in registers, then reduces column block after
+column block with the next block's weight load already in flight. The classic kernel
+computes the prologue again in every program, one per few output columns (the two-pass
+norm reads the input row twice each time) and its weight stream pauses at each program's
+start. It takes one-row launches with ``K`` in ``ROW_KERNEL_K`` by default (``row_tile``):
+on an H100 the 1B's batch-1 decode went 1.110-1.115 -> 1.084-1.086 ms and the 8B's 5.428
+-> 5.390 ms (``bench/results/2026-11-26-h100-row-kernel``; per projection class the 1B's
+qkv, gate_up and down got quicker and its o_proj and attention slower, the 8B's gate_up
+slower).
+
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
 by an ulp of the activation dtype.
@@ -491,19 +503,25 @@ class RowTile:
 #: rows (SmolLM2's 576 and 1536) keep their tuned classic tiles, and longer ones (the 8B's
 #: down projection, 14336) the classic kernel's K loop.
 ROW_KERNEL_K = (2048, 8192)
+#: Outputs the row kernel takes by default: stored (NO_REDUCE). Its SEND into the push
+#: all-reduce is tested in the interpreter only, not yet on GPUs, so tensor-parallel
+#: o_proj/down_proj keep the classic kernel unless given a ``RowTile``.
+ROW_KERNEL_REDUCE = (NO_REDUCE,)
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
 
 
 def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE) -> RowTile | None:
     """The row kernel's tile for a launch it takes by default, else None (the classic
-    kernel): one row, a plain or SEND output, ``K`` in ``ROW_KERNEL_K``. By the H100 sweep
-    of the 1B and the 8B at TP = 2 (``bench/results/2026-11-26-h100-row-kernel``): 8 warps;
-    SiLU-and-mul inputs 2 columns per block, 2 programs per SM (down: 13.7 against the
-    classic tile's 15.2 us at 8192 x 2048, 21.5 against 22.2 at 7168 x 4096); the others
-    4 columns up to K = 2048 and 2 above, 4 programs per SM (qkv 5.6 against 7.4 us at
-    2048 x 3072, 9.5 against 10.5 at 4096 x 3072)."""
-    if m != 1 or reduce not in (NO_REDUCE, SEND) or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
+    kernel): one row, an output kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``.
+    By the H100 sweep of the 1B and the 8B's TP = 2 shapes, each projection alone
+    (``bench/results/2026-11-26-h100-row-kernel``): 8 warps; SiLU-and-mul inputs 2 columns
+    per block, 2 programs per SM (down: 13.7 against the classic tile's 15.2 us at 8192 x
+    2048, 21.5 against 22.2 at 7168 x 4096); the others 4 columns up to K = 2048 and 2
+    above, 4 programs per SM (qkv 5.6 against 7.4 us at 2048 x 3072, 9.5 against 10.5 at
+    4096 x 3072)."""
+    if m != 1 or reduce not in ROW_KERNEL_REDUCE \
+            or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
     if prologue == SILU_MUL:
         return RowTile(2, 8, 2)
