@@ -19,6 +19,7 @@
 # its GPU tests (SWITCH_TESTS), kernel tables and an interleaved A/B, e.g.
 #   STEPS=switch SWITCH=pdl bash bench/kernel_check.sh
 #   STEPS=switch SWITCH=fuse-decode-rope SWITCH_TESTS=tests/gpu/test_fused_rope_gpu.py ...
+#   STEPS=switch SWITCH=skinny-row-kernel SWITCH_TESTS=tests/gpu/test_kernels.py ...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results-local}
@@ -92,7 +93,7 @@ if has small; then
   done
 fi
 if has switch; then  # one kernel switch off against on, same tree, same machine
-  SWITCH=${SWITCH:-pdl}  # a bench/switches.py flag: pdl or fuse-decode-rope
+  SWITCH=${SWITCH:-pdl}  # a bench/switches.py flag: pdl, fuse-decode-rope, skinny-row-kernel
   SWITCH_TESTS=${SWITCH_TESTS:-tests/gpu/test_pdl_gpu.py}
   log "--$SWITCH: GPU tests ($SWITCH_TESTS)"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider $SWITCH_TESTS \

@@ -1,5 +1,6 @@
-"""The executor's kernel switches (``ExecutorConfig.fuse_decode_rope``, ``.pdl``) as
-benchmark flags, so one tree can be A/B-timed against itself with a switch flipped."""
+"""The executor's kernel switches (``ExecutorConfig.fuse_decode_rope``, ``.pdl``,
+``.skinny_row_kernel``) as benchmark flags, so one tree can be A/B-timed against itself
+with a switch flipped."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from executor import config
 # A base tree older than the switches (``kernel_check.sh``'s "before" side runs this file
 # in one) has none: the flags then still parse, and none may be given.
 KERNEL_SWITCH_MODES: tuple[str, ...] = getattr(config, "KERNEL_SWITCH_MODES", ("auto", "on", "off"))
-SWITCHES = ("fuse_decode_rope", "pdl")
+SWITCHES = ("fuse_decode_rope", "pdl", "skinny_row_kernel")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--fuse-decode-rope`` and ``--pdl``, each ``auto``/``on``/``off``; left out, the
-    config's default."""
+    """``--fuse-decode-rope``, ``--pdl`` and ``--skinny-row-kernel``, each
+    ``auto``/``on``/``off``; left out, the config's default."""
     for name in SWITCHES:
         ap.add_argument("--" + name.replace("_", "-"), choices=KERNEL_SWITCH_MODES,
                         default=None, help=f"ExecutorConfig.{name} (default: the config's)")

@@ -21,7 +21,7 @@ LoadFormat = Literal["safetensors", "random"]
 TINY_MODEL = "tiny"
 
 
-#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``).
+#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``, ``skinny_row_kernel``).
 KERNEL_SWITCH_MODES = ("auto", "on", "off")
 
 
@@ -119,6 +119,10 @@ class ExecutorConfig:
     #: ``auto`` on CUDA devices of compute capability 9.0+, ``on`` (refused elsewhere),
     #: ``off``.
     pdl: str = "auto"
+    #: The skinny GEMM's persistent row kernel for one-row projections of the shapes it
+    #: takes (``executor/kernels/skinny_gemm.py``, ``row_tile``): ``auto`` on CUDA devices,
+    #: ``on`` (refused elsewhere), ``off`` (the classic kernel only).
+    skinny_row_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
@@ -131,7 +135,7 @@ class ExecutorConfig:
                  f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
-        for name in ("fuse_decode_rope", "pdl"):
+        for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel"):
             value = getattr(self, name)
             _require(value in KERNEL_SWITCH_MODES,
                      f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")

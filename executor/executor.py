@@ -107,7 +107,7 @@ class Executor:
         self.dtype = _DTYPES[dtype_name]
         # Programmatic dependent launch of our Triton kernels: a process-wide switch (the
         # kernels are launched deep in the model), set to this executor's choice whenever
-        # it runs a forward or captures (``_use_pdl``), so executors sharing a process
+        # it runs a forward or captures (``_use_switches``), so executors sharing a process
         # each launch as they were configured.
         self.pdl = False
         self._pdl_switch: Any = None  # executor.kernels.pdl, where CUDA may launch ours
@@ -119,6 +119,16 @@ class Executor:
             except ValueError as e:
                 raise ConfigError(f"--pdl {config.pdl}: {e}") from None
             self._pdl_switch = pdl
+        # The skinny GEMM's row kernel: a process-wide switch too, set with PDL's.
+        self.row_kernel = False
+        self._row_kernel_switch: Any = None  # executor.kernels.skinny_gemm, on CUDA
+        if config.skinny_row_kernel == "on" and self.device.type != "cuda":
+            raise ConfigError(f"--skinny-row-kernel on needs a CUDA device, not {self.device}")
+        if self.device.type == "cuda":
+            from executor.kernels import skinny_gemm
+
+            self.row_kernel = config.skinny_row_kernel != "off"
+            self._row_kernel_switch = skinny_gemm
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
@@ -179,7 +189,9 @@ class Executor:
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
         features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
-            ("pdl",) if self.pdl else ()) + group.projection_features(self.tp)
+            ("pdl",) if self.pdl else ()) + (
+            ("skinny_row_kernel",) if self.row_kernel else ()) + group.projection_features(
+                self.tp)
         self.model_info = dataclasses.replace(
             self.model_info, kernel_features=features,
             tp_all_reduce=group.all_reduce_algorithm(self.tp) if self.tp.distributed else "")
@@ -527,7 +539,7 @@ class Executor:
         torch.cuda.synchronize(self.device)
         if self.channel is not None and self.tp.leads:  # every rank captures the same
             self.channel.send(CaptureHeader(tuple(dict.fromkeys(phases)), force))
-        self._use_pdl()  # graphs keep the launches they were captured with
+        self._use_switches()  # graphs keep the launches they were captured with
         return tuple(self.runners[p].capture_all(force=force, progress=progress)
                      for p in dict.fromkeys(phases))
 
@@ -642,7 +654,7 @@ class Executor:
                  ) -> torch.Tensor | None:
         """The forward as ``mode`` says; logits of the sampled rows in the activation
         dtype (the sampler widens what it computes in float32), or None."""
-        self._use_pdl()
+        self._use_switches()
         if mode is Mode.GRAPH:
             assert bucket is not None
             # Graph logits are valid until the next replay: sampled right after.
@@ -688,10 +700,13 @@ class Executor:
             finally:
                 self.channel.close()
 
-    def _use_pdl(self) -> None:
-        """Point the process-wide PDL switch at this executor's choice."""
+    def _use_switches(self) -> None:
+        """Point the process-wide kernel switches (PDL, the row kernel) at this executor's
+        choices."""
         if self._pdl_switch is not None:
             self._pdl_switch.use(self.pdl)
+        if self._row_kernel_switch is not None:
+            self._row_kernel_switch.use_row_kernel(self.row_kernel)
 
     def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""

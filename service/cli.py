@@ -69,6 +69,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="programmatic dependent launch of the Triton kernels (CUDA "
                        "compute capability 9.0+): each kernel starts while the previous "
                        "one finishes; auto: where supported (default: %(default)s)")
+    model.add_argument("--skinny-row-kernel", choices=KERNEL_SWITCH_MODES, default="auto",
+                       help="decode projections at batch 1 on the skinny GEMM's persistent "
+                       "row kernel where it takes the shape (K from 2048 to 8192); off: the "
+                       "classic kernel only; auto: on CUDA devices (default: %(default)s)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -237,7 +241,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                            compile_debug_dir=args.compile_debug_dir),
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
-        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl)
+        fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl,
+        skinny_row_kernel=args.skinny_row_kernel)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -131,7 +131,7 @@ def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatc
     assert _transcript(off) == want and off.attn.rotated == 0
 
 
-@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl"])
+@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl", "skinny_row_kernel"])
 def test_kernel_switches_take_auto_on_or_off(field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} must be one of \\['auto', 'on', 'off'\\]"):
         ExecutorConfig(**{field: "yes"})  # type: ignore[arg-type]
@@ -142,19 +142,33 @@ def test_pdl_on_is_refused_where_the_device_cannot() -> None:
         Executor(ExecutorConfig(cache=CONFIG.cache, pdl="on"))
 
 
-def test_an_executor_sets_the_pdl_switch_to_its_own_choice_before_it_runs() -> None:
-    """The PDL switch is process-wide; each executor points it at its own choice before
-    every forward (and capture), so two executors in a process launch as configured."""
+def test_skinny_row_kernel_on_is_refused_off_cuda() -> None:
+    with pytest.raises(ConfigError, match=r"--skinny-row-kernel on needs a CUDA device"):
+        Executor(ExecutorConfig(cache=CONFIG.cache, skinny_row_kernel="on"))
+    off = Executor(ExecutorConfig(cache=CONFIG.cache, skinny_row_kernel="off"))
+    assert not off.row_kernel and "skinny_row_kernel" not in off.model_info.kernel_features
+
+
+def test_an_executor_sets_the_kernel_switches_to_its_own_choices_before_it_runs() -> None:
+    """The PDL and row-kernel switches are process-wide; each executor points them at its
+    own choices before every forward (and capture), so two executors in a process launch
+    as configured."""
     ex = Executor(CONFIG)
     assert not ex.pdl and ex._pdl_switch is None  # CPU, auto: Triton not even imported
-    calls: list[bool] = []
+    assert not ex.row_kernel and ex._row_kernel_switch is None
+    calls: list[tuple[str, bool]] = []
 
     class Switch:
         @staticmethod
         def use(on: bool) -> None:
-            calls.append(on)
+            calls.append(("pdl", on))
+
+        @staticmethod
+        def use_row_kernel(on: bool) -> None:
+            calls.append(("row", on))
 
     ex._pdl_switch, ex.pdl = Switch, True
+    ex._row_kernel_switch, ex.row_kernel = Switch, False
     ex.prefill([PrefillItem("a", [3, 4, 5])])
     ex.decode([DecodeItem("a", 6)])
-    assert calls == [True, True]
+    assert calls == [("pdl", True), ("row", False)] * 2

@@ -289,6 +289,13 @@ def test_row_kernel_takes_one_stored_row_within_its_k_range(
     assert launched == [sg.RowTile(4, 8, 4)]
     sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
     assert len(launched) == 1
+    sg.use_row_kernel(False)  # an executor's --skinny-row-kernel off
+    try:
+        assert sg.row_tile(sg.PLAIN, 1, 64, lo) is None
+        torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+        assert len(launched) == 1
+    finally:
+        sg.use_row_kernel(True)
 
 
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,

@@ -509,18 +509,29 @@ ROW_KERNEL_K = (2048, 8192)
 ROW_KERNEL_REDUCE = (NO_REDUCE,)
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
+#: Whether default launches may take the row kernel: a process-wide switch, which each
+#: executor sets to its ``skinny_row_kernel`` choice before it runs (``use_row_kernel``).
+_row_kernel_on = True
+
+
+def use_row_kernel(on: bool) -> None:
+    """Let default one-row launches take the row kernel where ``row_tile`` serves them
+    (True), or keep every launch on the classic kernel (False)."""
+    global _row_kernel_on
+    _row_kernel_on = on
 
 
 def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE) -> RowTile | None:
     """The row kernel's tile for a launch it takes by default, else None (the classic
-    kernel): one row, an output kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``.
+    kernel): the switch on (``use_row_kernel``), one row, an output kind in
+    ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``.
     By the H100 sweep of the 1B and the 8B's TP = 2 shapes, each projection alone
     (``bench/results/2026-11-26-h100-row-kernel``): 8 warps; SiLU-and-mul inputs 2 columns
     per block, 2 programs per SM (down: 13.7 against the classic tile's 15.2 us at 8192 x
     2048, 21.5 against 22.2 at 7168 x 4096); the others 4 columns up to K = 2048 and 2
     above, 4 programs per SM (qkv 5.6 against 7.4 us at 2048 x 3072, 9.5 against 10.5 at
     4096 x 3072)."""
-    if m != 1 or reduce not in ROW_KERNEL_REDUCE \
+    if not _row_kernel_on or m != 1 or reduce not in ROW_KERNEL_REDUCE \
             or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
     if prologue == SILU_MUL:
