@@ -7,9 +7,12 @@ residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfuse
 path (the norm or SiLU kernel, then cuBLAS ``F.linear``) and the skinny kernel with its
 tile (tuned or default). ``--sweep`` times every tile of a small grid, each checked against
 the unfused output first; ``--tiles-out`` merges the best tile per (prologue, N, K) into a
-JSON file that ``skinny_gemm.TILES_FILE`` can be. Times are CUDA-graph replays over weight
-copies that exceed the L2 cache (``bench.gemm.replay_us``), so each call reads its weight
-from HBM; the weight-read floor uses the bandwidth measured here.
+JSON file that ``skinny_gemm.TILES_FILE`` can be. Where the persistent row kernel takes the
+shape by default (``skinny_gemm.row_tile``) it is timed too (``row_us``), and ``--sweep``
+also times its tiles (``ROW_SWEEP``: reported, not written; ``row_tile`` picks by rule).
+Times are CUDA-graph replays over weight copies that exceed the L2 cache
+(``bench.gemm.replay_us``), so each call reads its weight from HBM; the weight-read floor
+uses the bandwidth measured here.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ SWEEP = [(1, 4096, 4), (2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (
          (16, 512, 4), (32, 256, 4), (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 4),
          (16, 256, 4, 4), (16, 512, 8, 4), (32, 128, 4, 5)]
 EPS = 1e-5
+# (block_n, num_warps, programs_per_sm) candidates of the persistent row kernel
+# (``skinny_gemm.RowTile``); where K is long, wide blocks spill registers (see
+# ``bench/results/2026-11-26-h100-row-kernel``), so those are skipped above 128 weight
+# values a thread.
+ROW_SWEEP = [(bn, warps, per_sm) for bn in (1, 2, 4, 8) for warps in (4, 8)
+             for per_sm in (1, 2, 4)]
 
 
 def candidates(prologue: int) -> list[tuple[int | bool, ...]]:
@@ -89,8 +98,16 @@ def _no_check(got: torch.Tensor, w: torch.Tensor) -> None:
     raise AssertionError("only RMSNorm prologues have one-pass tiles")
 
 
+def row_candidates(k: int) -> list[tuple[int, int, int]]:
+    """The row kernel's sweep at inner size ``k``: tiles holding at most 128 weight values
+    a thread (block_n rows of the whole next-power-of-two row, over the warps' threads)."""
+    from executor.kernels.launch import next_power_of_2
+
+    return [c for c in ROW_SWEEP if c[0] * next_power_of_2(k) <= 128 * 32 * c[1]]
+
+
 def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
-    from executor.kernels.skinny_gemm import Tile, pick_tile
+    from executor.kernels.skinny_gemm import RowTile, Tile, pick_tile, row_tile
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     bw = hardware.read_bandwidth_gbs() * 1e9
@@ -107,6 +124,10 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
             "floor_us": k * n * 2 / bw * 1e6, "unfused_us": replay_us(unfused, weights),
             "skinny_us": replay_us(functools.partial(fused, tile=tile), weights),
             "tile": list(dataclasses.astuple(tile))}
+        default_row = row_tile(prologue, 1, n, k)
+        if default_row is not None:  # a default launch takes the persistent row kernel
+            row.update(row_us=replay_us(functools.partial(fused, tile=default_row), weights),
+                       row_tile=list(dataclasses.astuple(default_row)))
         if sweep:
             ref = unfused(weights[0])
             results: dict[str, float | str] = {}
@@ -124,6 +145,21 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
             timed = {c: us for c, us in results.items() if isinstance(us, float)}
             best = min(timed, key=lambda c: timed[c])
             row.update(sweep=results, best_tile=json.loads(best), best_us=timed[best])
+            rows_timed: dict[str, float | str] = {}
+            for cand in row_candidates(k):  # the row kernel's tiles, checked the same way
+                label = json.dumps(list(cand))
+                try:
+                    torch.testing.assert_close(fused(weights[0], RowTile(*cand)), ref,
+                                               atol=2e-3, rtol=2**-6)
+                    rows_timed[label] = replay_us(
+                        functools.partial(fused, tile=RowTile(*cand)), weights)
+                except Exception as exc:  # reported, not used
+                    rows_timed[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            ok = {c: us for c, us in rows_timed.items() if isinstance(us, float)}
+            if ok:
+                best_row = min(ok, key=lambda c: ok[c])
+                row.update(row_sweep=rows_timed, best_row_tile=json.loads(best_row),
+                           best_row_us=ok[best_row])
         rows.append(row)
         print(_line(row), flush=True)
         del weights
@@ -132,7 +168,12 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
 
 def _line(row: dict[str, Any]) -> str:
     best = (f"  best {row['best_us']:6.1f} tile {row['best_tile']}" if "best_us" in row else "")
-    bad = [c for c, us in row.get("sweep", {}).items() if not isinstance(us, float)]
+    if "row_us" in row:
+        best += f"  row {row['row_us']:6.1f} {row['row_tile']}"
+    if "best_row_us" in row:
+        best += f"  best row {row['best_row_us']:6.1f} {row['best_row_tile']}"
+    bad = [c for sweep in ("sweep", "row_sweep")
+           for c, us in row.get(sweep, {}).items() if not isinstance(us, float)]
     return (f"{row['proj']:8} N={row['n']:<6} K={row['k']:<6} floor {row['floor_us']:6.1f} us"
             f"  unfused {row['unfused_us']:6.1f}  skinny {row['skinny_us']:6.1f} tile "
             f"{row['tile']}{best}" + (f"  FAILED {bad}" if bad else ""))
