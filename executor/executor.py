@@ -188,10 +188,10 @@ class Executor:
         self.fuses_decode_rope = can_fuse and config.fuse_decode_rope != "off"
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
-        features = (("fused_decode_rope",) if self.fuses_decode_rope else ()) + (
-            ("pdl",) if self.pdl else ()) + (
-            ("skinny_row_kernel",) if self.row_kernel else ()) + group.projection_features(
-                self.tp)
+        switches = {"fused_decode_rope": self.fuses_decode_rope, "pdl": self.pdl,
+                    "skinny_row_kernel": self.row_kernel}
+        features = tuple(name for name, on in switches.items() if on) + \
+            group.projection_features(self.tp)
         self.model_info = dataclasses.replace(
             self.model_info, kernel_features=features,
             tp_all_reduce=group.all_reduce_algorithm(self.tp) if self.tp.distributed else "")

@@ -717,14 +717,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     strides = (x.stride(0), res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     one_pass = tile.one_pass and prologue >= RMS_NORM
-    if site is None:
-        red: tuple[torch.Tensor, torch.Tensor, int, int, int] = (x, x, 0, 0, 0)
-        world = 1
-    elif isinstance(site, SendLane):
-        red = (site.bases, site.counters, site.rank, 0, site.region_elems)
-        world = site.world
-    else:
-        red, world = (site.bases, site.ctl, site.rank, site.offset, site.slot_bytes), site.world
+    red, world = _reduce_args(x, site)
     key = (x.dtype, m, n, k, strides, prologue, block_m, tile.block_n, tile.block_k, one_pass,
            reduce, world, red[2:])
     _launcher(tile.num_warps, tile.num_stages).launch(
@@ -736,6 +729,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     return out, res_out
 
 
+def _reduce_args(x: torch.Tensor, site: ReduceSite | SendLane | None
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, int, int, int], int]:
+    """The kernels' reduce arguments (every rank's buffer, this rank's counters, rank,
+    site offset, slot size) for ``site`` (``x`` stands in where there is none), and the
+    world size."""
+    if site is None:
+        return (x, x, 0, 0, 0), 1
+    if isinstance(site, SendLane):
+        return (site.bases, site.counters, site.rank, 0, site.region_elems), site.world
+    return (site.bases, site.ctl, site.rank, site.offset, site.slot_bytes), site.world
+
+
 def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                 out: torch.Tensor, res_out: torch.Tensor | None, prologue: int, tile: RowTile,
@@ -743,12 +748,8 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
     """``_skinny_row_kernel`` on a grid of ``tile.programs_per_sm`` programs per SM (at
     most one per column block)."""
     n, k = weight.shape
-    if isinstance(site, SendLane):
-        red: tuple[torch.Tensor, torch.Tensor, int, int] = (
-            site.bases, site.counters, site.rank, site.region_elems)
-        world = site.world
-    else:
-        red, world = (x, x, 0, 0), 1
+    red5, world = _reduce_args(x, site)
+    red = (*red5[:3], red5[4])  # no site offset: a SEND lane's regions start at 0
     block_k = next_power_of_2(k)
     programs = min(cdiv(n, tile.block_n), tile.programs_per_sm * _sm_count(x.device))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
