@@ -273,29 +273,56 @@ def test_row_kernel_takes_one_stored_row_within_its_k_range(
     from executor.kernels import skinny_gemm as sg
 
     lo, hi = sg.ROW_KERNEL_K
-    assert sg.row_tile(sg.SILU_MUL, 1, 64, lo) == sg.RowTile(2, 8, 2)
-    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo) == sg.RowTile(4, 8, 4)
-    assert sg.row_tile(sg.PLAIN, 1, 64, hi) == sg.RowTile(2, 8, 4)
+    two = sg.ROW_KERNEL_MIN_BLOCKS
+    assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sms=2) == sg.RowTile(2, 8, 2)
+    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 4)
+    # too few column blocks for the grid: 32 blocks of two, 4 programs on each of 132 SMs
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=132) is None
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * two, hi, sms=132) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * two - 2, hi, sms=132) is None
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
                          (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.SEND), (1, lo, sg.PUSH),
                          (1, lo, sg.GATHER)):
-        assert sg.row_tile(sg.PLAIN, m, 64, k, reduce) is None
+        assert sg.row_tile(sg.PLAIN, m, 64, k, reduce, sms=2) is None
     launched: list[sg.RowTile] = []
     real = sg._launch_row
     monkeypatch.setattr(sg, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
     x = _randn(1, lo, dtype=torch.float32, seed=44)
-    w = _randn(24, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
+    w = _randn(4 * 4 * 2 * two, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
     torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     assert launched == [sg.RowTile(4, 8, 4)]
     sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
+    sg.skinny_gemm(x, w[:4 * 4 * 2 * two - 4])  # a block too few: the classic kernel
     assert len(launched) == 1
     sg.use_row_kernel(False)  # an executor's --skinny-row-kernel off
     try:
-        assert sg.row_tile(sg.PLAIN, 1, 64, lo) is None
+        assert sg.row_tile(sg.PLAIN, 1, 64, lo, sms=2) is None
         torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
         assert len(launched) == 1
     finally:
         sg.use_row_kernel(True)
+
+
+@pytest.mark.parametrize(("blocks", "sms"), [(768, 132), (1024, 132), (4096, 132),
+                                              (1001, 132), (529, 132), (7, 2), (8, 2), (9, 2)])
+def test_row_kernel_grid_takes_its_blocks_in_the_fewest_rounds_evenly(blocks: int,
+                                                                     sms: int) -> None:
+    """The row kernel's grid: no more programs than a full grid, no more rounds of blocks
+    than a full grid needs, and fewer than a round's count of programs one block short."""
+    from executor.kernels.skinny_gemm import RowTile, row_programs
+
+    tile = RowTile(4, 8, 4)
+    full = 4 * sms
+    programs = row_programs(tile, 4 * blocks, sms)
+    rounds = -(-blocks // programs)
+    assert programs <= full and rounds == -(-blocks // min(full, blocks))
+    # program p takes blocks p, p + programs, ...: all take `rounds` but the last few
+    taken = [len(range(p, blocks, programs)) for p in range(programs)]
+    assert sum(taken) == blocks and set(taken) <= {rounds, rounds - 1}
+    assert taken.count(rounds - 1) < rounds
+    if blocks == 768:
+        assert programs == 384  # the 1B qkv's 768 blocks: two each, not 240 of two
 
 
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,

@@ -507,6 +507,14 @@ ROW_KERNEL_K = (2048, 8192)
 #: all-reduce is tested in the interpreter only, not yet on GPUs, so tensor-parallel
 #: o_proj/down_proj keep the classic kernel unless given a ``RowTile``.
 ROW_KERNEL_REDUCE = (NO_REDUCE,)
+#: Column blocks per program of a full grid below which default launches keep the classic
+#: kernel. Measured in the 1B's batch-1 decode on an H100
+#: (``bench/results/2026-11-27-h100-row-rule``): with 1-1.5 blocks a program (its o_proj,
+#: 512 blocks on 528 programs; its qkv, 768) a persistent grid saves no prologue work and
+#: holds the SMs to its end, so the attention or the gate_up after it starts later: the
+#: classic kernel there took the step from 1.085 to 1.077 ms; down (3.9 blocks a program)
+#: and gate_up (7.8) stay quicker on the row kernel.
+ROW_KERNEL_MIN_BLOCKS = 2
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
 #: Whether default launches may take the row kernel: a process-wide switch, which each
@@ -521,10 +529,12 @@ def use_row_kernel(on: bool) -> None:
     _row_kernel_on = on
 
 
-def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE) -> RowTile | None:
-    """The row kernel's tile for a launch it takes by default, else None (the classic
-    kernel): the switch on (``use_row_kernel``), one row, an output kind in
-    ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``.
+def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
+             sms: int) -> RowTile | None:
+    """The row kernel's tile for a launch it takes by default on a GPU of ``sms`` SMs,
+    else None (the classic kernel): the switch on (``use_row_kernel``), one row, an output
+    kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``, and at least
+    ``ROW_KERNEL_MIN_BLOCKS`` column blocks for each program of a full grid.
     By the H100 sweep of the 1B and the 8B's TP = 2 shapes, each projection alone
     (``bench/results/2026-11-26-h100-row-kernel``): 8 warps; SiLU-and-mul inputs 2 columns
     per block, 2 programs per SM (down: 13.7 against the classic tile's 15.2 us at 8192 x
@@ -534,9 +544,20 @@ def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE) -> 
     if not _row_kernel_on or m != 1 or reduce not in ROW_KERNEL_REDUCE \
             or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
-    if prologue == SILU_MUL:
-        return RowTile(2, 8, 2)
-    return RowTile(4 if k <= 2048 else 2, 8, 4)
+    tile = RowTile(2, 8, 2) if prologue == SILU_MUL else RowTile(4 if k <= 2048 else 2, 8, 4)
+    if cdiv(n, tile.block_n) < ROW_KERNEL_MIN_BLOCKS * tile.programs_per_sm * sms:
+        return None
+    return tile
+
+
+def row_programs(tile: RowTile, n: int, sms: int) -> int:
+    """The row kernel's grid for ``n`` columns: the fewest programs that take its column
+    blocks in as many rounds as a full grid (``tile.programs_per_sm`` per SM) would, so
+    fewer than that many programs take one block less (768 blocks on at most 528
+    programs: 384 programs of two, not 240 of two and 288 of one, which leave half the
+    GPU idle for the last round)."""
+    blocks = cdiv(n, tile.block_n)
+    return cdiv(blocks, cdiv(blocks, tile.programs_per_sm * sms))
 
 
 @functools.cache
@@ -703,7 +724,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             res_out.copy_(x + residual)
         return out.zero_(), res_out
     if tile is None:
-        tile = row_tile(prologue, m, n, k, reduce) or \
+        tile = row_tile(prologue, m, n, k, reduce, sms=_sm_count(x.device)) or \
             pick_tile(prologue, m, n, k, device_name(x.device) if x.is_cuda else "")
     if isinstance(tile, RowTile):
         assert m == 1 and reduce in (NO_REDUCE, SEND), "the row kernel: one row, no gather"
@@ -745,13 +766,12 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                 out: torch.Tensor, res_out: torch.Tensor | None, prologue: int, tile: RowTile,
                 reduce: int, site: ReduceSite | SendLane | None) -> None:
-    """``_skinny_row_kernel`` on a grid of ``tile.programs_per_sm`` programs per SM (at
-    most one per column block)."""
+    """``_skinny_row_kernel`` on the grid of ``row_programs``."""
     n, k = weight.shape
     red5, world = _reduce_args(x, site)
     red = (*red5[:3], red5[4])  # no site offset: a SEND lane's regions start at 0
     block_k = next_power_of_2(k)
-    programs = min(cdiv(n, tile.block_n), tile.programs_per_sm * _sm_count(x.device))
+    programs = row_programs(tile, n, _sm_count(x.device))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), prologue, tile.block_n, block_k, reduce, world,
            red[2:])

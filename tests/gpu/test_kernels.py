@@ -227,7 +227,8 @@ def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: boo
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     for m in (1, 3):
         # (the row kernel, where it serves, rounds the norm like the two-pass tiles)
-        one_pass = row_tile(ADD_RMS_NORM, m, n, k) is None and pick_tile(
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        one_pass = row_tile(ADD_RMS_NORM, m, n, k, sms=sms) is None and pick_tile(
             ADD_RMS_NORM, m, n, k, device_name(torch.device("cuda"))).one_pass
         x = _randn(m, k, dtype=dtype, scale=2.0)
         res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
@@ -288,7 +289,7 @@ def test_skinny_row_kernel(k: int, n: int, prologue: str, dtype: torch.dtype = t
     classic, _ = run(dataclasses.replace(sg.pick_tile(p, 1, n, k, sg.device_name(x.device)),
                                          one_pass=False))
     tiles = [sg.RowTile(8 if k <= 4096 else 1, 8, 1), sg.RowTile(1, 4, 4)]
-    picked = sg.row_tile(p, 1, n, k)
+    picked = sg.row_tile(p, 1, n, k, sms=torch.cuda.get_device_properties(0).multi_processor_count)
     tiles += [picked] if picked is not None else []
     for tile in tiles:
         got, got_res = run(tile)
