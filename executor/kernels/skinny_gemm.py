@@ -52,11 +52,11 @@ prologue, rounded as above) and keeps it in registers, then reduces column block
 column block with the next block's weight load already in flight. The classic kernel
 computes the prologue again in every program, one per few output columns (the two-pass
 norm reads the input row twice each time) and its weight stream pauses at each program's
-start. It takes one-row launches with ``K`` in ``ROW_KERNEL_K`` by default (``row_tile``):
-on an H100 the 1B's batch-1 decode went 1.110-1.115 -> 1.084-1.086 ms and the 8B's 5.428
--> 5.390 ms (``bench/results/2026-11-26-h100-row-kernel``; per projection class the 1B's
-qkv, gate_up and down got quicker and its o_proj and attention slower, the 8B's gate_up
-slower).
+start. It takes one-row launches with ``K`` in ``ROW_KERNEL_K`` by default where each
+program of a full grid gets at least ``ROW_KERNEL_MIN_BLOCKS`` column blocks
+(``row_tile``): on an H100 the 1B's batch-1 decode went 1.114-1.115 -> 1.073-1.074 ms
+(gate_up and down on it, qkv and o_proj not) and the 8B's 5.429 -> 5.354 ms (every
+projection but down, whose K is 14336): ``bench/results/2026-11-27-h100-row-rule``.
 
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
