@@ -12,7 +12,8 @@ layer both ways:
   reduce sites, gate_up and qkv gather the sums.
 
 Checks, on every rank: the fused outputs and new residuals equal the unfused ones bit for
-bit (the same float32 rank-order sum, rounded once), eagerly and replayed three times from
+bit (the same float32 rank-order sum, rounded once; both sides on the classic skinny
+kernel, ``--skinny-row-kernel off``), eagerly and replayed three times from
 a CUDA graph of ``PAIRS`` layers with new inputs before each replay (a slot of another call,
 a stale line or a peer's other call fails it). Times: median µs per layer of each graph.
 """
@@ -42,6 +43,10 @@ def _worker(rank: int, world: int, port: int, shape: str, queue: Any) -> None:
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
+    # The fused path's gathering projections run the classic skinny kernel; so must the
+    # unfused path's for the comparison to hold bit for bit (by default a one-row gate_up
+    # takes the row kernel, whose sums run in another order: within an ulp).
+    sg.use_row_kernel(False)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
     tp = group.init(rank, world, device, store, datetime.timedelta(seconds=120), "triton",
