@@ -510,10 +510,10 @@ ROW_KERNEL_REDUCE = (NO_REDUCE,)
 #: Column blocks per program of a full grid below which default launches keep the classic
 #: kernel. Measured in the 1B's batch-1 decode on an H100
 #: (``bench/results/2026-11-27-h100-row-rule``): with 1-1.5 blocks a program (its o_proj,
-#: 512 blocks on 528 programs; its qkv, 768) a persistent grid saves no prologue work and
-#: holds the SMs to its end, so the attention or the gate_up after it starts later: the
-#: classic kernel there took the step from 1.085 to 1.077 ms; down (3.9 blocks a program)
-#: and gate_up (7.8) stay quicker on the row kernel.
+#: 512 blocks on 528 programs; its qkv, 768) the grid saves little prologue work and the
+#: kernel after it (attention, gate_up) lost more than it gained: the classic kernel there
+#: took the step from 1.085 to 1.077 ms; down (3.9 blocks a program) and gate_up (7.8)
+#: stay quicker on the row kernel.
 ROW_KERNEL_MIN_BLOCKS = 2
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
