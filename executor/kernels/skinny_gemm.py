@@ -552,10 +552,10 @@ def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
 
 def row_programs(tile: RowTile, n: int, sms: int) -> int:
     """The row kernel's grid for ``n`` columns: the fewest programs that take its column
-    blocks in as many rounds as a full grid (``tile.programs_per_sm`` per SM) would, so
-    fewer than that many programs take one block less (768 blocks on at most 528
-    programs: 384 programs of two, not 240 of two and 288 of one, which leave half the
-    GPU idle for the last round)."""
+    blocks in as many rounds as a full grid (``tile.programs_per_sm`` per SM) would. Each
+    program takes that many blocks, a few (fewer than the rounds) one less: 768 blocks on
+    at most 528 programs run as 384 programs of two, not 240 of two and 288 of one, which
+    would leave half the GPU idle for the last round."""
     blocks = cdiv(n, tile.block_n)
     return cdiv(blocks, cdiv(blocks, tile.programs_per_sm * sms))
 
