@@ -91,6 +91,7 @@ def _check(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: in
     ([5, 40, 130], 8, 2, 16, None),  # several splits, a partial last split, idle splits
     ([70, 3], 4, 1, 24, None),  # head_dim not a power of two
     ([5, 130], 8, 2, 16, 1),  # one split per sequence: no reduction kernel
+    ([5, 40, 130], 9, 3, 16, None),  # SmolLM2's group of three: a masked head block
 ])
 def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int,
                             num_sms: int | None) -> None:
@@ -102,6 +103,7 @@ def test_decode_interpreted(prefix_lens: list[int], heads: int, kv_heads: int, h
     ([0, 20, 70], [70, 5, 1], 4, 2, 16),  # prefill, chunked prefill, a decode-like row
     ([65], [3], 2, 2, 24),
     ([0, 3], [150, 140], 2, 1, 24),  # more new tokens than one query block
+    ([0, 20], [70, 5], 9, 3, 16),  # SmolLM2's 9 query and 3 KV heads
 ])
 def test_extend_interpreted(prefix_lens: list[int], new_lens: list[int], heads: int,
                             kv_heads: int, head_dim: int) -> None:
@@ -158,6 +160,7 @@ def test_decode_graph_hooks_interpreted() -> None:
 @pytest.mark.parametrize(("prefix_lens", "heads", "kv_heads", "head_dim", "num_sms"), [
     ([5, 40, 130], 8, 2, 16, None),  # several splits: each rotates its own q
     ([1, 70], 4, 1, 24, 1),  # one cached token; head_dim not a power of two; one split
+    ([5, 130], 9, 3, 16, None),  # SmolLM2's group of three
 ])
 def test_decode_with_fused_rope_interpreted(prefix_lens: list[int], heads: int, kv_heads: int,
                                             head_dim: int, num_sms: int | None) -> None:

@@ -38,8 +38,9 @@ DEVICE = torch.device("cuda")
 LAYER = 1  # of 2: catches a kernel that ignores the layer's pool
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LLAMA_1B = (32, 8, 64)  # heads, kv_heads, head_dim
-# (heads, kv_heads): GQA ratios 1, 4 and 8.
-GQA_SHAPES = [(8, 8), (32, 8), (32, 4)]
+# (heads, kv_heads): GQA ratios 1, 4 and 8, and SmolLM2-135M's 9 and 3 (a group of three:
+# not a power of two, so the kernels' head blocks are masked).
+GQA_SHAPES = [(8, 8), (32, 8), (32, 4), (9, 3)]
 
 
 @pytest.fixture(params=["triton", "flashinfer"])

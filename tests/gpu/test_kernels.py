@@ -99,8 +99,10 @@ def test_add_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
 
 
 # -- RoPE --------------------------------------------------------------------------------
-# (heads, kv_heads, head_dim): Llama-3.2-1B, Llama-3-8B, Qwen2-7B, GQA 1, odd half-dim.
-ROPE_SHAPES = [(32, 8, 64), (32, 8, 128), (28, 4, 128), (16, 16, 64), (12, 4, 80)]
+# (heads, kv_heads, head_dim): Llama-3.2-1B, Llama-3-8B, Qwen2-7B, GQA 1, odd half-dim,
+# SmolLM2-135M (9 query and 3 KV heads).
+ROPE_SHAPES = [(32, 8, 64), (32, 8, 128), (28, 4, 128), (16, 16, 64), (12, 4, 80),
+               (9, 3, 64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -415,11 +417,25 @@ def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's shape (hidden 576, 9 query and 3 KV heads, 30 layers, tied
+    embeddings) with random bf16 weights: the real checkpoint cannot reach the GPU
+    machines (``bench/results/README.md``)."""
+    from bench.shapes import write_shape
+
+    return write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_model_fused_matches_torch_path(arch: str, dtype: DType, model_dirs: dict[str, Path]
-                                        ) -> None:
-    cfg = ExecutorConfig(model=ModelConfig(source=str(model_dirs[arch]), dtype=dtype),
+@pytest.mark.parametrize("arch", [*ARCHS, "smollm2-135m-shape"])
+def test_model_fused_matches_torch_path(arch: str, dtype: DType, model_dirs: dict[str, Path],
+                                        request: pytest.FixtureRequest) -> None:
+    """The model with every fused kernel (``auto``) against its torch ops, prefill and
+    decode (one row: the skinny GEMMs), on the tiny models of each architecture and on
+    SmolLM2-135M's odd shape."""
+    path = model_dirs[arch] if arch in model_dirs else request.getfixturevalue("smollm2_shape")
+    cfg = ExecutorConfig(model=ModelConfig(source=str(path), dtype=dtype),
                          device="cuda",
                          cache=CacheConfig(kv_tokens=4096, max_sequences=8, max_context=512),
                          attention_backend="triton")
