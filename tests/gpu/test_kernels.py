@@ -444,6 +444,14 @@ def test_model_fused_matches_torch_path(arch: str, dtype: DType, model_dirs: dic
     ref = _run(ex, "torch", "t")
     got = _run(ex, "auto", "k")
     for g, e in zip(got, ref, strict=True):
-        # Logits of magnitude < 64 in bf16: a few ulps of noise from float32 sum order.
-        torch.testing.assert_close(g, e, atol=0.25, rtol=0.02)
         assert (g.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
+        if arch in model_dirs:
+            # Logits of magnitude < 64 in bf16: a few ulps of noise from float32 sum order.
+            torch.testing.assert_close(g, e, atol=0.25, rtol=0.02)
+        else:
+            # 30 random-weight layers: logits spread ~24 (up to ~180); on the CPU bf16
+            # against float32 differs by 0.29 at the median, 2.5 at most. Bounds relative
+            # to that spread (a wrong head or row would move logits by about the spread).
+            diff, spread = (g.float() - e.float()).abs(), e.float().std()
+            assert diff.mean() <= 0.05 * spread and diff.max() <= 0.25 * spread, \
+                (diff.mean(), diff.max(), spread)
