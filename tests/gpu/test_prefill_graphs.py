@@ -66,6 +66,21 @@ def test_greedy_tokens_equal_eager_executor(ex: Executor, model_path: Path) -> N
     greedy_agrees(ex, make(model_path, prefill="disabled", decode="disabled"))
 
 
+def test_graphs_at_the_smollm2_shape_equal_eager(tmp_path_factory: pytest.TempPathFactory
+                                                ) -> None:
+    """SmolLM2-135M's odd shape (hidden 576, 9 query and 3 KV heads: a group of three),
+    random weights: fixed-grid prefill graphs (attention captured) and full decode graphs
+    against an all-eager executor, greedy wherever the choice is clear."""
+    from bench.shapes import write_shape
+
+    path = write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))
+    ex = make(path, prefill="fixed_grid")
+    caps = {c.phase: c for c in ex.capture(["decode", "prefill"])}
+    assert caps["prefill"].backend == "fixed_grid"
+    assert all(b.ok for c in caps.values() for b in c.buckets), caps
+    greedy_agrees(ex, make(path, prefill="disabled", decode="disabled"))
+
+
 def test_breakable_decode_equals_full_decode(model_path: Path) -> None:
     """Segments with eager attention between them vs one graph: same tokens wherever the
     choice is clear of bf16 noise, logprobs within bf16 tolerance (both fed the same
