@@ -273,14 +273,14 @@ def test_row_kernel_takes_one_stored_row_within_its_k_range(
     from executor.kernels import skinny_gemm as sg
 
     lo, hi = sg.ROW_KERNEL_K
-    two = sg.ROW_KERNEL_MIN_BLOCKS
+    least = sg.ROW_KERNEL_MIN_BLOCKS
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 4)
     # too few column blocks for the grid: 32 blocks of two, 4 programs on each of 132 SMs
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=132) is None
-    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * two, hi, sms=132) == sg.RowTile(2, 8, 4)
-    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * two - 2, hi, sms=132) is None
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least, hi, sms=132) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least - 2, hi, sms=132) is None
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
                          (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.SEND), (1, lo, sg.PUSH),
                          (1, lo, sg.GATHER)):
@@ -289,11 +289,11 @@ def test_row_kernel_takes_one_stored_row_within_its_k_range(
     real = sg._launch_row
     monkeypatch.setattr(sg, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
     x = _randn(1, lo, dtype=torch.float32, seed=44)
-    w = _randn(4 * 4 * 2 * two, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
+    w = _randn(4 * 4 * 2 * least, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
     torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     assert launched == [sg.RowTile(4, 8, 4)]
     sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
-    sg.skinny_gemm(x, w[:4 * 4 * 2 * two - 4])  # a block too few: the classic kernel
+    sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4])  # a block too few: the classic kernel
     assert len(launched) == 1
     sg.use_row_kernel(False)  # an executor's --skinny-row-kernel off
     try:
