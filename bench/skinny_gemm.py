@@ -107,7 +107,7 @@ def row_candidates(k: int) -> list[tuple[int, int, int]]:
 
 
 def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
-    from executor.kernels.skinny_gemm import RowTile, Tile, pick_tile, row_tile
+    from executor.kernels.skinny_gemm import RowTile, Tile, pick_tile, row_tile, sm_count
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     bw = hardware.read_bandwidth_gbs() * 1e9
@@ -124,8 +124,7 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
             "floor_us": k * n * 2 / bw * 1e6, "unfused_us": replay_us(unfused, weights),
             "skinny_us": replay_us(functools.partial(fused, tile=tile), weights),
             "tile": list(dataclasses.astuple(tile))}
-        default_row = row_tile(prologue, 1, n, k, sms=torch.cuda.get_device_properties(
-            dev).multi_processor_count)
+        default_row = row_tile(prologue, 1, n, k, sms=sm_count(dev))
         if default_row is not None:  # a default launch takes the persistent row kernel
             row.update(row_us=replay_us(functools.partial(fused, tile=default_row), weights),
                        row_tile=list(dataclasses.astuple(default_row)))

@@ -71,7 +71,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        "one finishes; auto: where supported (default: %(default)s)")
     model.add_argument("--skinny-row-kernel", choices=KERNEL_SWITCH_MODES, default="auto",
                        help="decode projections at batch 1 on the skinny GEMM's persistent "
-                       "row kernel where it takes the shape (K from 2048 to 8192); off: the "
+                       "row kernel where it takes the shape (K from 2048 to 8192, two column "
+                       "blocks or more a program); off: the "
                        "classic kernel only; auto: on CUDA devices (default: %(default)s)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,

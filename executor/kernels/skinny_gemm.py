@@ -561,7 +561,9 @@ def row_programs(tile: RowTile, n: int, sms: int) -> int:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SMs the row kernel's grid and rule count on ``device`` (``_INTERPRETER_SMS`` off
+    CUDA)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -724,7 +726,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             res_out.copy_(x + residual)
         return out.zero_(), res_out
     if tile is None:
-        tile = row_tile(prologue, m, n, k, reduce, sms=_sm_count(x.device)) or \
+        tile = row_tile(prologue, m, n, k, reduce, sms=sm_count(x.device)) or \
             pick_tile(prologue, m, n, k, device_name(x.device) if x.is_cuda else "")
     if isinstance(tile, RowTile):
         assert m == 1 and reduce in (NO_REDUCE, SEND), "the row kernel: one row, no gather"
@@ -771,7 +773,7 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
     red5, world = _reduce_args(x, site)
     red = (*red5[:3], red5[4])  # no site offset: a SEND lane's regions start at 0
     block_k = next_power_of_2(k)
-    programs = row_programs(tile, n, _sm_count(x.device))
+    programs = row_programs(tile, n, sm_count(x.device))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), prologue, tile.block_n, block_k, reduce, world,
            red[2:])

@@ -224,14 +224,15 @@ def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: boo
         pick_tile,
         row_tile,
         skinny_norm_gemm,
+        sm_count,
     )
 
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     for m in (1, 3):
         # (the row kernel, where it serves, rounds the norm like the two-pass tiles)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        one_pass = row_tile(ADD_RMS_NORM, m, n, k, sms=sms) is None and pick_tile(
-            ADD_RMS_NORM, m, n, k, device_name(torch.device("cuda"))).one_pass
+        cuda = torch.device("cuda")
+        one_pass = row_tile(ADD_RMS_NORM, m, n, k, sms=sm_count(cuda)) is None and pick_tile(
+            ADD_RMS_NORM, m, n, k, device_name(cuda)).one_pass
         x = _randn(m, k, dtype=dtype, scale=2.0)
         res = _randn(m, k, dtype=dtype, scale=3.0) if with_residual else None
         nw, w = _norm_weight(k, dtype), _randn(n, k, dtype=dtype, scale=k**-0.5)
@@ -291,7 +292,7 @@ def test_skinny_row_kernel(k: int, n: int, prologue: str, dtype: torch.dtype = t
     classic, _ = run(dataclasses.replace(sg.pick_tile(p, 1, n, k, sg.device_name(x.device)),
                                          one_pass=False))
     tiles = [sg.RowTile(8 if k <= 4096 else 1, 8, 1), sg.RowTile(1, 4, 4)]
-    picked = sg.row_tile(p, 1, n, k, sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    picked = sg.row_tile(p, 1, n, k, sms=sg.sm_count(x.device))
     tiles += [picked] if picked is not None else []
     for tile in tiles:
         got, got_res = run(tile)
