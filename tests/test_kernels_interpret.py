@@ -266,10 +266,10 @@ def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, 
 
 def test_row_kernel_takes_one_stored_row_within_its_k_range(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the row kernel serves one-row launches storing their output with ``K``
-    in ``ROW_KERNEL_K``; more rows, other ``K`` and the tensor-parallel outputs (SEND,
-    PUSH, GATHER) keep the classic kernel. A default launch in range runs it (and is
-    right)."""
+    """By default the row kernel serves one-row launches storing their output or sending
+    it into the push all-reduce (SEND) with ``K`` in ``ROW_KERNEL_K``; more rows, other
+    ``K`` and the fused all-reduce's outputs (PUSH, GATHER) keep the classic kernel. A
+    default launch in range runs it (and is right)."""
     from executor.kernels import skinny_gemm as sg
 
     lo, hi = sg.ROW_KERNEL_K
@@ -281,9 +281,11 @@ def test_row_kernel_takes_one_stored_row_within_its_k_range(
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=132) is None
     assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least, hi, sms=132) == sg.RowTile(2, 8, 4)
     assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least - 2, hi, sms=132) is None
+    assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sg.SEND, sms=2) == sg.RowTile(2, 8, 2)
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) is None  # too few blocks
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
-                         (1, hi + 1, sg.NO_REDUCE), (1, lo, sg.SEND), (1, lo, sg.PUSH),
-                         (1, lo, sg.GATHER)):
+                         (1, hi + 1, sg.NO_REDUCE), (2, lo, sg.SEND), (1, hi + 1, sg.SEND),
+                         (1, lo, sg.PUSH), (1, lo, sg.GATHER)):
         assert sg.row_tile(sg.PLAIN, m, 64, k, reduce, sms=2) is None
     launched: list[sg.RowTile] = []
     real = sg._launch_row

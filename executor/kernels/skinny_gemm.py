@@ -503,10 +503,12 @@ class RowTile:
 #: rows (SmolLM2's 576 and 1536) keep their tuned classic tiles, and longer ones (the 8B's
 #: down projection, 14336) the classic kernel's K loop.
 ROW_KERNEL_K = (2048, 8192)
-#: Outputs the row kernel takes by default: stored (NO_REDUCE). Its SEND into the push
-#: all-reduce is tested in the interpreter only, not yet on GPUs, so tensor-parallel
-#: o_proj/down_proj keep the classic kernel unless given a ``RowTile``.
-ROW_KERNEL_REDUCE = (NO_REDUCE,)
+#: Outputs the row kernel takes by default: stored (NO_REDUCE) and sent into the push
+#: all-reduce (SEND: the tensor-parallel o_proj/down_proj). With SEND the 8B's TP = 2
+#: down_proj (4096 x 7168) runs on it; on two H200s, interleaved against the classic
+#: kernel, its decode at batch 1 through a Session took 2.456-2.471 ms a token against
+#: 2.492-2.500 (``bench/results/2026-11-27-tp-h200-row-send``).
+ROW_KERNEL_REDUCE = (NO_REDUCE, SEND)
 #: Column blocks per program of a full grid below which default launches keep the classic
 #: kernel. Measured in the 1B's batch-1 decode on an H100
 #: (``bench/results/2026-11-27-h100-row-rule``): with 1-1.5 blocks a program (its o_proj,
