@@ -117,8 +117,9 @@ class Metrics:
         self.model_info = Gauge(p + "model_info", "The served model (always 1)",
                                 ["name", "architecture", "dtype", "device"], registry=r)
         self.kernel_feature = Gauge(p + "kernel_feature", "Kernel switches in effect (1 per "
-                                    "feature: fused_decode_rope, pdl, tp_projections_send, "
-                                    "tp_fused_all_reduce), what auto resolved to",
+                                    "feature: fused_decode_rope, pdl, skinny_row_kernel, "
+                                    "tp_projections_send, tp_fused_all_reduce), what auto "
+                                    "resolved to",
                                     ["feature"], registry=r)
         self.tp_all_reduce = Gauge(p + "tp_all_reduce", "What the tensor-parallel group's "
                                    "small all-reduces run as (always 1; absent for one "
