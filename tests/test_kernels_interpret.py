@@ -264,7 +264,7 @@ def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, 
     assert ((outs[0] - outs[1]).abs() <= 4 * ulp * ref32.abs() + 1e-4).all()
 
 
-def test_row_kernel_takes_one_stored_row_within_its_k_range(
+def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the row kernel serves one-row launches storing their output or sending
     it into the push all-reduce (SEND) with ``K`` in ``ROW_KERNEL_K``; more rows, other
