@@ -57,6 +57,8 @@ program of a full grid gets at least ``ROW_KERNEL_MIN_BLOCKS`` column blocks
 (``row_tile``): on an H100 the 1B's batch-1 decode went 1.114-1.115 -> 1.073-1.074 ms
 (gate_up and down on it, qkv and o_proj not) and the 8B's 5.429 -> 5.354 ms (every
 projection but down, whose K is 14336): ``bench/results/2026-11-27-h100-row-rule``.
+A row-parallel projection sending into the push all-reduce takes it by the same rule
+(``ROW_KERNEL_REDUCE``; at TP = 2 the 8B's down_proj, whose K per rank is 7168).
 
 Numerics: float32 products and sums of the activation-dtype inputs, one rounding at the
 end, like cuBLAS; the summation order differs, so outputs can differ from ``F.linear``
