@@ -418,16 +418,6 @@ def _run(ex: Executor, choice: KernelChoice, tag: str) -> list[torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def smollm2_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M's shape (hidden 576, 9 query and 3 KV heads, 30 layers, tied
-    embeddings) with random bf16 weights: the real checkpoint cannot reach the GPU
-    machines (``bench/results/README.md``)."""
-    from bench.shapes import write_shape
-
-    return write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", [*ARCHS, "smollm2-135m-shape"])
 def test_model_fused_matches_torch_path(arch: str, dtype: DType, model_dirs: dict[str, Path],

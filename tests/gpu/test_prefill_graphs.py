@@ -66,14 +66,11 @@ def test_greedy_tokens_equal_eager_executor(ex: Executor, model_path: Path) -> N
     greedy_agrees(ex, make(model_path, prefill="disabled", decode="disabled"))
 
 
-def test_graphs_at_the_smollm2_shape_equal_eager(tmp_path_factory: pytest.TempPathFactory
-                                                ) -> None:
+def test_graphs_at_the_smollm2_shape_equal_eager(smollm2_shape: Path) -> None:
     """SmolLM2-135M's odd shape (hidden 576, 9 query and 3 KV heads: a group of three),
     random weights: fixed-grid prefill graphs (attention captured) and full decode graphs
     against an all-eager executor, greedy wherever the choice is clear."""
-    from bench.shapes import write_shape
-
-    path = write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))
+    path = smollm2_shape
     ex = make(path, prefill="fixed_grid")
     caps = {c.phase: c for c in ex.capture(["decode", "prefill"])}
     assert caps["prefill"].backend == "fixed_grid"
