@@ -306,25 +306,47 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
         sg.use_row_kernel(True)
 
 
+@pytest.mark.parametrize("resident", [None, 4, 3, 1, 9])
 @pytest.mark.parametrize(("blocks", "sms"), [(768, 132), (1024, 132), (4096, 132),
                                               (1001, 132), (529, 132), (7, 2), (8, 2), (9, 2)])
-def test_row_kernel_grid_takes_its_blocks_in_the_fewest_rounds_evenly(blocks: int,
-                                                                     sms: int) -> None:
-    """The row kernel's grid: no more programs than a full grid, no more rounds of blocks
-    than a full grid needs, and fewer than a round's count of programs one block short."""
+def test_row_kernel_grid_takes_its_blocks_in_the_fewest_rounds_evenly(
+        blocks: int, sms: int, resident: int | None) -> None:
+    """The row kernel's grid: no more programs than a full grid (the tile's 4 programs per
+    SM, or fewer where fewer are resident), no more rounds of blocks than a full grid
+    needs, and fewer than a round's count of programs one block short."""
     from executor.kernels.skinny_gemm import RowTile, row_programs
 
     tile = RowTile(4, 8, 4)
-    full = 4 * sms
-    programs = row_programs(tile, 4 * blocks, sms)
+    full = min(4, resident or 4) * sms
+    programs = row_programs(tile, 4 * blocks, sms, resident)
     rounds = -(-blocks // programs)
     assert programs <= full and rounds == -(-blocks // min(full, blocks))
     # program p takes blocks p, p + programs, ...: all take `rounds` but the last few
     taken = [len(range(p, blocks, programs)) for p in range(programs)]
     assert sum(taken) == blocks and set(taken) <= {rounds, rounds - 1}
     assert taken.count(rounds - 1) < rounds
-    if blocks == 768:
+    if blocks == 768 and resident in (None, 4, 9):
         assert programs == 384  # the 1B qkv's 768 blocks: two each, not 240 of two
+
+
+@pytest.mark.parametrize(("n_regs", "warps", "shared", "fit"), [
+    (64, 8, 1024, 4),  # the 8B's TP = 2 gate_up on an H200: 4 x 8 warps x 64 = the file
+    (65, 8, 1024, 3),  # one register more: 72 allocated a thread, 3 programs
+    (78, 8, 1024, 3),  # the receiving variant of that kernel
+    (128, 8, 0, 2),  # down_proj's SiLU-and-mul prologue
+    (255, 8, 0, 1),  # a kernel that spills: still one program
+    (16, 1, 0, 32),  # tiny programs: the SM's 32-program cap (warps would allow 64)
+    (32, 4, 100 * 1024, 2),  # shared memory: 228 KiB over 101 KiB a program
+])
+def test_resident_programs_are_the_fewest_registers_warps_and_shared_memory_allow(
+        n_regs: int, warps: int, shared: int, fit: int) -> None:
+    """What an H100/H200 SM holds at once (64 Ki registers allocated 256 to a warp, 64 warps,
+    228 KiB shared with 1 KiB reserved a program, 32 programs); the row kernel's grid uses
+    it where the tile asks for more."""
+    from executor.kernels.skinny_gemm import resident_programs
+
+    assert resident_programs(n_regs, warps, shared, max_warps=64,
+                             shared_per_sm=228 * 1024) == fit
 
 
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,

@@ -91,20 +91,40 @@ class FastLauncher:
         self.options: dict[str, Any] = dict(options)
         self.pdl = pdl
         self._pdl_options = {False: self.options, True: {**options, **LAUNCH_OPTION}}
-        self.enabled = os.environ.get("TRITON_INTERPRET", "0") != "1"
+        self.interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self.enabled = not self.interpreted
         self._bindings: dict[Hashable, _Binding] = {}
         self.fast_launches = 0  # for tests and profiles: how often the fast path ran
         self.disabled_reason = "" if self.enabled else "Triton interpreter"
         self._device = -1  # CUDA device index of the first bound launch
 
+    def _with_pdl(self, key: Hashable, constexprs: dict[str, Any]
+                  ) -> tuple[Hashable, dict[str, Any], dict[str, Any]]:
+        """The key, constexprs and launch options of a launch now (PDL on or off)."""
+        if not self.pdl:
+            return key, constexprs, self.options
+        on = pdl.enabled()
+        return (key, on), {**constexprs, "USE_PDL": on}, self._pdl_options[on]
+
+    def compiled(self, args: Sequence[Any], constexprs: dict[str, Any]) -> Any:
+        """The kernel a launch with ``args`` and ``constexprs`` would run now, compiled and
+        loaded on the current device without being launched (its ``n_regs``, ``n_spills``
+        and ``metadata.shared`` are then known), or None: under the interpreter, or where
+        this Triton's ``warmup`` or loading does not take it. The next launch of the same
+        specialization finds it in the JIT's cache."""
+        if self.interpreted:
+            return None
+        _, constexprs, options = self._with_pdl(None, constexprs)
+        try:
+            kernel = self.fn.warmup(*args, grid=(1,), **constexprs, **options)
+            kernel._init_handles()
+        except Exception:  # an older or newer Triton: the caller keeps its own estimate
+            return None
+        return kernel if isinstance(getattr(kernel, "n_regs", None), int) else None
+
     def launch(self, grid: tuple[int, int, int], key: Hashable, args: Sequence[Any],
                constexprs: dict[str, Any]) -> None:
-        options = self.options
-        if self.pdl:
-            on = pdl.enabled()
-            constexprs = {**constexprs, "USE_PDL": on}
-            key = (key, on)
-            options = self._pdl_options[on]
+        key, constexprs, options = self._with_pdl(key, constexprs)
         binding = self._bindings.get(key) if self.enabled else None
         if binding is None or _launch_hooks_set():
             compiled = self.fn[grid](*args, **constexprs, **options)

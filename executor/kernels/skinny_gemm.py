@@ -72,6 +72,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -554,14 +555,38 @@ def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
     return tile
 
 
-def row_programs(tile: RowTile, n: int, sms: int) -> int:
+def row_programs(tile: RowTile, n: int, sms: int, resident: int | None = None) -> int:
     """The row kernel's grid for ``n`` columns: the fewest programs that take its column
-    blocks in as many rounds as a full grid (``tile.programs_per_sm`` per SM) would. Each
-    program takes that many blocks, a few (fewer than the rounds) one less: 768 blocks on
-    at most 528 programs run as 384 programs of two, not 240 of two and 288 of one, which
-    would leave half the GPU idle for the last round."""
+    blocks in as many rounds as a full grid (``tile.programs_per_sm`` per SM, or fewer
+    where only ``resident`` fit on an SM at once) would. Each program takes that many
+    blocks, a few (fewer than the rounds) one less: 768 blocks on at most 528 programs run
+    as 384 programs of two, not 240 of two and 288 of one, which would leave half the GPU
+    idle for the last round."""
+    per_sm = tile.programs_per_sm if resident is None else min(tile.programs_per_sm, resident)
     blocks = cdiv(n, tile.block_n)
-    return cdiv(blocks, cdiv(blocks, tile.programs_per_sm * sms))
+    return cdiv(blocks, cdiv(blocks, per_sm * sms))
+
+
+#: 32-bit registers of an SM (sm_70 to sm_90), allocated to a warp in units of
+#: ``REGISTER_UNIT``; shared memory the driver reserves per program on sm_80 and later.
+SM_REGISTERS, REGISTER_UNIT, RESERVED_SHARED = 65536, 256, 1024
+#: Programs an SM holds at once, whatever their size (sm_80 and sm_90).
+SM_MAX_PROGRAMS = 32
+
+
+def resident_programs(n_regs: int, num_warps: int, shared: int, *, max_warps: int,
+                      shared_per_sm: int) -> int:
+    """Programs of a kernel compiled to ``n_regs`` registers a thread and ``shared`` bytes
+    of shared memory, ``num_warps`` warps each, that one SM runs at once (at least 1):
+    the fewest its registers, its ``max_warps`` warps and its ``shared_per_sm`` bytes allow.
+    A row kernel whose tile asks for more (a newer Triton's register allocation, a heavier
+    prologue) would otherwise run its persistent grid in two rounds: its receiving
+    variant, 78 registers against 64, took 10 us a layer longer at 4 programs per SM
+    (``bench/results/2026-11-27-tp-h200-recv-lane``)."""
+    per_warp = cdiv(n_regs * 32, REGISTER_UNIT) * REGISTER_UNIT
+    fit = min(SM_REGISTERS // (per_warp * num_warps), max_warps // num_warps, SM_MAX_PROGRAMS,
+              shared_per_sm // (shared + RESERVED_SHARED))
+    return max(fit, 1)
 
 
 @functools.cache
@@ -772,22 +797,47 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                 out: torch.Tensor, res_out: torch.Tensor | None, prologue: int, tile: RowTile,
                 reduce: int, site: ReduceSite | SendLane | None) -> None:
-    """``_skinny_row_kernel`` on the grid of ``row_programs``."""
+    """``_skinny_row_kernel`` on the grid of ``row_programs``, sized the first time a
+    specialization launches to the programs its compiled kernel fits on an SM
+    (``row_grid``)."""
     n, k = weight.shape
     red5, world = _reduce_args(x, site)
     red = (*red5[:3], red5[4])  # no site offset: a SEND lane's regions start at 0
     block_k = next_power_of_2(k)
-    programs = row_programs(tile, n, sm_count(x.device))
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), prologue, tile.block_n, block_k, reduce, world,
            red[2:])
-    _row_launcher(tile.num_warps).launch(
-        (programs, 1, 1), key,
-        (x, residual if residual is not None else x,
-         norm_weight if norm_weight is not None else x, weight, out,
-         res_out if res_out is not None else out, n, k, weight.stride(0), 1.0 / k, eps, *red),
-        {"PROLOGUE": prologue, "BLOCK_N": tile.block_n, "BLOCK_K": block_k, "REDUCE": reduce,
-         "WORLD": world})
+    launcher = _row_launcher(tile.num_warps)
+    args = (x, residual if residual is not None else x,
+            norm_weight if norm_weight is not None else x, weight, out,
+            res_out if res_out is not None else out, n, k, weight.stride(0), 1.0 / k, eps, *red)
+    constexprs = {"PROLOGUE": prologue, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
+                  "REDUCE": reduce, "WORLD": world}
+    grid_key = (key, tile.programs_per_sm, x.device)
+    programs = _ROW_GRIDS.get(grid_key)
+    if programs is None:
+        programs = _ROW_GRIDS[grid_key] = row_grid(launcher, tile, n, args, constexprs)
+    launcher.launch((programs, 1, 1), key, args, constexprs)
+
+
+#: The row kernel's grid per specialization, tile and device (``row_grid``).
+_ROW_GRIDS: dict[tuple[Any, ...], int] = {}
+
+
+def row_grid(launcher: FastLauncher, tile: RowTile, n: int, args: tuple[Any, ...],
+             constexprs: dict[str, Any]) -> int:
+    """``row_programs`` for a launch of ``args``, with the programs per SM capped by what
+    its compiled kernel fits (``resident_programs``); the tile's own count where the kernel
+    cannot be inspected (the interpreter)."""
+    device = args[0].device
+    kernel = launcher.compiled(args, constexprs) if device.type == "cuda" else None
+    if kernel is None:
+        return row_programs(tile, n, sm_count(device))
+    props = torch.cuda.get_device_properties(device)
+    fit = resident_programs(kernel.n_regs, tile.num_warps, int(kernel.metadata.shared),
+                            max_warps=props.max_threads_per_multi_processor // 32,
+                            shared_per_sm=props.shared_memory_per_multiprocessor)
+    return row_programs(tile, n, sm_count(device), fit)
 
 
 def serves(x: torch.Tensor, layer: torch.nn.Module) -> bool:

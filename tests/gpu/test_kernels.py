@@ -305,6 +305,44 @@ def test_skinny_row_kernel(k: int, n: int, prologue: str, dtype: torch.dtype = t
         assert torch.equal(run(tile)[0], got)  # deterministic
 
 
+@pytest.mark.parametrize(("tile", "k", "n"), [
+    ((2, 8, 4), 4096, 14336),  # the 8B's TP = 2 gate_up tile
+    ((8, 8, 4), 4096, 4096),  # 8 weight rows of 4096 a program, twice: over 64 registers
+])
+def test_row_kernel_grid_fits_its_compiled_kernel(tile: tuple[int, int, int], k: int,
+                                                  n: int) -> None:
+    """The persistent grid asks no more programs of an SM than the compiled kernel fits
+    there: this GPU's Triton gives the kernel up for inspection (``FastLauncher.compiled``),
+    the grid is ``row_programs`` capped at ``resident_programs`` of its registers and
+    shared memory, and a tile that cannot fit its 4 programs per SM (two blocks of 8 rows
+    of 4096 in registers) gets fewer, with the product still right."""
+    from executor.kernels import skinny_gemm as sg
+
+    row_tile = sg.RowTile(*tile)
+    x = _randn(1, k, dtype=torch.bfloat16, scale=2.0)
+    w = _randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    got = sg.skinny_gemm(x, w, tile=row_tile)
+    ref32 = x.float() @ w.float().T
+    assert (got.float() - ref32).abs().le(2 * 2.0**-7 * ref32.abs() + 2e-3).all()
+    grids = {key[0][1:3]: programs for key, programs in sg._ROW_GRIDS.items()
+             if key[0][1:3] == (n, k) and key[0][5] == row_tile.block_n
+             and key[0][4] == sg.PLAIN and key[1] == row_tile.programs_per_sm}
+    assert list(grids) == [(n, k)]
+    constexprs = {"PROLOGUE": sg.PLAIN, "BLOCK_N": row_tile.block_n, "BLOCK_K": k,
+                  "REDUCE": sg.NO_REDUCE, "WORLD": 1}
+    args = (x, x, x, w, got, got, n, k, w.stride(0), 1.0 / k, 0.0, x, x, 0, 0)
+    kernel = sg._row_launcher(row_tile.num_warps).compiled(args, constexprs)
+    assert kernel is not None and kernel.n_regs > 0
+    props = torch.cuda.get_device_properties(DEVICE)
+    fit = sg.resident_programs(kernel.n_regs, row_tile.num_warps, int(kernel.metadata.shared),
+                               max_warps=props.max_threads_per_multi_processor // 32,
+                               shared_per_sm=props.shared_memory_per_multiprocessor)
+    sms = sg.sm_count(x.device)
+    assert grids[(n, k)] == sg.row_programs(row_tile, n, sms, fit) <= fit * sms
+    if tile == (8, 8, 4):
+        assert fit < row_tile.programs_per_sm, (kernel.n_regs, kernel.n_spills)
+
+
 def _norm32(s: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
     """RMSNorm of ``s`` in float32 throughout (no rounding to the activation dtype)."""
     s32 = s.float()
