@@ -813,7 +813,7 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
             res_out if res_out is not None else out, n, k, weight.stride(0), 1.0 / k, eps, *red)
     constexprs = {"PROLOGUE": prologue, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
                   "REDUCE": reduce, "WORLD": world}
-    grid_key = (key, tile.programs_per_sm, x.device)
+    grid_key = (key, tile.programs_per_sm, tile.num_warps, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:
         programs = _ROW_GRIDS[grid_key] = row_grid(launcher, tile, n, args, constexprs)

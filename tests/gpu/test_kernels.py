@@ -326,7 +326,8 @@ def test_row_kernel_grid_fits_its_compiled_kernel(tile: tuple[int, int, int], k:
     assert (got.float() - ref32).abs().le(2 * 2.0**-7 * ref32.abs() + 2e-3).all()
     grids = {key[0][1:3]: programs for key, programs in sg._ROW_GRIDS.items()
              if key[0][1:3] == (n, k) and key[0][5] == row_tile.block_n
-             and key[0][4] == sg.PLAIN and key[1] == row_tile.programs_per_sm}
+             and key[0][4] == sg.PLAIN and key[1:3] == (row_tile.programs_per_sm,
+                                                        row_tile.num_warps)}
     assert list(grids) == [(n, k)]
     constexprs = {"PROLOGUE": sg.PLAIN, "BLOCK_N": row_tile.block_n, "BLOCK_K": k,
                   "REDUCE": sg.NO_REDUCE, "WORLD": 1}
