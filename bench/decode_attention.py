@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench import shapes
-    from executor.distributed.sharding import local_spec
-    from executor.kernels import pdl
+    from executor.weights.sharding import local_spec
 
-    pdl.use(False)
     spec = local_spec(shapes.spec(args.shape), args.tp)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = plan(spec.num_heads, spec.num_kv_heads, spec.head_dim,

@@ -481,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _vocab(model: str) -> int:
-    from executor.model.loader import load_hf_config
-    from executor.model.named import resolve_model_source
+    from executor.weights.catalog import resolve_model_source
+    from executor.weights.loader import load_hf_config
 
     return load_hf_config(resolve_model_source(model)).vocab_size
 

@@ -51,7 +51,7 @@ def write_shape(name: str, root: Path) -> Path:
     """Write ``name`` in HF format (bf16 random weights) under ``root`` unless present."""
     import torch
 
-    from executor.model.random_weights import write_random_model
+    from executor.weights.random_weights import write_random_model
 
     path = root / name
     if not (path / "config.json").is_file():
@@ -93,8 +93,8 @@ def model(name: str, root: Path, load_format: str = "safetensors") -> tuple[Path
     config.json for ``load_format`` "random", whose weights the executor draws), or of
     the embedded ``tiny`` model (the smoke profile), loaded through the real loader."""
     if name == "tiny":
-        from executor.model.loader import load_hf_config
-        from executor.model.tiny import ensure_tiny_model
+        from executor.weights.loader import load_hf_config
+        from executor.weights.tiny import ensure_tiny_model
 
         path = ensure_tiny_model()
         return path, load_hf_config(path)

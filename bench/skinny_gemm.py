@@ -101,7 +101,7 @@ def _no_check(got: torch.Tensor, w: torch.Tensor) -> None:
 def row_candidates(k: int) -> list[tuple[int, int, int]]:
     """The row kernel's sweep at inner size ``k``: tiles holding at most 128 weight values
     a thread (block_n rows of the whole next-power-of-two row, over the warps' threads)."""
-    from executor.kernels.launch import next_power_of_2
+    from executor.kernels.fast_launch import next_power_of_2
 
     return [c for c in ROW_SWEEP if c[0] * next_power_of_2(k) <= 128 * 32 * c[1]]
 
@@ -206,14 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.skinny_gemm needs a CUDA device", file=sys.stderr)
         return 2
-    from executor.kernels import pdl
+    from executor.kernels.switches import KernelSwitches
 
-    pdl_on = pdl.resolve(args.pdl, torch.device("cuda"))
-    pdl.use(pdl_on)
-    from executor.distributed.sharding import local_spec
+    switches = KernelSwitches.resolve(args.pdl, "auto", torch.device("cuda"))
+    pdl_on = switches.pdl
+    from executor.weights.sharding import local_spec
 
-    rows = measure(local_spec(shapes.spec(args.shape), args.tp),
-                   args.sweep or args.tiles_out is not None)
+    with switches:
+        rows = measure(local_spec(shapes.spec(args.shape), args.tp),
+                       args.sweep or args.tiles_out is not None)
     device = torch.cuda.get_device_name()
     if args.tiles_out is not None:
         write_tiles(args.tiles_out, rows, device)

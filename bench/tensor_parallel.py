@@ -58,6 +58,7 @@ from bench import shapes
 from bench.grpc_overhead import _free_port, _tokens, _wait_ready
 from bench.session import Client
 from bench.shapes import weight_bytes
+from executor.timing import replay_us
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
 BATCHES = (1, 8, 64)
@@ -301,7 +302,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                 graph.replay()
                 torch.cuda.synchronize()
                 ok &= all(bool(torch.equal(o, want + world * i)) for i, o in enumerate(outs))
-            times[str(rows)] = group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
+            times[str(rows)] = replay_us(graph, GRAPH_REPEATS, 18, dist.barrier)
             del graph, outs
             # the all-gather (the LM head's logits) of the same input, eager and captured
             # between all-reduces: every rank's x in rank order
@@ -370,7 +371,7 @@ def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
                                                           strict=True))
     import torch.distributed as dist
 
-    us = {label: group.replay_us(graph, GRAPH_REPEATS, 20, dist.barrier)
+    us = {label: replay_us(graph, GRAPH_REPEATS, 18, dist.barrier)
           for label, graph in graphs.items()}
     sends = tp.push_path(probe) is not None and \
         "tp_projections_send" in group.projection_features(tp)

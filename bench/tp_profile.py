@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from bench import shapes
-    from executor.distributed.launch import spawn_context
-    from executor.distributed.sharding import local_spec
+    from executor.distributed.spawn import spawn_context
+    from executor.weights.sharding import local_spec
 
     path, spec = shapes.model(args.model, args.models, args.load_format)
     batches = [int(b) for b in args.batches.split(",")]

@@ -1,9 +1,10 @@
 """Frozen configuration, one dataclass per concern, validated once in ``__post_init__``.
 
 Nothing here reads the environment or touches a device: ``service/cli.py`` builds these
-from flags. Names of graph modes and attention backends are validated against their
-registries (``executor/graphs/registry.py``, ``executor/attention/registry.py``), which
-also resolve ``auto``; no list of names lives here.
+from flags. This module is the ground floor: it imports nothing from ``executor`` but
+``errors``. Names of graph modes and attention backends are checked where their registries
+resolve them (``executor/graphs/registry.py``, ``executor/attention/registry.py``), at
+boot, so no list of names lives here.
 """
 
 from __future__ import annotations
@@ -87,12 +88,6 @@ class GraphConfig:
     compile_debug_dir: str | None = None
 
     def __post_init__(self) -> None:
-        from executor.graphs.registry import valid_modes
-
-        for phase, mode in (("decode", self.decode_mode), ("prefill", self.prefill_mode)):
-            valid = valid_modes(phase)  # type: ignore[arg-type]
-            _require(mode in valid,
-                     f"{phase} graph mode must be one of {list(valid)}, got {mode!r}")
         _require(self.compiler in ("eager", "inductor"),
                  f"tc_piecewise compiler must be 'eager' or 'inductor', got {self.compiler!r}")
         for name, buckets in (("decode", self.decode_buckets), ("prefill", self.prefill_buckets)):
@@ -127,12 +122,6 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        from executor.attention import available_backends
-
-        valid = ("auto", *available_backends())
-        _require(self.attention_backend in valid,
-                 f"attention backend must be one of {list(valid)}, "
-                 f"got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
         for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel"):

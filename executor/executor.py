@@ -62,7 +62,6 @@ from executor.distributed.protocol import (
     ShutdownHeader,
     StepHeader,
 )
-from executor.distributed.sharding import local_spec
 from executor.errors import (
     ConfigError,
     FieldViolation,
@@ -78,16 +77,17 @@ from executor.graphs.buckets import (
 )
 from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
 from executor.graphs.graph_runner import GraphRunner
-from executor.graphs.registry import make_capture_backend
-from executor.graphs.runner import PhaseRunner
+from executor.graphs.registry import make_capture_backend, resolve_graph_mode
+from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, KVCacheManager, KVPool, ReqToTokenTable
 from executor.kv.manager import Columns
-from executor.model.loader import load_hf_config, load_model
-from executor.model.named import model_name, resolve_model_source
 from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, PinnedPool, Sampler, device_tensor
 from executor.steps import PendingStep
 from executor.validation import Limits, validate_decode, validate_prefill
+from executor.weights.catalog import model_name, resolve_model_source
+from executor.weights.loader import load_hf_config, load_model
+from executor.weights.sharding import local_spec
 
 #: Spare step events kept for reuse (more than the deepest pipeline needs).
 _EVENTS_KEPT = 16
@@ -105,30 +105,10 @@ class Executor:
             raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
         dtype_name = config.model.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
-        # Programmatic dependent launch of our Triton kernels: a process-wide switch (the
-        # kernels are launched deep in the model), set to this executor's choice whenever
-        # it runs a forward or captures (``_use_switches``), so executors sharing a process
-        # each launch as they were configured.
-        self.pdl = False
-        self._pdl_switch: Any = None  # executor.kernels.pdl, where CUDA may launch ours
-        if self.device.type == "cuda" or config.pdl == "on":  # CPU: no import of Triton
-            from executor.kernels import pdl
-
-            try:
-                self.pdl = pdl.resolve(config.pdl, self.device)
-            except ValueError as e:
-                raise ConfigError(f"--pdl {config.pdl}: {e}") from None
-            self._pdl_switch = pdl
-        # The skinny GEMM's row kernel: a process-wide switch too, set with PDL's.
-        self.row_kernel = False
-        self._row_kernel_switch: Any = None  # executor.kernels.skinny_gemm, on CUDA
-        if config.skinny_row_kernel == "on" and self.device.type != "cuda":
-            raise ConfigError(f"--skinny-row-kernel on needs a CUDA device, not {self.device}")
-        if self.device.type == "cuda":
-            from executor.kernels import skinny_gemm
-
-            self.row_kernel = config.skinny_row_kernel != "off"
-            self._row_kernel_switch = skinny_gemm
+        # Process-wide kernel launch choices (PDL, the row kernel), held active around
+        # each forward and capture so executors sharing a process launch as configured.
+        self.switches = KernelSwitches.resolve(config.pdl, config.skinny_row_kernel,
+                                               self.device)
 
         # -- 2. weights ----------------------------------------------------------------
         source = config.model.source
@@ -188,10 +168,8 @@ class Executor:
         self.fuses_decode_rope = can_fuse and config.fuse_decode_rope != "off"
         if self.fuses_decode_rope:
             self.attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
-        switches = {"fused_decode_rope": self.fuses_decode_rope, "pdl": self.pdl,
-                    "skinny_row_kernel": self.row_kernel}
-        features = tuple(name for name, on in switches.items() if on) + \
-            group.projection_features(self.tp)
+        features = ("fused_decode_rope",) * self.fuses_decode_rope + \
+            self.switches.features + group.projection_features(self.tp)
         self.model_info = dataclasses.replace(
             self.model_info, kernel_features=features,
             tp_all_reduce=group.all_reduce_algorithm(self.tp) if self.tp.distributed else "")
@@ -219,7 +197,9 @@ class Executor:
         # -- 5. graph runners (captured by ``capture``, at start-up by the service) ------
         self._graph_modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,
                                                "prefill": config.graphs.prefill_mode}
-        self.runners: dict[Phase, PhaseRunner] = {}
+        for phase, mode in self._graph_modes.items():  # a name the phase has (any device)
+            resolve_graph_mode(phase, mode, cuda=True)
+        self.runners: dict[Phase, GraphRunner] = {}
         for phase in ("decode", "prefill"):
             runner = self._make_runner(phase)
             if runner is not None:
@@ -539,9 +519,9 @@ class Executor:
         torch.cuda.synchronize(self.device)
         if self.channel is not None and self.tp.leads:  # every rank captures the same
             self.channel.send(CaptureHeader(tuple(dict.fromkeys(phases)), force))
-        self._use_switches()  # graphs keep the launches they were captured with
-        return tuple(self.runners[p].capture_all(force=force, progress=progress)
-                     for p in dict.fromkeys(phases))
+        with self.switches:  # graphs keep the launches they were captured with
+            return tuple(self.runners[p].capture_all(force=force, progress=progress)
+                         for p in dict.fromkeys(phases))
 
     def drain_replay_seconds(self) -> dict[Phase, list[float]]:
         """Durations of graph replays finished since the last call (CUDA events that have
@@ -654,18 +634,18 @@ class Executor:
                  ) -> torch.Tensor | None:
         """The forward as ``mode`` says; logits of the sampled rows in the activation
         dtype (the sampler widens what it computes in float32), or None."""
-        self._use_switches()
-        if mode is Mode.GRAPH:
-            assert bucket is not None
-            # Graph logits are valid until the next replay: sampled right after.
-            return self.runners[batch.phase].replay(batch, bucket)
-        if mode is Mode.UNCAPTURED:
-            # Compiled pieces without graphs: still faster than the plain eager model.
-            return self.runners[batch.phase].run_uncaptured(batch)
-        if mode is Mode.LOGITS:
-            return self.forward_logits(batch)
-        self._forward_only(batch)  # fills the KV cache; no logits wanted
-        return None
+        with self.switches:
+            if mode is Mode.GRAPH:
+                assert bucket is not None
+                # Graph logits are valid until the next replay: sampled right after.
+                return self.runners[batch.phase].replay(batch, bucket)
+            if mode is Mode.UNCAPTURED:
+                # Compiled pieces without graphs: still faster than the plain eager model.
+                return self.runners[batch.phase].run_uncaptured(batch)
+            if mode is Mode.LOGITS:
+                return self.forward_logits(batch)
+            self._forward_only(batch)  # fills the KV cache; no logits wanted
+            return None
 
     @torch.inference_mode()
     def follow(self, header: StepHeader, packed: torch.Tensor) -> None:
@@ -699,14 +679,6 @@ class Executor:
                 self.channel.send(ShutdownHeader())
             finally:
                 self.channel.close()
-
-    def _use_switches(self) -> None:
-        """Point the process-wide kernel switches (PDL, the row kernel) at this executor's
-        choices."""
-        if self._pdl_switch is not None:
-            self._pdl_switch.use(self.pdl)
-        if self._row_kernel_switch is not None:
-            self._row_kernel_switch.use_row_kernel(self.row_kernel)
 
     def _forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""

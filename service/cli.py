@@ -18,8 +18,7 @@ from executor.config import (
     GraphConfig,
     ModelConfig,
 )
-from executor.distributed.group import ALL_REDUCE_CHOICES, FUSE_MODES
-from executor.distributed.launch import ParallelConfig, Rendezvous
+from executor.distributed import ALL_REDUCE_CHOICES, FUSE_MODES, ParallelConfig, Rendezvous
 from executor.errors import ConfigError
 from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
 from service import __version__
@@ -208,7 +207,7 @@ def _compile_cache_dir(flag: str | None) -> str | None:
         return None
     if flag is not None:
         return flag
-    from executor.model.tiny import default_cache_dir
+    from executor.weights import default_cache_dir
 
     return str(default_cache_dir() / "torch-compile")
 
@@ -263,7 +262,7 @@ def _prepare_named_model(source: str) -> bool:
     """Fetch and convert a named model before the server starts, with progress on the
     terminal; a failure is one line on stderr (no traceback) and False."""
     from executor.errors import ModelLoadError
-    from executor.model.named import NAMED_MODELS, ensure_named_model
+    from executor.weights import NAMED_MODELS, ensure_named_model
 
     if source not in NAMED_MODELS:
         return True

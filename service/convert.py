@@ -13,6 +13,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from executor import sampling_violations
 from executor.api import (
     GREEDY,
     DecodeItem,
@@ -29,7 +30,6 @@ from executor.api import (
     named_rows,
 )
 from executor.errors import FieldViolation, InvalidRequest
-from executor.validation import sampling_violations
 from service.config import RequestLimits
 from service.gen.model_executor.v1 import executor_pb2 as pb
 

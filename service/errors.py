@@ -283,7 +283,7 @@ def is_fatal_device_error(exc: BaseException) -> bool:
 def _dist_error_class() -> tuple[type[BaseException], ...]:
     import torch.distributed as dist
 
-    from executor.distributed.group import CollectiveFailed
+    from executor.distributed import CollectiveFailed
 
     cls = getattr(dist, "DistError", None)
     return (CollectiveFailed, cls) if isinstance(cls, type) else (CollectiveFailed,)

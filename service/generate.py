@@ -177,7 +177,7 @@ def tokenizer_dir(stub: pb_grpc.ExecutorStub, a: argparse.Namespace) -> Path:
     in ``Health.model.name`` (from this machine's cache)."""
     if a.tokenizer:
         return Path(a.tokenizer)
-    from executor.model.named import NAMED_MODELS, cached_model_dir, converted_dir
+    from executor.weights import NAMED_MODELS, cached_model_dir, converted_dir
 
     health = stub.Health(pb.HealthRequest(), timeout=a.timeout)
     name = health.model.name

@@ -5,7 +5,7 @@ or a torchrun-style environment names a rendezvous. Rank 0 serves exactly as one
 does (``service/server.py``), with an executor factory that first joins the process
 group; every other rank builds its executor shard and runs ``follower.follow``.
 
-A failed rank (``executor/distributed/launch.py`` says how one is found) is logged with
+A failed rank (``executor/distributed/spawn.py`` says how one is found) is logged with
 its number and reason (``rank_failed``); the server turns UNHEALTHY at once (liveness and
 readiness NOT_SERVING, new steps UNAVAILABLE), stays so for ``--drain-delay`` so probes
 see it, then drains and exits with code 1 after stopping every rank it spawned.
@@ -24,11 +24,11 @@ from typing import Any
 import structlog
 import torch
 
+from executor import distributed
 from executor.config import ExecutorConfig
-from executor.distributed import group
-from executor.distributed.group import CollectiveFailed
-from executor.distributed.launch import (
+from executor.distributed import (
     ChildWatch,
+    CollectiveFailed,
     Heartbeat,
     ParallelConfig,
     Rendezvous,
@@ -36,10 +36,8 @@ from executor.distributed.launch import (
     rank_device,
     spawn_context,
 )
-from executor.distributed.sharding import check_divisible
 from executor.errors import ConfigError, ModelLoadError
-from executor.model.loader import load_hf_config
-from executor.model.named import resolve_model_source
+from executor.weights import check_divisible, load_hf_config, resolve_model_source
 from service.config import ServerConfig
 from service.errors import StartupError
 from service.health import State
@@ -58,13 +56,13 @@ def _executor_config(config: ExecutorConfig, local_rank: int) -> ExecutorConfig:
 
 
 def _build(config: ExecutorConfig, rdv: Rendezvous, parallel: ParallelConfig,
-           store: Any) -> tuple[Any, group.TensorParallel]:
-    from executor.executor import Executor
+           store: Any) -> tuple[Any, distributed.TensorParallel]:
+    from executor import Executor
 
     cfg = _executor_config(config, rdv.local_rank)
-    tp = group.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
+    tp = distributed.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
                     parallel.collective_timeout, parallel.all_reduce, parallel.fuse_all_reduce)
-    log.info("tp_all_reduce", rank=rdv.rank, **group.all_reduce_choice(tp))
+    log.info("tp_all_reduce", rank=rdv.rank, **distributed.all_reduce_choice(tp))
     return Executor(cfg, tp), tp
 
 
@@ -91,16 +89,16 @@ def follower_main(rdv: Rendezvous, config: ExecutorConfig, parallel: ParallelCon
     try:
         executor, tp = _build(config, rdv, parallel, store)
         log.info("rank_ready", world_size=rdv.world_size, device=str(executor.device))
-        from executor.distributed.follower import follow
+        from executor import run_follower
 
-        steps = follow(executor)
+        steps = run_follower(executor)
     except Exception as exc:
         log.error("rank_failed", failed_rank=rdv.rank, reason=f"{type(exc).__name__}: {exc}")
         beat.stop()
         return 1
     beat.stop()
     log.info("rank_stopped", steps=steps)
-    group.shutdown(tp)
+    distributed.shutdown(tp)
     return 0
 
 
@@ -159,7 +157,7 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
 async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
                  parallel: ParallelConfig, rdv: Rendezvous, store: Any,
                  children: dict[int, Any]) -> int:
-    built: list[tuple[Any, group.TensorParallel]] = []
+    built: list[tuple[Any, distributed.TensorParallel]] = []
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     failed: list[str] = []
@@ -237,5 +235,5 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         sys.stderr.flush()
         os._exit(1 if failed else 0)
     if built:
-        group.shutdown(built[0][1])
+        distributed.shutdown(built[0][1])
     return 0

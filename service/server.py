@@ -65,7 +65,7 @@ ExecutorFactory = Callable[[], ExecutorLike]
 
 def real_executor_factory(config: ExecutorConfig) -> ExecutorFactory:
     def build() -> ExecutorLike:
-        from executor.executor import Executor
+        from executor import Executor
 
         return Executor(config)
 

@@ -36,9 +36,9 @@ import grpc
 import structlog
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from executor import PendingStep
 from executor.api import KVStats, StepResult
 from executor.errors import FieldViolation, InvalidRequest
-from executor.steps import PendingStep
 from service import convert, errors
 from service.completion import CompletionThreads
 from service.config import RequestLimits

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, cast
 
+from executor import PendingStep
 from executor.api import (
     DecodeItem,
     ExecutorStatus,
@@ -44,7 +45,6 @@ from executor.api import (
     TruncateResult,
 )
 from executor.config import ExecutorConfig
-from executor.steps import PendingStep
 from service.errors import DeadlineExpired, OutcomeUnknown, Unavailable, is_fatal_device_error
 
 T = TypeVar("T")

@@ -41,6 +41,6 @@ def hf_config(kind: str) -> Any:
 
 
 def write_model(root: Path, kind: str, seed: int = 0, **kwargs: Any) -> Path:
-    from executor.model.random_weights import write_random_model
+    from executor.weights.random_weights import write_random_model
 
     return write_random_model(root / kind, hf_config(kind), seed=seed, **kwargs)

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from executor.kernels import launch
-from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.errors import ConfigError
+from executor.kernels import fast_launch as launch
+from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 
 
 @dataclass
@@ -198,44 +199,49 @@ class PerOptionJit(FakeJit):
 
 def test_a_pdl_kernel_gets_the_switch_as_constexpr_and_launch_option_and_keys_on_it(
         fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor.kernels import pdl
+    from executor.kernels.switches import KernelSwitches
 
     fn = PerOptionJit([*PARAMS, Param("USE_PDL", True)])
     launcher = FastLauncher(fn, pdl=True, num_warps=4)
     launcher.enabled, launcher.disabled_reason = True, ""
     x = torch.zeros(4)
-    monkeypatch.setattr(pdl, "_enabled", False)
     for _ in range(2):
         launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
     # Off: no launch_pdl option at all (the interpreter and older Triton reject it).
     assert fn.jit_calls[0][2] == {"BLOCK": 16, "FLAG": False, "USE_PDL": False, "num_warps": 4}
     assert fn.by_pdl[False].runs[-1][-3:] == (16, False, False)
 
-    monkeypatch.setattr(pdl, "_enabled", True)
-    for _ in range(2):
-        launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
+    with KernelSwitches(pdl=True):
+        for _ in range(2):
+            launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
     assert len(fn.jit_calls) == 2, "switching PDL on is a new specialization"
     assert fn.jit_calls[1][2] == {"BLOCK": 16, "FLAG": False, "USE_PDL": True,
                                   "num_warps": 4, "launch_pdl": True}
     assert fn.by_pdl[True].runs[-1][-3:] == (16, False, True)
 
-    monkeypatch.setattr(pdl, "_enabled", False)
     launcher.launch((1, 1, 1), "k", (x, 1), {"BLOCK": 16, "FLAG": False})
     assert len(fn.jit_calls) == 2 and len(fn.by_pdl[False].runs) == 2
     assert launcher.fast_launches == 3
 
 
-def test_pdl_resolves_on_only_where_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_resolves_on_only_where_supported() -> None:
     from executor.kernels import pdl
+    from executor.kernels.switches import KernelSwitches, pdl_unsupported_reason
 
-    monkeypatch.setattr(pdl, "_enabled", False)
-    assert pdl.unsupported_reason("cpu") == "device cpu is not CUDA"
-    assert pdl.resolve("auto", "cpu") is False and not pdl.enabled()
-    assert pdl.options() == {"USE_PDL": False}
-    with pytest.raises(ValueError, match="not available: device cpu is not CUDA"):
-        pdl.resolve("on", "cpu")
-    with pytest.raises(ValueError, match="pdl mode must be one of"):
-        pdl.resolve("yes", "cpu")
-    assert pdl.resolve("off", "cuda:0") is False  # off asks nothing of the device
-    pdl.use(True)  # only ``use`` sets the switch
-    assert pdl.resolve("auto", "cpu") is False and pdl.enabled()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    assert pdl_unsupported_reason("cpu") == "device cpu is not CUDA"
+    assert KernelSwitches.resolve("auto", "auto", cpu) == KernelSwitches(False, False)
+    assert not pdl.enabled() and pdl.options() == {"USE_PDL": False}
+    with pytest.raises(ConfigError, match=r"--pdl on: .*not available: device cpu is not CUDA"):
+        KernelSwitches.resolve("on", "auto", cpu)
+    with pytest.raises(ConfigError, match="--skinny-row-kernel on needs a CUDA device"):
+        KernelSwitches.resolve("off", "on", cpu)
+    # off asks nothing of the device (no CUDA here)
+    assert KernelSwitches.resolve("off", "off", cuda) == KernelSwitches(False, False)
+    with KernelSwitches(pdl=True):  # only holding switches sets them
+        assert pdl.enabled() and pdl.options()["USE_PDL"]
+        with KernelSwitches(pdl=True):  # re-entry with equal switches
+            assert pdl.enabled()
+        with pytest.raises(RuntimeError, match="cannot nest"):
+            KernelSwitches(pdl=False).__enter__()
+    assert not pdl.enabled()

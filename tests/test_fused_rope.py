@@ -146,29 +146,31 @@ def test_skinny_row_kernel_on_is_refused_off_cuda() -> None:
     with pytest.raises(ConfigError, match=r"--skinny-row-kernel on needs a CUDA device"):
         Executor(ExecutorConfig(cache=CONFIG.cache, skinny_row_kernel="on"))
     off = Executor(ExecutorConfig(cache=CONFIG.cache, skinny_row_kernel="off"))
-    assert not off.row_kernel and "skinny_row_kernel" not in off.model_info.kernel_features
+    assert not off.switches.row_kernel and "skinny_row_kernel" not in off.model_info.kernel_features
 
 
-def test_an_executor_sets_the_kernel_switches_to_its_own_choices_before_it_runs() -> None:
-    """The PDL and row-kernel switches are process-wide; each executor points them at its
-    own choices before every forward (and capture), so two executors in a process launch
-    as configured."""
+def test_an_executor_holds_its_kernel_switches_around_each_forward() -> None:
+    """The PDL and row-kernel switches are process-wide; each executor holds its own
+    choices active around every forward (and capture), so two executors in a process
+    launch as configured, and nothing stays set between calls."""
+    from executor.kernels import switches
+    from executor.model.llama import CausalLM
+
     ex = Executor(CONFIG)
-    assert not ex.pdl and ex._pdl_switch is None  # CPU, auto: Triton not even imported
-    assert not ex.row_kernel and ex._row_kernel_switch is None
-    calls: list[tuple[str, bool]] = []
+    assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False)
+    seen: list[switches.KernelSwitches] = []
+    ex.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
+    real = CausalLM.forward
 
-    class Switch:
-        @staticmethod
-        def use(on: bool) -> None:
-            calls.append(("pdl", on))
+    def spy(self: CausalLM, *args: object, **kwargs: object) -> object:
+        seen.append(switches.active())
+        return real(self, *args, **kwargs)
 
-        @staticmethod
-        def use_row_kernel(on: bool) -> None:
-            calls.append(("row", on))
-
-    ex._pdl_switch, ex.pdl = Switch, True
-    ex._row_kernel_switch, ex.row_kernel = Switch, False
-    ex.prefill([PrefillItem("a", [3, 4, 5])])
-    ex.decode([DecodeItem("a", 6)])
-    assert calls == [("pdl", True), ("row", False)] * 2
+    CausalLM.forward = spy  # type: ignore[method-assign,assignment]
+    try:
+        ex.prefill([PrefillItem("a", [3, 4, 5])])
+        ex.decode([DecodeItem("a", 6)])
+    finally:
+        CausalLM.forward = real  # type: ignore[method-assign]
+    assert seen == [ex.switches] * 2
+    assert switches.active() == switches.DEFAULT

@@ -36,6 +36,7 @@ from executor import kernels  # noqa: E402
 from executor.api import Phase  # noqa: E402
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig  # noqa: E402
 from executor.executor import Executor  # noqa: E402
+from executor.kernels.switches import KernelSwitches  # noqa: E402
 from executor.model.layers import TORCH_OPS, TRITON_OPS, KernelChoice, select_ops  # noqa: E402
 from tests.conftest import ARCHS  # noqa: E402
 
@@ -297,13 +298,10 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
     sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4])  # a block too few: the classic kernel
     assert len(launched) == 1
-    sg.use_row_kernel(False)  # an executor's --skinny-row-kernel off
-    try:
+    with KernelSwitches(row_kernel=False):  # an executor's --skinny-row-kernel off
         assert sg.row_tile(sg.PLAIN, 1, 64, lo, sms=2) is None
         torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
         assert len(launched) == 1
-    finally:
-        sg.use_row_kernel(True)
 
 
 @pytest.mark.parametrize("resident", [None, 4, 3, 1, 9])
@@ -634,11 +632,11 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
 
 @pytest.mark.parametrize(("n", "decode"), [(7, True), (300, False), (1, True)])
 def test_graph_prologue_kernel_matches_the_torch_ops(n: int, decode: bool) -> None:
-    """The prologue's one-launch scatter (``executor.kernels.prologue``) writes what the
+    """The prologue's one-launch scatter (``executor.kernels.graph_prologue``) writes what the
     torch ops of ``Prologue.capture`` write: ids (a negative id takes its slot's last
     sampled token), positions, the table cells (padding rows: the scratch cell), and a
     decode batch's three rows into a strided static block; nothing else."""
-    from executor.kernels.prologue import graph_prologue
+    from executor.kernels.graph_prologue import graph_prologue
 
     gen = _gen(n)
     slots_n, context = 6, 64

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor.errors import ModelLoadError
-from executor.model.loader import load_model
-from executor.model.tiny import ensure_tiny_model
+from executor.weights.loader import load_model
+from executor.weights.tiny import ensure_tiny_model
 from tests.models import hf_config, write_model
 
 CPU = torch.device("cpu")
@@ -132,7 +132,7 @@ def test_missing_and_unexpected_tensors(tmp_path: Path, model_dirs: dict[str, Pa
 def test_sliding_window_refused_unless_context_fits(tmp_path: Path) -> None:
     cfg = hf_config("mistral")
     cfg.sliding_window = 64
-    from executor.model.random_weights import write_random_model
+    from executor.weights.random_weights import write_random_model
 
     path = write_random_model(tmp_path / "sw", cfg)
     with pytest.raises(ModelLoadError, match="sliding-window attention"):

@@ -132,7 +132,7 @@ def test_compute_logits_stay_in_the_activation_dtype(model_dirs: dict[str, Path]
     widens what it needs); with ``out`` the GEMM writes rows ``:S`` of the buffer, and that
     view comes back with the same values."""
     from executor.model.llama import CausalLM
-    from executor.model.loader import load_model
+    from executor.weights.loader import load_model
 
     model, _ = load_model(model_dirs[arch], dtype, torch.device("cpu"), 128)
     assert isinstance(model, CausalLM) and model.hidden_dtype == dtype

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from executor.errors import ModelLoadError
-from executor.model import named
-from executor.model.gguf_llama import GGUFConversionError, convert_llama_gguf, unpermute_rotary
-from executor.model.named import NamedModelError, ensure_named_model, resolve_model_source
+from executor.weights import catalog as named
+from executor.weights.catalog import NamedModelError, ensure_named_model, resolve_model_source
+from executor.weights.gguf import GGUFConversionError, convert_llama_gguf, unpermute_rotary
 from service.cli import main
 
 NAME = "smollm2-135m"

@@ -24,9 +24,9 @@ from executor.graphs.piecewise.custom_op import ATTENTION_BINDING, is_attention
 from executor.graphs.piecewise.pieces import GraphMode
 from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
 from executor.model.llama import CausalLM
-from executor.model.loader import load_model
 from executor.model.spec import ModelSpec
-from executor.model.tiny import ensure_tiny_model
+from executor.weights.loader import load_model
+from executor.weights.tiny import ensure_tiny_model
 
 CPU = torch.device("cpu")
 MAX_CONTEXT = 256
@@ -215,8 +215,8 @@ def test_compiler_is_validated() -> None:
 def one_layer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``tiny`` with one decoder layer: two distinct pieces keep Inductor's CPU compile
     (a C++ build per piece) short."""
-    from executor.model.random_weights import write_random_model
-    from executor.model.tiny import tiny_config
+    from executor.weights.random_weights import write_random_model
+    from executor.weights.tiny import tiny_config
 
     cfg = tiny_config()
     cfg.num_hidden_layers = 1

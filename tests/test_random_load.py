@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from executor.config import ModelConfig
-from executor.distributed.sharding import VocabShard, copy_shard
 from executor.errors import ConfigError, ModelLoadError
-from executor.model.loader import load_model
-from executor.model.random_weights import RandomCheckpoint, random_recipe
+from executor.weights.loader import load_model
+from executor.weights.random_weights import RandomCheckpoint, random_recipe
+from executor.weights.sharding import VocabShard, copy_shard
 from service.cli import build_configs, build_parser
 from tests.conftest import ARCHS
 from tests.models import hf_config
@@ -115,7 +115,7 @@ def test_the_flag_reaches_the_config_and_a_bad_value_is_refused() -> None:
 def test_health_says_where_the_weights_came_from(tmp_path: Path) -> None:
     from executor.config import CacheConfig, ExecutorConfig
     from executor.executor import Executor
-    from executor.model.tiny import ensure_tiny_model
+    from executor.weights.tiny import ensure_tiny_model
     from service.convert import health_response
 
     shutil.copy(ensure_tiny_model() / "config.json", tmp_path / "config.json")

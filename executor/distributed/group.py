@@ -73,7 +73,6 @@ import dataclasses
 import datetime
 import functools
 import os
-import statistics
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +80,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from executor.timing import replay_us
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated there); the GPU hosts run 2.11.
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -171,7 +172,7 @@ def _triton_kernel() -> tuple[Any, Callable[[int], int], dict[str, int]]:
     """The kernel's launcher, grid and fixed constexprs, bound once (the module imports
     Triton, which the CPU-only paths of this one never need)."""
     from executor.kernels import all_reduce as kernel
-    from executor.kernels.launch import FastLauncher
+    from executor.kernels.fast_launch import FastLauncher
 
     return (FastLauncher(kernel.one_shot_all_reduce_kernel, pdl=True, num_warps=4),
             kernel.grid_size, {"FLAGS": kernel.FLAG_BYTES, "BLOCK": kernel.BLOCK})
@@ -273,7 +274,7 @@ class _TritonLamport:
 def _lamport_kernel() -> tuple[Any, Callable[[int, int], int]]:
     """``lamport_all_reduce_kernel``'s launcher and its block per (size, programs)."""
     from executor.kernels import all_reduce as kernel
-    from executor.kernels.launch import FastLauncher
+    from executor.kernels.fast_launch import FastLauncher
 
     return (FastLauncher(kernel.lamport_all_reduce_kernel, pdl=True, num_warps=4),
             kernel.lamport_block)
@@ -646,28 +647,9 @@ def _probe_us(tp: TensorParallel) -> list[float]:
         with torch.cuda.graph(graph):
             for x in inputs:
                 tp.all_reduce(x)
-        times.append(replay_us(graph, _PROBE_REPEATS, _PROBE_REPLAYS))
+        times.append(replay_us(graph, _PROBE_REPEATS, _PROBE_REPLAYS - 2))
         del graph
     return times
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int,
-              before: Callable[[], object] | None = None) -> float:
-    """Median µs per call of ``graph`` (``calls`` collectives captured back to back) over
-    ``replays`` replays timed by CUDA events, the first two left out as warm-up;
-    ``before`` runs ahead of each replay (a barrier that lines the ranks up)."""
-    samples = []
-    for _ in range(replays):
-        if before is not None:
-            before()
-        start, end = (torch.cuda.Event(enable_timing=True),
-                      torch.cuda.Event(enable_timing=True))
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples[2:])
 
 
 def all_reduce_choice(tp: TensorParallel) -> dict[str, object]:

@@ -88,6 +88,7 @@ class GraphRunner:
         self.agree: Callable[[bool], bool] | None = None
 
     def state(self) -> RunnerState:
+        """Snapshot for the graph-or-eager decision (``graphs/dispatch.py``)."""
         # Asked at every step; it changes only when capturing or releasing.
         if self._state is None:
             self._state = RunnerState(cuda=True, enabled=True, buckets=self.buckets,
@@ -248,6 +249,8 @@ class GraphRunner:
 
     # -- replay --------------------------------------------------------------------------
     def layout(self, bucket: int) -> GraphLayout:
+        """How to pack a batch that will replay ``bucket`` (a captured one), so that the
+        replay finds it in place; such a batch publishes its table entries itself."""
         return self.prologue.layouts[bucket]
 
     def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
@@ -280,10 +283,12 @@ class GraphRunner:
 
     @property
     def runs_uncaptured(self) -> bool:
+        """Whether ``run_uncaptured`` beats the plain eager model (compiled pieces)."""
         return self.backend.serves_uncaptured_shapes
 
     def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits as ``replay`` gives them (a new tensor, no graph)."""
+        """A batch that fits no captured bucket, without graphs: logits as ``replay``
+        gives them (a new tensor)."""
         with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
             hidden = self._forward(batch.input_ids, batch.positions, SCOPED)
         return self.model.compute_logits(hidden[batch.logits_indices])
@@ -292,6 +297,7 @@ class GraphRunner:
         return self.backend.captured()
 
     def drain_replay_seconds(self) -> list[float]:
+        """Durations of finished replays since the last call (no host sync)."""
         return self.timer.drain()
 
     def release(self) -> None:

@@ -14,7 +14,7 @@ Per bucket, a small captured graph then copies it where the graphs read it:
   (``AttentionBackend.static_decode_rows``).
 
 One graph launch instead of four to six host-issued ops per step; inside it, one kernel
-(``executor.kernels.prologue``) where Triton runs.
+(``executor.kernels.graph_prologue``) where Triton runs.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Prologue:
         self.layouts = {b: GraphLayout(b, table.scratch_index, self.transfer, phase)
                         for b in buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # One Triton launch for the whole prologue (``executor.kernels.prologue``) where
+        # One Triton launch for the whole prologue (``executor.kernels.graph_prologue``) where
         # Triton runs; else the torch ops below, six to eight launches.
         self.fused = device.type == "cuda" and triton_available()
         # Buckets whose prologue also refreshes the attention backend's static rows.
@@ -84,7 +84,7 @@ class Prologue:
         slots = layout.field("req_pool_indices") if last is not None else None
 
         if self.fused:
-            from executor.kernels.prologue import graph_prologue
+            from executor.kernels.graph_prologue import graph_prologue
 
         def body() -> None:
             if self.fused:

@@ -19,15 +19,32 @@ add_rms_norm, rope_qk, silu_and_mul}``, which have fake impls, so a compiled for
 records one opaque node per kernel. (Going through the op in eager too would add about
 10 us of dispatcher work per call on the host.)
 
-Importing this package imports Triton: the model imports it only when it takes the fused
-path (see ``executor.model.layers.select_ops``).
+The face's names import Triton on first use (``__getattr__``), so a CPU process may import
+``executor.kernels.switches`` without it; the model takes the fused path only where it runs
+(see ``executor.model.layers.select_ops``).
 """
 
-from executor.kernels.activation import silu_and_mul
-from executor.kernels.embedding import shard_embedding
-from executor.kernels.norm import add_rms_norm, rms_norm
-from executor.kernels.rope import rope_qk
-from executor.kernels.skinny_gemm import add_rms_norm_linear, linear, silu_and_mul_linear
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from executor.kernels.activation import silu_and_mul
+    from executor.kernels.embedding import shard_embedding
+    from executor.kernels.norm import add_rms_norm, rms_norm
+    from executor.kernels.rope import rope_qk
+    from executor.kernels.skinny_gemm import add_rms_norm_linear, linear, silu_and_mul_linear
+
+_FACE = {"silu_and_mul": "activation", "shard_embedding": "embedding",
+         "add_rms_norm": "norm", "rms_norm": "norm", "rope_qk": "rope",
+         "add_rms_norm_linear": "skinny_gemm", "linear": "skinny_gemm",
+         "silu_and_mul_linear": "skinny_gemm"}
 __all__ = ["add_rms_norm", "add_rms_norm_linear", "linear", "rms_norm", "rope_qk",
            "shard_embedding", "silu_and_mul", "silu_and_mul_linear"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FACE:
+        raise AttributeError(f"module 'executor.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"executor.kernels.{_FACE[name]}"), name)

@@ -32,7 +32,7 @@ reduces the same sizes in the same order):
 Two slots make the one barrier enough: a rank writes slot ``e & 1`` again at call
 ``e + 2``, which starts only after every peer has flagged call ``e + 1``, i.e. has finished
 reading call ``e``. There is no timeout in the spin: a dead peer hangs the kernel, and the
-service's rank heartbeats (``executor.distributed.launch``) take the process down.
+service's rank heartbeats (``executor.distributed.spawn``) take the process down.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
 BLOCK = 2048  # columns per program of the first pass: 16 float32 per thread with 4 warps
@@ -74,7 +74,7 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK,
     vals = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
     # Keys: what the JIT specializes on besides pointer alignment (dtypes, integer
-    # arguments); see executor.kernels.launch. A decode step calls this once per step.
+    # arguments); see executor.kernels.fast_launch. A decode step calls this once per step.
     _CHUNK.launch((rows, n_chunks, 1), (x.dtype, cols, x.stride(0), n_chunks, block),
                   (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
     table, slots = store if store is not None else (out, out)

@@ -4,7 +4,7 @@
 
 Under tensor parallelism each rank holds rows ``[start, start + rows)`` of the embedding
 and looks up only the ids that fall there, zeros for the others, before the ranks sum
-(``executor.distributed.layers.VocabParallelEmbedding``). In torch ops that is eight
+(``executor.model.vocab_parallel.VocabParallelEmbedding``). In torch ops that is eight
 element-wise kernels at batch 1 (shift, two compares, and, clamp, gather, cast, multiply:
 about 13 us in a decode graph on an H100); here it is one, launched with PDL. Rows are
 copied bit for bit; an id outside the shard gives +0.0 where the torch ops give a signed
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.launch import FastLauncher
+from executor.kernels.fast_launch import FastLauncher
 from executor.kernels.pdl import pdl_enter
 
 #: Columns per program.

@@ -78,13 +78,14 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import switches
 from executor.kernels.all_reduce import (
     lamport_next_region,
     lamport_send,
     load_acquire,
     store_release,
 )
-from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
 # Rows up to which the skinny kernel serves; more rows go to cuBLAS. Measured on an H100
@@ -522,23 +523,11 @@ ROW_KERNEL_REDUCE = (NO_REDUCE, SEND)
 ROW_KERNEL_MIN_BLOCKS = 2
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
-#: Whether default launches may take the row kernel: a process-wide switch, which each
-#: executor sets to its ``skinny_row_kernel`` choice before it runs (``use_row_kernel``).
-_row_kernel_on = True
-
-
-def use_row_kernel(on: bool) -> None:
-    """Let default one-row launches take the row kernel where ``row_tile`` serves them
-    (True), or keep every launch on the classic kernel (False)."""
-    global _row_kernel_on
-    _row_kernel_on = on
-
-
 def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
              sms: int) -> RowTile | None:
     """The row kernel's tile for a launch it takes by default on a GPU of ``sms`` SMs,
-    else None (the classic kernel): the switch on (``use_row_kernel``), one row, an output
-    kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``, and at least
+    else None (the classic kernel): the switch on (``switches.active().row_kernel``), one
+    row, an output kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``, and at least
     ``ROW_KERNEL_MIN_BLOCKS`` column blocks for each program of a full grid.
     By the H100 sweep of the 1B and the 8B's TP = 2 shapes, each projection alone
     (``bench/results/2026-11-26-h100-row-kernel``): 8 warps; SiLU-and-mul inputs 2 columns
@@ -546,7 +535,7 @@ def row_tile(prologue: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
     2048, 21.5 against 22.2 at 7168 x 4096); the others 4 columns up to K = 2048 and 2
     above, 4 programs per SM (qkv 5.6 against 7.4 us at 2048 x 3072, 9.5 against 10.5 at
     4096 x 3072)."""
-    if not _row_kernel_on or m != 1 or reduce not in ROW_KERNEL_REDUCE \
+    if not switches.active().row_kernel or m != 1 or reduce not in ROW_KERNEL_REDUCE \
             or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
     tile = RowTile(2, 8, 2) if prologue == SILU_MUL else RowTile(4 if k <= 2048 else 2, 8, 4)

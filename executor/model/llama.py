@@ -27,7 +27,6 @@ from torch import nn
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
 from executor.distributed.group import PendingSum, TensorParallel
-from executor.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from executor.model.base import register_model
 from executor.model.layers import (
     GatedMLP,
@@ -39,6 +38,7 @@ from executor.model.layers import (
     select_ops,
 )
 from executor.model.spec import ARCHITECTURES, ModelSpec
+from executor.model.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class Attention(nn.Module):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from executor.distributed.launch import ParallelConfig, rank_device
+from executor.distributed.spawn import ParallelConfig, rank_device
 from executor.errors import ConfigError
 from service.cli import build_parser, parallel_configs
 from tests.distributed.serving import ROOT
@@ -87,7 +87,7 @@ def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts(
     import torch
 
     from executor.config import ExecutorConfig
-    from executor.distributed.launch import ParallelConfig
+    from executor.distributed.spawn import ParallelConfig
     from service.config import ServerConfig
     from service.parallel import run
 

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from executor.distributed import group
-from executor.distributed.launch import ParallelConfig, Rendezvous, describe_exit
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -23,17 +22,18 @@ from executor.distributed.protocol import (
     StepHeader,
     decode,
 )
-from executor.distributed.sharding import (
+from executor.distributed.spawn import ParallelConfig, Rendezvous, describe_exit
+from executor.errors import ConfigError, ModelLoadError
+from executor.packing import PackedSizes
+from executor.weights.loader import load_hf_config
+from executor.weights.sharding import (
     VocabShard,
     check_divisible,
     copy_shard,
     local_spec,
     valid_sizes,
 )
-from executor.errors import ConfigError, ModelLoadError
-from executor.model.loader import load_hf_config
-from executor.model.tiny import ensure_tiny_model
-from executor.packing import PackedSizes
+from executor.weights.tiny import ensure_tiny_model
 
 
 @given(tokens=st.integers(0, 300), pad=st.integers(0, 64), logits=st.integers(0, 40),

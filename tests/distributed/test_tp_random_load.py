@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from executor.model.tiny import ensure_tiny_model
+from executor.weights.tiny import ensure_tiny_model
 from tests.distributed.test_tp_kv_primitives import LOGPROB_ATOL, TINY, _run
 
 

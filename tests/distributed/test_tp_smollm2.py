@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from executor.errors import ModelLoadError
-from executor.model.named import ensure_named_model
+from executor.weights.catalog import ensure_named_model
 from tests.distributed import scenario
 from tests.distributed.serving import ServeProcess
 

@@ -8,8 +8,8 @@ import torch
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
 from executor.distributed import group
-from executor.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from executor.executor import Executor
+from executor.model.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tests.distributed.world import transcript, world_of_one
 
 PROMPTS = [[3, 9, 27, 81, 243, 17, 51], [5, 25, 125, 113, 53], [7] * 12]

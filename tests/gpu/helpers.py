@@ -12,7 +12,7 @@ from executor.api import DecodeItem, Phase, PrefillItem, SamplingParams, StepRes
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
 from executor.forward_batch import ForwardBatch
-from executor.graphs.runner import PhaseRunner
+from executor.graphs.graph_runner import GraphRunner
 from executor.kv.manager import Allocation
 
 PREFILL_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512)
@@ -22,7 +22,7 @@ def gpu_model(root: Path) -> Path:
     """A small Llama with the 1B's head layout (head_dim 64, GQA 4)."""
     import transformers as tf
 
-    from executor.model.random_weights import write_random_model
+    from executor.weights.random_weights import write_random_model
 
     cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
                          num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
@@ -49,7 +49,7 @@ def make_prefill_executor(path: Path, prefill: str = "breakable", decode: str = 
 LOGIT_ATOL, LOGIT_RTOL, MARGIN = 0.125, 0.02, 0.25
 
 
-def pack_for_bucket(ex: Executor, runner: PhaseRunner, phase: Phase, tokens: list[int],
+def pack_for_bucket(ex: Executor, runner: GraphRunner, phase: Phase, tokens: list[int],
                     alloc: Allocation, rows: list[int], bucket: int) -> ForwardBatch:
     """A batch packed for ``bucket``'s graphs, as the executor packs it for its runners
     (``GraphLayout``): the one way a batch reaches a replay."""
@@ -57,7 +57,7 @@ def pack_for_bucket(ex: Executor, runner: PhaseRunner, phase: Phase, tokens: lis
                               ex.staging, runner.layout(bucket))
 
 
-def graph_and_eager(ex: Executor, runner: PhaseRunner, phase: Phase, tokens: list[int],
+def graph_and_eager(ex: Executor, runner: GraphRunner, phase: Phase, tokens: list[int],
                     alloc: Allocation, bucket: int, all_rows: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one step through the graphs of ``bucket`` and eagerly.

@@ -13,8 +13,7 @@ read or wrote before its wait would show up here as a differing value, in some r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,23 @@ import torch
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.executor import Executor
-from executor.kernels import pdl
+from executor.kernels.switches import KernelSwitches, pdl_unsupported_reason
 from tests.gpu.helpers import gpu_model, make_prefill_executor, rand_tokens
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(torch.cuda.is_available() and pdl.unsupported_reason("cuda") != "",
+    pytest.mark.skipif(torch.cuda.is_available() and pdl_unsupported_reason("cuda") != "",
                        reason="PDL unsupported here"),
 ]
 
 SCORED = SamplingParams(logprobs=True, top_logprobs=4)
 
 
-@contextmanager
-def launching(with_pdl: bool) -> Iterator[None]:
-    """The process-wide switch set for a block (an executor sets it when built)."""
-    before = pdl.enabled()
-    pdl.use(with_pdl)
-    try:
-        yield
-    finally:
-        pdl.use(before)
-
-
 def both(fn: Callable[[], object]) -> tuple[object, object]:
-    with launching(False):
+    with KernelSwitches(pdl=False):
         plain = fn()
-    with launching(True):
+    with KernelSwitches(pdl=True):
         fused = fn()
     torch.cuda.synchronize()
     return plain, fused
@@ -130,7 +118,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _step(ex: Executor, ids: list[str], tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
-    with launching(ex.pdl):  # eager pieces launch as this executor would alone
+    with ex.switches:  # eager pieces launch as this executor would alone
         step = ex.decode([DecodeItem(s, t, SCORED) for s, t in zip(ids, tokens, strict=True)])
     tops = torch.tensor([[lp for _, lp in o.top_logprobs] for o in step.outputs])
     return tops, [int(o.token_id) for o in step.outputs]  # type: ignore[arg-type]
@@ -140,15 +128,16 @@ def _step(ex: Executor, ids: list[str], tokens: list[int]) -> tuple[torch.Tensor
 def test_steps_with_pdl_equal_plain_launches_bit_for_bit(model_path: Path, decode: str) -> None:
     plain = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="off")
     fused = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="on")
-    assert fused.pdl and not plain.pdl and "pdl" in fused.model_info.kernel_features
+    assert fused.switches.pdl and not plain.switches.pdl
+    assert "pdl" in fused.model_info.kernel_features
     for ex in (plain, fused):
-        with launching(ex.pdl):
+        with ex.switches:
             ex.capture(["decode", "prefill"])
     ids = [f"s{i}" for i in range(5)]
     prompts = [rand_tokens(7 + 40 * i, seed=i) for i in range(5)]
     firsts = []
     for ex in (plain, fused):
-        with launching(ex.pdl):
+        with ex.switches:
             out = ex.prefill([PrefillItem(s, p, sampling=SCORED)
                               for s, p in zip(ids, prompts, strict=True)])
         firsts.append([(o.token_id, o.top_logprobs) for o in out.outputs])

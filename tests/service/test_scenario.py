@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from executor.model.tiny import ensure_tiny_model
+from executor.weights.tiny import ensure_tiny_model
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from tests.service.harness import ServerHarness
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
-from executor.model import named
-from executor.model.named import converted_dir, ensure_named_model
+from executor.weights import catalog as named
+from executor.weights.catalog import converted_dir, ensure_named_model
 from service.cli import main
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from tests.service.harness import ServerHarness
@@ -171,7 +171,7 @@ def test_second_start_reuses_the_conversion_and_a_damaged_one_is_rebuilt(
         cache: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A second start is a new process: it checks the manifest's hashes, converts nothing.
     second = subprocess.run(
-        [sys.executable, "-c", "from executor.model.named import ensure_named_model as e; "
+        [sys.executable, "-c", "from executor.weights.catalog import ensure_named_model as e; "
          f"print(e({NAME!r}, progress=True))"],
         env={**os.environ, "MODEL_EXECUTOR_CACHE": str(cache)}, capture_output=True, text=True,
         timeout=120, check=True)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
 # Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,

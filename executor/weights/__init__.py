@@ -1,0 +1,25 @@
+"""Where weights come from, apart from the model code that uses them.
+
+    loader          a Hugging Face directory (config + safetensors) into a model's modules
+    sharding        which slice of each weight a tensor-parallel rank holds; per-rank shape
+    catalog         named models (``--model smollm2-135m``): fetched, converted, cached
+    gguf            GGUF tensors into the Hugging Face layout
+    random_weights  random weights of any shape (``--load-format random``)
+    tiny            the small model written on first use (``--model tiny``)
+"""
+
+from executor.weights.catalog import (
+    NAMED_MODELS,
+    cached_model_dir,
+    converted_dir,
+    ensure_named_model,
+    model_name,
+    resolve_model_source,
+)
+from executor.weights.loader import load_hf_config, load_model
+from executor.weights.sharding import check_divisible, local_spec
+from executor.weights.tiny import default_cache_dir
+
+__all__ = ["NAMED_MODELS", "cached_model_dir", "check_divisible", "converted_dir",
+           "default_cache_dir", "ensure_named_model", "load_hf_config", "load_model",
+           "local_spec", "model_name", "resolve_model_source"]
