@@ -91,7 +91,7 @@ class PySpy:
         time.sleep(1.0)  # attached before the measured steps
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         import signal
 
         assert self.proc is not None

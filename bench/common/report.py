@@ -106,7 +106,8 @@ def markdown(result: dict[str, Any]) -> str:
     out += ["", *_key_figures(result)]
     for f in result.get("followups", []):
         out.append(f"\n`{', '.join(f['keys']) or 'nothing'}` for {f['shape']} come from a "
-                   f"follow-up run of `python -m bench.e2e.peer` (`{f['file']}`), same device type.")
+                   f"follow-up run of `python -m bench.e2e.peer` (`{f['file']}`), same "
+                   "device type.")
     if result.get("plots"):
         out += ["", *[f"![{p}]({p})" for p in result["plots"]]]
     prof = result.get("kernel_profile")

@@ -8,8 +8,8 @@ import argparse
 
 from executor import config
 
-# A base tree older than the switches (``kernel_check.sh``'s "before" side runs this file
-# in one) has none: the flags then still parse, and none may be given.
+# An executor older than the switches has none: the flags then still parse, and none may be
+# given.
 KERNEL_SWITCH_MODES: tuple[str, ...] = getattr(config, "KERNEL_SWITCH_MODES", ("auto", "on", "off"))
 SWITCHES = ("fuse_decode_rope", "pdl", "skinny_row_kernel")
 

@@ -1,23 +1,17 @@
-"""The KV primitives at work: a shared prefix by Fork, and speculative decoding by
-``every_position`` + Truncate, in process (no RPC), on one machine.
+"""The KV primitives in process: a shared prefix by Fork, speculative decoding by Truncate.
+``python -m bench.e2e.kv_primitives --model DIR --device cuda [--out DIR]`` measures:
 
-``python -m bench.e2e.kv_primitives --model DIR --device cuda --out DIR`` measures:
+* **Shared prefix.** ``children`` sequences sharing a ``prefix``-token prompt, each with a
+  ``suffix``-token tail: every one prefilled whole, against the prefix prefilled once,
+  ``children`` Forks and one call prefilling every suffix. Wall time to the last sampled
+  token (medians of rounds) and KV token locations in use afterwards.
+* **Speculative decoding.** A greedy continuation by plain Decode calls (the reference),
+  then by verify calls (the last accepted token and ``k`` drafts in one ``every_position``
+  Prefill, the matching prefix accepted, the rest Truncated), with a perfect drafter (the
+  same model's continuation) and a half-right one: accepted drafts per call, time per
+  token, tokens matching the reference.
 
-* **Shared prefix.** ``children`` sequences that share a ``prefix``-token prompt and differ
-  in a ``suffix``-token tail, each sampling its first token: (a) every sequence prefilled
-  whole (prefix + suffix; calls of at most ``max_prefill_tokens``), against (b) the prefix
-  prefilled once, ``children`` Forks, and one call prefilling every suffix. Wall time to
-  the last sampled token (medians of rounds) and KV token locations in use afterwards.
-* **Speculative decoding through the API.** A greedy continuation of ``spec_tokens``
-  tokens by plain Decode calls (the reference, and the time per token to beat), then the
-  same continuation by verify calls: the last accepted token and ``k`` draft tokens in one
-  ``every_position`` Prefill, the matching prefix accepted, the rest Truncated. Drafts are
-  the same model's greedy continuation (a perfect drafter: every draft accepted) and a
-  half-right one (drafts wrong after the first ``k // 2``). Reports accepted tokens per
-  verify call, time per token, and how many tokens match the reference.
-
-Results: ``kv_primitives.json`` and ``kv_primitives.md`` under ``--out`` (default
-``results-local``).
+Writes ``kv_primitives.json`` and ``.md`` to ``--out`` (default ``results-local``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """Tensor parallelism on several GPUs of one host: TP = 1 against TP = N, one machine, one run.
-
 ``python -m bench.e2e.tensor_parallel --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2,2:nccl``
 
 For each shape (random bf16 weights, written to disk or, with ``--load-format random``,
@@ -13,8 +12,7 @@ Session with two steps in flight (``pipelined``: there the replay is the device'
 prefill of 2048 tokens. Beside them: GPU 0's read bandwidth, the per-rank floor, and per
 all-reduce algorithm one captured all-reduce of a layer's activation, sums checked exact.
 A size may repeat (``--tp 2,1,2,1,2``): the batch-1 ratio is then the median over starts.
-Writes ``tensor_parallel.json`` and ``tensor_parallel.md`` to ``--out`` (default
-``results-local``). Needs N GPUs.
+Writes ``tensor_parallel.json`` and ``.md`` to ``--out`` (default ``results-local``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fused layer kernels vs the plain torch ops on a Llama-3.2-1B-shaped bf16 model.
 
-``python -m bench.kernels.layer_kernels [--out DIR]`` on a CUDA machine. The model is built directly on
-the GPU with random weights (no checkpoint on disk) over the Triton attention backend; a
+``python -m bench.kernels.layer_kernels [--out DIR]`` on a CUDA machine. The model is built
+directly on the GPU with random weights (no checkpoint on disk) over the Triton attention backend; a
 decode batch at context 512. For each kernel choice (``torch``, ``auto`` = fused):
 
 * ``step_graph_ms``: one decode step (forward + logits) as one CUDA graph, replayed;

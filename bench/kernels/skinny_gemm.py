@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from bench.common import hardware, shapes
 from bench.common.shapes import projections
+from bench.common.switches import KERNEL_SWITCH_MODES
 from bench.common.timing import weight_copies, weights_replay_us
-from executor.config import KERNEL_SWITCH_MODES
 
 # (block_n, block_k, num_warps[, num_stages]) candidates at M = 1; the last ones loop over
 # short K chunks with a deeper software pipeline. RMSNorm prologues also try each one
@@ -125,7 +125,8 @@ def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
             "tile": list(dataclasses.astuple(tile))}
         default_row = row_tile(prologue, 1, n, k, sms=sm_count(dev))
         if default_row is not None:  # a default launch takes the persistent row kernel
-            row.update(row_us=weights_replay_us(functools.partial(fused, tile=default_row), weights),
+            row.update(row_us=weights_replay_us(functools.partial(fused, tile=default_row),
+                                                weights),
                        row_tile=list(dataclasses.astuple(default_row)))
         if sweep:
             ref = unfused(weights[0])

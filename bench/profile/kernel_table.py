@@ -1,5 +1,4 @@
-"""Per-kernel-class GPU time of graph steps beside the floor:
-``python -m bench.profile.kernel_table``.
+"""Per-kernel-class GPU time of graph steps beside the floor.
 
 For each case (graph decode at a batch size, breakable-graph prefill of one sequence) on a
 random-weight bench shape, each of ``--steps`` executor calls is profiled on its own

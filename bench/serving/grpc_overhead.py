@@ -178,8 +178,8 @@ def measure(model: str, device: str, batches: list[int], steps: int) -> dict[str
         torch.cuda.empty_cache()
     rpc = _served(args, target, batches, steps, vocab)
     port = free_port()
-    bare = _served([sys.executable, "-m", "bench.serving.grpc_overhead", "--echo-server", str(port)],
-                   f"127.0.0.1:{port}", batches, steps, vocab)
+    bare = _served([sys.executable, "-m", "bench.serving.grpc_overhead", "--echo-server",
+                    str(port)], f"127.0.0.1:{port}", batches, steps, vocab)
     table = []
     for bs in batches:
         r, d, b = rpc[str(bs)], direct[str(bs)], bare[str(bs)]

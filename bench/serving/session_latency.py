@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every gRPC mode this many times, interleaved; medians")
     ap.add_argument("--stand-in-span-ms", default=None, metavar="BATCH:MS,...",
-                    help="CPU with a simulated device (bench.serving.stand_in), e.g. 1:1.27,64:1.63")
+                    help="CPU with a simulated device (bench.serving.stand_in), "
+                    "e.g. 1:1.27,64:1.63")
     ap.add_argument("--in-process-only", action="store_true",
                     help="only the in-process figures (span, launch and completion host "
                     "time), printed as JSON: for A/B of the executor's host path")

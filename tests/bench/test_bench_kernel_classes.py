@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from bench.common import shapes
-from bench.profile.kernel_classes import Kernel, class_bytes, classify, floor_ms, markdown_case, step_table
+from bench.profile.kernel_classes import (
+    Kernel,
+    class_bytes,
+    classify,
+    floor_ms,
+    markdown_case,
+    step_table,
+)
 
 SPLIT_K = "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT"
 REDUCE = "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>"

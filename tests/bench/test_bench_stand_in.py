@@ -1,4 +1,5 @@
-"""``bench.serving.stand_in``: the simulated device is one in-order queue under the real executor."""
+"""``bench.serving.stand_in``: the simulated device is one in-order queue under the real
+executor."""
 
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def test_a_launch_takes_the_extra_host_time_holding_the_gil() -> None:
 
 
 def test_the_session_bench_in_process_is_bound_by_the_simulated_device() -> None:
-    """``bench.serving.session_latency``'s in-process part on the stand-in: launching two ahead takes the
-    simulated span per step (not less: the device is one queue), and every figure is
-    there for each batch."""
+    """``bench.serving.session_latency``'s in-process part on the stand-in: launching two
+    ahead takes the simulated span per step (not less: the device is one queue), and every
+    figure is there for each batch."""
     from bench.serving.session_latency import executor_config, in_process
 
     spans = "1:20,4:30"  # ms: long against the tiny model's host path

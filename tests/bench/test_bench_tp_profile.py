@@ -18,7 +18,8 @@ def _kernels(first_wait: float) -> list[dict[str, Any]]:
     us), qkv, attention, o + all-reduce, gate_up, down + all-reduce, the LM head."""
     names = [NCCL, "_skinny_gemm_kernel", "_decode_split_kernel", "_skinny_gemm_kernel",
              NCCL, "_skinny_gemm_kernel", "_skinny_gemm_kernel", NCCL, "nvjet_lm_head"]
-    out, t = [], 0.0
+    out: list[dict[str, Any]] = []
+    t = 0.0
     for n in names:
         us = first_wait if not out else 10.0
         out.append({"name": n, "start_us": t, "end_us": t + us})
@@ -28,7 +29,8 @@ def _kernels(first_wait: float) -> list[dict[str, Any]]:
 
 def test_summary_sets_each_rank_beside_rank_0() -> None:
     """Rank 1 launched 300 us after rank 0: rank 0's first all-reduce waited for it."""
-    timed = [{"header": h, "kernels": [], "call_us": 900.0 + h} for h in (1, 2, 3)]
+    timed: list[dict[str, Any]] = [{"header": h, "kernels": [], "call_us": 900.0 + h}
+                                   for h in (1, 2, 3)]
     profiled = [{"header": h, "kernels": _kernels(300.0 + h)} for h in (4, 5, 6)]
     lead = {"cases": {"1": {"timed": timed, "profiled": profiled}},
             "sent": {str(h): 1.0 + h for h in range(1, 7)},
