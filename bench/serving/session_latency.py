@@ -43,6 +43,7 @@ from executor.steps import PendingStep
 
 
 def executor_config(model: str, device: str, batches: list[int], steps: int) -> ExecutorConfig:
+    """The executor of the in-process figures; the server is started with the same sizes."""
     cuda = device.startswith("cuda")
     return ExecutorConfig(
         model=ModelConfig(source=model), device=device,
@@ -65,6 +66,9 @@ def _complete(ex: Executor, step: PendingStep, host_s: list[float]) -> None:
 
 def in_process(config: ExecutorConfig, batches: list[int], steps: int,
                stand_in: str | None = None, launch_us: float = 0.0) -> dict[str, Any]:
+    """Per batch: the synchronous call and replay span, then two steps launched ahead with
+    the host time of each launch and completion (on the stand-in device with ``stand_in``
+    spans, ``bench.serving.stand_in``)."""
     if stand_in is not None:
         ex: Executor = StandInExecutor(config, parse_spans(stand_in), launch_us / 1e6)
     else:
