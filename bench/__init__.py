@@ -1,1 +1,2 @@
-"""Benchmarks (GPU): see bench/README.md."""
+"""Benchmarks, grouped by the question they answer; ``bench/README.md`` lists every entry
+point, how to run it and where its output goes."""

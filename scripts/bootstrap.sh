@@ -2,7 +2,7 @@
 # Create .venv and install the project with its test tools and the demo extra (the GGUF
 # reader that converts named models such as smollm2-135m), idempotently.
 # torch is pinned to the CPU build that installs from local disk on CI machines; GPU
-# machines bring their own torch (see bench/gpu_check.sh).
+# machines bring their own torch (see bench/scripts/gpu_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -109,7 +109,7 @@ def test_every_package_of_the_project_is_copied(instructions: list[Instruction],
 
 def test_dockerignore_keeps_the_context_small(dockerignore: DockerIgnore) -> None:
     for path in (".venv/bin/python", ".git/HEAD", ".cache/x", "tests/conftest.py",
-                 "executor/__pycache__/config.cpython-311.pyc", "bench/decode.py",
+                 "executor/__pycache__/config.cpython-311.pyc", "bench/e2e/run.py",
                  "deploy/k8s/deployment.yaml"):
         assert not dockerignore.included(path), path
     for path in ("pyproject.toml", "executor/config.py", "service/cli.py",

@@ -20,6 +20,6 @@ def smollm2_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M's shape (hidden 576, 9 query and 3 KV heads, 30 layers, tied
     embeddings) with random bf16 weights, written once per run: the real checkpoint cannot
     reach the GPU machines (``bench/results/README.md``)."""
-    from bench.shapes import write_shape
+    from bench.common.shapes import write_shape
 
     return write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))

@@ -18,9 +18,8 @@ import grpc
 import pytest
 import torch
 
-from bench import fused_reduce
-from bench.shapes import write_shape
-from bench.tensor_parallel import allreduce_us, serve, stop
+from bench.common.shapes import write_shape
+from bench.e2e.tensor_parallel import allreduce_us, serve, stop
 from executor.distributed.group import AUTO_PROBE_BYTES, size_plan
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -197,18 +196,3 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -
              "lamport": "triton_lamport"}
     assert auto["algorithm"] == ("+".join(dict.fromkeys(names[a] for a, _ in plan))
                                  or "nccl"), got
-
-
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 4, reason="needs 4 GPUs"))])
-@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3.1-8b"])
-def test_all_reduce_fused_into_the_projections_equals_the_kernel(shape: str, world: int
-                                                                 ) -> None:
-    """``--tp-all-reduce triton`` with fusion on: a layer's o_proj and down push their
-    partial rows, gate_up and the next qkv gather the sums; outputs and residuals equal
-    the unfused path's (skinny GEMM, our all-reduce kernel, skinny add-norm GEMM) bit for
-    bit on every rank, eagerly and from three graph replays of 32 layers with new inputs
-    each time (``bench.fused_reduce``)."""
-    got = fused_reduce.run(shape, world)
-    assert got["fused_into_projections"] is True, got
-    assert got["ok"] is True, got
