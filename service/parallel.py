@@ -154,7 +154,7 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
             log.info("ranks_stopped", exit_codes=codes)
 
 
-class _RankFailures:
+class _GroupWatch:
     """Rank 0's watch over the group: the first failure found (a rank that exited, a silent
     heartbeat, a step whose collective failed) turns the server UNHEALTHY, holds it so for
     ``drain_delay_s`` so probes see it, then sets ``stop``. Made on the event loop."""
@@ -208,10 +208,10 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         return built[-1][0]  # type: ignore[no-any-return]
 
     server = ExecutorServer(executor_config, config, executor_factory=factory)
-    ranks = _RankFailures(server, config, rdv.world_size)
-    watch = ChildWatch(children, ranks.on_failure).start() if children else None
-    beat = Heartbeat(store, 0, rdv.world_size, parallel, ranks.on_failure).start()
-    fatal_watch = asyncio.create_task(ranks.watch_fatal())
+    group = _GroupWatch(server, config, rdv.world_size)
+    watch = ChildWatch(children, group.on_failure).start() if children else None
+    beat = Heartbeat(store, 0, rdv.world_size, parallel, group.on_failure).start()
+    fatal_watch = asyncio.create_task(group.watch_fatal())
     try:
         await server.start()
     except StartupError as exc:
@@ -222,13 +222,13 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         if server.metrics_port is not None else None
     log.info("serving", grpc=f"{host}:{server.port}", metrics=metrics,
              world_size=rdv.world_size, rank=0)
-    if not await run_until_signal(server, ranks.stop):
-        ranks.failed.append(f"start-up failed: {server.boot_error}")
-    if watch is not None and not ranks.failed:
+    if not await run_until_signal(server, group.stop):
+        group.failed.append(f"start-up failed: {server.boot_error}")
+    if watch is not None and not group.failed:
         watch.expect_exit()
     beat.stop()
     fatal_watch.cancel()
-    await _stop(server, parallel, ranks.failed, built, children, watch)
+    await _stop(server, parallel, group.failed, built, children, watch)
     return 0
 
 
