@@ -220,7 +220,7 @@ class SessionStream:
                 # Never cancelled (see ``run``): a launch that reached the executor thread
                 # applies even when the stream ends meanwhile, so its entry must reach the
                 # queue (``_drain``). Awaited here, not in a task of its own: a task and a
-                # shield per step would cost the loop more than the launch's own overhead.
+                # shield per step would add event-loop work to every step.
                 self._in_launch = True
                 try:
                     entry = await self._launch(request)
