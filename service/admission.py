@@ -1,23 +1,17 @@
 """Admission: which calls may run now, by kind, so that no kind can starve another.
 
-gRPC's own ``maximum_concurrent_rpcs`` counts every call against one limit and refuses the
-excess with a bare RESOURCE_EXHAUSTED before any interceptor sees it. Long-lived
-``Health/Watch`` streams (open to anyone: probes need no token) or a burst of queued steps
-could then take every slot and starve the probes, so a pod under load got restarted. Here
-each kind of call has its own budget instead:
+gRPC's own ``maximum_concurrent_rpcs`` counts every call against one limit (refusing the
+excess before any interceptor sees it), so long-lived ``Health/Watch`` streams or a burst
+of queued steps could take every slot and starve the probes. Each kind has its own budget:
 
-| kind    | methods                                              | budget                  |
-|---------|------------------------------------------------------|-------------------------|
-| probe   | ``grpc.health.v1.Health/Check``, ``Executor/Health`` | none: they never wait   |
-| watch   | ``grpc.health.v1.Health/Watch``                      | ``max_watch_streams``   |
+| kind    | methods                                               | budget                  |
+|---------|-------------------------------------------------------|-------------------------|
+| probe   | ``grpc.health.v1.Health/Check``, ``Executor/Health``  | none: they never wait   |
+| watch   | ``grpc.health.v1.Health/Watch``                       | ``max_watch_streams``   |
 | call    | everything else (steps, Release, Capture, reflection) | ``max_concurrent_rpcs`` |
 
-Probes answer from memory (they never touch the executor thread), so admitting all of them
-costs nothing. A call over its budget fails with RESOURCE_EXHAUSTED, ``ErrorInfo`` reason
-``OVERLOADED`` (a watch: ``WATCH_STREAMS_EXHAUSTED``) and a ``RetryInfo``, which tells it
-apart from KV exhaustion (``KV_TOKENS_EXHAUSTED`` / ``SEQUENCE_SLOTS_EXHAUSTED``), and is
-counted in ``model_executor_overload_refusals_total{kind}``. Every listener has its own
-``Admission`` (the plaintext health port cannot take the main port's watch budget).
+Probes answer from memory (never the executor thread), so admitting all of them is free.
+Each listener has its own ``Admission`` (the health port cannot take the main port's).
 """
 
 from __future__ import annotations
@@ -46,7 +40,10 @@ def kind_of(method: str) -> Kind:
 
 
 class Overloaded(Exception):
-    """A call over its kind's budget; nothing ran. Maps to RESOURCE_EXHAUSTED."""
+    """A call over its kind's budget; nothing ran. Maps to RESOURCE_EXHAUSTED with
+    ``ErrorInfo`` reason ``OVERLOADED`` (a watch: ``WATCH_STREAMS_EXHAUSTED``) and a
+    ``RetryInfo``, which tells it apart from KV exhaustion; counted in
+    ``model_executor_overload_refusals_total{kind}``."""
 
     def __init__(self, kind: Kind, limit: int) -> None:
         what = ("Health/Watch streams" if kind == "watch" else "calls")

@@ -8,14 +8,10 @@ Clients send ``authorization: Bearer <token>`` metadata. Two optional tokens:
 | ``Executor/Capture`` (admin)           | open      | service or admin  | admin only     |
 | everything else (steps, reflection...) | open      | service or admin  | service or admin |
 
-With only an admin token, everything is open except Capture. No valid token at all is
-UNAUTHENTICATED; the service token presented for Capture when an admin token exists is
-PERMISSION_DENIED (the caller is known, it lacks the permission), as gRPC's status-code
-guide tells the two apart. Reflection needs a token when one is set: it describes the API to
-anyone who asks, so it follows the API's access (grpcurl sends headers with ``-H``).
-
-Tokens come from files or the environment (read once at start-up, ``cli.py``), are compared
-in constant time and never logged: ``Secret`` hides its value from ``repr``.
+With only an admin token, everything but Capture is open. No valid token: UNAUTHENTICATED;
+the service token on Capture when an admin token exists: PERMISSION_DENIED (known caller,
+missing permission). Tokens come from files or the environment (read once, ``cli.py``), are
+compared in constant time and never logged (``Secret`` hides its value from ``repr``).
 """
 
 from __future__ import annotations

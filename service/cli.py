@@ -179,8 +179,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           "each projection; on (experimental): where our flag kernel (triton) "
                           "takes them, the projections around them do all of it (the "
                           "row-parallel one pushes its partial row to every rank, the next "
-                          "one sums as it reads), measured slower than a separate kernel "
-                          "on two H200s")
+                          "one sums as it reads), slower than a separate kernel")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "

@@ -1,13 +1,13 @@
 """Blocking waits off the event loop: a Session step's completion (``PendingStep.finish``
 waits for the step's device event, then builds its outputs).
 
-``loop.run_in_executor(None, fn)`` did this before, at about twice the host time per call
-(a ``concurrent.futures.Future`` with its condition, chained to an asyncio future by two
-callbacks; dev VM, 48 -> 27 us of CPU a call). Here a call travels to a thread through a
-``SimpleQueue`` and its outcome comes back through ``call_soon_threadsafe`` onto an asyncio
-future, as in ``service.worker``. Like the default thread pool, each call starts at once
-(a thread is added while every thread is busy, up to ``max_threads``; then calls queue),
-so one stream's wait never holds up another's; threads are daemons and are never retired.
+A call travels to a thread through a ``SimpleQueue`` and its outcome comes back through
+``call_soon_threadsafe`` onto an asyncio future, as in ``service.worker``: less host time
+than ``loop.run_in_executor``, which chains a ``concurrent.futures.Future`` and its
+condition to an asyncio future by two callbacks. Like the default thread pool, each call
+starts at once (a thread is added while every thread is busy, up to ``max_threads``; then
+calls queue), so one stream's wait never holds up another's; threads are daemons and are
+never retired. The servicer owns one pool for its Session streams.
 """
 
 from __future__ import annotations

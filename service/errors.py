@@ -21,6 +21,7 @@ from executor.errors import (
     SequenceNotFound,
 )
 from service.admission import Overloaded
+from service.gen.model_executor.v1 import executor_pb2 as pb
 
 DOMAIN = "model_executor.v1"
 SEQUENCE_RESOURCE = "model_executor.v1.Sequence"
@@ -78,6 +79,11 @@ class ResponseExpired(Exception):
             "sequences concerned, or query Health, and continue from there")
         self.request_id = request_id
         self.reason = reason
+
+
+class StepAborted(Exception):
+    """A Session step refused or rolled back because an earlier step of its session
+    failed; nothing of it applied."""
 
 
 def _pack(*details: object) -> list[any_pb2.Any]:
@@ -246,6 +252,21 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
         message=f"internal error ({type(exc).__name__}); request_id={request_id} in the "
         "server log has the traceback",
         details=_pack(info))
+
+
+def step_error(step: int, exc: BaseException) -> pb.SessionResponse:
+    """A Session step's failure as its response (the stream itself stays open):
+    ``StepAborted`` is ABORTED with reason STEP_ABORTED, anything else as ``to_status``."""
+    if isinstance(exc, StepAborted):
+        status = status_pb2.Status(code=code_pb2.ABORTED, message=str(exc))
+        status.details.add().Pack(error_details_pb2.ErrorInfo(
+            reason="STEP_ABORTED", domain=DOMAIN))
+    else:
+        status = to_status(exc, f"session-step-{step}")
+    code = grpc_code(status)
+    return pb.SessionResponse(step=step, error=pb.StepError(
+        code=code.value[0], code_name=code.name, message=status.message,
+        status=status.SerializeToString()))
 
 
 def reason_of(status: status_pb2.Status) -> str:

@@ -1,40 +1,40 @@
 """Idempotent retries: recent Prefill/Decode/Fork responses kept by ``request_id``.
 
 A scheduler whose call timed out cannot tell whether the step ran. It retries with the same
-``request_id``; if the first call succeeded, the retry gets the first call's response and the
-step is not run again, so no token is appended to the KV cache twice (AIP-155). Rules:
+``request_id`` and gets the first call's response; the step never runs twice (AIP-155).
 
-* The key is ``request_id`` alone (empty: the call is not idempotent). A retry must carry
-  the same method and body; another body under a used id is INVALID_ARGUMENT
-  (``RequestIdReused``), so a scheduler that reuses ids finds out at once.
-* Only successes are kept. A failed call applied nothing (calls are atomic), so its retry
-  simply runs.
-* The check and the store happen on the executor thread, in the step's own job, so they are
-  ordered with the steps: a retry queued behind its original sees the original's outcome,
-  and a call whose client gave up (deadline, cancel) while it ran still stores its response.
-* Bounded: ``RetryCacheConfig`` caps entries, bytes, and calls kept per sequence; Release
-  drops a sequence's entries. A dropped id is still remembered (just the id and a hash, up
-  to ``max_forgotten``): its retry is ABORTED (``ResponseExpired``), never run twice.
-
-The cache is shared by the event loop (a fast path answers a retry without queueing) and the
-executor thread; one lock guards it.
+* The key is ``request_id`` alone (empty: not idempotent). Another method or body under a
+  used id is INVALID_ARGUMENT (``RequestIdReused``). Only successes are kept: a failed call
+  applied nothing (calls are atomic), so its retry simply runs.
+* ``RetryGate`` is the one retry-aware run (cache -> in flight -> run -> put) of the unary
+  servicer and the Session. Its checks run on the executor thread, in the step's own job,
+  so they are ordered with the steps, and a call whose client gave up still stores its
+  response. A retry of a Session step still in flight waits for that step's answer.
+* Bounded by ``RetryCacheConfig``; Release drops a sequence's entries. A dropped id is still
+  remembered (its hash): its retry is ABORTED (``ResponseExpired``), never run twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
 from executor.errors import FieldViolation, InvalidRequest
 from service.config import RetryCacheConfig
-from service.convert import CachedResponse, StepResponse
+from service.convert import CachedResponse, StepResponse, fork_response
 from service.errors import ResponseExpired
 from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.worker import ExecutorLike, ExecutorWorker
+
+T = TypeVar("T")
 
 # Why an entry was dropped (the keys are the evictions metric's reason labels).
 _WHY = {"capacity": "evicted: the retry cache was full",
@@ -79,6 +79,10 @@ class _Entry:
 
 
 class ResponseCache:
+    """Responses of calls that succeeded, by ``request_id``. Shared by the event loop (a
+    fast path answers a retry without queueing) and the executor thread; one lock guards
+    it."""
+
     def __init__(self, config: RetryCacheConfig,
                  on_evict: Callable[[str], None] | None = None) -> None:
         self.config = config
@@ -203,3 +207,123 @@ class ResponseCache:
         if self._on_evict is not None:
             for reason in reasons:
                 self._on_evict(reason)
+
+
+class InflightSteps:
+    """Session steps launched with a request_id and not answered yet, by key. A retry that
+    arrives meanwhile (a unary call, another stream) waits for the original's response
+    instead of running the step a second time; ``None`` means the original did not apply.
+    Added on the executor thread at launch, so a retry's own job there sees it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[Key, concurrent.futures.Future[StepResponse | None]] = {}
+
+    def add(self, key: Key) -> None:
+        with self._lock:
+            self._steps[key] = concurrent.futures.Future()
+
+    def get(self, key: Key) -> concurrent.futures.Future[StepResponse | None] | None:
+        with self._lock:
+            return self._steps.get(key)
+
+    def resolve(self, key: Key, response: StepResponse | None) -> None:
+        with self._lock:
+            future = self._steps.pop(key, None)
+        if future is not None:
+            future.set_result(response)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A retry answered with its original's response: nothing ran."""
+
+    response: StepResponse
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """The original is a Session step still in flight: wait for its answer."""
+
+    original: concurrent.futures.Future[StepResponse | None]
+
+
+class RetryGate:
+    """The retry-aware run of a Prefill or Decode, shared by the unary servicer and the
+    Session: cache -> in flight -> run -> put.
+
+    ``run`` runs ``job`` on the executor thread unless the call is a retry: a retry of a
+    call that succeeded gets its cached response, and a retry of a Session step still in
+    flight waits for that step's answer (and runs itself if the original did not apply).
+    The caller stores the response of what ran with ``answer`` (the unary job inside the
+    job; the Session once the step completes) or, for a held step that failed, ``abandon``.
+    """
+
+    def __init__(self, worker: ExecutorWorker, cache: ResponseCache) -> None:
+        self.cache = cache
+        self._worker = worker
+        self._inflight = InflightSteps()
+
+    def cached(self, key: Key | None) -> StepResponse | None:
+        """The original response of a retry, looked up on the event loop (a fast path
+        that queues nothing); None: the call goes through ``run``."""
+        return self.cache.get_step(key) if key is not None else None
+
+    async def run(self, key: Key | None, job: Callable[[ExecutorLike], T], *,
+                  deadline: float | None = None, hold: bool = False,
+                  check: Callable[[], None] | None = None) -> T | Replayed:
+        """``job(ex)`` on the executor thread, or the original's response of a retry.
+
+        ``check`` runs first there and raises to refuse the call (a Session step after a
+        failure). With ``hold`` the key stays in flight from the job until ``answer`` or
+        ``abandon``, so retries wait for it; if the job raises it is abandoned here."""
+        held: list[Key] = []  # the key this call put in flight, if any
+
+        def gated(ex: ExecutorLike) -> T | Replayed | _Waiting:
+            if check is not None:
+                check()
+            if key is not None:  # a retry: answered by its original, never run twice
+                if (cached := self.cache.get_step(key)) is not None:
+                    return Replayed(cached)
+                if (original := self._inflight.get(key)) is not None:
+                    return _Waiting(original)
+                if hold:
+                    self._inflight.add(key)
+                    held.append(key)
+            return job(ex)
+
+        while True:
+            try:
+                outcome = (await self._worker.run(gated, deadline)).value
+            except BaseException:
+                for k in held:  # never launched: a waiting retry must run it itself
+                    self._inflight.resolve(k, None)
+                raise
+            if not isinstance(outcome, _Waiting):
+                return outcome
+            original = await asyncio.wrap_future(outcome.original)
+            if original is not None:  # else the original did not apply: run it here
+                return Replayed(original)
+
+    def answer(self, key: Key | None, seq_ids: Iterable[str], response: StepResponse) -> None:
+        """Keep the response of a step that succeeded; retries waiting for it get it."""
+        if key is not None:
+            self.cache.put(key, seq_ids, response)
+            self._inflight.resolve(key, response)
+
+    def abandon(self, key: Key | None) -> None:
+        """A held step that did not apply: retries waiting for it run themselves."""
+        if key is not None:
+            self._inflight.resolve(key, None)
+
+
+def fork_once(ex: ExecutorLike, cache: ResponseCache, key: Key | None, parent: str,
+              child: str, prefix: int | None) -> tuple[pb.ForkResponse, bool]:
+    """Fork on the executor thread (so ordered with the steps) unless the call's
+    ``request_id`` already applied: ``(response, replayed)``."""
+    if key is not None and (original := cache.get_fork(key)) is not None:
+        return original, True
+    response = fork_response(ex.fork(parent, child, prefix))
+    if key is not None:
+        cache.put(key, [child], response)
+    return response, False

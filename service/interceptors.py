@@ -4,10 +4,8 @@
 ``request_id`` / ``rpc`` / ``peer`` into structlog's contextvars, counts it, and on the way
 out either records OK or turns the exception into a gRPC status with google.rpc details
 (``service/errors.py``), logging bugs with their traceback. It ends with one summary line
-per RPC. Servicers therefore never catch or abort themselves.
-
-````ServiceInterceptor`` is also where admission happens (``service/admission.py``): each
-kind of call (probe, watch stream, other call) counts against its own budget, so that
+per RPC. Servicers therefore never catch or abort themselves. It is also where admission
+happens (``service/admission.py``): each kind of call counts against its own budget, so
 neither long-lived streams nor queued steps can starve the health probes.
 
 ``ParseInterceptor`` (innermost): a unary request that is not valid protobuf for its method

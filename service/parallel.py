@@ -154,53 +154,64 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
             log.info("ranks_stopped", exit_codes=codes)
 
 
+class _GroupWatch:
+    """Rank 0's watch over the group: the first failure found (a rank that exited, a silent
+    heartbeat, a step whose collective failed) turns the server UNHEALTHY, holds it so for
+    ``drain_delay_s`` so probes see it, then sets ``stop``. Made on the event loop."""
+
+    def __init__(self, server: ExecutorServer, config: ServerConfig, world_size: int) -> None:
+        self._server, self._config, self._world_size = server, config, world_size
+        self._loop = asyncio.get_running_loop()
+        self.stop = asyncio.Event()
+        self.failed: list[str] = []
+
+    async def rank_failed(self, rank: int | None, reason: str) -> None:
+        if self.failed:
+            return
+        if self.stop.is_set():  # shutting down (a signal to the whole process group, say)
+            log.info("rank_exited_during_shutdown", failed_rank=rank, reason=reason)
+            return
+        self.failed.append(reason)
+        log.error("rank_failed", failed_rank=rank, reason=reason, world_size=self._world_size)
+        who = f"rank {rank}" if rank is not None else "a rank"
+        text = f"tensor-parallel {who} failed: {reason}"
+        server = self._server
+        if server.worker.failure is None:  # calls not started refuse (UNAVAILABLE)
+            server.worker.failure = RankFailure(text)
+        await server.lifecycle.set(State.UNHEALTHY, text)
+        await asyncio.sleep(self._config.drain_delay_s)  # probes see UNHEALTHY, then we go
+        self.stop.set()
+
+    def on_failure(self, rank: int, reason: str) -> None:  # from the watch threads
+        self._loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self.rank_failed(rank, reason)))
+
+    async def watch_fatal(self) -> None:
+        """A step whose collective failed or timed out (a rank hung inside a step while
+        its heartbeat went on) makes the worker record a fatal error: the same exit."""
+        while not self.stop.is_set():
+            failure = self._server.worker.failure
+            if failure is not None and not self.failed:
+                # The collective's error names the peer's address at best, not its rank.
+                await self.rank_failed(None, f"a step's collective failed: {failure}")
+                return
+            await asyncio.sleep(0.2)
+
+
 async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
                  parallel: ParallelConfig, rdv: Rendezvous, store: Any,
                  children: dict[int, Any]) -> int:
     built: list[tuple[Any, distributed.TensorParallel]] = []
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    failed: list[str] = []
 
     def factory() -> ExecutorLike:
         built.append(_build(executor_config, rdv, parallel, store))
         return built[-1][0]  # type: ignore[no-any-return]
 
     server = ExecutorServer(executor_config, config, executor_factory=factory)
-
-    async def rank_failed(rank: int | None, reason: str) -> None:
-        if failed:
-            return
-        if stop.is_set():  # shutting down (a signal to the whole process group, say)
-            log.info("rank_exited_during_shutdown", failed_rank=rank, reason=reason)
-            return
-        failed.append(reason)
-        log.error("rank_failed", failed_rank=rank, reason=reason, world_size=rdv.world_size)
-        who = f"rank {rank}" if rank is not None else "a rank"
-        text = f"tensor-parallel {who} failed: {reason}"
-        if server.worker.failure is None:  # calls not started refuse (UNAVAILABLE)
-            server.worker.failure = RankFailure(text)
-        await server.lifecycle.set(State.UNHEALTHY, text)
-        await asyncio.sleep(config.drain_delay_s)  # probes see UNHEALTHY, then we go
-        stop.set()
-
-    def on_failure(rank: int, reason: str) -> None:  # from the watch threads
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(rank_failed(rank, reason)))
-
-    async def watch_fatal() -> None:
-        """A step whose collective failed or timed out (a rank hung inside a step while
-        its heartbeat went on) makes the worker record a fatal error: the same exit."""
-        while not stop.is_set():
-            failure = server.worker.failure
-            if failure is not None and not failed:
-                # The collective's error names the peer's address at best, not its rank.
-                await rank_failed(None, f"a step's collective failed: {failure}")
-                return
-            await asyncio.sleep(0.2)
-
-    watch = ChildWatch(children, on_failure).start() if children else None
-    beat = Heartbeat(store, 0, rdv.world_size, parallel, on_failure).start()
-    fatal_watch = asyncio.create_task(watch_fatal())
+    group = _GroupWatch(server, config, rdv.world_size)
+    watch = ChildWatch(children, group.on_failure).start() if children else None
+    beat = Heartbeat(store, 0, rdv.world_size, parallel, group.on_failure).start()
+    fatal_watch = asyncio.create_task(group.watch_fatal())
     try:
         await server.start()
     except StartupError as exc:
@@ -211,12 +222,21 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         if server.metrics_port is not None else None
     log.info("serving", grpc=f"{host}:{server.port}", metrics=metrics,
              world_size=rdv.world_size, rank=0)
-    if not await run_until_signal(server, stop):
-        failed.append(f"start-up failed: {server.boot_error}")
-    if watch is not None and not failed:
+    if not await run_until_signal(server, group.stop):
+        group.failed.append(f"start-up failed: {server.boot_error}")
+    if watch is not None and not group.failed:
         watch.expect_exit()
     beat.stop()
     fatal_watch.cancel()
+    await _stop(server, parallel, group.failed, built, children, watch)
+    return 0
+
+
+async def _stop(server: ExecutorServer, parallel: ParallelConfig, failed: list[str],
+                built: list[tuple[Any, distributed.TensorParallel]],
+                children: dict[int, Any], watch: ChildWatch | None) -> None:
+    """Drain the server, then let the other ranks leave their loop. After a failure or an
+    abandoned step, exit the process at once instead (``os._exit``)."""
     await server.stop(0 if failed else None)
     if not failed and not server.step_abandoned and built and \
             all(p.is_alive() for p in children.values()):
@@ -236,4 +256,3 @@ async def _serve(executor_config: ExecutorConfig, config: ServerConfig,
         os._exit(1 if failed else 0)
     if built:
         distributed.shutdown(built[0][1])
-    return 0

@@ -1,23 +1,17 @@
-"""The gRPC process, assembled: ``ExecutorServer`` wires the servicer, the standard health
-and reflection services, the interceptor, metrics and the executor thread; ``serve`` runs
-one until SIGTERM/SIGINT.
+"""The gRPC process: ``ExecutorServer`` wires the servicer, the health and reflection
+services, the interceptor, metrics and the executor thread; ``serve`` runs one until SIGTERM.
 
-Boot sequence (on the executor thread; gRPC answers from the first moment, steps get
-UNAVAILABLE until READY):
-
-    STARTING   load weights, allocate the KV cache (Executor construction)
-    CAPTURING  capture CUDA graphs for the enabled phases (if asked to at start-up)
-    READY      readiness SERVING
+Boot (on the executor thread; gRPC answers at once, steps get UNAVAILABLE until READY):
+STARTING (load weights, allocate the KV cache) -> CAPTURING (CUDA graphs, if asked) -> READY.
 
 Shutdown (every bound is a flag; docs/reliability.md has the timeline):
 
     t=0                DRAINING: health NOT_SERVING, new steps UNAVAILABLE (nothing applied)
     t=drain            the listener closes (new connections refused)
     t=drain..+grace    calls in flight, queued or running, finish and get their real answer
-    t=drain+grace      calls still queued: UNAVAILABLE, nothing applied; the call whose step
-                       still runs: CANCELLED, reason STEP_OUTCOME_UNKNOWN (it may apply)
-    then               the executor thread and the exporter stop; the process exits at once
-                       (a step still running is not waited for: its KV dies with the process)
+    t=drain+grace      queued calls: UNAVAILABLE, nothing applied; a step still running:
+                       CANCELLED, reason STEP_OUTCOME_UNKNOWN (it may apply)
+    then               the executor thread and exporter stop; exit without waiting for a step
 """
 
 from __future__ import annotations

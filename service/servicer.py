@@ -4,19 +4,16 @@ It checks the server is READY, converts the request (``service/convert.py``), ru
 call on the worker, records step metrics and the KV snapshot, and answers with the step's
 timings. Errors are raised, never caught: the interceptor maps them to status codes.
 
-Prefill and Decode with a ``request_id`` are idempotent (``service/idempotency.py``): the
-job that runs a step first looks for the original response of a retry, and stores its own
-response before it returns, so both stay ordered with the steps and survive a caller that
-gave up while the step ran. The job records the step's metrics for the same reason.
+Prefill and Decode with a ``request_id`` are idempotent: they run through the
+``RetryGate`` (``service/idempotency.py``), and the job stores its own response and records
+the step's metrics before it returns, so both survive a caller that gave up while it ran.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import grpc
@@ -36,8 +33,8 @@ from service.errors import Unavailable
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import Lifecycle, State
-from service.idempotency import Key, ResponseCache
-from service.session import InflightSteps, SessionStream, fork_once
+from service.idempotency import Key, Replayed, ResponseCache, RetryGate, fork_once
+from service.session import SessionShared, SessionStream
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -71,8 +68,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._limits = limits
         self._cache = cache
         self._version = version
-        self._session_depth = session_depth
-        self._inflight = InflightSteps()  # session steps with a request_id, not answered
+        self._gate = RetryGate(worker, cache)
+        # The Session streams' shared parts (completion threads, drains of gone streams).
+        self.sessions = SessionShared(worker, self._gate, recorder, limits, session_depth,
+                                      self._require_ready, self._update_kv)
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
@@ -130,42 +129,30 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                     message: convert.StepResponseType,
                     context: grpc.aio.ServicerContext, packed: bool = False) -> Any:
         # A retry whose original finished is answered at once, in any state: it runs nothing.
-        cached = self._cache.get_step(key) if key is not None else None
+        cached = self._gate.cached(key)
         if cached is not None:
             return self._replayed(method, cached)
         self._require_ready()
         items = items_of()
         submitted = time.perf_counter()
 
-        def run(ex: ExecutorLike) -> tuple[convert.StepResponse, bool] | Future[Any]:
-            if key is not None and (original := self._cache.get_step(key)) is not None:
-                return original, True  # the original ran while this retry waited
-            if key is not None and (launched := self._inflight.get(key)) is not None:
-                return launched  # a Session launched the original: wait for its answer
+        def run(ex: ExecutorLike) -> convert.StepResponse:
             started = time.perf_counter()
             result = call(ex, items)
             kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
             execute_s = time.perf_counter() - started
             response = convert.step_response(result, (started - submitted) * 1e3,
                                              execute_s * 1e3, message, packed)
-            if key is not None:
-                self._cache.put(key, [it.seq_id for it in items], response)
+            self._gate.answer(key, [it.seq_id for it in items], response)
             self._recorder.step(result.step, len(items), execute_s)
             self._recorder.replays(replays)
             self._recorder.retry_cache(*self._cache.size())
             self._update_kv(kv)
-            return response, False
+            return response
 
-        while True:
-            outcome = (await self._worker.run(run, _deadline(context))).value
-            if not isinstance(outcome, Future):
-                break
-            original = await asyncio.wrap_future(outcome)
-            if original is not None:  # else the original did not apply: run it here
-                return self._replayed(method, original)
-        response, replayed = outcome
-        if replayed:
-            return self._replayed(method, response)
+        response = await self._gate.run(key, run, deadline=_deadline(context))
+        if isinstance(response, Replayed):  # the original ran, or was a Session step
+            return self._replayed(method, response.response)
         structlog.contextvars.bind_contextvars(path=convert.PATH_NAMES[response.step.path])
         if response.step.fallback_reason:
             structlog.contextvars.bind_contextvars(
@@ -181,10 +168,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pb.SessionResponse]:
         """Pipelined steps over one stream (``service/session.py``)."""
-        stream = SessionStream(self._worker, self._cache, self._recorder, self._limits,
-                               self._session_depth, self._require_ready, self._update_kv,
-                               self._inflight)
-        async for response in stream.run(request_iterator, context):
+        async for response in SessionStream(self.sessions).run(request_iterator, context):
             yield response
 
     async def Release(self, request: pb.ReleaseRequest,

@@ -1,32 +1,24 @@
 """The ``Session`` stream: steps launched as they arrive, answered in step order.
 
-Three parties share one stream's state:
+* The reader (a task) reads requests, keeps step numbers increasing, refuses steps after a
+  failure until it is acknowledged (ABORTED), and launches each step on the executor thread
+  (validate, allocate, run, sample, start the tokens' copy to the host), at most ``depth``
+  unanswered at once.
+* The writer (the handler's generator) takes launched steps in order, waits for each off the
+  executor thread, answers it and stores it for retries; a device failure found there rolls
+  back, on the executor thread, every step launched after it and then the step itself.
+* On the executor thread launches and roll-backs run in arrival order; the launched steps
+  (``_launched``) live there, so a roll-back sees every launch queued before it.
 
-* the reader (a task) reads requests, keeps step numbers increasing, refuses steps after
-  a failure until it is acknowledged (ABORTED), and *launches* each step on the executor
-  thread (``Executor.launch_*``: validate, allocate, run, sample on the device, start the
-  tokens' copy to the host), at most ``depth`` unanswered at once;
-* the writer (the handler's generator) takes launched steps in order, waits for each
-  one's device work off the executor thread, builds its response, stores it for retries,
-  records metrics and sends it; a device failure found there rolls back, on the executor
-  thread, every step launched after it and then the step itself, newest first;
-* the executor thread, where launches and roll-backs run in arrival order and where the
-  list of launched steps lives (``_launched``), so a roll-back sees every launch queued
-  before it.
-
-A stream that ends early (cancelled, timed out, broken) stops the reader; the steps already
-launched still complete, in a task of their own, and their responses go to the retry cache
-(steps with a request_id), not to the gone client. A launch the reader is in the middle of
-then is not cancelled: the reader finishes it, queues its entry and stops (``_drain``).
+A stream that ends early stops the reader; steps already launched still complete in a task
+of their own (``_drain``) and their responses go to the retry cache, not the gone client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -34,55 +26,38 @@ from typing import Any
 
 import grpc
 import structlog
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from executor import PendingStep
 from executor.api import KVStats, StepResult
 from executor.errors import FieldViolation, InvalidRequest
-from service import convert, errors
+from service import convert
 from service.completion import CompletionThreads
 from service.config import RequestLimits
+from service.errors import StepAborted, step_error
 from service.gen.model_executor.v1 import executor_pb2 as pb
-from service.idempotency import Key, ResponseCache
+from service.idempotency import Key, Replayed, RetryGate, fork_once
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
 log = structlog.get_logger("model_executor.session")
 
 
-class InflightSteps:
-    """Session steps launched with a request_id and not answered yet, by key. A retry that
-    arrives meanwhile (a unary call, another stream) waits for the original's response
-    instead of running the step a second time; ``None`` means the original did not apply.
-    Added on the executor thread at launch, so a retry's own job there sees it."""
+@dataclass(frozen=True)
+class SessionShared:
+    """What every Session stream of one servicer shares; the servicer owns it."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._steps: dict[Key, concurrent.futures.Future[convert.StepResponse | None]] = {}
-
-    def add(self, key: Key) -> None:
-        with self._lock:
-            self._steps[key] = concurrent.futures.Future()
-
-    def get(self, key: Key) -> concurrent.futures.Future[convert.StepResponse | None] | None:
-        with self._lock:
-            return self._steps.get(key)
-
-    def resolve(self, key: Key, response: convert.StepResponse | None) -> None:
-        with self._lock:
-            future = self._steps.pop(key, None)
-        if future is not None:
-            future.set_result(response)
-
-
-# Drains of streams that ended early, kept referenced until they finish.
-_DRAINING: set[asyncio.Future[None]] = set()
-# Where launched steps are waited for and built, off the loop (threads start on first use).
-_COMPLETIONS = CompletionThreads(name="session_complete")
-
-
-class StepAborted(Exception):
-    """A step refused or rolled back because an earlier step of its session failed."""
+    worker: ExecutorWorker
+    gate: RetryGate
+    recorder: StatsRecorder
+    limits: RequestLimits
+    depth: int  # launched steps not yet answered, per stream
+    require_ready: Callable[[], None]
+    update_kv: Callable[[KVStats], None]
+    # Where launched steps are waited for and built, off the loop (threads start on use).
+    completions: CompletionThreads = field(
+        default_factory=lambda: CompletionThreads(name="session_complete"))
+    # Drains of streams that ended early, kept referenced until they finish.
+    draining: set[asyncio.Future[None]] = field(default_factory=set)
 
 
 @dataclass
@@ -106,27 +81,16 @@ class _Entry:
     applied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def fork_once(ex: ExecutorLike, cache: ResponseCache, key: Key | None, parent: str,
-              child: str, prefix: int | None) -> tuple[pb.ForkResponse, bool]:
-    """Fork on the executor thread (so ordered with the steps) unless the call's
-    ``request_id`` already applied: ``(response, replayed)``."""
-    if key is not None and (original := cache.get_fork(key)) is not None:
-        return original, True
-    response = convert.fork_response(ex.fork(parent, child, prefix))
-    if key is not None:
-        cache.put(key, [child], response)
-    return response, False
-
-
 class SessionStream:
-    def __init__(self, worker: ExecutorWorker, cache: ResponseCache, recorder: StatsRecorder,
-                 limits: RequestLimits, depth: int,
-                 require_ready: Callable[[], None],
-                 update_kv: Callable[[KVStats], None], inflight: InflightSteps) -> None:
-        self._worker, self._cache, self._recorder = worker, cache, recorder
-        self._inflight = inflight
-        self._limits, self._require_ready, self._update_kv = limits, require_ready, update_kv
-        self._slots = asyncio.Semaphore(depth)
+    """One ``Session`` call: its reader, writer and the steps between them."""
+
+    def __init__(self, shared: SessionShared) -> None:
+        self._shared = shared
+        self._worker, self._gate, self._recorder = shared.worker, shared.gate, shared.recorder
+        self._cache = shared.gate.cache
+        self._limits, self._require_ready = shared.limits, shared.require_ready
+        self._update_kv = shared.update_kv
+        self._slots = asyncio.Semaphore(shared.depth)
         self._queue: asyncio.Queue[_Entry | BaseException | None] = asyncio.Queue()
         self._failed: int | None = None  # the failed step not yet acknowledged
         self._launched: list[tuple[int, PendingStep]] = []  # executor thread only
@@ -167,8 +131,8 @@ class SessionStream:
                 else:
                     reader.cancel()
                 task = asyncio.ensure_future(self._drain(reader))
-                _DRAINING.add(task)
-                task.add_done_callback(_DRAINING.discard)
+                self._shared.draining.add(task)
+                task.add_done_callback(self._shared.draining.discard)
 
     async def _answer(self, entry: _Entry) -> pb.SessionResponse:
         if entry.ordered is not None:
@@ -177,7 +141,7 @@ class SessionStream:
             except BaseException as exc:
                 self._failed = entry.step
                 self._recorder.error(exc)
-                entry.response = _error(entry.step, exc)
+                entry.response = step_error(entry.step, exc)
             finally:
                 entry.applied.set()
         if entry.response is not None:
@@ -186,19 +150,15 @@ class SessionStream:
         try:
             result = await self._complete(entry.pending)
         except StepAborted as exc:
-            self._resolve(entry, None)
-            return _error(entry.step, exc)
+            self._gate.abandon(entry.key)
+            return step_error(entry.step, exc)
         except BaseException as exc:  # a device failure: roll back this step and later ones
             self._failed = entry.step
             await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
             self._recorder.error(exc)
-            self._resolve(entry, None)
-            return _error(entry.step, exc)
+            self._gate.abandon(entry.key)
+            return step_error(entry.step, exc)
         return self._respond(entry, result)
-
-    def _resolve(self, entry: _Entry, response: convert.StepResponse | None) -> None:
-        if entry.key is not None:
-            self._inflight.resolve(entry.key, response)
 
     async def _complete(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step off the executor thread (its event) and build it."""
@@ -207,7 +167,7 @@ class SessionStream:
                               "completed; nothing of this step applied")
         if pending.done is None:  # CPU: the work ran at launch
             return pending.finish()
-        return await _COMPLETIONS.run(pending.finish)
+        return await self._shared.completions.run(pending.finish)
 
     def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
         """The step's answer, kept for retries; its metrics are recorded by ``_record``
@@ -218,9 +178,7 @@ class SessionStream:
         response: convert.StepResponse = answer.prefill if entry.op == "prefill" \
             else answer.decode
         convert.fill_step_response(response, result, 0.0, execute_s * 1e3, entry.packed)
-        if entry.key is not None:
-            self._cache.put(entry.key, entry.seq_ids, response)
-        self._resolve(entry, response)
+        self._gate.answer(entry.key, entry.seq_ids, response)
         self._unrecorded.append((entry, result, execute_s))
         return answer
 
@@ -262,7 +220,7 @@ class SessionStream:
                 # Never cancelled (see ``run``): a launch that reached the executor thread
                 # applies even when the stream ends meanwhile, so its entry must reach the
                 # queue (``_drain``). Awaited here, not in a task of its own: a task and a
-                # shield per step cost the loop about 10 us (dev VM).
+                # shield per step would add event-loop work to every step.
                 self._in_launch = True
                 try:
                     entry = await self._launch(request)
@@ -290,7 +248,7 @@ class SessionStream:
         self._last_step = step
         if self._failed is not None:
             if request.ack_failed_step != self._failed:
-                return _Entry(step, op, response=_error(step, StepAborted(
+                return _Entry(step, op, response=step_error(step, StepAborted(
                     f"step {self._failed} failed; steps after it are refused until a "
                     f"request sets ack_failed_step={self._failed}; nothing applied")))
             self._failed = None
@@ -301,11 +259,11 @@ class SessionStream:
             return await self._launch_step(step, op, request)
         except StepAborted as exc:  # an earlier step's failure, found at this launch: that
             # step stays the one to acknowledge (nothing of this one applied)
-            return _Entry(step, op, response=_error(step, exc))
+            return _Entry(step, op, response=step_error(step, exc))
         except BaseException as exc:
             self._failed = step
             self._recorder.error(exc)
-            return _Entry(step, op, response=_error(step, exc))
+            return _Entry(step, op, response=step_error(step, exc))
 
     async def _ordered(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
         """A release, truncate or fork runs when the writer reaches it, so after every
@@ -355,17 +313,11 @@ class SessionStream:
                        items=len(items), packed=isinstance(body, pb.DecodeRequest)
                        and body.packed_outputs)
 
-        def launch(ex: ExecutorLike) -> _Entry | concurrent.futures.Future[Any]:
+        def refuse_after_failure() -> None:
             if self._failed is not None:  # a device failure was found meanwhile
                 raise StepAborted(f"step {self._failed} failed; nothing of this step applied")
-            if key is not None:  # a retry: answered by its original, never run twice
-                if (cached := self._cache.get_step(key)) is not None:
-                    entry.response = _stepped(step, op, cached)
-                    return entry
-                if (original := self._inflight.get(key)) is not None:
-                    return original
-                self._inflight.add(key)
-                added.append(key)
+
+        def launch(ex: ExecutorLike) -> _Entry:
             entry.launched_at = time.perf_counter()
             if op == "prefill":
                 entry.pending = ex.launch_prefill(items)
@@ -377,28 +329,17 @@ class SessionStream:
             entry.kv, entry.replays = ex.kv_stats(), ex.drain_replay_seconds()
             return entry
 
-        added: list[Key] = []  # the key this step registered as in flight, if any
-        while True:
-            try:
-                outcome = (await self._worker.run(launch)).value
-            except BaseException:
-                for k in added:  # never launched: a waiting retry must run it itself
-                    self._inflight.resolve(k, None)
-                raise
-            if isinstance(outcome, _Entry):
-                if outcome.response is not None:
-                    self._recorder.retry_replayed(method)
-                return outcome
-            original = await asyncio.wrap_future(outcome)  # launched by another stream
-            if original is not None:
-                self._recorder.retry_replayed(method)
-                return _Entry(step, op, response=_stepped(step, op, original))
+        outcome = await self._gate.run(key, launch, hold=True, check=refuse_after_failure)
+        if isinstance(outcome, Replayed):
+            self._recorder.retry_replayed(method)
+            return _Entry(step, op, response=_stepped(step, outcome.response))
+        return outcome
 
     def _decode_items(self, body: pb.DecodeRequest) -> list[Any]:
         """``convert.decode_items``, except that a request equal to the last one converted
         reuses its items: a pipelined decode loop sends the same request step after step
-        (items continuing from their last samples), and comparing it whole runs in C (3 us
-        at batch 64 on the dev VM, converting it about 50)."""
+        (items continuing from their last samples), and comparing it whole (in C) costs a
+        small fraction of converting it."""
         last = self._last_decode
         if last is not None and body == last[0]:
             return last[1]
@@ -414,20 +355,7 @@ class SessionStream:
         self._update_kv(ex.kv_stats())
 
 
-def _stepped(step: int, op: str, response: convert.StepResponse) -> pb.SessionResponse:
+def _stepped(step: int, response: convert.StepResponse) -> pb.SessionResponse:
     if isinstance(response, pb.PrefillResponse):
         return pb.SessionResponse(step=step, prefill=response)
     return pb.SessionResponse(step=step, decode=response)
-
-
-def _error(step: int, exc: BaseException) -> pb.SessionResponse:
-    if isinstance(exc, StepAborted):
-        status = status_pb2.Status(code=code_pb2.ABORTED, message=str(exc))
-        status.details.add().Pack(error_details_pb2.ErrorInfo(
-            reason="STEP_ABORTED", domain=errors.DOMAIN))
-    else:
-        status = errors.to_status(exc, f"session-step-{step}")
-    code = errors.grpc_code(status)
-    return pb.SessionResponse(step=step, error=pb.StepError(
-        code=code.value[0], code_name=code.name, message=status.message,
-        status=status.SerializeToString()))

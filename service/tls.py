@@ -9,10 +9,8 @@ Modes, from the flags (``model-executor serve``):
 | ... ``--tls-client-ca --require-client-auth``   | mTLS: every client needs one         |
 
 ``--tls-client-ca`` alone is refused: gRPC Python can only *request* an optional client
-certificate without verifying it (``GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_BUT_DONT_VERIFY``),
-so a certificate from any CA would have been accepted while the flag promised a check.
-
-Files are read once, at start-up, so a bad path is a start-up error, not a failed call.
+certificate without verifying it, so a certificate from any CA would be accepted while the
+flag promised a check. Files are read once, at start-up, so a bad path is a start-up error.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """The one thread that touches the executor.
 
 The executor is not thread-safe and owns the device stream, so every call into it,
-construction included, runs on a single dedicated thread. The event loop only awaits the
-results, which keeps Health, the health service and metrics answering while a step runs.
+construction included, runs on a single dedicated thread; the event loop only awaits the
+results, so Health, the health service and metrics answer while a step runs.
 
 Calls run in arrival order. A call is dropped without touching the executor if its deadline
-passed while it waited, if its caller cancelled it while it waited, or if an earlier call hit
-a fatal device error (the device cannot be trusted any more: UNAVAILABLE, nothing applied).
-A call that has started always runs to its end (a step cannot be interrupted); if its caller
-has gone, its result is dropped here, so work that must survive that (keeping a response for
-a retry, metrics) belongs inside the call itself.
-
-At shutdown, once the grace period is over, ``close_queue`` makes every call that has not
-started refuse (UNAVAILABLE, nothing applied) and ``abandon`` answers the callers still
+passed or its caller cancelled while it waited, or if an earlier call hit a fatal device
+error (UNAVAILABLE, nothing applied). A started call always runs to its end; if its caller
+has gone its result is dropped, so work that must survive that (keeping a response for a
+retry, metrics) belongs inside the call itself. At shutdown, after the grace period,
+``close_queue`` refuses every call not started and ``abandon`` answers the callers still
 waiting: UNAVAILABLE for a call that never started, ``OutcomeUnknown`` for the one whose
-step is still running (it may apply after the answer; the caller is never told "not
-applied" for it).
+step is still running (it may apply after the answer; never told "not applied").
 """
 
 from __future__ import annotations

@@ -375,14 +375,12 @@ class _LaterEvent:
 def test_steps_with_a_device_event_complete_on_the_completion_threads(
         server: ServerHarness) -> None:
     """The CUDA path of a Session step (its completion waits for a device event), on CPU:
-    pipelined steps give the tokens of unary calls through ``session._COMPLETIONS``; a
-    completion that raises there answers INTERNAL and aborts the steps after it, nothing
-    of them applied, and the accounting stays exact. Step 4's launch may find step 3's
+    pipelined steps give the tokens of unary calls through the servicer's completion
+    threads; a completion that raises there answers INTERNAL and aborts the steps after
+    it, nothing of them applied, and the accounting stays exact. Step 4's launch may find step 3's
     failure on the executor thread: step 3 must stay the step to acknowledge (before the
     fix in ``SessionStream._launch`` it became step 4, so step 5's ack of 3 was refused:
     2 runs in 5 failed)."""
-    from service import session
-
     ex: Any = harness_executor(server)
     real = ex.launch_decode, ex.launch_prefill
     fail_at: list[int] = []
@@ -403,7 +401,8 @@ def test_steps_with_a_device_event_complete_on_the_completion_threads(
 
     ex.launch_decode, ex.launch_prefill = evented(real[0]), evented(real[1])
     before = server.kv()
-    threads = session._COMPLETIONS.threads
+    completions = server.server.servicer.sessions.completions
+    threads = completions.threads
     try:
         ref = [server.stub.Prefill(prefill("ra", prompt(21, 7)), timeout=30)]
         token = ref[0].outputs[0].token_id
@@ -418,7 +417,7 @@ def test_steps_with_a_device_event_complete_on_the_completion_threads(
         responses = list(server.stub.Session(iter(requests), timeout=60))
         assert [tokens_of(getattr(r, r.WhichOneof("result"))) for r in responses] == \
             [tokens_of(r) for r in ref]
-        assert session._COMPLETIONS.threads > threads or session._COMPLETIONS.threads > 0
+        assert completions.threads > threads or completions.threads > 0
         server.stub.Release(pb.ReleaseRequest(seq_ids=["pa"]), timeout=30)
 
         calls["n"], fail_at[:] = 0, [3]  # the third launch: step 3 below
