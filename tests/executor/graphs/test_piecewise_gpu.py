@@ -42,7 +42,7 @@ pytestmark = pytest.mark.gpu
 
 BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512)
 COMPILERS = ("eager", "inductor")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make(path: Path, prefill: str = "disabled", compiler: str = "eager") -> Executor:

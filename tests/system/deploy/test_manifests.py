@@ -33,7 +33,7 @@ DRAIN_MARGIN_S = 5  # time to exit after the grace period: stop the exporter, th
 
 def _data_files() -> list[Path]:
     files = [p for p in DEPLOY.rglob("*") if p.suffix in {".yml", ".yaml", ".json"}]
-    files += sorted((REPO / "tests" / "deploy").glob("*.yml"))
+    files += sorted(Path(__file__).resolve().parent.glob("*.yml"))  # alerts_test.yml
     return sorted(files)
 
 
