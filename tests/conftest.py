@@ -1,3 +1,6 @@
+"""Fixtures of the whole suite: an isolated model cache, the tiny HF checkpoints of each
+architecture, the GPU tests' models; tests marked ``gpu`` skip without CUDA."""
+
 from __future__ import annotations
 
 import os
@@ -7,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import write_model
+from tests.helpers.models import ARCHS, write_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,6 +31,24 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {kind: write_model(root, kind, seed=i) for i, kind in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GPU tests' small Llama (``gpu_model``), written once per test module."""
+    from tests.helpers.gpu import gpu_model
+
+    return gpu_model(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's shape (hidden 576, 9 query and 3 KV heads, 30 layers, tied
+    embeddings) with random bf16 weights, written once per run: GPU runs need no network
+    access to the real checkpoint."""
+    from bench.common.shapes import write_shape
+
+    return write_shape("smollm2-135m", tmp_path_factory.mktemp("smollm2"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

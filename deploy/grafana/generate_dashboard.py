@@ -2,7 +2,7 @@
 
 The dashboard is data: the table ``ROWS`` below lists every panel with its queries;
 this script lays them out on Grafana's 24-column grid and writes the JSON. Edit the table,
-then regenerate; tests/deploy fails when the committed JSON is stale, when a query names a
+then regenerate; tests/system/deploy fails when the committed JSON is stale, when a query names a
 metric the live service does not export, or when promtool rejects a query.
 
     .venv/bin/python deploy/grafana/generate_dashboard.py           # rewrite the JSON

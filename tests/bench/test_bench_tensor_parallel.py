@@ -174,7 +174,7 @@ def test_the_pipelined_session_is_timed_with_every_step_answered_by_the_other_ra
     from bench.common.server import Client
     from bench.e2e.tensor_parallel import SESSION_STEPS, _decode_histograms, pipelined
     from service.gen.model_executor.v1 import executor_pb2 as pb
-    from tests.distributed.serving import ServeProcess
+    from tests.helpers.serving import ServeProcess
 
     server = ServeProcess(["--model", "tiny", "--kv-tokens", "512", "--max-context", "128",
                            "--max-sequences", "4", "--drain-delay", "0",

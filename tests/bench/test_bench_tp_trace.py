@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.profile.tp_trace.__main__ import COLUMNS, group, read, report, rows
 from service.gen.model_executor.v1 import executor_pb2 as pb
-from tests.distributed.serving import ROOT, ServeProcess
+from tests.helpers.serving import ROOT, ServeProcess
 
 
 def _write(path: Path, lines: list[str]) -> None:

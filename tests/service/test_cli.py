@@ -12,15 +12,8 @@ from executor.config import ModelConfig
 from service.cli import build_configs, build_parser, main
 from service.config import ServerConfig
 from service.server import serve
+from tests.service.cli_process import client_error
 from tests.service.harness import ServerHarness, tiny_config
-
-
-def client_error(text: str) -> dict:  # type: ignore[type-arg]
-    """The client's JSON error report, among the in-process server's log lines."""
-    lines = text.splitlines()
-    start = max(i for i, line in enumerate(lines) if line == "{")
-    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
-    return json.loads("\n".join(lines[start:end + 1]))  # type: ignore[no-any-return]
 
 
 def configs(*flags: str) -> tuple:  # type: ignore[type-arg]

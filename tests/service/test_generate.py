@@ -12,8 +12,8 @@ import pytest
 
 from service.cli import main
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from tests.service.cli_process import client_error
 from tests.service.harness import ServerHarness
-from tests.service.test_cli import client_error
 
 
 def test_each_run_has_its_own_sequence(server: ServerHarness,

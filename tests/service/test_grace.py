@@ -16,8 +16,8 @@ import grpc
 from service.config import ServerConfig
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
-from tests.reliability.support import Gate, details, pending, wait_until
 from tests.service.harness import ServerHarness
+from tests.system.reliability.support import Gate, details, pending, wait_until
 
 
 def _prefill(harness: ServerHarness, seq_id: str) -> pb.PrefillResponse:
@@ -92,7 +92,7 @@ def test_the_process_exits_at_the_end_of_the_grace_period() -> None:
     step). Now it answers every caller at the end of the grace period and exits at once."""
     import signal
 
-    from tests.service.test_shutdown import PROMPT_TOKENS, Process
+    from tests.service.cli_process import PROMPT_TOKENS, Process
 
     served = Process("--grace-period", "0.3", "--drain-delay", "0")
     try:

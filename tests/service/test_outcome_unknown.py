@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from service.gen.model_executor.v1 import executor_pb2 as pb
-from tests.reliability.support import Gate
 from tests.service.harness import ServerHarness
+from tests.system.reliability.support import Gate
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "model_executor" / "v1" / \
     "executor.proto"

@@ -202,7 +202,7 @@ def test_every_position_logprobs_match_transformers(model_dir: Path, hf_model: t
     """Issue 23's prompt log-likelihoods on the real weights: every position's greedy token,
     logprob, top logprobs and next-token logprob equal transformers' (float32, CPU)."""
     from executor.api import PrefillItem
-    from tests.test_every_position import SCORED, assert_positions_match, make_executor
+    from tests.helpers.every_position import SCORED, assert_positions_match, make_executor
 
     ids = chat_ids(tokenizer, "Name three primary colours.")
     ex = make_executor(model_dir)

@@ -65,7 +65,7 @@ def test_cli_on_a_busy_port_exits_with_one_line(server: ServerHarness) -> None:
 def test_tls_key_not_matching_its_certificate(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("cryptography", reason="makes the test certificates")
-    from tests.reliability.certs import Authority  # needs cryptography (the test extra)
+    from tests.system.reliability.certs import Authority  # needs cryptography (the test extra)
 
     a, b = Authority.make(tmp_path / "a", "a"), Authority.make(tmp_path / "b", "b")
     with pytest.raises(ValueError, match="does not match the certificate"):
