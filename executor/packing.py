@@ -4,14 +4,14 @@ Every step's integer metadata crosses to the device as one transfer. This module
 only place that knows where each field sits in it; everyone else asks for fields by name.
 
     per token     (s entries each): input_ids | positions | table_index | out_cache_loc
-    per sequence (sb entries each): req_pool_indices | seq_lens | prefix_lens |
+    per sequence (sb entries each): slots | seq_lens | prefix_lens |
                                     extend_lens | extend_start
     then                          : logits_indices (one per sequence that samples)
 
 A plain batch has ``s = T`` tokens and ``sb = B`` sequences. A batch packed for a graph
 bucket (``GraphLayout``) pads the token fields to the bucket, and a decode batch (one token
 per sequence) pads its sequence fields to the bucket too, so that ``out_cache_loc |
-req_pool_indices | seq_lens`` (``DECODE_ROW_FIELDS``, adjacent by construction) read as
+slots | seq_lens`` (``DECODE_ROW_FIELDS``, adjacent by construction) read as
 one ``(3, bucket)`` block: the rows a captured decode graph's attention reads.
 
 Padding is inert: a padded token is token 0 at position 0 writing the reserved KV location
@@ -33,12 +33,12 @@ from executor.api import Phase
 from executor.kv.allocator import RESERVED_LOCATION
 
 TOKEN_FIELDS = ("input_ids", "positions", "table_index", "out_cache_loc")
-SEQUENCE_FIELDS = ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens",
+SEQUENCE_FIELDS = ("slots", "seq_lens", "prefix_lens", "extend_lens",
                    "extend_start")
 FIELDS = (*TOKEN_FIELDS, *SEQUENCE_FIELDS, "logits_indices")
 
 #: The rows of decode attention metadata, in the order the packed batch lays them out.
-DECODE_ROW_FIELDS = ("out_cache_loc", "req_pool_indices", "seq_lens")
+DECODE_ROW_FIELDS = ("out_cache_loc", "slots", "seq_lens")
 _first = FIELDS.index(DECODE_ROW_FIELDS[0])
 assert FIELDS[_first : _first + 3] == DECODE_ROW_FIELDS, "decode rows must be adjacent"
 
@@ -50,12 +50,12 @@ USE_LAST_SAMPLED = -1
 #: What padding holds, per field. ``table_index`` pads with the layout's scratch cell.
 PAD: Mapping[str, int] = {
     "input_ids": 0, "positions": 0, "out_cache_loc": RESERVED_LOCATION,
-    "req_pool_indices": 0, "seq_lens": 1, "prefix_lens": 0, "extend_lens": 1,
+    "slots": 0, "seq_lens": 1, "prefix_lens": 0, "extend_lens": 1,
     "extend_start": 0,
 }
 #: A padded decode row (``DECODE_ROW_FIELDS`` order): attention backends whose static
 #: decode rows are refreshed from a packed batch pad their own rows with it.
-DECODE_PAD_ROW: tuple[int, int, int] = (PAD["out_cache_loc"], PAD["req_pool_indices"],
+DECODE_PAD_ROW: tuple[int, int, int] = (PAD["out_cache_loc"], PAD["slots"],
                                         PAD["seq_lens"])
 
 

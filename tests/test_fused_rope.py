@@ -112,7 +112,7 @@ def test_the_flag_needs_a_backend_that_fuses() -> None:
 def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (``auto``) fuses where the backend can rotate and the model has plain
     RoPE, says so in ModelInfo, and leaves RoPE to the model elsewhere or when ``off``."""
-    import executor.executor as executor_module
+    import executor.boot as executor_module
 
     plain = Executor(CONFIG)  # torch_native cannot rotate: the model does
     assert CONFIG.fuse_decode_rope == "auto"

@@ -236,7 +236,7 @@ class FlashInferBackend(AttentionBackend):
         lens_host = batch.seq_lens_host
         total = sum(lens_host)
         lens = batch.seq_lens
-        rows = torch.repeat_interleave(batch.req_pool_indices, lens, output_size=total)
+        rows = torch.repeat_interleave(batch.slots, lens, output_size=total)
         starts = torch.cumsum(lens, 0) - lens
         cols = (torch.arange(total, device=lens.device)
                 - torch.repeat_interleave(starts, lens, output_size=total))

@@ -80,7 +80,7 @@ class TritonDecodeMetadata(AttentionMetadata):
     """One new token per sequence. Under a graph, every tensor is a view of the static
     ``DecodeGraphBuffers``; eagerly they are the batch's own tensors."""
 
-    req_pool_indices: torch.Tensor  # (B,) int64
+    slots: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int64, including the new token
     out_cache_loc: torch.Tensor  # (B,) int64
     # Split-KV scratch; None when each sequence runs as one split (no reduction).
@@ -96,7 +96,7 @@ class TritonDecodeMetadata(AttentionMetadata):
 class TritonExtendMetadata(AttentionMetadata):
     """Packed variable-length extend; eager only (the grid uses ``max_extend_len``)."""
 
-    req_pool_indices: torch.Tensor  # (B,) int64
+    slots: torch.Tensor  # (B,) int64
     prefix_lens: torch.Tensor  # (B,) int64
     extend_lens: torch.Tensor  # (B,) int64
     extend_start: torch.Tensor  # (B,) int64
@@ -221,10 +221,10 @@ class TritonBackend(AttentionBackend):
             check_decode_batch(self.name, batch)
             partial_out, partial_lse = self._alloc_scratch(
                 batch.batch_size, self.decode_tier(batch.batch_size, max(batch.seq_lens_host)))
-            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
+            return TritonDecodeMetadata(batch.slots, batch.seq_lens,
                                         batch.out_cache_loc, partial_out, partial_lse)
         return TritonExtendMetadata(
-            req_pool_indices=batch.req_pool_indices,
+            slots=batch.slots,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
             extend_start=batch.extend_start,
@@ -254,11 +254,11 @@ class TritonBackend(AttentionBackend):
             assert q.shape[0] >= b, f"decode takes one token per row: {q.shape[0]} rows < {b}"
             if q.shape[0] > b:  # padding rows (padded_rows_ok): the launch covers B rows
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
-            decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
+            decode_attention(q, k, v, k_pool, v_pool, table, meta.slots,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
                              meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
-            extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
+            extend_attention(q, k, v, out, k_pool, v_pool, table, meta.slots,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
                              meta.max_extend_len, self.shape.scale,
                              out_cache_loc=meta.out_cache_loc)
@@ -332,7 +332,7 @@ class TritonBackend(AttentionBackend):
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
         rows = dict(zip(DECODE_ROW_FIELDS, bufs.rows[:, :batch_size], strict=True))
-        return TritonDecodeMetadata(rows["req_pool_indices"], rows["seq_lens"],
+        return TritonDecodeMetadata(rows["slots"], rows["seq_lens"],
                                     rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:

@@ -111,10 +111,10 @@ class CaptureBackend(Protocol):
     #: buffer every bucket shares; False when the forward is compiled into pieces that
     #: return their own output.
     captures_runner_forward: bool
-    #: True when the prepared forward (``prepare_forward``) also serves, uncaptured, a
-    #: shape no graph was captured for, and beats the plain eager model there (compiled
+    #: True when the prepared forward (``prepare_forward``) also serves, compiled without
+    #: graphs, a shape no graph was captured for, and beats the plain eager model there (compiled
     #: pieces); False when it is only meant for the captured shapes.
-    serves_uncaptured_shapes: bool
+    serves_compiled_shapes: bool
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
@@ -145,7 +145,7 @@ class FullGraphBackend:
     name = "full"
     attention_in_graph = True
     captures_runner_forward = True
-    serves_uncaptured_shapes = False
+    serves_compiled_shapes = False
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

@@ -282,11 +282,11 @@ class GraphRunner:
         return self.backend
 
     @property
-    def runs_uncaptured(self) -> bool:
-        """Whether ``run_uncaptured`` beats the plain eager model (compiled pieces)."""
-        return self.backend.serves_uncaptured_shapes
+    def runs_compiled(self) -> bool:
+        """Whether ``run_compiled`` beats the plain eager model (compiled pieces)."""
+        return self.backend.serves_compiled_shapes
 
-    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_compiled(self, batch: ForwardBatch) -> torch.Tensor:
         """A batch that fits no captured bucket, without graphs: logits as ``replay``
         gives them (a new tensor)."""
         with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):

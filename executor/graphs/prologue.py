@@ -81,7 +81,7 @@ class Prologue:
         table_index, locations = layout.field("table_index"), layout.field("out_cache_loc")
         rows = None if attention_rows is None else layout.decode_rows
         last = self.last_tokens
-        slots = layout.field("req_pool_indices") if last is not None else None
+        slots = layout.field("slots") if last is not None else None
 
         if self.fused:
             from executor.kernels.graph_prologue import graph_prologue

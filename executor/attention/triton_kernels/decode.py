@@ -303,7 +303,7 @@ def decode_attention(
     k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     table: torch.Tensor,  # (max_sequences, max_context) int32
-    req_pool_indices: torch.Tensor,  # (B,) int64
+    slots: torch.Tensor,  # (B,) int64
     seq_lens: torch.Tensor,  # (B,) int64, including the new token
     out_cache_loc: torch.Tensor,  # (B,) int64
     out: torch.Tensor,  # (B, heads, head_dim), written
@@ -344,7 +344,7 @@ def decode_attention(
     else:
         cos = sin = out  # never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
+        q, k_new, v_new, k_pool, v_pool, table, slots, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
         cos, sin, cos.stride(0),
         scale_log2, group, num_splits,

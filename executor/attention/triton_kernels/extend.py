@@ -257,7 +257,7 @@ def extend_attention(
     k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     table: torch.Tensor,  # (max_sequences, max_context) int32
-    req_pool_indices: torch.Tensor,  # (B,) int64
+    slots: torch.Tensor,  # (B,) int64
     prefix_lens: torch.Tensor,  # (B,) int64
     extend_lens: torch.Tensor,  # (B,) int64
     extend_start: torch.Tensor,  # (B,) int64
@@ -271,7 +271,7 @@ def extend_attention(
     ``k``/``v`` at those locations (what ``store_kv`` does, without a second launch).
     """
     num_tokens, num_heads, head_dim = q.shape
-    batch = req_pool_indices.shape[0]
+    batch = slots.shape[0]
     if num_tokens == 0 or batch == 0:
         return
     num_kv_heads = k.shape[1]
@@ -285,7 +285,7 @@ def extend_attention(
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
                table.stride(0))
-    pointers = (q, k, v, out, k_pool, v_pool, table, req_pool_indices, prefix_lens,
+    pointers = (q, k, v, out, k_pool, v_pool, table, slots, prefix_lens,
                 extend_lens, extend_start, loc)
     store = out_cache_loc is not None
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),

@@ -101,7 +101,7 @@ class PiecewiseCompileBackend:
     #: The compiled forward returns its last piece's output: no shared output buffer.
     captures_runner_forward = False
     #: The compiled pieces run a shape no graph was captured for, faster than eager.
-    serves_uncaptured_shapes = True
+    serves_compiled_shapes = True
 
     def __init__(self, device: torch.device, compiler: CompilerName = "eager",
                  cache_dir: Path | None = None, cache_key: str = "",
