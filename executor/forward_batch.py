@@ -22,11 +22,10 @@ from executor.packing import (
 )
 
 # From this many sequences, a one-token-per-sequence batch is packed with numpy (a few
-# fixed-cost calls); below it, Python lists are cheaper (batch 1: 6 us less).
+# fixed-cost calls); below it, Python lists are cheaper.
 _NUMPY_MIN_ROWS = 16
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
-# decode step); above it, tensor ops (cheaper for long prompts; see the results README
-# named in ``PinnedStaging``).
+# decode step); above it, tensor ops (cheaper for long prompts).
 _LIST_BUILD_MAX_TOKENS = 256
 
 
@@ -41,8 +40,7 @@ _HOST_FIELDS = ("slots", "seq_lens", "prefix_lens", "extend_lens")
 class PinnedStaging:
     """The pinned host buffers every batch's packed metadata passes through on its way to
     the device: a host memcpy into one and one asynchronous copy out, instead of a pinned
-    tensor made per batch: cheaper on the host, and no pinned allocation per batch
-    (measurements: ``bench/results/2026-11-25-h100-host-path/README.md``).
+    tensor made per batch: cheaper on the host, and no pinned allocation per batch.
 
     The buffers are used in turn (a ring of ``depth``), each reused only once the event
     recorded after its last copy has passed: with steps launched ahead of the device
@@ -245,7 +243,7 @@ class ForwardBatch:
                                 sizes, scratch)
             flat = torch.frombuffer(packed, dtype=torch.int64) if packed else \
                 torch.empty(0, dtype=torch.int64)
-        else:  # long prompts: no Python loop over tokens (~1 ms per 2048 of them)
+        else:  # long prompts: no Python loop over tokens (its cost grows with them)
             seq_t = torch.tensor(slots + prefix, dtype=torch.int64)
             starts_t = torch.tensor(starts, dtype=torch.int64)
 
