@@ -3,16 +3,14 @@
 A decode item without a token (``USE_LAST_SAMPLED``) continues from the token its
 sequence sampled last. That token lives on the device, in ``tokens`` (int64, a row per
 request slot), so a pipelined scheduler never waits for it; the host keeps only which
-sequences have one (``has``).
+sequences have one (``has``). Invariants:
 
-Invariants:
-* Every write to ``tokens`` goes through this class, except one: ``Sampler.sample``
-  writes a decode step's samples inside the step's launch (in a graph or eagerly), into
-  the (table, slots) pair ``sampler_target`` hands it; the step then calls
-  ``remember(..., stored=True)`` so the other ranks learn them too.
+* Only this class writes ``tokens``, except ``Sampler.sample``, which writes a decode
+  step's samples inside the step's launch into the (table, slots) ``sampler_target``
+  hands it; the step then calls ``remember(..., stored=True)``.
 * Under tensor parallelism every rank's ``tokens`` holds the same values: rank 0 sends
-  each write (``remember``, a fork's ``inherit``) and the other ranks apply it
-  (``receive``, ``copy``).
+  each write (``remember``, a fork's ``inherit``) and the others apply it (``receive``,
+  ``copy``).
 * ``has(seq_id)`` is True only while ``tokens[slot]`` holds that sequence's last sample.
 """
 
