@@ -72,7 +72,7 @@ def test_the_model_skips_rope_exactly_where_the_backend_rotates() -> None:
     want = _transcript(Executor(CONFIG))
     ex = Executor(CONFIG)
     fusing = FusingTorchNative(ex.attn)  # type: ignore[arg-type]
-    ex.attn = fusing
+    ex.attn = ex.forward.attn = fusing  # the facade and the forward share one backend
     fusing.fuse_decode_rope(ex.model.rotary.cos, ex.model.rotary.sin)  # type: ignore[attr-defined]
     calls: list[int] = []
     rope = ex.model.rotary.forward  # type: ignore[attr-defined]
@@ -159,7 +159,7 @@ def test_an_executor_holds_its_kernel_switches_around_each_forward() -> None:
     ex = Executor(CONFIG)
     assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False)
     seen: list[switches.KernelSwitches] = []
-    ex.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
+    ex.switches = ex.forward.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
     real = CausalLM.forward
 
     def spy(self: CausalLM, *args: object, **kwargs: object) -> object:
