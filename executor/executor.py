@@ -54,18 +54,18 @@ class Executor:
     def __init__(self, config: ExecutorConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.tp = tp or TensorParallel.single()
-        parts = boot(config, self.tp)
-        at, w, cache, att, pools = parts.at, parts.weights, parts.cache, parts.attention, \
-            parts.pools
+        parts = boot(config, self.tp)  # the parts, named below for callers and tests
+        at, w, cache, att, pools = (parts.at, parts.weights, parts.cache, parts.attention,
+                                    parts.pools)
         self.device, self.dtype, self.switches = at.device, at.dtype, at.switches
         self.model, self.spec, self.boot_seconds = w.model, w.spec, w.seconds
-        self.pool, self.table, self.kv, self.limits = cache.pool, cache.table, cache.kv, \
-            cache.limits
-        self.channel, self.rank_memory_bytes = cache.channel, cache.rank_memory_bytes
-        self.attn, self.fuses_decode_rope, self.model_info = att.attn, \
-            att.fuses_decode_rope, att.model_info
-        self.sampler, self.staging, self.last, self.pools = pools.sampler, pools.staging, \
-            pools.last, pools.steps
+        self.pool, self.table, self.kv = cache.pool, cache.table, cache.kv
+        self.limits, self.channel = cache.limits, cache.channel
+        self.rank_memory_bytes = cache.rank_memory_bytes
+        self.attn, self.fuses_decode_rope = att.attn, att.fuses_decode_rope
+        self.model_info = att.model_info
+        self.sampler, self.staging, self.last = pools.sampler, pools.staging, pools.last
+        self.pools = pools.steps  # pinned buffers and events of launched steps
         self.runners, self.forward = parts.graphs.runners, parts.graphs.forward
         self._graph_modes = parts.graphs.modes
         # The last decode launch, for the next one if it continues the same items.

@@ -126,9 +126,10 @@ class Forward:
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
-            tokens_ = sample.tokens if not every else sample.tokens.index_select(
+            # (an every_position item's last row is the one a plain item would sample)
+            sampled = sample.tokens if not every else sample.tokens.index_select(
                 0, device_tensor(plan.last_rows, torch.int64, self.device))
-            self.last.remember(slots, tokens_)
+            self.last.remember(slots, sampled)
         return sample, info
 
     def decode(self, alloc: Allocation, tokens: Sequence[int | None],
