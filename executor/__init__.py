@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from executor.executor import Executor
-    from executor.follower import follow as run_follower
+    from executor.follower import run as run_follower
     from executor.steps import PendingStep
     from executor.validation import sampling_violations
 
@@ -22,7 +22,7 @@ __all__ = ["Executor", "PendingStep", "__version__", "run_follower", "sampling_v
 
 _FACE = {"Executor": ("executor.executor", "Executor"),
          "PendingStep": ("executor.steps", "PendingStep"),
-         "run_follower": ("executor.follower", "follow"),
+         "run_follower": ("executor.follower", "run"),
          "sampling_violations": ("executor.validation", "sampling_violations")}
 
 

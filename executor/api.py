@@ -280,7 +280,7 @@ class ModelInfo:
     max_context: int
     attention_backend: str  # what --attention-backend (often ``auto``) resolved to
     tensor_parallel_size: int = 1  # ranks the model is split over
-    # bytes of weights and KV cache each rank holds, in rank order (measured at start-up)
+    # bytes of weights and KV cache each rank holds, in rank order (counted at start-up)
     rank_memory_bytes: tuple[int, ...] = ()
     # kernel switches in effect ("fused_decode_rope", "pdl", "tp_projections_send",
     # "tp_fused_all_reduce"): what ``auto`` and the defaults resolved to

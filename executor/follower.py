@@ -1,8 +1,16 @@
-"""The loop of a rank other than 0: run what rank 0 sends until it says to stop."""
+"""The tensor-parallel follower: what a rank other than 0 runs.
+
+Rank 0's ``Executor`` validates, allocates and samples; each step, capture and fork it
+runs reaches the other ranks first (``StepChannel``), and each of them runs the same
+forward on its shard (``follow_step``), copies the same table rows (``follow_fork``) or
+captures the same graphs, until rank 0 says to stop (``run``).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
 
@@ -10,7 +18,7 @@ if TYPE_CHECKING:
     from executor.executor import Executor
 
 
-def follow(executor: Executor) -> int:
+def run(executor: Executor) -> int:
     """Receive and run rank 0's steps and captures until SHUTDOWN; the steps run.
 
     Raises whatever a collective raises when a peer dies or a timeout passes: the caller
@@ -24,11 +32,31 @@ def follow(executor: Executor) -> int:
         header, packed = channel.receive()
         if isinstance(header, StepHeader):
             assert packed is not None
-            executor.follow(header, packed)
+            follow_step(executor, header, packed)
             steps += 1
         elif isinstance(header, CaptureHeader):
             executor.capture(header.phases, header.force)
         elif isinstance(header, ForkHeader):
-            executor.follow_fork(header)
+            follow_fork(executor, header)
         else:
             return steps
+
+
+@torch.inference_mode()
+def follow_step(executor: Executor, header: StepHeader, packed: torch.Tensor) -> None:
+    """Run the step rank 0 sent: the same batch at the same KV locations, the same
+    forward; then take rank 0's sampled tokens."""
+    forward, channel = executor.forward, executor.channel
+    forward.run(forward.unpack(header, packed), header.mode, header.bucket)
+    if channel is not None:
+        channel.launched()  # rank 0's confirmation, with our launch time
+        if header.sampled:
+            executor.last.receive(channel.receive_sampled(header.sampled))  # (2, sequences)
+
+
+def follow_fork(executor: Executor, header: ForkHeader) -> None:
+    """Rank 0 forked a sequence: copy its table row prefix (and last sampled token) the
+    same way."""
+    executor.table.copy_prefix(header.parent, header.child, header.length)
+    if header.inherit:
+        executor.last.copy(header.parent, header.child)

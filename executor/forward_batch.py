@@ -22,11 +22,10 @@ from executor.packing import (
 )
 
 # From this many sequences, a one-token-per-sequence batch is packed with numpy (a few
-# fixed-cost calls); below it, Python lists are cheaper (batch 1: 6 us less).
+# fixed-cost calls); below it, Python lists are cheaper.
 _NUMPY_MIN_ROWS = 16
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
-# decode step); above it, tensor ops (cheaper for long prompts; see the results README
-# named in ``PinnedStaging``).
+# decode step); above it, tensor ops (cheaper for long prompts).
 _LIST_BUILD_MAX_TOKENS = 256
 
 
@@ -35,14 +34,13 @@ _SLICES_KEPT = 256
 #: ``ForwardBatch.build``'s hook: (packed host buffer, its sizes), before the device copy.
 BeforeTransfer = Callable[[torch.Tensor, PackedSizes], None]
 #: Sequence fields whose real entries a batch also keeps on the host (``*_host``).
-_HOST_FIELDS = ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens")
+_HOST_FIELDS = ("slots", "seq_lens", "prefix_lens", "extend_lens")
 
 
 class PinnedStaging:
     """The pinned host buffers every batch's packed metadata passes through on its way to
     the device: a host memcpy into one and one asynchronous copy out, instead of a pinned
-    tensor made per batch: cheaper on the host, and no pinned allocation per batch
-    (measurements: ``bench/results/2026-11-25-h100-host-path/README.md``).
+    tensor made per batch: cheaper on the host, and no pinned allocation per batch.
 
     The buffers are used in turn (a ring of ``depth``), each reused only once the event
     recorded after its last copy has passed: with steps launched ahead of the device
@@ -111,7 +109,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     out_cache_loc: torch.Tensor  # (T,) int64: KV location each new token writes
-    req_pool_indices: torch.Tensor  # (B,) int64: request-slot row of each sequence
+    slots: torch.Tensor  # (B,) int64: request-slot row of each sequence
     seq_lens: torch.Tensor  # (B,) int64: length after this step (prefix + new)
     prefix_lens: torch.Tensor  # (B,) int64
     extend_lens: torch.Tensor  # (B,) int64
@@ -120,7 +118,7 @@ class ForwardBatch:
     # (T,) int64: where each new token's location goes in the request-slot table, as a
     # flat index ``slot * table_width + position`` (one scatter publishes them)
     table_index: torch.Tensor
-    req_pool_indices_host: tuple[int, ...]
+    slots_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
     prefix_lens_host: tuple[int, ...]
     extend_lens_host: tuple[int, ...]
@@ -199,7 +197,7 @@ class ForwardBatch:
             flat = torch.from_numpy(pack_arrays(
                 {"input_ids": token_ids, "positions": prefix_a,
                  "table_index": slots_a * table_width + prefix_a,
-                 "out_cache_loc": alloc.out_cache_loc.numpy(), "req_pool_indices": slots_a,
+                 "out_cache_loc": alloc.out_cache_loc.numpy(), "slots": slots_a,
                  "seq_lens": seq_lens_a, "prefix_lens": prefix_a, "extend_lens": 1,
                  "extend_start": np.arange(b, dtype=np.int64), "logits_indices": logits_rows},
                 sizes, scratch))
@@ -224,7 +222,7 @@ class ForwardBatch:
             last_rows = [r for i in logits_rows for r in (
                 range(starts[i], starts[i] + ext_lens[i]) if i in every_position
                 else (starts[i] + ext_lens[i] - 1,))]
-        per_seq = {"req_pool_indices": slots, "seq_lens": seq_lens, "prefix_lens": prefix,
+        per_seq = {"slots": slots, "seq_lens": seq_lens, "prefix_lens": prefix,
                    "extend_lens": ext_lens, "extend_start": starts, "logits_indices": last_rows}
 
         if acc <= _LIST_BUILD_MAX_TOKENS:  # short prompts: plain lists are cheapest
@@ -245,7 +243,7 @@ class ForwardBatch:
                                 sizes, scratch)
             flat = torch.frombuffer(packed, dtype=torch.int64) if packed else \
                 torch.empty(0, dtype=torch.int64)
-        else:  # long prompts: no Python loop over tokens (~1 ms per 2048 of them)
+        else:  # long prompts: no Python loop over tokens (its cost grows with them)
             seq_t = torch.tensor(slots + prefix, dtype=torch.int64)
             starts_t = torch.tensor(starts, dtype=torch.int64)
 
@@ -307,7 +305,7 @@ class ForwardBatch:
         return ForwardBatch(
             phase=phase,
             **{name: views[name] for name in FIELDS},
-            req_pool_indices_host=tuple(slots),
+            slots_host=tuple(slots),
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
@@ -348,14 +346,14 @@ def dummy_batch(phase: Phase, num_tokens: int, max_context: int, device: torch.d
         input_ids=dev([0] * num_tokens),
         positions=dev(positions),
         out_cache_loc=dev([0] * num_tokens),
-        req_pool_indices=dev(zeros),
+        slots=dev(zeros),
         seq_lens=dev(lens),
         prefix_lens=dev(zeros),
         extend_lens=dev(lens),
         extend_start=dev(starts),
         logits_indices=dev([s + n - 1 for s, n in zip(starts, lens, strict=True)]),
         table_index=dev(positions),  # slot 0
-        req_pool_indices_host=tuple(zeros),
+        slots_host=tuple(zeros),
         seq_lens_host=tuple(lens),
         prefix_lens_host=tuple(zeros),
         extend_lens_host=tuple(lens),

@@ -1,22 +1,18 @@
 """The packed step: one int64 buffer per batch, its field order, its padding, its views.
 
-Every step's integer metadata crosses to the device as one transfer. This module is the
-only place that knows where each field sits in it; everyone else asks for fields by name.
+Every step's integer metadata crosses to the device as one transfer; only this module
+knows where each field sits in it (everyone else asks for fields by name).
 
     per token     (s entries each): input_ids | positions | table_index | out_cache_loc
-    per sequence (sb entries each): req_pool_indices | seq_lens | prefix_lens |
-                                    extend_lens | extend_start
+    per sequence (sb entries each): slots | seq_lens | prefix_lens | extend_lens |
+                                    extend_start
     then                          : logits_indices (one per sequence that samples)
 
-A plain batch has ``s = T`` tokens and ``sb = B`` sequences. A batch packed for a graph
-bucket (``GraphLayout``) pads the token fields to the bucket, and a decode batch (one token
-per sequence) pads its sequence fields to the bucket too, so that ``out_cache_loc |
-req_pool_indices | seq_lens`` (``DECODE_ROW_FIELDS``, adjacent by construction) read as
-one ``(3, bucket)`` block: the rows a captured decode graph's attention reads.
-
-Padding is inert: a padded token is token 0 at position 0 writing the reserved KV location
-and the table's scratch cell; a padded sequence (decode row) is slot 0 with length 1, so it
-attends to its own padded token only and reads no table entry.
+A plain batch has ``s = T`` tokens and ``sb = B`` sequences. A graph bucket's batch
+(``GraphLayout``) pads the token fields to the bucket, and a decode batch its sequence
+fields too, so ``out_cache_loc | slots | seq_lens`` (``DECODE_ROW_FIELDS``) read as one
+``(3, bucket)`` block. Padding is inert: a padded token is token 0 at position 0 writing
+the reserved KV location; a padded decode row is slot 0 with length 1 (no table read).
 """
 
 from __future__ import annotations
@@ -33,29 +29,29 @@ from executor.api import Phase
 from executor.kv.allocator import RESERVED_LOCATION
 
 TOKEN_FIELDS = ("input_ids", "positions", "table_index", "out_cache_loc")
-SEQUENCE_FIELDS = ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens",
+SEQUENCE_FIELDS = ("slots", "seq_lens", "prefix_lens", "extend_lens",
                    "extend_start")
 FIELDS = (*TOKEN_FIELDS, *SEQUENCE_FIELDS, "logits_indices")
 
 #: The rows of decode attention metadata, in the order the packed batch lays them out.
-DECODE_ROW_FIELDS = ("out_cache_loc", "req_pool_indices", "seq_lens")
+DECODE_ROW_FIELDS = ("out_cache_loc", "slots", "seq_lens")
 _first = FIELDS.index(DECODE_ROW_FIELDS[0])
 assert FIELDS[_first : _first + 3] == DECODE_ROW_FIELDS, "decode rows must be adjacent"
 
 #: An ``input_ids`` entry of a decode batch that stands for its sequence's last sampled
-#: token, read on the device (``Executor.last_tokens``) by the graph prologue or the eager
+#: token, read on the device (``LastSampled.tokens``) by the graph prologue or the eager
 #: forward: the step need not wait for the previous step's tokens to reach the host.
 USE_LAST_SAMPLED = -1
 
 #: What padding holds, per field. ``table_index`` pads with the layout's scratch cell.
 PAD: Mapping[str, int] = {
     "input_ids": 0, "positions": 0, "out_cache_loc": RESERVED_LOCATION,
-    "req_pool_indices": 0, "seq_lens": 1, "prefix_lens": 0, "extend_lens": 1,
+    "slots": 0, "seq_lens": 1, "prefix_lens": 0, "extend_lens": 1,
     "extend_start": 0,
 }
 #: A padded decode row (``DECODE_ROW_FIELDS`` order): attention backends whose static
 #: decode rows are refreshed from a packed batch pad their own rows with it.
-DECODE_PAD_ROW: tuple[int, int, int] = (PAD["out_cache_loc"], PAD["req_pool_indices"],
+DECODE_PAD_ROW: tuple[int, int, int] = (PAD["out_cache_loc"], PAD["slots"],
                                         PAD["seq_lens"])
 
 

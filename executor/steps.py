@@ -6,11 +6,13 @@ host memory; nothing waits for the device. The step is *applied* from then on (i
 allocation and sequence lengths count), unless ``Executor.abort`` rolls it back.
 ``Executor.complete`` waits for the copy and builds the outputs. Between the two the
 executor may launch further steps, which read this step's sampled tokens on the device.
+``StepPools`` lends each launched step the pinned buffers and the event it needs.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -27,7 +29,7 @@ from executor.api import (
     named_rows,
 )
 from executor.kv.manager import Allocation
-from executor.sampling import DeviceSample, SampleOutput
+from executor.sampling import DeviceSample, PinnedPool, SampleOutput
 
 
 @dataclass
@@ -137,3 +139,39 @@ class PendingStep:
                                   s.logprobs[row] if want_logprob else None,
                                   s.top_logprobs[row], seq_len, positions=positions))
         return tuple(out)
+
+
+#: Spare step events kept for reuse (more than the deepest pipeline needs).
+_EVENTS_KEPT = 16
+
+
+class StepPools:
+    """The pinned host buffers and CUDA events launched steps borrow: ``pend`` lends a
+    step its buffers and event, the step hands them back when it is done (``recycle``),
+    so none is allocated per step. Without a CUDA device a step borrows nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        # NOTE: every step runs on the device's current stream at start-up; events record
+        # on it without looking it up per step (that lookup costs more than the record).
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._pinned = PinnedPool()
+        self._events: deque[torch.cuda.Event] = deque()
+
+    def pend(self, step: PendingStep) -> PendingStep:
+        """Start the copies of the step's samples to the host; mark its end on the device."""
+        if self._stream is None:
+            return step
+        for sample in step.samples:
+            sample.stage(self._pinned)
+        step.done = self._events.pop() if self._events else torch.cuda.Event()
+        step.done.record(self._stream)
+        step.recycle = self.recycle
+        return step
+
+    def recycle(self, step: PendingStep) -> None:
+        """A finished or aborted step's buffers and event, back to their pools (any
+        thread: deque appends are atomic)."""
+        for sample in step.samples:
+            sample.release()
+        if step.done is not None and len(self._events) < _EVENTS_KEPT:
+            self._events.append(step.done)

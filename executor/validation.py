@@ -119,7 +119,7 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
         if n == 0:
             out.append(FieldViolation(f"items[{i}].token_ids", "must contain at least one token"))
         # min/max run in C; the per-token loop runs only to name the first bad token
-        # (a Python loop over every token of a long prompt costs ~1 ms per 2048 tokens).
+        # (a Python loop over every token of a long prompt costs more than the check).
         if n and not (min(it.token_ids) >= 0 and max(it.token_ids) < limits.vocab_size):
             for k, tok in enumerate(it.token_ids):
                 v = _token_violation(tok, f"items[{i}].token_ids[{k}]", limits.vocab_size)
@@ -264,3 +264,38 @@ def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], 
     # Each distinct parameter object once (by identity, as the full pass).
     return not any(sampling_violations(p, "")
                    for p in dict(zip(map(id, samplings), samplings, strict=True)).values())
+
+
+def validate_fork(parent_id: str, child_id: str, prefix_len: int | None,
+                  seq_len: Callable[[str], int | None]) -> int:
+    """The length a fork of ``parent_id`` into ``child_id`` shares (``prefix_len``, by
+    default all of the parent). Raises ``SequenceNotFound`` for an unknown parent and
+    ``InvalidRequest`` for a child id in use or a prefix outside ``[0, parent length]``."""
+    parent_len = seq_len(parent_id)
+    if parent_len is None:
+        raise SequenceNotFound([parent_id], ["parent_seq_id"])
+    violations = []
+    if seq_len(child_id) is not None:
+        violations.append(FieldViolation(
+            "child_seq_id", f"sequence {child_id!r} already exists; a fork needs a new "
+            "id (release it first to reuse the id)"))
+    length = parent_len if prefix_len is None else prefix_len
+    if not 0 <= length <= parent_len:
+        violations.append(FieldViolation(
+            "prefix_len", f"must be in [0, {parent_len}] (sequence {parent_id!r} "
+            f"holds {parent_len} tokens), got {length}"))
+    if violations:
+        raise InvalidRequest(violations)
+    return length
+
+
+def validate_truncate(seq_id: str, length: int, seq_len: Callable[[str], int | None]) -> None:
+    """Raises ``SequenceNotFound`` for an unknown sequence and ``InvalidRequest`` for a
+    ``length`` outside ``[0, current length]``."""
+    current = seq_len(seq_id)
+    if current is None:
+        raise SequenceNotFound([seq_id], ["seq_id"])
+    if not 0 <= length <= current:
+        raise InvalidRequest([FieldViolation(
+            "length", f"must be in [0, {current}] (sequence {seq_id!r} holds "
+            f"{current} tokens), got {length}")])

@@ -55,10 +55,9 @@ def _flashinfer_unusable(device: torch.device, dtype: torch.dtype, shape: Attent
     return flashinfer_backend.flashinfer_unusable(device, dtype, shape, probe)
 
 
-# NOTE: ``auto`` never picks FlashInfer: measured on H100/H200 it was slower than the
-# Triton kernels in most configurations (decode bs1 1.99 vs 1.43 ms, prefill 512 tokens
-# 4.45 vs 3.08 ms) and ahead only at decode batch 256 with context 512, which a backend
-# chosen once at start-up cannot exploit. Name it explicitly to use it.
+# NOTE: ``auto`` never picks FlashInfer: it trailed the Triton kernels in most
+# configurations and led only at one large-batch, short-context corner, which a backend
+# chosen once at start-up cannot exploit (docs/kernels.md). Name it explicitly to use it.
 @register_attention("flashinfer", needs_cuda=True, dtypes=KERNEL_DTYPE_NAMES,
                     auto_preference=None, unusable=_flashinfer_unusable,
                     installed=_flashinfer_installed)

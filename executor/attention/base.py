@@ -1,27 +1,8 @@
-"""The attention-backend interface.
+"""The attention-backend interface (``AttentionBackend``, whose docstring states the
+contract), the shape it serves and the metadata base class.
 
 A backend stores each layer's new K/V into the KV pool and attends over every sequence's
 cached prefix plus its new tokens (causally among the new ones).
-
-Eager use, once per forward pass::
-
-    meta = backend.build_metadata(batch)            # host work, may allocate
-    out = backend.forward(q, k, v, layer_id, meta)  # per layer, inside the model
-    backend.forward_into(q, k, v, out, layer_id, meta)  # the same, into a given buffer
-
-Graph use adds four hooks (the contract of every capturable backend)::
-
-    backend.init_graph_buffers(max_batch, max_tokens, phase)  # once per phase: buffers
-    meta = backend.capture_metadata(phase, batch_size, num_tokens)  # before capture
-    backend.refresh_metadata(meta, batch)                 # before each replay, in place
-    rows = backend.static_decode_rows(meta)               # optional: refresh as one copy
-
-``capture_metadata`` returns metadata whose tensors are views of the static buffers, filled
-for a dummy batch (every padded row attends to the reserved location 0 only); the graph
-records reads of those addresses. ``refresh_metadata`` rewrites the same buffers from a real
-batch *outside* the graph, so a replay sees the real lengths. A backend that cannot be
-captured leaves the hooks raising ``NotImplementedError``; ``capturable`` says which phases
-it supports.
 """
 
 from __future__ import annotations
@@ -56,6 +37,27 @@ SCOPED = AttentionMetadata()
 
 
 class AttentionBackend(ABC):
+    """Eager use, once per forward pass::
+
+        meta = backend.build_metadata(batch)            # host work, may allocate
+        out = backend.forward(q, k, v, layer_id, meta)  # per layer, inside the model
+        backend.forward_into(q, k, v, out, layer_id, meta)  # the same, into a given buffer
+
+    Graph use adds four hooks (the contract of every capturable backend)::
+
+        backend.init_graph_buffers(max_batch, max_tokens, phase)  # once per phase: buffers
+        meta = backend.capture_metadata(phase, batch_size, num_tokens)  # before capture
+        backend.refresh_metadata(meta, batch)                 # before each replay, in place
+        rows = backend.static_decode_rows(meta)               # optional: refresh as one copy
+
+    ``capture_metadata`` returns metadata whose tensors are views of the static buffers,
+    filled for a dummy batch (every padded row attends to the reserved location 0 only); the
+    graph records reads of those addresses. ``refresh_metadata`` rewrites the same buffers
+    from a real batch *outside* the graph, so a replay sees the real lengths. A backend that
+    cannot be captured leaves the hooks raising ``NotImplementedError``; ``capturable`` says
+    which phases it supports.
+    """
+
     name: ClassVar[str]
     #: Phases whose forward can be captured in a single CUDA graph with this backend.
     capturable: ClassVar[frozenset[Phase]] = frozenset()

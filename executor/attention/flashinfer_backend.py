@@ -1,23 +1,14 @@
 """FlashInfer paged attention over our KV pools, with the same graph contract as Triton.
 
-Our pools are FlashInfer's paged layout with page size 1: ``pool.k[layer]`` is
-``(locations + 1, kv_heads, head_dim)``, so ``unsqueeze(1)`` is the ``NHD`` cache
-``(pages, 1, kv_heads, head_dim)`` without a copy, and a sequence's page list is its row
-of the request-slot table. Every page is full, so ``last_page_len`` is all ones.
-
-* Prefill / extend (any mix of new and continuing sequences): the new K/V are stored,
-  then ``BatchPrefillWithPagedKVCacheWrapper`` attends causally (bottom-right aligned,
-  so a continuing sequence's new tokens see its whole prefix). Planned once per forward,
-  run per layer; eager only, as with Triton (attention stays between graph pieces).
-* Decode: ``BatchDecodeWithPagedKVCacheWrapper``. Under a CUDA graph each batch bucket
-  has its own wrapper in FlashInfer's CUDA-graph mode over fixed buffers (page-table
-  indptr / indices / last-page lengths, plus our ``out_cache_loc``); ``refresh_metadata``
-  re-plans it from the real batch *outside* the graph before each replay, as
-  ``AttentionBackend`` requires.
-
-The page indices of a batch are gathered on the device from the request-slot table with
-sizes known on the host, so no step waits on the device. A padded decode row attends to
-the reserved location 0 only and writes its K/V there.
+Our pools are FlashInfer's paged layout with page size 1 (``unsqueeze(1)`` of a layer's
+pool is the ``NHD`` cache, no copy; a sequence's page list is its request-slot table row;
+every page is full). Prefill / extend stores the new K/V, then
+``BatchPrefillWithPagedKVCacheWrapper`` attends causally, eagerly. Decode runs
+``BatchDecodeWithPagedKVCacheWrapper``; under a CUDA graph each batch bucket has its own
+wrapper over fixed buffers, re-planned from the real batch outside the graph before each
+replay (``refresh_metadata``). Page indices are gathered on the device with sizes known
+on the host, so no step waits on the device; a padded decode row attends to the reserved
+location 0 only and writes its K/V there. Design notes: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -57,7 +48,7 @@ _PAGE_SIZE = 1
 # FlashInfer's FA2 kernels for prefill and decode, named rather than "auto": auto may pick
 # FA3 for prefill (sm90; much longer JIT, needs CUTLASS and curand headers) or cuDNN for
 # eager decode, and a captured graph must keep the kernels it was captured with. FA3 for
-# long prefills is a measured follow-up, not a default taken blind.
+# long prefills is left untried.
 KERNELS = "fa2"
 
 
@@ -236,7 +227,7 @@ class FlashInferBackend(AttentionBackend):
         lens_host = batch.seq_lens_host
         total = sum(lens_host)
         lens = batch.seq_lens
-        rows = torch.repeat_interleave(batch.req_pool_indices, lens, output_size=total)
+        rows = torch.repeat_interleave(batch.slots, lens, output_size=total)
         starts = torch.cumsum(lens, 0) - lens
         cols = (torch.arange(total, device=lens.device)
                 - torch.repeat_interleave(starts, lens, output_size=total))

@@ -30,7 +30,7 @@ class TorchNativeBackend(AttentionBackend):
     capturable: ClassVar[frozenset[Phase]] = frozenset()
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
-        seqs = tuple(zip(batch.req_pool_indices_host, batch.prefix_lens_host,
+        seqs = tuple(zip(batch.slots_host, batch.prefix_lens_host,
                          batch.extend_lens_host, batch.extend_start_host, strict=True))
         table = self.table.device_table
         locs = tuple(table[slot, : prefix + n].to(torch.int64) for slot, prefix, n, _ in seqs)

@@ -1,33 +1,18 @@
 """Triton paged attention: a CUDA-graph-capturable decode, and a packed extend that runs
 eagerly or, on a grid fixed by a token bucket, inside a prefill graph.
 
-Decode (one new token per sequence) is one split-KV kernel, which also stores the new
-K/V, plus a reduction kernel when a sequence is split (``triton_kernels/decode.py``). Its
-launch shape depends on the batch size and a bound on the lengths: the table's max
-context, or a context tier (``DECODE_CONTEXT_TIERS``) when every sequence fits one and
-fewer splits then cover them. A capture per batch bucket serves any lengths up to the max
-context; a small bucket also gets a twin per tier (``GraphRunner``).
+Decode is one split-KV kernel that also stores the new K/V, plus a reduction when a
+sequence is split (``triton_kernels/decode.py``); its launch depends on the batch size and
+a bound on the lengths (the max context, or a context tier), so a capture per batch bucket
+serves any lengths, and a small bucket also gets a twin per tier (``GraphRunner``).
+Extend is one ``extend_attention`` launch (eager, between ``breakable`` graph pieces), or
+``extend_attention_fixed_grid`` in prefill graph mode ``fixed_grid``.
 
-Extend (prefill, chunked prefill, mixed batches) is one ``extend_attention`` launch that
-also stores the new K/V; its grid uses the host-side max extend length, so it runs eagerly
-(between ``breakable`` graph pieces).
-Prefill graph mode ``fixed_grid`` captures ``extend_attention_fixed_grid`` instead, whose
-grid depends on the bucket's token count only.
-
-Graph use (see ``AttentionBackend``):
-
-* ``init_graph_buffers`` allocates ``DecodeGraphBuffers`` (decode) or
-  ``ExtendGraphBuffers`` (prefill) once for the largest bucket;
-* ``capture_metadata("decode", bs, bs)`` fills rows ``:bs`` with padding and returns
-  metadata whose tensors are views of them; ``capture_metadata("prefill", t, t)`` returns
-  the sequence rows and the bucket's token locations, filled as one sequence of ``t``
-  tokens stored at the reserved location;
-* ``refresh_metadata`` copies a real batch into rows ``:B`` and padding after them (and,
-  for prefill, the bucket's token locations).
-
-A padded decode row is ``executor.packing.DECODE_PAD_ROW``: the kernel reads no table
-entry for it and writes its K/V to the reserved location only. A padded extend row
-(``EXTEND_PAD_ROW``) has no new tokens: no program takes it.
+Graph use follows ``AttentionBackend``: ``DecodeGraphBuffers`` / ``ExtendGraphBuffers``
+hold the static metadata for the largest bucket. A padded decode row is
+``executor.packing.DECODE_PAD_ROW`` (it reads no table entry and writes its K/V to the
+reserved location only); a padded extend row (``EXTEND_PAD_ROW``) has no new tokens.
+Design notes: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -61,17 +46,11 @@ from executor.packing import DECODE_PAD_ROW, DECODE_ROW_FIELDS, SEQUENCE_FIELDS
 # SM count assumed when the pool is not on a CUDA device (the Triton CPU interpreter).
 _DEFAULT_NUM_SMS = 132
 _SEQ_LENS_ROW = DECODE_ROW_FIELDS.index("seq_lens")
-#: ``TritonBackend.decode_context_tiers`` (tokens, ascending).
-#: Measured on an H100 (``bench/results/2026-11-26-h100-context-tiers``, SmolLM2-135M
-#: shape): a 512-token tier (16 splits) took batch 1 at 400 tokens from 0.433-0.436 to
-#: 0.420-0.421 ms per step; a 1024-token tier (32 splits) left 900 tokens at 0.443 ms, so
-#: it is not kept.
+#: ``TritonBackend.decode_context_tiers`` (tokens, ascending): one short tier pays off
+#: for small batches; a second, longer one did not (docs/kernels.md).
 DECODE_CONTEXT_TIERS = (512,)
 #: A tier gets its twin graph where it cuts a bucket's split count at least this many
-#: times over. Measured on an H100 (``bench/results/2026-11-26-h100-context-tiers``,
-#: ``...-decode-grid-order-reverted``): 64 -> 16 splits (SmolLM2-135M at batch 1) gained
-#: 13-16 us per step; 44 -> 16 (SmolLM2 at batch 2), 33 -> 16 (the 1B and the 8B at
-#: batch 1) nothing beyond noise, so those buckets keep one graph.
+#: times over (smaller cuts gained nothing beyond noise, so those buckets keep one graph).
 TIER_SPLIT_RATIO = 3
 
 
@@ -80,7 +59,7 @@ class TritonDecodeMetadata(AttentionMetadata):
     """One new token per sequence. Under a graph, every tensor is a view of the static
     ``DecodeGraphBuffers``; eagerly they are the batch's own tensors."""
 
-    req_pool_indices: torch.Tensor  # (B,) int64
+    slots: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int64, including the new token
     out_cache_loc: torch.Tensor  # (B,) int64
     # Split-KV scratch; None when each sequence runs as one split (no reduction).
@@ -96,7 +75,7 @@ class TritonDecodeMetadata(AttentionMetadata):
 class TritonExtendMetadata(AttentionMetadata):
     """Packed variable-length extend; eager only (the grid uses ``max_extend_len``)."""
 
-    req_pool_indices: torch.Tensor  # (B,) int64
+    slots: torch.Tensor  # (B,) int64
     prefix_lens: torch.Tensor  # (B,) int64
     extend_lens: torch.Tensor  # (B,) int64
     extend_start: torch.Tensor  # (B,) int64
@@ -192,9 +171,8 @@ class TritonBackend(AttentionBackend):
 
     # Sequences of at most 512 tokens need at most 16 splits of ``SPLIT_ALIGN`` tokens,
     # where the max context's launch may have up to ``MAX_SPLITS``, most of them idle. A
-    # lower cap instead would slow long contexts: SmolLM2-135M at batch 1 with 16 splits
-    # took 0.423 ms per step at 512 tokens (0.440 with 64) but 0.591 at 4000 (0.472),
-    # ``bench/results/2026-11-26-h100-split-cap-by-context``; see ``DECODE_CONTEXT_TIERS``.
+    # lower cap for every length instead would slow long contexts; see
+    # ``DECODE_CONTEXT_TIERS``.
     decode_context_tiers: ClassVar[tuple[int, ...]] = DECODE_CONTEXT_TIERS
 
     def num_splits(self, batch_size: int, context: int | None = None) -> int:
@@ -221,10 +199,10 @@ class TritonBackend(AttentionBackend):
             check_decode_batch(self.name, batch)
             partial_out, partial_lse = self._alloc_scratch(
                 batch.batch_size, self.decode_tier(batch.batch_size, max(batch.seq_lens_host)))
-            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens,
+            return TritonDecodeMetadata(batch.slots, batch.seq_lens,
                                         batch.out_cache_loc, partial_out, partial_lse)
         return TritonExtendMetadata(
-            req_pool_indices=batch.req_pool_indices,
+            slots=batch.slots,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
             extend_start=batch.extend_start,
@@ -254,11 +232,11 @@ class TritonBackend(AttentionBackend):
             assert q.shape[0] >= b, f"decode takes one token per row: {q.shape[0]} rows < {b}"
             if q.shape[0] > b:  # padding rows (padded_rows_ok): the launch covers B rows
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
-            decode_attention(q, k, v, k_pool, v_pool, table, meta.req_pool_indices,
+            decode_attention(q, k, v, k_pool, v_pool, table, meta.slots,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
                              meta.partial_lse, self.shape.scale, self.rope_tables)
         elif isinstance(meta, TritonExtendMetadata):
-            extend_attention(q, k, v, out, k_pool, v_pool, table, meta.req_pool_indices,
+            extend_attention(q, k, v, out, k_pool, v_pool, table, meta.slots,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
                              meta.max_extend_len, self.shape.scale,
                              out_cache_loc=meta.out_cache_loc)
@@ -332,7 +310,7 @@ class TritonBackend(AttentionBackend):
             partial_out = bufs.partial_out[: n * dim].view(batch_size, heads, splits, dim)
             partial_lse = bufs.partial_lse[:n].view(batch_size, heads, splits)
         rows = dict(zip(DECODE_ROW_FIELDS, bufs.rows[:, :batch_size], strict=True))
-        return TritonDecodeMetadata(rows["req_pool_indices"], rows["seq_lens"],
+        return TritonDecodeMetadata(rows["slots"], rows["seq_lens"],
                                     rows["out_cache_loc"], partial_out, partial_lse)
 
     def refresh_metadata(self, meta: AttentionMetadata, batch: ForwardBatch) -> None:

@@ -40,7 +40,7 @@ class Mode(enum.IntEnum):
     """How a step's forward runs; rank 0 decides, every rank does the same."""
 
     GRAPH = 0  # replay the bucket's graphs
-    UNCAPTURED = 1  # compiled pieces without graphs (tc_piecewise)
+    COMPILED = 1  # compiled pieces without graphs (tc_piecewise)
     LOGITS = 2  # eager forward, then logits of the sampled rows
     KV_ONLY = 3  # eager forward that only fills the KV cache
 

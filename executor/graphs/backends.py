@@ -1,21 +1,9 @@
 """Capture backends: how a callable is captured for one static shape and replayed.
 
-A backend knows nothing about models, phases or batches. The contract:
-
-* ``warm_up(shape, fn)`` runs ``fn`` uncaptured where capture will run it, as often as the
-  backend needs: compilation, lazily loaded kernels, library workspaces and first
-  allocations happen there, so the memory a capture then takes is the graph's own.
-* ``capture(shape, fn)`` runs ``fn`` under capture (after ``warm_up``) and returns its
-  static output tensor; ``fn`` must read its inputs from static buffers the caller
-  refreshes before replay.
-* ``replay(shape)`` re-runs the captured work and returns the same static output tensor.
-  NOTE: the output's memory is reused by the next replay of *any* shape of this backend
-  (they share one pool), so the caller must copy or consume it before replaying again.
-* ``has(shape)``; ``release()`` drops every graph and the pool.
-
-All graphs of one backend share one memory pool. Callers capture the largest shape first:
-its intermediate buffers are the biggest, and smaller shapes then fit inside the blocks the
-pool already holds instead of growing it.
+``CaptureBackend`` states the contract; ``FullGraphBackend`` captures one whole CUDA
+graph per shape, ``FixedGridGraphBackend`` the same with attention on a grid fixed by the
+bucket. All graphs of one backend share one memory pool, and callers capture the largest
+shape first, so smaller shapes fit inside the blocks the pool already holds.
 """
 
 from __future__ import annotations
@@ -102,6 +90,24 @@ class BatchScope:
 
 
 class CaptureBackend(Protocol):
+    """A backend knows nothing about models, phases or batches. The contract:
+
+    * ``warm_up(shape, fn)`` runs ``fn`` uncaptured where capture will run it, as often as the
+      backend needs: compilation, lazily loaded kernels, library workspaces and first
+      allocations happen there, so the memory a capture then takes is the graph's own.
+    * ``capture(shape, fn)`` runs ``fn`` under capture (after ``warm_up``) and returns its
+      static output tensor; ``fn`` must read its inputs from static buffers the caller
+      refreshes before replay.
+    * ``replay(shape)`` re-runs the captured work and returns the same static output tensor.
+      NOTE: the output's memory is reused by the next replay of *any* shape of this backend
+      (they share one pool), so the caller must copy or consume it before replaying again.
+    * ``has(shape)``; ``release()`` drops every graph and the pool.
+
+    All graphs of one backend share one memory pool. Callers capture the largest shape first:
+    its intermediate buffers are the biggest, and smaller shapes then fit inside the blocks the
+    pool already holds instead of growing it.
+    """
+
     name: str
     #: True when attention is captured inside the graphs (it needs static metadata);
     #: False when it runs eagerly between graph pieces.
@@ -111,10 +117,10 @@ class CaptureBackend(Protocol):
     #: buffer every bucket shares; False when the forward is compiled into pieces that
     #: return their own output.
     captures_runner_forward: bool
-    #: True when the prepared forward (``prepare_forward``) also serves, uncaptured, a
-    #: shape no graph was captured for, and beats the plain eager model there (compiled
+    #: True when the prepared forward (``prepare_forward``) also serves, compiled without
+    #: graphs, a shape no graph was captured for, and beats the plain eager model there (compiled
     #: pieces); False when it is only meant for the captured shapes.
-    serves_uncaptured_shapes: bool
+    serves_compiled_shapes: bool
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:
@@ -145,7 +151,7 @@ class FullGraphBackend:
     name = "full"
     attention_in_graph = True
     captures_runner_forward = True
-    serves_uncaptured_shapes = False
+    serves_compiled_shapes = False
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

@@ -46,7 +46,7 @@ class BreakableGraphBackend:
     #: Attention runs eagerly between segments, so it needs no static metadata buffers.
     attention_in_graph = False
     captures_runner_forward = True
-    serves_uncaptured_shapes = False
+    serves_compiled_shapes = False
 
     def wrap_attention(self, attn: AttentionBackend, scope: BatchScope, max_tokens: int
                        ) -> AttentionBackend:

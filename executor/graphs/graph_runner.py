@@ -3,26 +3,7 @@
 The runner owns the buckets, the static inputs and output, and the capture loop; the
 capture backend (composition, chosen by the graph mode) owns the graphs, the prologue
 (``prologue.py``) takes each step's packed batch into them, and ``accounting.py`` measures
-their memory and time. Two things vary, each decided once at construction, never per step:
-
-| phase   | logits                         | attention (from the capture backend)       |
-|---------|--------------------------------|--------------------------------------------|
-| decode  | in the graph, every padded row | ``full``: inside the graph, static metadata |
-| prefill | after the graph, sampled rows  | ``breakable``: eager between segments;     |
-|         |                                | ``fixed_grid``: inside, static metadata    |
-
-Inside-graph attention uses the attention backend's graph hooks (static buffers, dummy
-metadata at capture, a refresh before replay: captured in the prologue where the backend
-allows it). Eager attention gets the real batch's metadata through a ``BatchScope`` bound
-around the replay.
-
-Context tiers (full decode graphs): where the attention backend launches a decode of a
-bucket's size differently for short sequences (``AttentionBackend.decode_context_tiers``:
-Triton's split count follows a bound on the lengths, and the max context's bound leaves
-most splits idle at a few hundred tokens), the bucket also gets a twin graph per tier,
-captured in the same pool and fed by the same prologue (which does not depend on the
-tier). A replay takes the smallest tier that holds the batch's longest sequence, else the
-general graph; the batch's lengths are on the host, so the choice costs no sync.
+their memory and time.
 """
 
 from __future__ import annotations
@@ -49,6 +30,29 @@ log = logging.getLogger(__name__)
 
 
 class GraphRunner:
+    """One phase's graphs. Two things vary, each decided once at construction, never per
+    step:
+
+    | phase   | logits                         | attention (from the capture backend)       |
+    |---------|--------------------------------|--------------------------------------------|
+    | decode  | in the graph, every padded row | ``full``: inside the graph, static metadata |
+    | prefill | after the graph, sampled rows  | ``breakable``: eager between segments;     |
+    |         |                                | ``fixed_grid``: inside, static metadata    |
+
+    Inside-graph attention uses the attention backend's graph hooks (static buffers, dummy
+    metadata at capture, a refresh before replay: captured in the prologue where the backend
+    allows it). Eager attention gets the real batch's metadata through a ``BatchScope`` bound
+    around the replay.
+
+    Context tiers (full decode graphs): where the attention backend launches a decode of a
+    bucket's size differently for short sequences (``AttentionBackend.decode_context_tiers``:
+    Triton's split count follows a bound on the lengths, and the max context's bound leaves
+    most splits idle at a few hundred tokens), the bucket also gets a twin graph per tier,
+    captured in the same pool and fed by the same prologue (which does not depend on the
+    tier). A replay takes the smallest tier that holds the batch's longest sequence, else the
+    general graph; the batch's lengths are on the host, so the choice costs no sync.
+    """
+
     def __init__(self, phase: Phase, model: CausalModel, attn: AttentionBackend,
                  backend: CaptureBackend, buckets: tuple[int, ...], max_context: int,
                  table: ReqToTokenTable, device: torch.device,
@@ -282,11 +286,11 @@ class GraphRunner:
         return self.backend
 
     @property
-    def runs_uncaptured(self) -> bool:
-        """Whether ``run_uncaptured`` beats the plain eager model (compiled pieces)."""
-        return self.backend.serves_uncaptured_shapes
+    def runs_compiled(self) -> bool:
+        """Whether ``run_compiled`` beats the plain eager model (compiled pieces)."""
+        return self.backend.serves_compiled_shapes
 
-    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_compiled(self, batch: ForwardBatch) -> torch.Tensor:
         """A batch that fits no captured bucket, without graphs: logits as ``replay``
         gives them (a new tensor)."""
         with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):

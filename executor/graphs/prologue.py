@@ -4,17 +4,15 @@ The executor packs a batch bound for a captured bucket straight into the runner'
 ``transfer`` buffer (``GraphLayout``: padded to the bucket, every field at a fixed place).
 Per bucket, a small captured graph then copies it where the graphs read it:
 
-* token ids and positions into the static ``GraphInputs`` (a decode token that is
-  ``USE_LAST_SAMPLED`` becomes its sequence's last sampled token, read from the
-  executor's device table of them);
+* token ids and positions into the static ``GraphInputs`` (a ``USE_LAST_SAMPLED`` decode
+  token becomes its sequence's last sampled token, read from ``LastSampled.tokens``);
 * the new tokens' KV locations into the request-slot table (padding writes its scratch
   cell), through ``ReqToTokenTable.write_device``;
 * for a decode graph whose attention is captured, the decode rows into the attention
-  backend's static metadata, when the backend says that refresh is exactly one copy
+  backend's static metadata, when that refresh is exactly one copy
   (``AttentionBackend.static_decode_rows``).
 
-One graph launch instead of four to six host-issued ops per step; inside it, one kernel
-(``executor.kernels.graph_prologue``) where Triton runs.
+One graph launch instead of several host-issued ops per step.
 """
 
 from __future__ import annotations
@@ -81,7 +79,7 @@ class Prologue:
         table_index, locations = layout.field("table_index"), layout.field("out_cache_loc")
         rows = None if attention_rows is None else layout.decode_rows
         last = self.last_tokens
-        slots = layout.field("req_pool_indices") if last is not None else None
+        slots = layout.field("slots") if last is not None else None
 
         if self.fused:
             from executor.kernels.graph_prologue import graph_prologue

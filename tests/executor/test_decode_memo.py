@@ -1,6 +1,7 @@
-"""The decode launch's memo (``Executor._decode_memo``): a launch whose items are the
-previous launch's objects, all continuing from their last samples, skips validation and
-reuses that launch's columns, only while the KV cache changed in nothing else.
+"""The decode launch's memo (``step_plan.DecodeMemo``, ``Executor._decode_memo``): a launch
+whose items are the previous launch's objects, all continuing from their last samples,
+skips validation and reuses that launch's columns, only while the KV cache changed in
+nothing else.
 
 Two executors on the same weights take the same random operations; one sends its
 decode steps as the same item objects step after step (the memo may answer), the other
@@ -93,7 +94,7 @@ def test_the_memo_answers_as_full_validation_would(seed: int) -> None:
                 if isinstance(step, PendingStep):
                     ex.abort(step)
         else:  # a new batch, continuing on the device: mostly of sequences that can
-            ready = [s for s in live if s in memo._last_sampled and
+            ready = [s for s in live if memo.last.has(s) and
                      (memo.kv.length(s) or 0) < MAX_CONTEXT - 4] if rng.random() < 0.8 else []
             pool = ready or live
             chosen = rng.sample(pool, rng.randint(1, len(pool)))

@@ -23,7 +23,7 @@ _WIDTH = 97  # request-slot table row length: not a power of two, so a wrong str
 seqs = st.one_of(  # any lengths, or one new token per sequence (the decode packing)
     st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
     st.lists(st.tuples(st.integers(0, 40), st.just(1)), min_size=1, max_size=6))
-FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+FIELDS = ("input_ids", "positions", "out_cache_loc", "slots", "seq_lens",
           "prefix_lens", "extend_lens", "extend_start", "logits_indices", "table_index")
 
 
@@ -62,7 +62,7 @@ def test_both_build_paths_match_a_per_token_reference(
     assert fb.prefix_lens.tolist() == [e.prefix_len for e in alloc.extensions]
     assert fb.extend_lens.tolist() == [e.new_len for e in alloc.extensions]
     assert fb.seq_lens.tolist() == [e.prefix_len + e.new_len for e in alloc.extensions]
-    assert fb.req_pool_indices.tolist() == [e.slot for e in alloc.extensions]
+    assert fb.slots.tolist() == [e.slot for e in alloc.extensions]
     assert fb.logits_indices.tolist() == [starts[i] + spec[i][1] - 1 for i in rows]
     assert all(t.dtype == torch.int64 for t in (fb.input_ids, fb.positions, fb.table_index))
 
@@ -243,13 +243,13 @@ def test_numpy_decode_packing_equals_the_list_packing(
         assert torch.equal(got.packed, want.packed) and got.sizes == want.sizes
         for name in FIELDS:
             assert torch.equal(getattr(got, name), getattr(want, name)), name
-        assert (got.req_pool_indices_host, got.seq_lens_host, got.prefix_lens_host,
-                got.extend_lens_host) == (want.req_pool_indices_host, want.seq_lens_host,
+        assert (got.slots_host, got.seq_lens_host, got.prefix_lens_host,
+                got.extend_lens_host) == (want.slots_host, want.seq_lens_host,
                                           want.prefix_lens_host, want.extend_lens_host)
-        assert all(type(v) is int for v in got.seq_lens_host + got.req_pool_indices_host)
+        assert all(type(v) is int for v in got.seq_lens_host + got.slots_host)
 
 
-HOSTS = ("req_pool_indices_host", "seq_lens_host", "prefix_lens_host", "extend_lens_host")
+HOSTS = ("slots_host", "seq_lens_host", "prefix_lens_host", "extend_lens_host")
 
 
 @settings(max_examples=30, deadline=None)

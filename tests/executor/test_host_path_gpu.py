@@ -103,7 +103,7 @@ def _alloc(seed: int, new_lens: list[int], prefix_lens: list[int]) -> Allocation
     return Allocation(exts, locs)
 
 
-FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+FIELDS = ("input_ids", "positions", "out_cache_loc", "slots", "seq_lens",
           "prefix_lens", "extend_lens", "extend_start", "logits_indices", "table_index")
 
 
@@ -128,5 +128,5 @@ def test_staged_batches_equal_plain_ones_and_stay_intact(long_prompt: bool) -> N
         if staged.decode_rows is not None and plain.decode_rows is not None:
             assert torch.equal(staged.decode_rows, plain.decode_rows)
             assert staged.decode_rows.tolist() == [
-                plain.out_cache_loc.tolist(), plain.req_pool_indices.tolist(),
+                plain.out_cache_loc.tolist(), plain.slots.tolist(),
                 plain.seq_lens.tolist()]

@@ -114,10 +114,10 @@ def test_pooled_events_and_buffers_are_reused_and_results_stay_exact(model_path:
     assert [flat(r) for r in got] == [flat(r) for r in expected]
     # tokens, logprobs, top ids and top values per step: three kinds of buffer in flight
     # at most three deep (plus the prefill's own shapes)
-    assert piped._pinned.allocated <= 4 * 4 + 4
-    events = len(piped._events)
+    assert piped.pools._pinned.allocated <= 4 * 4 + 4
+    events = len(piped.pools._events)
     assert 1 <= events <= 4
     step = piped.launch_decode([DecodeItem(s, None, params) for s in toks])
-    assert len(piped._events) == events - 1
+    assert len(piped.pools._events) == events - 1
     piped.abort(step)
-    assert len(piped._events) == events
+    assert len(piped.pools._events) == events

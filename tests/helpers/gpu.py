@@ -110,7 +110,7 @@ def compare(ex: Executor, chunks: dict[str, list[int]]) -> None:
     """One packed batch through eager and through the graph: logits of every token."""
     alloc = ex.kv.allocate([(s, len(t)) for s, t in chunks.items()])
     tokens = [t for ts in chunks.values() for t in ts]
-    decision = ex._decide("prefill", len(tokens))
+    decision = ex.forward.decide("prefill", len(tokens))
     assert decision.use_graph and decision.bucket is not None, decision
     graph, eager = graph_and_eager(ex, ex.runners["prefill"], "prefill", tokens, alloc,
                                    decision.bucket, all_rows=True)

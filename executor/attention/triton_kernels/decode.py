@@ -2,30 +2,18 @@
 # (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
 """Split-KV paged decode attention: one new query token per sequence.
 
-Design (page size 1; a sequence's KV is read through its request-slot table row):
-
-* Grid ``(batch, kv_heads, num_splits)``. A program owns one KV head and the ``group``
-  query heads that share it, so each cached K/V row is read once per group (GQA), and
-  both matmuls run on tensor cores with the group as the M dimension (padded to 16 rows).
-* ``num_splits`` is fixed on the host per batch size (``num_kv_splits``); nothing in the
-  launch depends on sequence lengths, which the kernels read from device memory. One
-  launch can therefore be captured in a CUDA graph and replayed for any lengths.
-* The ``seq_len - 1`` cached tokens of a sequence are cut into ``num_splits`` equal chunks
-  (a multiple of ``SPLIT_ALIGN`` tokens), computed in the kernel from its length. Programs
-  past the last chunk read nothing.
-* The new token's K/V arrive in registers, not from the pool: split 0 writes them to the
-  pool at ``out_cache_loc`` (the fused store) and seeds its softmax with them. With
-  ``rope`` tables, q and the new k arrive unrotated and every program rotates them itself
-  at position ``seq_len - 1`` (neox rotate-half, rounded per operation like
-  ``executor.kernels.rope``): no separate RoPE launch per layer, and the new key is
-  rotated once, where it is stored (the earlier attempt that rotated cached keys in the
-  loop was slower, ``bench/results/2026-11-25-h100-rope-in-attention-reverted``). A padded
-  graph row (``seq_len`` 1, ``out_cache_loc`` 0) therefore reads no table entry at all
-  and writes only the reserved location 0.
-* Each split writes its normalized partial output and its log2-sum-exp to fp32 scratch
-  (an idle split writes lse -inf only); ``_decode_reduce_kernel`` merges the splits of
-  each (sequence, head). With one split the split kernel writes the final output and the
-  reduction is not launched.
+Grid ``(batch, kv_heads, num_splits)``: a program owns one KV head and the query heads of
+its group (GQA: each cached K/V row read once per group, both matmuls on tensor cores).
+``num_splits`` is fixed on the host per batch size (``num_kv_splits``) and the lengths are
+read on the device, so one launch is captured once and replayed for any lengths. A
+sequence's ``seq_len - 1`` cached tokens are cut into ``num_splits`` chunks (multiples of
+``SPLIT_ALIGN``). The new token's K/V arrive in registers: split 0 stores them at
+``out_cache_loc`` and seeds its softmax with them; with ``rope`` tables q and the new k
+arrive unrotated and are rotated in the kernel. A padded graph row (``seq_len`` 1,
+``out_cache_loc`` 0) reads no table entry and writes only the reserved location 0. Each
+split writes its partial output and log2-sum-exp to fp32 scratch and
+``_decode_reduce_kernel`` merges them (not launched with one split). Design notes:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -46,12 +34,9 @@ MAX_SPLITS = 64
 BLOCK_N = 64  # cached tokens per inner iteration
 # Query heads of a group are padded to this many rows (tl.dot needs M >= 16).
 MIN_BLOCK_H = 16
-# Pipelining depth of the split kernel's block loop from this batch size on (else 2).
-# Measured on an H100 (the call alone, 1B and SmolLM2 heads, a 4096-context bucket's split
-# count, ``bench/results/2026-11-26-h100-prologue-logits``), 3 stages against 2: batch 64
-# 6 % quicker (1B, 512 and 2048 tokens: 31.0 -> 29.1, 103.0 -> 96.7 us), batch 8 2-5 %
-# quicker at 2048 tokens and 1 % slower at 512, batch 1 1-5 % slower (a split is a block
-# or two there).
+# Pipelining depth of the split kernel's block loop from this batch size on (else 2):
+# a third stage pays off for large batches and costs small ones, whose splits are a
+# block or two long.
 DEEP_PIPELINE_FROM_BATCH = 8
 
 
@@ -60,10 +45,8 @@ def split_stages(batch: int) -> int:
     return 3 if batch >= DEEP_PIPELINE_FROM_BATCH else 2
 
 
-# Programs wanted per SM: enough in flight to hide the gather latency of short splits.
-# Measured on an H100 (Llama-3.2-1B shape, bf16, CUDA graph of 16 layers): 2 programs/SM
-# with 32-token alignment gave 5.3-5.5 us/layer at batch 1, context 512; 4 with 16 gave
-# 6.8 us there and won only at long contexts (batch 8, context 8192: 57 vs 68-72 us).
+# Programs wanted per SM: enough in flight to hide the gather latency of short splits
+# (more, with finer alignment, won only at long contexts; docs/kernels.md).
 PROGRAMS_PER_SM = 2
 
 
@@ -303,7 +286,7 @@ def decode_attention(
     k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     table: torch.Tensor,  # (max_sequences, max_context) int32
-    req_pool_indices: torch.Tensor,  # (B,) int64
+    slots: torch.Tensor,  # (B,) int64
     seq_lens: torch.Tensor,  # (B,) int64, including the new token
     out_cache_loc: torch.Tensor,  # (B,) int64
     out: torch.Tensor,  # (B, heads, head_dim), written
@@ -344,7 +327,7 @@ def decode_attention(
     else:
         cos = sin = out  # never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_new, v_new, k_pool, v_pool, table, req_pool_indices, seq_lens, out_cache_loc,
+        q, k_new, v_new, k_pool, v_pool, table, slots, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
         cos, sin, cos.stride(0),
         scale_log2, group, num_splits,
@@ -379,9 +362,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_S=block_s,
         SPLIT_ALIGN=SPLIT_ALIGN,
-        # Measured on an H100 (1B and SmolLM2 heads, batch 1, alone in a graph): 16 splits
-        # of 64 dims 1.53 us with 2 warps (1.76 with 4); 32 and 64 splits 2.0 with 4
-        # warps (2.6 and 2.1 with 2).
+        # Few short splits reduce fastest with 2 warps, more or wider ones with 4.
         num_warps=2 if head_dim <= 64 and block_s <= 16 else 4,
         **pdl.options(),
     )

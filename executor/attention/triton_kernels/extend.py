@@ -3,19 +3,15 @@
 """Paged attention for packed variable-length extends (prefill, chunked prefill, mixed).
 
 Sequence ``b`` brings ``extend_lens[b]`` new tokens at ``extend_start[b]`` of the packed
-tensors; they sit after a cached prefix of ``prefix_lens[b]`` tokens. New query ``i`` sees
-the whole prefix (read from the pool through the request-slot table) and new keys
-``0..i`` (read from the packed K/V, which the caller has also stored in the pool).
+tensors, after a cached prefix of ``prefix_lens[b]`` tokens. New query ``i`` sees the
+whole prefix (read from the pool through the request-slot table) and new keys ``0..i``
+(read from the packed K/V, which the caller has also stored in the pool).
 
-Grid ``(ceil(max_extend_len / BLOCK_M), batch, heads)``: a program takes ``BLOCK_M`` new
-queries of one sequence and one head, the last blocks first (they attend to the most
-keys); blocks past a sequence's new tokens exit at once.
-The grid uses a host-side maximum, so this kernel runs eagerly (it is not captured).
-
-``extend_attention_fixed_grid`` is the capturable variant (prefill graph mode
-``fixed_grid``): grid ``(ceil(T / BLOCK_M), heads)`` over the packed tokens, each program
-finding on the device which sequences its block of tokens belongs to, so the launch is
-fixed by a graph bucket's token count and the metadata lives in static buffers.
+``extend_attention``: grid ``(ceil(max_extend_len / BLOCK_M), batch, heads)``, the last
+query blocks first; the grid uses a host-side maximum, so it runs eagerly.
+``extend_attention_fixed_grid`` (prefill graph mode ``fixed_grid``): grid
+``(ceil(T / BLOCK_M), heads)`` over the packed tokens, each program finding on the device
+which sequences its block belongs to, so a graph bucket's token count fixes the launch.
 """
 
 from __future__ import annotations
@@ -29,9 +25,9 @@ import triton.language as tl
 from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
-# Tiles picked on an H100 (bf16, head_dim 64, GQA 4) among BLOCK_M 64/128, BLOCK_N 32/64,
-# 4/8 warps, 2/3 stages: best or near-best for prefill 128..2048, a 512-token chunk after
-# 2048 cached, and 64 decode-like rows; BLOCK_M 128 lost on every case but tiny prefills.
+# Tiles picked by a sweep (BLOCK_M 64/128, BLOCK_N 32/64, 4/8 warps, 2/3 stages) as best
+# or near-best from short to long prefills, chunked prefills and decode-like rows;
+# BLOCK_M 128 lost everywhere but tiny prefills.
 BLOCK_M = 64  # new queries per program; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per inner iteration
 NUM_WARPS = 4
@@ -81,9 +77,7 @@ def _extend_kernel(
 ):
     pdl_enter(USE_PDL)
     # The longest causal rows (the last query blocks) start first, so the short ones fill
-    # the tail: measured on an H100 (1B heads, one 2048-token prefill, this kernel alone,
-    # ``bench/results/2026-11-26-h100-extend-block-order``) 74.3/73.4 -> 72.1/72.7 us;
-    # 512 tokens within noise.
+    # the tail (a small gain on long prefills, none on short ones).
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -140,7 +134,7 @@ def _extend_fixed_grid_kernel(
     last = tl.sum((real & (starts < t0 + BLOCK_M)).to(tl.int32), axis=0)
     pdl_enter(USE_PDL)
     # (The sequence's fields are loaded again, one round trip for all four: keeping all
-    # rows in registers through the loop measured 13 % slower at 2048 tokens on an H100.)
+    # rows in registers through the loop was slower on long prefills.)
     for b in range(first, last):
         start = tl.load(extend_start_ptr + b)
         m0 = (t0 - start).to(tl.int32)  # may be < 0: those rows are masked
@@ -257,7 +251,7 @@ def extend_attention(
     k_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     v_pool: torch.Tensor,  # (locations + 1, kv_heads, head_dim)
     table: torch.Tensor,  # (max_sequences, max_context) int32
-    req_pool_indices: torch.Tensor,  # (B,) int64
+    slots: torch.Tensor,  # (B,) int64
     prefix_lens: torch.Tensor,  # (B,) int64
     extend_lens: torch.Tensor,  # (B,) int64
     extend_start: torch.Tensor,  # (B,) int64
@@ -271,7 +265,7 @@ def extend_attention(
     ``k``/``v`` at those locations (what ``store_kv`` does, without a second launch).
     """
     num_tokens, num_heads, head_dim = q.shape
-    batch = req_pool_indices.shape[0]
+    batch = slots.shape[0]
     if num_tokens == 0 or batch == 0:
         return
     num_kv_heads = k.shape[1]
@@ -285,7 +279,7 @@ def extend_attention(
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
                table.stride(0))
-    pointers = (q, k, v, out, k_pool, v_pool, table, req_pool_indices, prefix_lens,
+    pointers = (q, k, v, out, k_pool, v_pool, table, slots, prefix_lens,
                 extend_lens, extend_start, loc)
     store = out_cache_loc is not None
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),

@@ -1,26 +1,7 @@
-"""``PiecewiseCompileBackend`` (graph mode ``tc_piecewise``): torch.compile split at attention.
+"""``PiecewiseCompileBackend`` (graph mode ``tc_piecewise``): torch.compile split at
+attention, one CUDA graph per compiled piece per shape, attention eager between them.
 
-How a forward becomes graphs:
-
-1. ``wrap_attention`` gives the model ``OpAttention``: attention is the opaque custom op
-   ``model_executor::attention``, reading the batch the runner binds to its ``BatchScope``.
-2. ``prepare_forward`` returns the forward compiled by ``torch.compile(fullgraph=True)``
-   with this backend's Dynamo backend: the FX graph is split at every attention op
-   (``split.py``), the pieces between are compiled (``eager`` or ``inductor``,
-   ``compile.py``) and installed as ``GraphedPiece`` modules (``pieces.py``); attention
-   submodules call the op's impl directly (``custom_op.direct_call``). The token
-   dimension is marked dynamic, so one compilation serves every bucket.
-3. ``warm_up(shape, fn)`` runs ``fn`` (compiling at the first call), then
-   ``capture(shape, fn)`` runs it once in capture mode: each piece
-   captures one ``torch.cuda.CUDAGraph`` for ``shape`` (one pool for all pieces and shapes)
-   while attention runs eagerly between them. ``replay(shape)`` runs the same split graph
-   in replay mode (skipping Dynamo's guards, see ``replay``): pieces replay their graphs,
-   attention runs eagerly on the real batch.
-
-The compiled forward called outside ``capture``/``replay`` runs the compiled pieces
-without graphs, for any shape: on CPU (no graphs at all) and for the runner's eager
-fallback on shapes never captured. Call it as ``forward(ids, positions, SCOPED)`` with the
-batch bound to the scope, like capture and replay.
+The class docstring walks how a forward becomes graphs.
 """
 
 from __future__ import annotations
@@ -95,13 +76,36 @@ def _fx_cache_counts() -> tuple[int, int]:
 
 
 class PiecewiseCompileBackend:
+    """How a forward becomes graphs:
+
+    1. ``wrap_attention`` gives the model ``OpAttention``: attention is the opaque custom op
+       ``model_executor::attention``, reading the batch the runner binds to its ``BatchScope``.
+    2. ``prepare_forward`` returns the forward compiled by ``torch.compile(fullgraph=True)``
+       with this backend's Dynamo backend: the FX graph is split at every attention op
+       (``split.py``), the pieces between are compiled (``eager`` or ``inductor``,
+       ``compile.py``) and installed as ``GraphedPiece`` modules (``pieces.py``); attention
+       submodules call the op's impl directly (``custom_op.direct_call``). The token
+       dimension is marked dynamic, so one compilation serves every bucket.
+    3. ``warm_up(shape, fn)`` runs ``fn`` (compiling at the first call), then
+       ``capture(shape, fn)`` runs it once in capture mode: each piece
+       captures one ``torch.cuda.CUDAGraph`` for ``shape`` (one pool for all pieces and shapes)
+       while attention runs eagerly between them. ``replay(shape)`` runs the same split graph
+       in replay mode (skipping Dynamo's guards, see ``replay``): pieces replay their graphs,
+       attention runs eagerly on the real batch.
+
+    The compiled forward called outside ``capture``/``replay`` runs the compiled pieces
+    without graphs, for any shape: on CPU (no graphs at all) and for the runner's eager
+    fallback on shapes never captured. Call it as ``forward(ids, positions, SCOPED)`` with the
+    batch bound to the scope, like capture and replay.
+    """
+
     name = "tc_piecewise"
     #: Attention runs eagerly between piece graphs; it needs no static metadata.
     attention_in_graph = False
     #: The compiled forward returns its last piece's output: no shared output buffer.
     captures_runner_forward = False
     #: The compiled pieces run a shape no graph was captured for, faster than eager.
-    serves_uncaptured_shapes = True
+    serves_compiled_shapes = True
 
     def __init__(self, device: torch.device, compiler: CompilerName = "eager",
                  cache_dir: Path | None = None, cache_key: str = "",

@@ -10,17 +10,8 @@ The op's real impl needs what the node cannot carry: the inner attention backend
 batch (metadata, real token count). It reads them from ``ATTENTION_BINDING``, which
 ``PiecewiseCompileBackend`` (its one owner) binds around every call of the compiled
 forward; binding refuses nesting and clears in ``finally``. The batch itself lives in the
-runner's ``BatchScope``, bound around capture (dummy batch) and replay (real batch).
-
-Side effect. The op stores the layer's K/V into the KV pool, which is not an argument,
-so its schema says "no mutation". That is safe because nothing may reorder or drop it:
-
-* every attention node is a split point, so it is never inside a compiled piece: the
-  top-level split graph calls pieces and attention ops strictly in the original order,
-  and no compiler pass ever sees the op next to other ops;
-* its output is always consumed (``o_proj``), and the op is also registered with
-  ``torch.fx.node.has_side_effect``, so FX/Dynamo dead-code elimination keeps it even
-  if a model ever ignored the output.
+runner's ``BatchScope``, bound around capture (dummy batch) and replay (real batch). The
+op stores K/V although its schema says "no mutation": see the NOTE at its registration.
 """
 
 from __future__ import annotations
@@ -71,6 +62,15 @@ class AttentionBinding:
 ATTENTION_BINDING = AttentionBinding()
 
 
+# NOTE: The op stores the layer's K/V into the KV pool, which is not an argument,
+# so its schema says "no mutation". That is safe because nothing may reorder or drop it:
+#
+# * every attention node is a split point, so it is never inside a compiled piece: the
+#   top-level split graph calls pieces and attention ops strictly in the original order,
+#   and no compiler pass ever sees the op next to other ops;
+# * its output is always consumed (``o_proj``), and the op is also registered with
+#   ``torch.fx.node.has_side_effect``, so FX/Dynamo dead-code elimination keeps it even
+#   if a model ever ignored the output.
 @torch.library.custom_op(f"{OP_NAMESPACE}::{OP_NAME}", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
                  ) -> torch.Tensor:
@@ -102,7 +102,7 @@ def direct_call(gm: GraphModule) -> Callable[..., Any] | None:
 
     After the split the op needs no opacity any more: it runs eagerly between pieces.
     Calling ``OpAttention.run`` directly skips the dispatcher, the custom-op wrappers and
-    the FX module call, about 10 µs per layer per forward on the host.
+    the FX module call: host time on every layer of every forward.
     """
     nodes = list(gm.graph.nodes)
     placeholders = {n: i for i, n in enumerate(x for x in nodes if x.op == "placeholder")}

@@ -9,21 +9,6 @@ exactly one capture or replay at a time:
   in the backend's shared memory pool, and return the outputs the capture produced;
 * ``replay``: copy inputs whose address moved into the captured static inputs, replay,
   and return the captured outputs.
-
-Static inputs. A piece's tensor inputs are parameters and the runner's static id/position
-buffers (stable), outputs of the previous piece's graph (stable: a graph writes its outputs
-to the same pool addresses every replay) and attention outputs (``OpAttention.out``,
-stable by construction). So at replay an input is copied only when its ``data_ptr``
-differs from capture; an output of an earlier piece graph that moved is a bug and raises.
-
-Memory. Capture keeps only non-owning references to piece outputs (``weak_view``): once
-the forward that captured them drops its own references, their pool blocks become free
-for later captures (other pieces, smaller shapes). That is safe because replay runs the
-pieces in capture order and a tensor's lifetime in replay is its lifetime in capture:
-a block is only reused after its last reader ran. It is what keeps the pool about the
-size of one forward's activations instead of one per shape.
-NOTE: outputs returned by a replay point into the shared pool: valid until the next
-replay of any shape (the ``CaptureBackend`` contract).
 """
 
 from __future__ import annotations
@@ -85,7 +70,23 @@ class _Captured:
 
 
 class GraphedPiece(nn.Module):
-    """A compiled piece in the split graph: runs, captures or replays (see ``GraphMode``)."""
+    """A compiled piece in the split graph: runs, captures or replays (see ``GraphMode``).
+
+    Static inputs. A piece's tensor inputs are parameters and the runner's static id/position
+    buffers (stable), outputs of the previous piece's graph (stable: a graph writes its outputs
+    to the same pool addresses every replay) and attention outputs (``OpAttention.out``,
+    stable by construction). So at replay an input is copied only when its ``data_ptr``
+    differs from capture; an output of an earlier piece graph that moved is a bug and raises.
+
+    Memory. Capture keeps only non-owning references to piece outputs (``weak_view``): once
+    the forward that captured them drops its own references, their pool blocks become free
+    for later captures (other pieces, smaller shapes). That is safe because replay runs the
+    pieces in capture order and a tensor's lifetime in replay is its lifetime in capture:
+    a block is only reused after its last reader ran. It is what keeps the pool about the
+    size of one forward's activations instead of one per shape.
+    NOTE: outputs returned by a replay point into the shared pool: valid until the next
+    replay of any shape (the ``CaptureBackend`` contract).
+    """
 
     def __init__(self, index: int, fn: Callable[..., Any], mode: GraphMode) -> None:
         super().__init__()

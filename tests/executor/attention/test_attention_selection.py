@@ -123,7 +123,7 @@ def test_executor_refuses_the_backend_before_loading_weights(
     def never(*_: object, **__: object) -> None:
         raise AssertionError("weights loaded before the attention backend was settled")
 
-    monkeypatch.setattr("executor.executor.load_model", never)
+    monkeypatch.setattr("executor.boot.load_model", never)
     config = ExecutorConfig(model=ModelConfig(), device="cpu", attention_backend="flashinfer")
     with pytest.raises(ConfigError, match="'flashinfer' needs a CUDA device"):
         Executor(config)

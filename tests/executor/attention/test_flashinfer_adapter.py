@@ -95,7 +95,7 @@ def test_decode_graph_hooks_replan_fixed_buffers() -> None:
     fi.refresh_metadata(meta, batch)
     assert [t.data_ptr() for t in (bufs.indptr, bufs.indices, bufs.out_cache_loc)] == addresses
     assert bufs.indptr[:5].tolist() == [0, 34, 41, 42, 43]  # real rows, then pad rows
-    slots = batch.req_pool_indices_host
+    slots = batch.slots_host
     real_pages = torch.cat([table.device_table[slots[0], :34], table.device_table[slots[1], :7]])
     assert torch.equal(bufs.indices[:41], real_pages)  # stale entries past 34 / 7 not read
     assert bufs.indices[41:43].tolist() == [RESERVED_LOCATION] * 2

@@ -135,14 +135,14 @@ def test_decode_graph_hooks_interpreted() -> None:
     assert meta.seq_lens.tolist() == [34, 7, 1, 1]
     assert meta.out_cache_loc.tolist()[:2] == batch.out_cache_loc.tolist()
     assert meta.out_cache_loc.tolist()[2:] == [0, 0]
-    assert meta.req_pool_indices.tolist()[:2] == batch.req_pool_indices.tolist()
+    assert meta.slots.tolist()[:2] == batch.slots.tolist()
     # A batch without the packed decode rows (not built by ForwardBatch.build) refreshes
     # the same rows through its separate tensors.
     assert batch.decode_rows is not None
     tri.capture_metadata("decode", 4, 4)
     tri.refresh_metadata(meta, dataclasses.replace(batch, decode_rows=None))
     assert meta.seq_lens.tolist() == [34, 7, 1, 1]
-    assert meta.req_pool_indices.tolist()[:2] == batch.req_pool_indices.tolist()
+    assert meta.slots.tolist()[:2] == batch.slots.tolist()
     assert meta.out_cache_loc.tolist()[:2] == batch.out_cache_loc.tolist()
 
     gen = torch.Generator().manual_seed(5)

@@ -68,7 +68,7 @@ def test_graph_logits_equal_eager_at_every_bucket(ex: Executor, bs: int) -> None
     runner = ex.runners["decode"]
     for _ in range(12):  # growing contexts
         alloc = ex.kv.allocate([(sid, 1) for sid in last])
-        decision = ex._decide("decode", bs)
+        decision = ex.forward.decide("decode", bs)
         assert decision.use_graph and decision.bucket is not None
         graph, eager = graph_and_eager(ex, runner, "decode", list(last.values()), alloc,
                                        decision.bucket)
@@ -140,7 +140,7 @@ def test_batch_above_max_falls_back_with_reason(tmp_path: Path) -> None:
     cfg_ex.capture(["decode"])
     toks = _prefill(cfg_ex, 40, "big")  # 40 > largest bucket 32, but <= max_sequences
     # The executor's decode batch limit is 32, so ask the decision directly for 40.
-    assert cfg_ex._decide("decode", len(toks)).reason == FallbackReason.TOO_LARGE
+    assert cfg_ex.forward.decide("decode", len(toks)).reason == FallbackReason.TOO_LARGE
 
 
 def test_recapture_with_force_and_injected_failure(tmp_path: Path) -> None:

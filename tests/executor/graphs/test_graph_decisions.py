@@ -119,7 +119,7 @@ def test_capture_backends_by_mode_name() -> None:
     assert {m: b.name for m, b in made.items()} == {m: m for m in made}
     assert [b.attention_in_graph for b in made.values()] == [True, False, True, False]
     assert [b.captures_runner_forward for b in made.values()] == [True, True, True, False]
-    assert [b.serves_uncaptured_shapes for b in made.values()] == [False, False, False, True]
+    assert [b.serves_compiled_shapes for b in made.values()] == [False, False, False, True]
     with pytest.raises(ConfigError,
                        match="available: full, breakable, fixed_grid, tc_piecewise"):
         make_capture_backend("turbo", cpu, graphs, "k")

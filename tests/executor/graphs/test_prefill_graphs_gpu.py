@@ -105,7 +105,7 @@ def test_breakable_decode_equals_full_decode(model_path: Path) -> None:
 def test_too_many_tokens_fall_back(ex: Executor) -> None:
     # 600 tokens: above the largest bucket (512); the fixture's call limit is 512 too,
     # so ask the decision directly
-    decision = ex._decide("prefill", 600)
+    decision = ex.forward.decide("prefill", 600)
     assert decision.bucket is None and decision.reason is not None
     assert decision.reason.value == "exceeds_largest_bucket"
 

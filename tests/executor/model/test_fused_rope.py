@@ -73,7 +73,7 @@ def test_the_model_skips_rope_exactly_where_the_backend_rotates() -> None:
     want = _transcript(Executor(CONFIG))
     ex = Executor(CONFIG)
     fusing = FusingTorchNative(ex.attn)  # type: ignore[arg-type]
-    ex.attn = fusing
+    ex.attn = ex.forward.attn = fusing  # the facade and the forward share one backend
     fusing.fuse_decode_rope(ex.model.rotary.cos, ex.model.rotary.sin)  # type: ignore[attr-defined]
     calls: list[int] = []
     rope = ex.model.rotary.forward  # type: ignore[attr-defined]
@@ -113,7 +113,7 @@ def test_the_flag_needs_a_backend_that_fuses() -> None:
 def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (``auto``) fuses where the backend can rotate and the model has plain
     RoPE, says so in ModelInfo, and leaves RoPE to the model elsewhere or when ``off``."""
-    import executor.executor as executor_module
+    import executor.boot as executor_module
 
     plain = Executor(CONFIG)  # torch_native cannot rotate: the model does
     assert CONFIG.fuse_decode_rope == "auto"
@@ -160,7 +160,7 @@ def test_an_executor_holds_its_kernel_switches_around_each_forward() -> None:
     ex = Executor(CONFIG)
     assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False)
     seen: list[switches.KernelSwitches] = []
-    ex.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
+    ex.switches = ex.forward.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
     real = CausalLM.forward
 
     def spy(self: CausalLM, *args: object, **kwargs: object) -> object:

@@ -1,0 +1,273 @@
+"""The executor's boot sequence, one function per step, each returning frozen parts.
+
+    1. device and dtype, the process-wide kernel switches
+    2. the attention backend settled (before anything big is allocated), the weights
+    3. the KV cache sized and allocated (pools + request-slot table), the TP step channel
+    4. the attention backend built, the fused decode RoPE decided, ``ModelInfo``
+    5. the per-step pools: sampler, last sampled tokens, pinned staging, step pools
+    6. the graph runners (capture happens on ``Executor.capture``) and the ``Forward``
+
+Under tensor parallelism every rank runs it: each loads its weight shard and allocates
+its KV shard (its KV heads); the collectives in steps 3 and 4 run in the same order on
+every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from executor.api import ModelInfo, Phase
+from executor.attention import create_backend, resolve_backend_name
+from executor.attention.base import AttentionBackend, AttentionShape
+from executor.config import ExecutorConfig
+from executor.distributed import group
+from executor.distributed.channel import StepChannel
+from executor.distributed.group import TensorParallel
+from executor.errors import ConfigError
+from executor.forward import Forward
+from executor.forward_batch import PinnedStaging
+from executor.graphs.buckets import (
+    default_decode_buckets,
+    default_prefill_buckets,
+    normalize_buckets,
+)
+from executor.graphs.graph_runner import GraphRunner
+from executor.graphs.registry import make_capture_backend, resolve_graph_mode
+from executor.kernels.switches import KernelSwitches
+from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
+from executor.last_sampled import LastSampled
+from executor.model.base import CausalModel
+from executor.model.spec import ModelSpec
+from executor.sampling import Sampler
+from executor.steps import StepPools
+from executor.validation import Limits
+from executor.weights.catalog import model_name, resolve_model_source
+from executor.weights.loader import load_hf_config, load_model
+from executor.weights.sharding import local_spec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: KV tokens off CUDA when ``--kv-tokens`` is not given (no device memory to size by).
+CPU_DEFAULT_KV_TOKENS = 32768
+
+
+# -- 1. device and dtype ------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+    dtype_name: str
+    #: Process-wide kernel launch choices (PDL, the row kernel), held active around each
+    #: forward and capture so executors sharing a process launch as configured.
+    switches: KernelSwitches
+
+
+def place(config: ExecutorConfig) -> Placement:
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
+    dtype_name = config.model.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    switches = KernelSwitches.resolve(config.pdl, config.skinny_row_kernel, device)
+    return Placement(device, _DTYPES[dtype_name], dtype_name, switches)
+
+
+# -- 2. attention settled, weights ----------------------------------------------------
+@dataclass(frozen=True)
+class Weights:
+    model: CausalModel
+    spec: ModelSpec  # this rank's (its heads)
+    name: str
+    max_context: int
+    shape: AttentionShape
+    backend_name: str
+    #: Seconds per boot step (FlashInfer's probe JIT-compiles its kernels in "attention").
+    seconds: dict[str, float]
+
+
+def load_weights(config: ExecutorConfig, at: Placement, tp: TensorParallel) -> Weights:
+    source = config.model.source
+    model_dir = resolve_model_source(source)  # tiny, a named model, or a directory
+    spec = local_spec(load_hf_config(model_dir), tp.size)  # this rank's heads
+    max_context = config.cache.max_context or spec.max_position
+    # Settled before the weights load: a backend that cannot serve here fails fast.
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
+    started = time.perf_counter()
+    backend_name = resolve_backend_name(config.attention_backend, at.device, at.dtype, shape)
+    seconds = {"attention": time.perf_counter() - started}
+    started = time.perf_counter()
+    model, spec = load_model(model_dir, at.dtype, at.device, max_context, spec, tp,
+                             config.model.load_format, config.model.seed)
+    seconds["weights"] = time.perf_counter() - started
+    return Weights(model, spec, model_name(source, model_dir), max_context, shape,
+                   backend_name, seconds)
+
+
+# -- 3. KV cache, TP channel ----------------------------------------------------------
+@dataclass(frozen=True)
+class Cache:
+    pool: KVPool
+    table: ReqToTokenTable
+    kv: KVCacheManager
+    limits: Limits
+    #: Bytes of weights and KV cache each rank holds, in rank order.
+    rank_memory_bytes: tuple[int, ...]
+    channel: StepChannel | None  # to the other ranks (None without any)
+
+
+def size_cache(config: ExecutorConfig, at: Placement, w: Weights,
+               tp: TensorParallel) -> Cache:
+    # Every rank holds the same locations (of its own KV heads): the fewest any fits.
+    tp.settle()  # ranks load their slices at different speeds
+    num_tokens = tp.min_over_ranks(_kv_tokens(config, at, w))
+    spec = w.spec
+    pool = KVPool(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim, at.dtype,
+                  at.device)
+    table = ReqToTokenTable(config.cache.max_sequences, w.max_context, at.device)
+    weights = w.model.parameters() if isinstance(w.model, torch.nn.Module) else ()
+    rank_memory_bytes = tp.gather_over_ranks(
+        sum(p.numel() * p.element_size() for p in weights) + pool.nbytes)
+    channel = StepChannel(tp, at.device) if tp.distributed else None
+    limits = Limits(spec.vocab_size, w.max_context, config.max_prefill_tokens,
+                    config.decode_batch_limit, kv_tokens=num_tokens)
+    return Cache(pool, table, KVCacheManager(table, num_tokens), limits, rank_memory_bytes,
+                 channel)
+
+
+def _kv_tokens(config: ExecutorConfig, at: Placement, w: Weights) -> int:
+    cache = config.cache
+    if cache.kv_tokens is not None:
+        return cache.kv_tokens
+    if at.device.type != "cuda":
+        return min(cache.max_sequences * w.max_context, CPU_DEFAULT_KV_TOKENS)
+    free, _total = torch.cuda.mem_get_info(at.device)
+    per_token = KVPool.bytes_per_token(w.spec.num_layers, w.spec.num_kv_heads,
+                                       w.spec.head_dim, at.dtype)
+    tokens = int(free * cache.kv_memory_fraction) // per_token
+    if tokens <= 0:
+        raise ConfigError(f"no device memory left for the KV cache ({free} bytes free)")
+    return tokens
+
+
+# -- 4. attention backend, fused decode RoPE, ModelInfo ---------------------------------
+@dataclass(frozen=True)
+class Attention:
+    attn: AttentionBackend
+    #: Whether the decode attention kernel applies RoPE (the model then does not).
+    fuses_decode_rope: bool
+    model_info: ModelInfo
+
+
+def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Cache,
+                    tp: TensorParallel) -> Attention:
+    attn = create_backend(w.backend_name, w.shape, cache.pool, cache.table)
+    rotary = getattr(w.model, "rotary", None)
+    can_fuse = attn.can_fuse_decode_rope and rotary is not None and \
+        not w.spec.features.qk_norm
+    if config.fuse_decode_rope == "on" and not can_fuse:
+        raise ConfigError(
+            f"--fuse-decode-rope on needs the triton attention backend (this one is "
+            f"{w.backend_name!r}) and a model with RoPE and no per-head q/k norm")
+    fuses = can_fuse and config.fuse_decode_rope != "off"
+    if fuses:
+        attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
+    features = ("fused_decode_rope",) * fuses + at.switches.features + \
+        group.projection_features(tp)
+    info = ModelInfo(
+        name=w.name, architecture=w.spec.architecture, dtype=at.dtype_name,
+        device=str(at.device), vocab_size=w.spec.vocab_size, max_context=w.max_context,
+        attention_backend=w.backend_name, load_format=config.model.load_format,
+        tensor_parallel_size=tp.size, rank_memory_bytes=cache.rank_memory_bytes,
+        kernel_features=features,
+        tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "")
+    return Attention(attn, fuses, info)
+
+
+# -- 5. per-step pools ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Pools:
+    sampler: Sampler
+    last: LastSampled
+    #: Every batch's metadata goes to the device through one reused pinned buffer.
+    staging: PinnedStaging | None
+    steps: StepPools
+
+
+def make_pools(config: ExecutorConfig, at: Placement, cache: Cache) -> Pools:
+    staging = PinnedStaging(at.device) if at.device.type == "cuda" else None
+    return Pools(Sampler(), LastSampled(config.cache.max_sequences, at.device, cache.channel),
+                 staging, StepPools(at.device))
+
+
+# -- 6. graph runners and the forward ----------------------------------------------------
+@dataclass(frozen=True)
+class Graphs:
+    modes: dict[Phase, str]  # the configured graph mode per phase
+    runners: dict[Phase, GraphRunner]  # per phase with graphs on a CUDA device
+    forward: Forward
+
+
+def make_graphs(config: ExecutorConfig, at: Placement, w: Weights, cache: Cache,
+                att: Attention, pools: Pools, tp: TensorParallel) -> Graphs:
+    modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,
+                               "prefill": config.graphs.prefill_mode}
+    for phase, mode in modes.items():  # a name the phase has (any device)
+        resolve_graph_mode(phase, mode, cuda=True)
+    runners: dict[Phase, GraphRunner] = {}
+    for phase, mode in modes.items():
+        if mode == "disabled" or at.device.type != "cuda":
+            continue
+        backend = make_capture_backend(mode, at.device, config.graphs,
+                                       _model_key(at, w, cache, tp))
+        if backend.attention_in_graph and phase not in att.attn.capturable:
+            raise ConfigError(
+                f"{phase} graph mode {mode!r} captures attention, and attention backend "
+                f"{att.attn.name!r} cannot be captured for {phase}; use --attention-backend "
+                f"triton, another graph mode, or disable {phase} graphs")
+        if phase == "decode":
+            buckets = config.graphs.decode_buckets or default_decode_buckets(
+                config.decode_batch_limit)
+        else:
+            buckets = config.graphs.prefill_buckets or default_prefill_buckets(
+                config.max_prefill_tokens)
+        runner = GraphRunner(phase, w.model, att.attn, backend, normalize_buckets(buckets),
+                             cache.limits.max_context, cache.table, at.device,
+                             pools.last.tokens)
+        if cache.channel is not None:  # a bucket failing on any rank fails on all
+            runner.agree = cache.channel.agree
+        runners[phase] = runner
+    forward = Forward(w.model, att.attn, runners, modes, cache.table, at.device,
+                      pools.staging, pools.sampler, pools.last, at.switches, cache.channel)
+    return Graphs(modes, runners, forward)
+
+
+def _model_key(at: Placement, w: Weights, cache: Cache, tp: TensorParallel) -> str:
+    """What a compiled forward depends on besides our code: layout, dtype, context (the
+    RoPE table is a graph input) and the kernel choice."""
+    raw = f"{w.spec!r}|{at.dtype}|{cache.limits.max_context}|{w.model.kernels}"
+    if tp.distributed:  # the collectives are part of the compiled graph
+        raw += f"|tp{tp.rank}/{tp.size}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+# -- all of it ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Parts:
+    at: Placement
+    weights: Weights
+    cache: Cache
+    attention: Attention
+    pools: Pools
+    graphs: Graphs
+
+
+def boot(config: ExecutorConfig, tp: TensorParallel) -> Parts:
+    """Steps 1 to 6, in order."""
+    at = place(config)
+    w = load_weights(config, at, tp)
+    cache = size_cache(config, at, w, tp)
+    att = build_attention(config, at, w, cache, tp)
+    pools = make_pools(config, at, cache)
+    return Parts(at, w, cache, att, pools, make_graphs(config, at, w, cache, att, pools, tp))

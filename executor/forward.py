@@ -1,0 +1,235 @@
+"""``Forward``: a step's forward pass, from its allocation to its samples on the device.
+
+It decides graph or eager (``graphs/dispatch.py``), packs the batch, tells the other
+tensor-parallel ranks (rank 0's announcer), runs the forward as the ``Mode`` says (graph
+replay, compiled pieces without graphs, or eager) with the kernel switches held, and
+samples. Rank 0's ``Executor`` and the other ranks' follower (``follower.py``) both run
+their forwards through it, so every rank runs a step the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from executor.api import Path, Phase, RankTiming, SamplingParams, StepInfo
+from executor.attention.base import AttentionBackend
+from executor.distributed.channel import StepChannel
+from executor.distributed.protocol import Mode, StepHeader
+from executor.forward_batch import BeforeTransfer, ForwardBatch, PinnedStaging
+from executor.graphs.dispatch import Decision, GraphKey, RunnerState, decide
+from executor.graphs.graph_runner import GraphRunner
+from executor.kernels.switches import KernelSwitches
+from executor.kv import Allocation, ReqToTokenTable
+from executor.last_sampled import LastSampled
+from executor.model.base import CausalModel
+from executor.packing import USE_LAST_SAMPLED, PackedSizes
+from executor.sampling import DeviceSample, Sampler, device_tensor
+from executor.step_plan import SamplePlan, decode_step
+
+
+class Forward:
+    def __init__(self, model: CausalModel, attn: AttentionBackend,
+                 runners: dict[Phase, GraphRunner], graph_modes: dict[Phase, str],
+                 table: ReqToTokenTable, device: torch.device, staging: PinnedStaging | None,
+                 sampler: Sampler, last: LastSampled, switches: KernelSwitches,
+                 channel: StepChannel | None) -> None:
+        self.model, self.attn, self.runners, self.graph_modes = model, attn, runners, graph_modes
+        self.table, self.device, self.staging = table, device, staging
+        self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
+
+    # -- decisions ------------------------------------------------------------------
+    def decide(self, phase: Phase, size: int) -> Decision:
+        """Graph bucket or eager, for a step of ``size`` rows (decode) or tokens."""
+        runner = self.runners.get(phase)
+        if runner is not None:
+            state = runner.state()
+        else:
+            state = RunnerState(cuda=self.device.type == "cuda",
+                                enabled=self.graph_modes[phase] != "disabled",
+                                buckets=(), captured=frozenset(), failed=frozenset())
+        return decide(GraphKey(phase, size), state)
+
+    def mode(self, phase: Phase, decision: Decision, params: list[SamplingParams]) -> Mode:
+        """How a step's forward runs (every rank runs it the same way)."""
+        if decision.bucket is not None:
+            return Mode.GRAPH
+        runner = self.runners.get(phase)
+        if runner is not None and runner.runs_compiled:
+            return Mode.COMPILED
+        return Mode.LOGITS if params else Mode.KV_ONLY
+
+    def announcer(self, phase: Phase, decision: Decision, params: list[SamplingParams],
+                  targets: list[int] | None) -> BeforeTransfer | None:
+        """Rank 0 of a tensor-parallel group: sends a step to the other ranks as soon as it
+        is packed, before its own device copy, so that they start unpacking it while this
+        rank copies and launches (their forwards' first all-reduce waits for the last
+        rank to arrive). None without other ranks."""
+        channel = self.channel
+        if channel is None:
+            return None
+        mode = self.mode(phase, decision, params)
+        # Sequences sampled for: one row each, except an every_position item's many rows,
+        # of which only the last (the one target -1) keeps its token.
+        sampled = 0 if mode is Mode.KV_ONLY or not params else \
+            len(params) if targets is None else targets.count(-1)
+
+        def send(packed: torch.Tensor, sizes: PackedSizes) -> None:
+            channel.send(StepHeader(phase, mode, decision.bucket, sizes, sampled), packed)
+
+        return send
+
+    # -- batches --------------------------------------------------------------------
+    def build_batch(self, phase: Phase, token_ids: list[int], alloc: Allocation,
+                    logits_rows: list[int], bucket: int | None = None,
+                    every_position: frozenset[int] = frozenset(),
+                    before_transfer: BeforeTransfer | None = None) -> ForwardBatch:
+        """Pack a batch for ``alloc`` and publish its new KV locations to the device
+        request-slot table (part of the same transfer). ``logits_rows`` index the
+        sequences whose last new token needs logits. With the captured ``bucket`` it will
+        replay, the batch is packed for that bucket's graphs, and the replay publishes
+        its locations (``GraphRunner.layout``). ``before_transfer``: see
+        ``ForwardBatch.build`` (``announcer``'s)."""
+        runner = self.runners.get(phase) if bucket is not None else None
+        layout = runner.layout(bucket) if runner is not None and bucket is not None else None
+        batch = ForwardBatch.build(phase, token_ids, alloc, logits_rows, self.device,
+                                   self.table.max_context, self.staging, layout,
+                                   every_position, before_transfer)
+        if layout is None:
+            self.table.write_device(batch.table_index, batch.out_cache_loc)
+        return batch
+
+    def unpack(self, header: StepHeader, packed: torch.Tensor) -> ForwardBatch:
+        """A rank other than 0: the batch rank 0 packed, at the same KV locations."""
+        runner = self.runners.get(header.phase) if header.bucket is not None else None
+        layout = runner.layout(header.bucket) if runner is not None and \
+            header.bucket is not None else None
+        batch = ForwardBatch.from_packed(header.phase, packed, header.sizes, self.device,
+                                         self.staging, layout)
+        if layout is None:
+            self.table.write_device(batch.table_index, batch.out_cache_loc)
+        return batch
+
+    # -- steps ----------------------------------------------------------------------
+    def prefill(self, tokens: list[int], alloc: Allocation, rows: list[int],
+                every: frozenset[int], plan: SamplePlan) -> tuple[DeviceSample | None, StepInfo]:
+        """A prefill's forward and samples; the samples of each sampling item's last row
+        become its sequence's last sampled token."""
+        decision = self.decide("prefill", len(tokens))
+        batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
+                                 self.announcer("prefill", decision, plan.params,
+                                                plan.targets))
+        sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets)
+        if sample is not None:
+            slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
+                                  self.device)
+            # (an every_position item's last row is the one a plain item would sample)
+            sampled = sample.tokens if not every else sample.tokens.index_select(
+                0, device_tensor(plan.last_rows, torch.int64, self.device))
+            self.last.remember(slots, sampled)
+        return sample, info
+
+    def decode(self, alloc: Allocation, tokens: Sequence[int | None],
+               params: list[SamplingParams], num_steps: int
+               ) -> tuple[list[DeviceSample], tuple[int, ...], StepInfo]:
+        """``num_steps`` decode steps over ``alloc`` (``num_steps`` tokens per sequence),
+        each reading the previous one's samples on the device (one graph replay per step,
+        no host round trip). A None token continues from its sequence's last sample.
+        Returns the samples per step, the sequences' lengths after the last step and its
+        info (over all the steps)."""
+        n = len(tokens)
+        rows = list(range(n))
+        samples: list[DeviceSample] = []
+        ranks: RankTiming | None = None  # the worst over the steps
+        decision = self.decide("decode", n)
+        first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
+            [USE_LAST_SAMPLED if t is None else t for t in tokens]
+        announce = self.announcer("decode", decision, params, None)
+        for step in range(num_steps):
+            sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
+            batch = self.build_batch("decode", first if step == 0 else
+                                     [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
+                                     before_transfer=announce)
+            # each sequence's length after this step: the index of its new token + 1
+            sample, info = self.step(batch, decision, params, batch.seq_lens_host,
+                                     remember=batch.slots)
+            assert sample is not None
+            self.last.remember(batch.slots, sample.tokens, stored=True)
+            samples.append(sample)
+            if info.ranks is not None:
+                ranks = info.ranks if ranks is None else ranks.worst(info.ranks)
+        if num_steps != 1:
+            info = dataclasses.replace(info, num_tokens=info.num_tokens * num_steps,
+                                       padded_tokens=info.padded_tokens * num_steps,
+                                       num_steps=num_steps, ranks=ranks)
+        return samples, batch.seq_lens_host, info
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
+             positions: Sequence[int], targets: list[int] | None = None,
+             remember: torch.Tensor | None = None) -> tuple[DeviceSample | None, StepInfo]:
+        """Run the forward (graph, compiled pieces or eager) and sample on the device;
+        with ``remember`` (a slot per sampled row), the sampler also writes the samples
+        to those slots' last sampled tokens (``LastSampled.sampler_target``)."""
+        start = time.perf_counter()
+        padded = 0 if decision.bucket is None else decision.bucket - (
+            batch.batch_size if batch.phase == "decode" else batch.num_tokens)
+        mode = self.mode(batch.phase, decision, params)
+        # (the other ranks got the step from ``announcer`` while it was packed)
+        logits = self.run(batch, mode, decision.bucket)
+        ranks = None
+        if self.channel is not None:  # every rank launched the step (after our own launch)
+            ranks = self.channel.confirm(time.monotonic_ns())
+        sample = self.sampler.sample(
+            logits, params, positions, targets,
+            None if remember is None else self.last.sampler_target(remember)) \
+            if logits is not None and params else None
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        reason = decision.reason.value if decision.reason is not None else ""
+        path: Path = "graph" if decision.use_graph else "eager"
+        return sample, StepInfo(batch.phase, path, reason, batch.num_tokens, padded, elapsed_ms,
+                                ranks=ranks)
+
+    # -- forwards -------------------------------------------------------------------
+    def run(self, batch: ForwardBatch, mode: Mode, bucket: int | None) -> torch.Tensor | None:
+        """The forward as ``mode`` says, with the kernel switches held; logits of the
+        sampled rows in the activation dtype (the sampler widens what it computes in
+        float32), or None."""
+        with self.switches:
+            if mode is Mode.GRAPH:
+                assert bucket is not None
+                # Graph logits are valid until the next replay: sampled right after.
+                return self.runners[batch.phase].replay(batch, bucket)
+            if mode is Mode.COMPILED:
+                # Compiled pieces without graphs: still faster than the plain eager model.
+                return self.runners[batch.phase].run_compiled(batch)
+            if mode is Mode.LOGITS:
+                return self.forward_logits(batch)
+            self.forward_only(batch)  # fills the KV cache; no logits wanted
+            return None
+
+    def forward_only(self, batch: ForwardBatch) -> None:
+        """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""
+        meta = self.attn.build_metadata(batch)
+        self.model(batch.input_ids, batch.positions, self.attn, meta)
+
+    def resolve_last_sampled(self, batch: ForwardBatch) -> ForwardBatch:
+        """An eager decode batch with its ``USE_LAST_SAMPLED`` tokens read from the device
+        (a graph's prologue does the same inside the graph)."""
+        if batch.phase != "decode":
+            return batch
+        return dataclasses.replace(batch, input_ids=self.last.resolve(batch.input_ids,
+                                                                      batch.slots))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Eager forward returning logits of ``batch.logits_indices`` in the activation
+        dtype, as ``compute_logits`` gives them (for tests and benchmarks; it does not
+        sample)."""
+        batch = self.resolve_last_sampled(batch)
+        meta = self.attn.build_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
+        return self.model.compute_logits(hidden[batch.logits_indices])
