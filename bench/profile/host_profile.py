@@ -154,7 +154,7 @@ class StageClock:
         runner: Any = ex.runners.get("prefill") or ex.runners.get("decode")  # a GraphRunner
         targets: list[tuple[Any, str, str]] = [
             (ex_module, "validate_prefill", "validate"), (ex_module, "validate_decode", "validate"),
-            (ex.kv, "allocate", "allocate"), (ex, "build_batch", "build_batch"),
+            (ex.kv, "allocate", "allocate"), (ex.forward, "build_batch", "build_batch"),
             (ex.attn, "build_metadata", "metadata"), (ex.attn, "refresh_metadata", "metadata"),
             (ex.model, "compute_logits", "logits"), (ex.sampler, "sample", "sample"),
             (ex, "complete", "complete"), (ex, "release", "release")]

@@ -68,7 +68,7 @@ class _Stamps:
         self.headers = 0
         self.sent: dict[int, float] = {}
         self.forward: dict[int, float] = {}
-        channel, forward = ex.channel, ex._forward
+        channel, forward = ex.channel, ex.forward.run
         send = channel.send
 
         def stamped_send(header: Any, packed: Any = None) -> None:
@@ -81,7 +81,7 @@ class _Stamps:
             return forward(*args, **kwargs)
 
         channel.send = stamped_send
-        ex._forward = stamped_forward
+        ex.forward.run = stamped_forward
 
 
 def _lead(ex: Any, store: Any, stamps: _Stamps, batches: list[int], steps: int,
@@ -118,6 +118,7 @@ def _lead(ex: Any, store: Any, stamps: _Stamps, batches: list[int], steps: int,
 def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[Kernel]]:
     """Another rank: the follower's loop, each header received under the profiler while
     rank 0's ``profile`` switch is on."""
+    from executor import follower
     from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
 
     channel = ex.channel
@@ -135,11 +136,11 @@ def _follow(ex: Any, store: Any, stamps: _Stamps, cuda: bool) -> dict[int, list[
             stamps.headers = index + 1
             out["header"] = header
             if isinstance(header, StepHeader):
-                ex.follow(header, packed)
+                follower.follow_step(ex, header, packed)
             elif isinstance(header, CaptureHeader):
                 ex.capture(header.phases, header.force)
             elif isinstance(header, ForkHeader):
-                ex.follow_fork(header)
+                follower.follow_fork(ex, header)
 
         # NOTE: never a profiler around graph capture (the switch is off until after it).
         profile = cuda and store.check(["profile"]) and store.get("profile") == b"1"

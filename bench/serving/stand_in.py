@@ -63,17 +63,19 @@ class StandInExecutor(Executor):
         self.launch_host_s = launch_host_s  # extra host time per launch, GIL held
         self.device_free_at = 0.0
         vocab = self.model_info.vocab_size
-        # Instance attributes shadow the methods: no model work on the host.
-        self.forward_logits = (  # type: ignore[method-assign]
+        # Instance attributes shadow the forward's methods: no model work on the host.
+        self.forward.forward_logits = (  # type: ignore[method-assign]
             lambda batch: torch.zeros(int(batch.logits_indices.numel()), vocab))
-        self._forward_only = lambda batch: None  # type: ignore[method-assign]
+        self.forward.forward_only = lambda batch: None  # type: ignore[method-assign]
+        pend = self.pools.pend
+        self.pools.pend = lambda step: self._on_device(pend(step))  # type: ignore[method-assign]
 
     def span_s(self, sequences: int) -> float:
         fits = [s for b, s in self.spans.items() if b >= sequences]
         return fits[0] if fits else list(self.spans.values())[-1]
 
-    def _pending(self, step: PendingStep) -> PendingStep:
-        step = super()._pending(step)
+    def _on_device(self, step: PendingStep) -> PendingStep:
+        """A launched step queued on the simulated device (after the real pools' pend)."""
         if self.launch_host_s > 0:  # a busy wait: CUDA API calls hold the GIL too
             until = time.perf_counter() + self.launch_host_s
             while time.perf_counter() < until:

@@ -71,13 +71,13 @@ def _wrap(owner: Any, name: str, tag: str,
 
 def install() -> None:
     from executor.distributed.channel import StepChannel
-    from executor.executor import Executor
+    from executor.forward import Forward
     from executor.forward_batch import ForwardBatch
 
     _wrap(StepChannel, "send", "S", lambda args, _: _step_fields(args[1]))
     _wrap(StepChannel, "_receive_local", "R", lambda _, got: _step_fields(got[0]))
     _wrap(ForwardBatch, "from_packed", "P")
-    _wrap(Executor, "_forward", "F")
+    _wrap(Forward, "run", "F")
 
 
 class _AfterExecutor(importlib.abc.MetaPathFinder):
