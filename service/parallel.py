@@ -61,7 +61,7 @@ def _build(config: ExecutorConfig, rdv: Rendezvous, parallel: ParallelConfig,
 
     cfg = _executor_config(config, rdv.local_rank)
     tp = distributed.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
-                    parallel.collective_timeout, parallel.all_reduce, parallel.fuse_all_reduce)
+                    parallel.collective_timeout, parallel.all_reduce, parallel.gemm_send)
     log.info("tp_all_reduce", rank=rdv.rank, **distributed.all_reduce_choice(tp))
     return Executor(cfg, tp), tp
 

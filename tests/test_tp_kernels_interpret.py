@@ -131,14 +131,14 @@ def test_push_all_gather_stacks_the_ranks_in_order_between_all_reduces() -> None
 @pytest.mark.parametrize("kernel", ["classic", "row"])
 def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool, kernel: str
                                                                ) -> None:
-    """``skinny_gemm.send_linear`` then the lane's kernel with ``SENT``, between plain
+    """``skinny.send_linear`` then the lane's kernel with ``SENT``, between plain
     calls of the lane: the projection stores exactly what ``skinny_gemm`` returns (its -0.0
     as +0.0) as rank 0's share of the call's slot in both buffers, the kernel sums it with
     the peer's without reading its input, clears rank 0's buffer and counts the call
     (``-0.0`` sent as ``+0.0`` is ``lamport_send``'s, shared with the kernel's own push).
     ``kernel``: the classic skinny kernel's tile, or the persistent row kernel's (its
     programs loop over several column blocks)."""
-    from executor.kernels import skinny_gemm
+    from executor.kernels import skinny as skinny_gemm
 
     rank0 = Rank0(torch.float16)
     lane = skinny_gemm.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)

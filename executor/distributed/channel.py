@@ -47,7 +47,9 @@ import torch
 import torch.distributed as dist
 
 from executor.api import RankTiming
-from executor.distributed.group import _GROUPS, CollectiveFailed, TensorParallel, collective
+from executor.distributed import collectives
+from executor.distributed.collectives import CollectiveFailed, collective
+from executor.distributed.group import TensorParallel
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -83,7 +85,9 @@ class StepChannel:
             raise ValueError("a step channel needs process groups")
         self.tp, self.device, self.inline = tp, device, inline
         self._control = tp.control_group
-        self._device_group = _GROUPS[tp.device_group_name or ""]
+        state = collectives.state(tp.device_group_name)
+        assert state is not None, "a channel needs the group's process groups (init)"
+        self._device_group = state.group
         # header | up to ``inline`` packed entries (the same size on every rank)
         self._message = torch.zeros(HEADER_LEN + inline, dtype=torch.int64)
         self._wire = self._message.numpy()  # the same memory: what ``local`` writes

@@ -34,15 +34,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from executor.distributed.group import (
-    ALL_REDUCE_CHOICES,
-    FUSE_MODES,
-    AllReduceChoice,
-    FuseMode,
-)
+from executor.distributed.all_reduce.paths import ALL_REDUCE_CHOICES
 from executor.errors import ConfigError
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+#: ``--tp-gemm-send`` values (``ParallelConfig.gemm_send`` is True for "on").
+GEMM_SEND_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -53,23 +50,21 @@ class ParallelConfig:
         fails within it on the others).
     heartbeat_interval_s / heartbeat_timeout_s: each rank bumps a counter in the store
         every interval; a rank whose counter has not moved for the timeout has failed.
-    all_reduce: "auto" (the default: the fastest of the three below for each size, timed
-        at start-up), "nccl", "symm_mem" (small all-reduces as PyTorch's symmetric-memory
-        kernel where every rank can, NCCL otherwise) or "triton" (the same with our kernel;
-        ``executor/distributed/group.py``).
-    fuse_all_reduce: how far one-row all-reduces at decode batch 1 move into the
-        projections around them (``group.FUSE_MODES``, ``group.init``'s ``fuse``): "send"
-        (the default: o_proj/down_proj store into the push kernel's buffers, the kernel
-        only sums), "off" (a separate all-reduce after each projection), "on"
-        (experimental, measured slower: where the flag kernel takes them, none at all).
+    all_reduce: ``--tp-all-reduce`` (``ALL_REDUCE_CHOICES``): "auto" (the default: each
+        size to the fastest algorithm, timed at start-up), "nccl", or one of the one-shot
+        algorithms "symm_mem", "flags", "push" (``all_reduce/paths.py``), NCCL where it
+        cannot run.
+    gemm_send: ``--tp-gemm-send``: where the push algorithm takes a one-row all-reduce,
+        o_proj/down_proj's GEMM stores its output into the push buffers and the kernel
+        only sums (True, the default); False: a separate all-reduce after each projection.
     """
 
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
-    all_reduce: AllReduceChoice = "auto"
-    fuse_all_reduce: FuseMode = "send"
+    all_reduce: str = "auto"
+    gemm_send: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -82,9 +77,9 @@ class ParallelConfig:
         if self.all_reduce not in ALL_REDUCE_CHOICES:
             raise ConfigError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}, "
                               f"got {self.all_reduce!r}")
-        if self.fuse_all_reduce not in FUSE_MODES:
-            raise ConfigError(f"--tp-fuse-all-reduce must be one of {', '.join(FUSE_MODES)}, "
-                              f"got {self.fuse_all_reduce!r}")
+        if not isinstance(self.gemm_send, bool):
+            raise ConfigError(f"--tp-gemm-send must be one of {', '.join(GEMM_SEND_MODES)}, "
+                              f"got {self.gemm_send!r}")
 
     @property
     def collective_timeout(self) -> datetime.timedelta:
