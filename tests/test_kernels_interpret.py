@@ -424,22 +424,22 @@ def test_shapes_whose_sweep_found_cublas_faster_are_left_to_it(
 
 
 def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
-    from executor.kernels import skinny as skinny_gemm
+    from executor.kernels import skinny
 
     dt = torch.float16
     plain = torch.nn.Linear(32, 48, bias=False).to(dt)
     biased = torch.nn.Linear(32, 48, bias=True).to(dt)
-    x = _randn(skinny_gemm.MAX_ROWS, 32, dtype=dt, seed=15)
-    many = _randn(skinny_gemm.MAX_ROWS + 1, 32, dtype=dt, seed=16)
-    assert skinny_gemm.serves(x, plain) and not skinny_gemm.serves(many, plain)
-    assert not skinny_gemm.serves(x, biased) and not skinny_gemm.serves(x.float(), plain)
+    x = _randn(skinny.MAX_ROWS, 32, dtype=dt, seed=15)
+    many = _randn(skinny.MAX_ROWS + 1, 32, dtype=dt, seed=16)
+    assert skinny.serves(x, plain) and not skinny.serves(many, plain)
+    assert not skinny.serves(x, biased) and not skinny.serves(x.float(), plain)
     for inp, layer in ((x, plain), (many, plain), (x, biased)):
-        torch.testing.assert_close(skinny_gemm.linear(layer, inp), layer(inp),
+        torch.testing.assert_close(skinny.linear(layer, inp), layer(inp),
                                    atol=2e-3, rtol=2e-3)
     down = torch.nn.Linear(16, 32, bias=False).to(dt)
     gate_up = _randn(2, 32, dtype=dt, seed=17)
     torch.testing.assert_close(
-        skinny_gemm.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
+        skinny.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
         down(TORCH_OPS.silu_and_mul(gate_up)), atol=2e-3, rtol=2e-3)
 
 

@@ -138,15 +138,15 @@ def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool, ke
     (``-0.0`` sent as ``+0.0`` is ``lamport_send``'s, shared with the kernel's own push).
     ``kernel``: the classic skinny kernel's tile, or the persistent row kernel's (its
     programs loop over several column blocks)."""
-    from executor.kernels import skinny as skinny_gemm
+    from executor.kernels import skinny
 
     rank0 = Rank0(torch.float16)
-    lane = skinny_gemm.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)
+    lane = skinny.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)
     gen = torch.Generator().manual_seed(3)
     n, k_in = 300, 48
-    tile: skinny_gemm.Tile | skinny_gemm.RowTile = (
-        skinny_gemm.Tile(block_n=64, block_k=32, num_warps=4, num_stages=1)
-        if kernel == "classic" else skinny_gemm.RowTile(block_n=16, num_warps=4,
+    tile: skinny.Tile | skinny.RowTile = (
+        skinny.Tile(block_n=64, block_k=32, num_warps=4, num_stages=1)
+        if kernel == "classic" else skinny.RowTile(block_n=16, num_warps=4,
                                                         programs_per_sm=4))
     for epoch, send in enumerate([False, True, True, False, True], start=1):
         peer = torch.randint(-8, 9, (n,), generator=gen).to(torch.float16)
@@ -158,8 +158,8 @@ def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool, ke
             # integers: the products and sums are exact, some outputs are zeros
             x = torch.randint(-2, 3, (1, 2 * k_in if silu_mul else k_in), generator=gen)
             w = torch.randint(-1, 2, (n, k_in), generator=gen).to(torch.float16)
-            mine = skinny_gemm.skinny_gemm(x.half(), w, silu_mul=silu_mul, tile=tile)
-            skinny_gemm.send_linear(x.half(), w, lane, silu_mul=silu_mul, tile=tile)
+            mine = skinny.skinny_gemm(x.half(), w, silu_mul=silu_mul, tile=tile)
+            skinny.send_linear(x.half(), w, lane, silu_mul=silu_mul, tile=tile)
             pushed = rank0.region(1, epoch, 0, n)
             zeros = mine[0] == 0
             assert torch.equal(pushed, mine[0]) and (silu_mul or zeros.any())

@@ -55,7 +55,7 @@ class GroupState:
     paths: tuple[OneShotPath, ...] = ()
     #: row-parallel projections send their one-row outputs into the push path
     sends: bool = False
-    #: what was asked and, under "auto", measured and planned (``auto.all_reduce_choice``)
+    #: what was asked and, under "auto", timed and planned (``auto.all_reduce_choice``)
     report: dict[str, object] = field(default_factory=dict)
 
 

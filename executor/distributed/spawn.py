@@ -6,14 +6,12 @@ Two ways to start N ranks, one code path after the rendezvous:
   on a free loopback port and spawns ranks 1..N-1 (``multiprocessing`` spawn context),
   each a fresh interpreter that dies with its parent (``PR_SET_PDEATHSIG`` on Linux).
 * A torchrun-style environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-  ``RANK``, ``LOCAL_RANK``): every process is started by the launcher (torchrun,
-  LeaderWorkerSet, ...); they meet at the store on ``MASTER_ADDR:MASTER_PORT`` (hosted
-  by rank 0, or by torchrun's agent when ``TORCHELASTIC_USE_AGENT_STORE=True``).
+  ``RANK``, ``LOCAL_RANK``): every process is started by the launcher and they meet at the
+  store on ``MASTER_ADDR:MASTER_PORT`` (rank 0's, or torchrun's agent's).
 
-Faults are found three ways, each naming the rank: a spawned child's exit (its process
-sentinel: at once, with the exit code or signal); a rank whose heartbeat counter in the
-store stops moving for ``heartbeat_timeout_s`` (hung, stopped, or on a lost host); and a
-collective that fails or outlives ``collective_timeout_s`` during a step.
+Faults are found three ways, each naming the rank: a spawned child's exit (at once, with
+its exit code or signal); a heartbeat counter in the store that stops moving for
+``heartbeat_timeout_s``; and a collective that fails or outlives ``collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ GEMM_SEND_MODES = ("on", "off")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many ranks and how long a silent one is waited for.
+    """How many ranks and how long a rank that stops answering is waited for.
 
     collective_timeout_s: bound of every data-plane collective (a step on a hung rank
         fails within it on the others).

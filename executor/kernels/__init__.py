@@ -1,27 +1,16 @@
 """Fused Triton kernels of the decoder layer (one concept per module).
 
-* ``norm``: RMSNorm, and residual-add + RMSNorm in one launch (``(hidden, residual)``
-  threading through the layers, vLLM-style).
-* ``rope``: rotate-half RoPE on q and k in one launch, with Qwen3's per-head q/k norm
-  fused in when the model has one.
-* ``activation``: SiLU-and-mul over the fused gate/up output.
-* ``skinny``: the projections at one row (decode at batch 1), with the RMSNorm
-  before qkv and gate_up and the SiLU-and-mul before down fused into their input.
-* ``embedding``: a tensor-parallel rank's embedding lookup (its rows, zeros elsewhere).
-
-Every kernel reproduces Hugging Face's fp16/bf16 op-by-op rounding (see each module), so
-the fused path stays close to the torch path that ``executor.model.layers`` keeps as the
-reference. All of them return new tensors and never write their inputs.
-
-Eager calls launch the kernels directly; under Dynamo (``torch.compiler.is_compiling()``)
-the same functions call the custom ops ``torch.ops.model_executor.{rms_norm,
-add_rms_norm, rope_qk, silu_and_mul}``, which have fake impls, so a compiled forward
-records one opaque node per kernel. (Eager calls skip the op: its dispatcher work on the
-host would cost more than some of these kernels take on the device.)
+``norm`` (RMSNorm; residual-add + RMSNorm), ``rope`` (q and k, with Qwen3's q/k norm),
+``activation`` (SiLU-and-mul), ``skinny`` (the one-row projections with the norm or
+SiLU-and-mul fused into their input), ``embedding`` (a tensor-parallel rank's lookup).
+Every kernel reproduces Hugging Face's fp16/bf16 op-by-op rounding, so the fused path stays
+close to the torch path ``executor.model.layers`` keeps as the reference; all return new
+tensors. Under Dynamo the same functions call custom ops with fake impls
+(``torch.ops.model_executor.*``), so a compiled forward records one opaque node per kernel.
 
 The face's names import Triton on first use (``__getattr__``), so a CPU process may import
 ``executor.kernels.switches`` without it; the model takes the fused path only where it runs
-(see ``executor.model.layers.select_ops``).
+(``executor.model.layers.select_ops``). Why each kernel exists: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -6,13 +6,11 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
 * ``TORCH_OPS``: plain PyTorch, op for op what Hugging Face computes (RMSNorm in float32,
   RoPE tables in float32 cast to the activation dtype), so float32 logits match it
   tightly. Used on CPU, for float32, and as the reference of the kernels' tests.
-* ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
-  q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
-  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
-  one row (decode at batch 1, ``skinny_gemm.MAX_ROWS``) the projections of plain
-  ``nn.Linear`` layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before
-  them fused in and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by
-  summation order (about an ulp per output).
+* ``TRITON_OPS``: the fused kernels of ``executor.kernels``: a few launches per layer
+  instead of tens, with the same op-by-op rounding in fp16/bf16. At one row (decode at
+  batch 1, ``skinny.MAX_ROWS``) plain ``nn.Linear`` projections run as a skinny GEMM with
+  the norm or SiLU-and-mul before them fused in; outputs then differ from cuBLAS by
+  summation order (about an ulp).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """

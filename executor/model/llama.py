@@ -6,17 +6,12 @@ model never sees how sequences are laid out, only the metadata object it passes 
 
 Layers thread ``(hidden, residual)`` (vLLM-style): each layer returns its MLP output and
 the residual stream *without* adding them; the next layer's input norm (or the final
-norm) does the add and the norm in one step. The sums are the same as Hugging Face's
-``residual + hidden``, in the same dtype, so logits do not change.
-
-The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
-forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
-Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at one row (decode at batch 1) each
-norm is fused into the GEMM after it and SiLU-and-mul into the down GEMM
-(``executor.kernels.skinny``). Under tensor parallelism o_proj and down_proj are
-row-parallel; their all-reduce may take the GEMM's output as it is stored
-(``TensorParallel.linear_all_reduce``).
+norm) does the add and the norm in one step, the same sums as Hugging Face's
+``residual + hidden`` in the same dtype. The element-wise work between the matmuls goes
+through a ``LayerOps`` picked once per forward (``select_ops``): fused Triton kernels on
+CUDA for fp16/bf16 (at one row each norm fused into the GEMM after it and SiLU-and-mul
+into down: ``executor.kernels.skinny``), plain torch else. Under tensor parallelism
+o_proj and down_proj are row-parallel (``TensorParallel.linear_all_reduce``).
 """
 
 from __future__ import annotations
@@ -180,8 +175,8 @@ class CausalLM(nn.Module):
         bf16/fp16 -> float32 is exact). With ``out`` (a buffer of the activation dtype), its
         rows ``:S``, returned as that view.
 
-        NOTE: no float32 cast here: on an H100 it was a copy kernel of 4.0 us per decode
-        step at batch 1 and 23.65 us at batch 64 (Llama-3.2-1B, vocabulary 128256)."""
+        NOTE: no float32 cast here: it would be one more vocabulary-wide copy kernel per
+        decode step, for a widening the sampler does on the rows it reads anyway."""
         if out is None:
             return self.lm_head(hidden)
         dst = out[: hidden.shape[0]]  # (S, vocab)
