@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 from executor.distributed import collectives
 from executor.distributed.all_reduce.paths import PushAllReduce
-from executor.distributed.collectives import CollectiveFailed, collective
+from executor.distributed.collectives import collective
 
-__all__ = ["CollectiveFailed", "TensorParallel", "all_reduce_algorithm",
-           "projection_features"]
+__all__ = ["TensorParallel", "all_reduce_algorithm", "projection_features"]
 
 
 @dataclass(frozen=True)
