@@ -10,6 +10,7 @@ where ``tests/gpu/test_kernels.py`` runs the compiled kernels instead.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -382,8 +383,10 @@ def test_shapes_whose_sweep_found_cublas_faster_are_left_to_it(
     below the tile's sends that shape, with that input op, at one row, to the unfused path
     (the norm kernels and ``layer``); 3 % below, or two rows, stays with the skinny kernel."""
     from executor.kernels import skinny as sg
-    from executor.kernels.skinny import linear as sg_linear
     from executor.kernels.skinny import tiles
+
+    # (the package's ``linear`` is the function: the module comes from the import system)
+    sg_linear = importlib.import_module("executor.kernels.skinny.linear")
 
     rows = [{"prologue": p, "n": 48, "k": 32, "tile": [4, 32, 4], "us": 10.0,
              "unfused_us": us} for p, us in ((sg.PLAIN, 9.0), (sg.ADD_RMS_NORM, 9.5),
