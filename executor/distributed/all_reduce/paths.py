@@ -105,8 +105,8 @@ class AllReducePath:
 
     def sized(self, min_bytes: int, max_bytes: int) -> AllReducePath:
         """This path for the sizes in ``(min_bytes, max_bytes]`` ("auto"'s plan)."""
-        return cast(AllReducePath, dataclasses.replace(cast(Any, self), min_bytes=min_bytes,
-                                               max_bytes=max_bytes))
+        sized = dataclasses.replace(cast(Any, self), min_bytes=min_bytes, max_bytes=max_bytes)
+        return cast(AllReducePath, sized)
 
 
 def _our_kernel_possible(device: torch.device, size: int) -> bool:
