@@ -282,8 +282,8 @@ class ModelInfo:
     tensor_parallel_size: int = 1  # ranks the model is split over
     # bytes of weights and KV cache each rank holds, in rank order (counted at start-up)
     rank_memory_bytes: tuple[int, ...] = ()
-    # kernel switches in effect ("fused_decode_rope", "pdl", "tp_projections_send",
-    # "tp_fused_all_reduce"): what ``auto`` and the defaults resolved to
+    # kernel switches in effect ("fused_decode_rope", "pdl", "skinny_row_kernel",
+    # "tp_projections_send"): what ``auto`` and the defaults resolved to
     kernel_features: tuple[str, ...] = ()
     # where the weights came from: "safetensors", or "random" (``--load-format random``)
     load_format: str = "safetensors"

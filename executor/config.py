@@ -115,7 +115,7 @@ class ExecutorConfig:
     #: ``off``.
     pdl: str = "auto"
     #: The skinny GEMM's persistent row kernel for one-row projections of the shapes it
-    #: takes (``executor/kernels/skinny_gemm.py``, ``row_tile``): ``auto`` on CUDA devices,
+    #: takes (``executor/kernels/skinny/tiles.py``, ``row_tile``): ``auto`` on CUDA devices,
     #: ``on`` (refused elsewhere), ``off`` (the classic kernel only).
     skinny_row_kernel: str = "auto"
 

@@ -18,7 +18,12 @@ from executor.config import (
     GraphConfig,
     ModelConfig,
 )
-from executor.distributed import ALL_REDUCE_CHOICES, FUSE_MODES, ParallelConfig, Rendezvous
+from executor.distributed import (
+    ALL_REDUCE_CHOICES,
+    GEMM_SEND_MODES,
+    ParallelConfig,
+    Rendezvous,
+)
 from executor.errors import ConfigError
 from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
 from service import __version__
@@ -168,18 +173,15 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                           default="auto",
                           help="nccl: every all-reduce through NCCL; symm_mem: those up to "
                           "512 KiB as one symmetric-memory kernel over NVLink peer access "
-                          "where every rank can, NCCL otherwise; triton: the same with our "
+                          "where every rank can, NCCL otherwise; flags: the same with our "
                           "flag kernel, which lets the next kernel start during it (PDL); "
-                          "lamport: our push kernel (bf16/fp16; one NVLink crossing, no "
+                          "push: our push kernel (bf16/fp16; one NVLink crossing, no "
                           "flags); auto: all timed at start-up, each size to the fastest")
-    parallel.add_argument("--tp-fuse-all-reduce", choices=FUSE_MODES, default="send",
-                          help="send: where our push kernel (lamport) takes a decode step's "
-                          "one-row all-reduces, o_proj and down_proj store their output into "
-                          "its buffers and it only sums; off: a separate all-reduce after "
-                          "each projection; on (experimental): where our flag kernel (triton) "
-                          "takes them, the projections around them do all of it (the "
-                          "row-parallel one pushes its partial row to every rank, the next "
-                          "one sums as it reads), slower than a separate kernel")
+    parallel.add_argument("--tp-gemm-send", choices=GEMM_SEND_MODES, default="on",
+                          help="on: where the push all-reduce takes a decode step's one-row "
+                          "all-reduces, o_proj and down_proj's GEMM stores its output into "
+                          "its buffers and the kernel only sums; off: a separate all-reduce "
+                          "after each projection")
     net.add_argument("--log-format", choices=("json", "console"), default="json")
     net.add_argument("--rpc-log", choices=("all", "errors"), default="all",
                      help="one INFO line per call, or only for calls that fail (cheaper "
@@ -339,7 +341,7 @@ def parallel_configs(args: argparse.Namespace, env: Mapping[str, str]
     return ParallelConfig(1 if size is None else size, args.collective_timeout,
                           heartbeat_timeout_s=args.rank_heartbeat_timeout,
                           all_reduce=args.tp_all_reduce,
-                          fuse_all_reduce=args.tp_fuse_all_reduce), rendezvous
+                          gemm_send=args.tp_gemm_send == "on"), rendezvous
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 ``run`` is what ``model-executor serve`` calls when ``--tensor-parallel-size`` is above 1
 or a torchrun-style environment names a rendezvous. Rank 0 serves exactly as one process
 does (``service/server.py``), with an executor factory that first joins the process
-group; every other rank builds its executor shard and runs ``follower.follow``.
+group; every other rank builds its executor shard and runs ``follower.run``.
 
 A failed rank (``executor/distributed/spawn.py`` says how one is found) is logged with
 its number and reason (``rank_failed``); the server turns UNHEALTHY at once (liveness and
@@ -61,7 +61,7 @@ def _build(config: ExecutorConfig, rdv: Rendezvous, parallel: ParallelConfig,
 
     cfg = _executor_config(config, rdv.local_rank)
     tp = distributed.init(rdv.rank, rdv.world_size, torch.device(cfg.device), store,
-                    parallel.collective_timeout, parallel.all_reduce, parallel.fuse_all_reduce)
+                    parallel.collective_timeout, parallel.all_reduce, parallel.gemm_send)
     log.info("tp_all_reduce", rank=rdv.rank, **distributed.all_reduce_choice(tp))
     return Executor(cfg, tp), tp
 

@@ -103,7 +103,7 @@ class ExecutorWorker:
     A call travels to the thread through a ``SimpleQueue`` and its result back through
     ``call_soon_threadsafe`` onto an asyncio future: about half the host time of a thread
     pool's future chained to an asyncio one plus a wait on two futures, once per step of
-    every stream (``bench.session``).
+    every stream (``bench.serving.session_latency``).
     """
 
     def __init__(self, on_fatal: Callable[[BaseException], None] | None = None,

@@ -152,11 +152,11 @@ def measure(model: Path, tp: int, vocab: int, all_reduce: str = "auto",
             load_format: str = "safetensors", extra: list[str] | None = None
             ) -> dict[str, Any]:
     """One server's figures; ``all_reduce`` is ``--tp-all-reduce``'s value, optionally
-    with ``/send`` or ``/off`` for ``--tp-fuse-all-reduce`` (default: the server's);
+    with ``/on`` or ``/off`` for ``--tp-gemm-send`` (default: the server's);
     ``extra``: more ``serve`` arguments."""
-    algo, _, fuse = all_reduce.partition("/")
+    algo, _, send = all_reduce.partition("/")
     proc, target, metrics = serve(model, tp, ["--tp-all-reduce", algo,
-                                              *(["--tp-fuse-all-reduce", fuse] if fuse else []),
+                                              *(["--tp-gemm-send", send] if send else []),
                                               "--load-format", load_format, *(extra or [])])
     out: dict[str, Any] = {"tp": tp, "all_reduce": all_reduce}
     client = Client(target, vocab)  # its stub serves the unary calls too
@@ -235,6 +235,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
 
     import torch.distributed as dist
 
+    from executor import distributed
     from executor.distributed import group
 
     torch.cuda.set_device(rank)
@@ -243,8 +244,8 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
     # one store for every algorithm's group (a port per group could be taken meanwhile)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
-    for algo in ("nccl", "symm_mem", "triton", "lamport", "auto"):
-        tp = group.init(rank, world, device, dist.PrefixStore(algo, store),
+    for algo in distributed.ALL_REDUCE_CHOICES:
+        tp = distributed.init(rank, world, device, dist.PrefixStore(algo, store),
                         datetime.timedelta(seconds=120), algo)  # type: ignore[arg-type]
         name = group.all_reduce_algorithm(tp)
         times: dict[str, float] = {}
@@ -291,9 +292,9 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], hidden
                        and bool(torch.equal(mixed[2], every + 1)))
             del graph, mixed
         result[algo] = {"algorithm": name, "ok": ok, "us": times,
-                        "choice": group.all_reduce_choice(tp),
+                        "choice": distributed.all_reduce_choice(tp),
                         "send": _send_check(tp, rank, hidden)}
-        group.shutdown(tp)
+        distributed.shutdown(tp)
     if rank == 0:
         queue.put(result)
 
@@ -311,7 +312,7 @@ def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
     ``all_reduce``: whether the send path ran, the same bits eagerly and from a graph of
     ``GRAPH_REPEATS`` pairs (each with its own input), and each graph's µs per pair."""
     from executor.distributed import group
-    from executor.kernels import skinny_gemm
+    from executor.kernels import skinny
 
     device = torch.device("cuda", rank)
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -322,10 +323,10 @@ def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
               for _ in range(GRAPH_REPEATS)]
 
     def plain(x: torch.Tensor) -> torch.Tensor:
-        return tp.all_reduce(skinny_gemm.linear(layer, x))
+        return tp.all_reduce(skinny.linear(layer, x))
 
     def sent(x: torch.Tensor) -> torch.Tensor:
-        return tp.linear_all_reduce(layer, x, lambda: skinny_gemm.linear(layer, x))
+        return tp.linear_all_reduce(layer, x, lambda: skinny.linear(layer, x))
 
     probe = torch.empty(1, hidden, device=device, dtype=torch.bfloat16)
     ok = all(bool(torch.equal(plain(x), sent(x))) for x in inputs[:4])
@@ -353,8 +354,8 @@ def _send_check(tp: Any, rank: int, hidden: int) -> dict[str, Any]:
 
 def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
                  ) -> dict[str, Any]:
-    """Per algorithm ("nccl", "symm_mem", "triton", "lamport", "auto"): what it resolved to
-    (and, for "auto", its start-up probe times and the one-shot kernel's size limit),
+    """Per algorithm (``ALL_REDUCE_CHOICES``: nccl, symm_mem, flags, push, auto): what it
+    resolved to (and, for "auto", its start-up probe times and the one-shot kernel's size limit),
     whether every sum was exact (eager and in a graph) and the median µs of one all-reduce
     of (rows, hidden) bf16 inside a captured graph, by rows."""
     return spawn_ranks(_allreduce_worker, world, sizes or [*BATCHES, PREFILL], hidden)
@@ -505,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sizes 4 and 8 only (llama-3.1-70b@4: its weights fit only there)")
     ap.add_argument("--tp", default="1,2,2:nccl",
                     help="runs, comma-separated: a TP size, optionally :auto, :nccl, "
-                    ":symm_mem, :triton or :lamport (--tp-all-reduce; default auto), then /send "
-                    "or /off for --tp-fuse-all-reduce (2:auto/off); a size may repeat "
+                    ":symm_mem, :flags or :push (--tp-all-reduce; default auto), then /on "
+                    "or /off for --tp-gemm-send (2:auto/off); a size may repeat "
                     "(2,1,2,1,2): the batch-1 ratio is then the median over its runs")
     ap.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                     help="random: write only each shape's config.json and let the server "

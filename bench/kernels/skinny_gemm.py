@@ -1,4 +1,4 @@
-"""The skinny GEMM (``executor.kernels.skinny_gemm``) against what it replaces, at M = 1, and
+"""The skinny GEMM (``executor.kernels.skinny``) against what it replaces, at M = 1, and
 the tuner of its tiles.
 
 ``python -m bench.kernels.skinny_gemm --shape llama-3.2-1b [--tp N] [--sweep] [--tiles-out
@@ -9,7 +9,7 @@ residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfuse
 (tuned or default), and the persistent row kernel where it takes the shape by default.
 ``--sweep`` times every tile of a small grid (and the row kernel's, reported only), each
 checked against the unfused output first; ``--tiles-out`` merges the best tile per
-(prologue, N, K, device) into a JSON file that ``skinny_gemm.TILES_FILE`` can be. Times
+(prologue, N, K, device) into a JSON file that ``skinny.TILES_FILE`` can be. Times
 are CUDA-graph replays over weight copies that exceed L2 (``bench.common.timing``), so
 each call reads its weight from HBM; the weight-read floor uses the bandwidth measured here.
 """
@@ -35,14 +35,14 @@ from bench.common.timing import weight_copies, weights_replay_us
 
 # (block_n, block_k, num_warps[, num_stages]) candidates at M = 1; the last ones loop over
 # short K chunks with a deeper software pipeline. RMSNorm prologues also try each one
-# with ``one_pass`` (``skinny_gemm._one_pass_norm_product``).
+# with ``one_pass`` (``executor/kernels/skinny/kernel.py``).
 SWEEP = [(1, 4096, 4), (2, 1024, 4), (2, 2048, 8), (2, 4096, 4), (2, 4096, 8), (4, 1024, 4),
          (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 512, 4), (8, 1024, 4), (8, 2048, 8),
          (16, 512, 4), (32, 256, 4), (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 4),
          (16, 256, 4, 4), (16, 512, 8, 4), (32, 128, 4, 5)]
 EPS = 1e-5
 # (block_n, num_warps, programs_per_sm) candidates of the persistent row kernel
-# (``skinny_gemm.RowTile``); where K is long, wide blocks spill registers, so those are
+# (``skinny.RowTile``); where K is long, wide blocks spill registers, so those are
 # skipped above 128 weight values a thread.
 ROW_SWEEP = [(bn, warps, per_sm) for bn in (1, 2, 4, 8) for warps in (4, 8)
              for per_sm in (1, 2, 4)]
@@ -50,7 +50,7 @@ ROW_SWEEP = [(bn, warps, per_sm) for bn in (1, 2, 4, 8) for warps in (4, 8)
 
 def candidates(prologue: int) -> list[tuple[int | bool, ...]]:
     """The sweep's tiles, as ``Tile`` fields, for a projection with this prologue."""
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
 
     out: list[tuple[int | bool, ...]] = [(*c, 3) if len(c) == 3 else c for c in SWEEP]
     if prologue in (sg.RMS_NORM, sg.ADD_RMS_NORM):
@@ -64,7 +64,7 @@ def _cases(k: int, proj: str
     M = 1; ``check`` raises where a one-pass tile's output is more than an ulp off the
     float32 norm-and-product (other tiles are checked against ``unfused``)."""
     from executor import kernels
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     if proj in ("qkv", "gate_up"):
@@ -106,7 +106,7 @@ def row_candidates(k: int) -> list[tuple[int, int, int]]:
 
 
 def measure(spec: Any, sweep: bool) -> list[dict[str, Any]]:
-    from executor.kernels.skinny_gemm import RowTile, Tile, pick_tile, row_tile, sm_count
+    from executor.kernels.skinny import RowTile, Tile, pick_tile, row_tile, sm_count
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     bw = hardware.read_bandwidth_gbs() * 1e9

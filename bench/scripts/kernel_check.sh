@@ -52,8 +52,8 @@ for name in '${SHAPES:-llama-3.2-1b smollm2-135m}'.split():
 if has skinny; then  # tune the tiles: they land in this tree's kernels (and in $OUT)
   log "skinny GEMM tile sweep, 1B"
   timeout 120 python3 -m bench.kernels.skinny_gemm --shape llama-3.2-1b \
-    --tiles-out executor/kernels/skinny_tiles.json --out "$OUT" 2>&1 | tee -a "$LOG"
-  cp executor/kernels/skinny_tiles.json "$OUT/" 2>/dev/null
+    --tiles-out executor/kernels/skinny/tiles.json --out "$OUT" 2>&1 | tee -a "$LOG"
+  cp executor/kernels/skinny/tiles.json "$OUT/" 2>/dev/null
 fi
 if has tests; then
   log "GPU tests"

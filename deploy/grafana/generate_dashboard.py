@@ -259,8 +259,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Query(f"max by (instance, algorithm) (model_executor_tp_all_reduce{{{SEL}}})",
                   instant=True)),
             "Per tensor-parallel instance: its ranks and what its small all-reduces run as "
-            "(--tp-all-reduce, auto's choice included: triton_lamport, triton_one_shot, "
-            "symm_mem_one_shot, nccl; gloo on CPU).",
+            "(--tp-all-reduce, auto's choice included: push, flags, symm_mem, or several "
+            "joined by +; nccl; gloo on CPU).",
             extra={"transformations": [
                 {"id": "merge", "options": {}},
                 {"id": "organize", "options": {

@@ -1,36 +1,18 @@
 """Rank 0 to the other ranks: headers and packed steps on the control plane (host memory),
 sampled tokens on the device group (a device tensor, no host round trip).
 
-Two transports for the control plane, picked once at start-up (``transport``):
-
-* ``local``: when every rank runs on rank 0's host, rank 0 holds a Unix-domain stream
-  socket to each other rank and writes each message (header and packed buffer) into it;
-  a rank waiting for the next step polls its socket for ``spin_s`` after the last step
-  (``SPIN_S``), then sleeps in ``recv`` until the bytes land.
-  Measured on 2 x H200 with gloo (``bench/results/2026-11-25-h200x2-tp-skew-tiles``):
-  rank 1 called its forward 450-560 us after rank 0, and rank 0's graph waited that long
-  in its first all-reduce, a tenth of a batch-1 decode step of the 8B shape.
-* ``gloo``: a broadcast on the control group (ranks on several hosts, or ``local``
-  refused on any rank). A step whose packed buffer fits ``inline`` entries travels inside
-  the header's broadcast, larger ones in a second.
-
-``auto`` tries ``local`` and falls back to ``gloo`` unless every rank connected (agreed
-over the ranks, so all use the same one).
-
-Delivery is confirmed, so a hung rank still fails a step within the collective timeout:
-a gloo broadcast's root returns only once every rank received; on ``local`` each rank
-answers every message (``ANSWER_BYTES``), and rank 0 waits for the answers of everything
-it sent in ``confirm`` (after launching its own forward: the wait overlaps its work) up
-to the group's timeout. A rank answers a step only once it has launched that step's
-forward (``launched``), with the monotonic clock of its receipt and of that moment
-(every rank of ``local`` shares rank 0's host, hence its clock), so the answer costs the
-rank nothing before its launch and tells rank 0 how long the step took to arrive and how
-much later than its own the last rank's launch came: the *launch lag*, which a forward's
-first collective makes rank 0's device wait out (``RankTiming``;
-``model_executor_tp_step_delivery_seconds``, ``model_executor_tp_launch_lag_seconds``).
+Two control-plane transports, picked once at start-up and agreed over the ranks
+(``transport``): ``local`` (every rank on rank 0's host: a Unix-domain socket per rank,
+polled for ``SPIN_S`` after each message, then a sleeping ``recv``) and ``gloo`` (a
+broadcast on the control group; a step that fits ``inline`` entries rides in the header's
+broadcast). Delivery is confirmed, so a hung rank fails a step within the collective
+timeout: on ``local`` each rank answers a step once it has launched its forward, with the
+times of receipt and launch, and rank 0 waits for the answers in ``confirm`` after its own
+launch (``RankTiming``: the step's delivery and launch lag).
 
 Every call here is a collective: rank 0 and every other rank make the matching calls in
-the same order (``Executor`` on rank 0, ``follower.follow`` elsewhere).
+the same order (``Executor`` on rank 0, ``executor.follower`` elsewhere). The protocol and
+its reasons are in ``docs/tensor-parallel.md``.
 """
 
 from __future__ import annotations
@@ -47,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from executor.api import RankTiming
-from executor.distributed.group import _GROUPS, CollectiveFailed, TensorParallel, collective
+from executor.distributed import collectives
+from executor.distributed.collectives import CollectiveFailed, collective
+from executor.distributed.group import TensorParallel
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -69,9 +53,8 @@ _ANSWER = struct.Struct("<qq")
 ANSWER_BYTES = _ANSWER.size
 _NOT_A_STEP = _ANSWER.pack(0, 0)
 #: How long another rank polls for the next message after one arrived, before it sleeps
-#: in ``recv``: while steps keep coming (a serving scheduler's), the rank never sleeps.
-#: Waking a sleeping process and running its first Python on a cold core took ~150-200 us
-#: on the 2 x H200 host (``bench.tp_profile``); polling costs one busy CPU core per rank.
+#: in ``recv``: while steps keep coming (a serving scheduler's), the rank never pays for
+#: waking a sleeping process on a cold core; polling costs one busy CPU core per rank.
 SPIN_S = 0.05
 
 
@@ -83,7 +66,9 @@ class StepChannel:
             raise ValueError("a step channel needs process groups")
         self.tp, self.device, self.inline = tp, device, inline
         self._control = tp.control_group
-        self._device_group = _GROUPS[tp.device_group_name or ""]
+        state = collectives.state(tp.device_group_name)
+        assert state is not None, "a channel needs the group's process groups (init)"
+        self._device_group = state.group
         # header | up to ``inline`` packed entries (the same size on every rank)
         self._message = torch.zeros(HEADER_LEN + inline, dtype=torch.int64)
         self._wire = self._message.numpy()  # the same memory: what ``local`` writes
@@ -227,7 +212,7 @@ class StepChannel:
                           max(0, launched - launched_ns) / 1e6)
 
     def send_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Each sampled row's (slot, token) to the other ranks' ``last_tokens``."""
+        """Each sampled row's (slot, token) to the other ranks' ``LastSampled`` tables."""
         with collective("sampled-token broadcast"):
             dist.broadcast(torch.stack((slots, tokens)), src=0, group=self._device_group)
 

@@ -7,9 +7,8 @@ rank 0 allocated and where they go in the request-slot table. Allocation, releas
 truncation live on rank 0 only; a fork is the one table change outside a step.
 
     STEP     phase, how the forward runs (``Mode``), bucket, the packed sizes, and how
-             many sequences rank 0 samples for (then their (slot, token) pairs follow on
-             the device group, so every rank's ``last_tokens`` stays the same; an
-             ``every_position`` item samples at many rows but keeps one last token)
+             many sequences rank 0 samples for (their (slot, token) pairs follow on the
+             device group, so every rank's ``LastSampled`` table stays the same)
     FORK     copy a prefix of one request-slot table row to another (and the parent's last
              sampled token, when the child inherits it)
     CAPTURE  which phases, force
@@ -78,7 +77,7 @@ class CaptureHeader:
 @dataclass(frozen=True)
 class ForkHeader:
     """Row ``child`` of the request-slot table starts with the first ``length`` entries of
-    row ``parent``; with ``inherit``, ``last_tokens[child] = last_tokens[parent]``."""
+    row ``parent``; with ``inherit``, the child takes the parent's last sampled token."""
 
     parent: int
     child: int

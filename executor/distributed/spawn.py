@@ -6,14 +6,12 @@ Two ways to start N ranks, one code path after the rendezvous:
   on a free loopback port and spawns ranks 1..N-1 (``multiprocessing`` spawn context),
   each a fresh interpreter that dies with its parent (``PR_SET_PDEATHSIG`` on Linux).
 * A torchrun-style environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-  ``RANK``, ``LOCAL_RANK``): every process is started by the launcher (torchrun,
-  LeaderWorkerSet, ...); they meet at the store on ``MASTER_ADDR:MASTER_PORT`` (hosted
-  by rank 0, or by torchrun's agent when ``TORCHELASTIC_USE_AGENT_STORE=True``).
+  ``RANK``, ``LOCAL_RANK``): every process is started by the launcher and they meet at the
+  store on ``MASTER_ADDR:MASTER_PORT`` (rank 0's, or torchrun's agent's).
 
-Faults are found three ways, each naming the rank: a spawned child's exit (its process
-sentinel: at once, with the exit code or signal); a rank whose heartbeat counter in the
-store stops moving for ``heartbeat_timeout_s`` (hung, stopped, or on a lost host); and a
-collective that fails or outlives ``collective_timeout_s`` during a step.
+Faults are found three ways, each naming the rank: a spawned child's exit (at once, with
+its exit code or signal); a heartbeat counter in the store that stops moving for
+``heartbeat_timeout_s``; and a collective that fails or outlives ``collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,42 +32,37 @@ from typing import Any
 
 import torch.distributed as dist
 
-from executor.distributed.group import (
-    ALL_REDUCE_CHOICES,
-    FUSE_MODES,
-    AllReduceChoice,
-    FuseMode,
-)
+from executor.distributed.all_reduce.paths import ALL_REDUCE_CHOICES
 from executor.errors import ConfigError
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+#: ``--tp-gemm-send`` values (``ParallelConfig.gemm_send`` is True for "on").
+GEMM_SEND_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many ranks and how long a silent one is waited for.
+    """How many ranks and how long a rank that stops answering is waited for.
 
     collective_timeout_s: bound of every data-plane collective (a step on a hung rank
         fails within it on the others).
     heartbeat_interval_s / heartbeat_timeout_s: each rank bumps a counter in the store
         every interval; a rank whose counter has not moved for the timeout has failed.
-    all_reduce: "auto" (the default: the fastest of the three below for each size, timed
-        at start-up), "nccl", "symm_mem" (small all-reduces as PyTorch's symmetric-memory
-        kernel where every rank can, NCCL otherwise) or "triton" (the same with our kernel;
-        ``executor/distributed/group.py``).
-    fuse_all_reduce: how far one-row all-reduces at decode batch 1 move into the
-        projections around them (``group.FUSE_MODES``, ``group.init``'s ``fuse``): "send"
-        (the default: o_proj/down_proj store into the push kernel's buffers, the kernel
-        only sums), "off" (a separate all-reduce after each projection), "on"
-        (experimental, measured slower: where the flag kernel takes them, none at all).
+    all_reduce: ``--tp-all-reduce`` (``ALL_REDUCE_CHOICES``): "auto" (the default: each
+        size to the fastest algorithm, timed at start-up), "nccl", or one of the one-shot
+        algorithms "symm_mem", "flags", "push" (``all_reduce/paths.py``), NCCL where it
+        cannot run.
+    gemm_send: ``--tp-gemm-send``: where the push algorithm takes a one-row all-reduce,
+        o_proj/down_proj's GEMM stores its output into the push buffers and the kernel
+        only sums (True, the default); False: a separate all-reduce after each projection.
     """
 
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 15.0
-    all_reduce: AllReduceChoice = "auto"
-    fuse_all_reduce: FuseMode = "send"
+    all_reduce: str = "auto"
+    gemm_send: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -82,9 +75,9 @@ class ParallelConfig:
         if self.all_reduce not in ALL_REDUCE_CHOICES:
             raise ConfigError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}, "
                               f"got {self.all_reduce!r}")
-        if self.fuse_all_reduce not in FUSE_MODES:
-            raise ConfigError(f"--tp-fuse-all-reduce must be one of {', '.join(FUSE_MODES)}, "
-                              f"got {self.fuse_all_reduce!r}")
+        if not isinstance(self.gemm_send, bool):
+            raise ConfigError(f"--tp-gemm-send must be one of {', '.join(GEMM_SEND_MODES)}, "
+                              f"got {self.gemm_send!r}")
 
     @property
     def collective_timeout(self) -> datetime.timedelta:

@@ -1,38 +1,18 @@
 # mypy: allow-untyped-defs
 # (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
-"""One-shot all-reduce over symmetric memory as a Triton kernel that keeps the PDL chain.
+"""One-shot all-reduce kernels over symmetric memory that keep the PDL chain.
 
-A decode step at batch 1 of a tensor-parallel model runs two all-reduces per layer of one
-activation row (8 KiB for a 4096-wide bf16 model). Each is latency, not bandwidth: a
-barrier between the ranks and a read of every peer's row over NVLink. PyTorch's
-``symm_mem.one_shot_all_reduce`` does that in one kernel, but a kernel that is not ours
-breaks the chain of programmatic dependent launches (``executor.kernels.pdl``): the next
-GEMM starts streaming its weights only after the all-reduce has finished. This kernel
-waits for its predecessor and at once lets its successor launch, so the next projection's
-programs load their first weight chunks while the ranks meet.
-
-Layout of each rank's symmetric buffer (``buffer_bytes``): ``FLAG_BYTES`` of arrival flags
-(int32, one per (program, rank)), then two data slots of ``slot_bytes`` each.
-
-One call, in every program ``b`` of the grid (the same grid on every rank, as every rank
-reduces the same sizes in the same order):
-
-1. ``epoch = counter[b] + 1`` (a per-program count of calls, in this rank's memory: the
-   counter of a graph replay advances on the device, so captured calls stay in step);
-2. copy this program's share of the input into this rank's slot ``epoch & 1``;
-3. a CTA barrier, then store ``epoch`` with release semantics at system scope into the
-   flag ``(b, rank)`` of every rank's buffer (its own included);
-4. spin with acquire loads until every flag ``(b, r)`` in this rank's buffer has reached
-   ``epoch`` (compared as a wrapping difference: a peer may already be one call ahead,
-   never two, since its next call waits for this rank's flag);
-5. a CTA barrier, then sum every rank's share in rank order in float32 (``.cv`` loads,
-   fetched anew rather than from L1) and store it: every rank computes the same bits;
-6. ``counter[b] = epoch``.
-
-Two slots make the one barrier enough: a rank writes slot ``e & 1`` again at call
-``e + 2``, which starts only after every peer has flagged call ``e + 1``, i.e. has finished
-reading call ``e``. There is no timeout in the spin: a dead peer hangs the kernel, and the
-service's rank heartbeats (``executor.distributed.spawn``) take the process down.
+``one_shot_all_reduce_kernel`` (the ``flags`` algorithm): each rank copies its share into
+its own buffer's slot, flags its arrival in every rank's buffer, spins until every peer's
+flag has reached the call's epoch, then sums every rank's share in rank order in float32.
+Each rank's buffer (``buffer_bytes``) holds ``FLAG_BYTES`` of arrival flags (int32, one per
+(program, rank)), then two data slots that alternate between calls, so one barrier a call
+is enough. ``push_all_reduce_kernel`` (the ``push`` algorithm): each rank stores its
+share into every peer's buffer, where elements not yet arrived read -0.0, so the data is
+its own signal; it also all-gathers, and sums shares a producer already sent
+(``push_send``, ``SENT``). Both wait for their predecessor and at once let their
+successor launch (PDL). Neither has a timeout: a dead peer hangs the spin, and the rank
+heartbeats take the process down. The protocols, step by step, are in ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -132,7 +112,7 @@ def _arrived(src, mask):
 @triton.jit
 def _sum_sent(out_ptr, here, counter_ptr, numel, slot_elems, WORLD: tl.constexpr,
               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """``lamport_all_reduce_kernel`` under ``SENT``, one block per program (``numel`` at
+    """``push_all_reduce_kernel`` under ``SENT``, one block per program (``numel`` at
     most programs x ``BLOCK``: ``sent_fits``). Under PDL this launch starts while the
     producer still runs, and it spins and sums *before* its wait: what it loads is only
     the buffer's regions, where every element is -0.0 until its final value arrives, and
@@ -162,21 +142,20 @@ def sent_fits(numel: int, programs: int) -> bool:
     return numel <= programs * LAMPORT_MAX_BLOCK
 
 
-#: ``lamport_all_reduce_kernel``'s lanes: (programs per call, the largest input in bytes).
+#: ``push_all_reduce_kernel``'s lanes: (programs per call, the largest input in bytes).
 #: A lane is one buffer and one set of counters, always launched with its own grid (the
 #: kernel's slot reuse needs that); an input takes the first lane it fits. Few programs
-#: win for one row, many for 64 (two H200s: 16 programs 2.7 us for 8 KiB and 14.5 for 512
-#: KiB, 64 programs 3.6 and 6.3; bench/results/2026-11-26-tp-push-all-reduce).
+#: win for one row, many for a batch of rows.
 LAMPORT_LANES = ((16, 64 * 1024), (64, 512 * 1024))
-#: The most elements a program handles per iteration of ``lamport_all_reduce_kernel``.
+#: The most elements a program handles per iteration of ``push_all_reduce_kernel``.
 LAMPORT_MAX_BLOCK = 2048
-#: The "not arrived" mark of ``lamport_all_reduce_kernel``: the bits of -0.0 in bf16/fp16.
+#: The "not arrived" mark of ``push_all_reduce_kernel``: the bits of -0.0 in bf16/fp16.
 LAMPORT_EMPTY = -32768
 _EMPTY: tl.constexpr = tl.constexpr(LAMPORT_EMPTY)
 
 
 @triton.jit
-def lamport_send(values, offs, mask, bases_ptr, region, WORLD: tl.constexpr):
+def push_send(values, offs, mask, bases_ptr, region, WORLD: tl.constexpr):
     """Store ``values`` (bf16/fp16) at element offsets ``offs`` of ``region`` in every
     rank's buffer (its own included), -0.0 sent as +0.0: -0.0 reads as "not arrived"."""
     bits = values.to(tl.int16, bitcast=True)
@@ -187,7 +166,7 @@ def lamport_send(values, offs, mask, bases_ptr, region, WORLD: tl.constexpr):
 
 
 @triton.jit
-def lamport_next_region(counter_ptr, rank, slot_elems, WORLD: tl.constexpr):
+def push_next_region(counter_ptr, rank, slot_elems, WORLD: tl.constexpr):
     """Where this rank's share of a lane's next call goes in every buffer (elements):
     region ``rank`` of the slot of the call's parity. ``counter_ptr``: the lane's program
     0 counter (a lane's programs all count every call)."""
@@ -195,20 +174,20 @@ def lamport_next_region(counter_ptr, rank, slot_elems, WORLD: tl.constexpr):
     return ((epoch & 1).to(tl.int64) * WORLD + rank) * slot_elems
 
 
-def lamport_buffer_bytes(slot_bytes: int, world: int) -> int:
+def push_buffer_bytes(slot_bytes: int, world: int) -> int:
     """Bytes of one lane's buffer on each rank: two slots, each with room for every rank's
     share of up to ``slot_bytes``."""
     return 2 * world * slot_bytes
 
 
-def lamport_block(numel: int, programs: int) -> int:
+def push_block(numel: int, programs: int) -> int:
     """Elements per program and iteration for an all-reduce of ``numel`` elements."""
     per_program = triton.cdiv(numel, programs)
     return min(LAMPORT_MAX_BLOCK, max(128, triton.next_power_of_2(per_program)))
 
 
 @triton.jit
-def lamport_all_reduce_kernel(
+def push_all_reduce_kernel(
     x_ptr,  # (numel,) this rank's input, bf16 or fp16
     out_ptr,  # (numel,) the sum, written; GATHER: (WORLD * numel,) every rank's input
     bases_ptr,  # (WORLD,) int64: every rank's buffer address
@@ -227,33 +206,13 @@ def lamport_all_reduce_kernel(
     Each rank's buffer holds two slots of ``WORLD`` regions, one per source rank, and
     every element that has not arrived holds -0.0 (``LAMPORT_EMPTY``). In call ``e``
     (``counter[b] + 1``, the same in every program: a lane's grid never changes) each
-    program ``b``:
-
-    1. pushes its share of the input, with -0.0 turned into +0.0, into region ``rank`` of
-       slot ``e & 1`` of every rank's buffer (its own included): plain stores over NVLink;
-    2. for each source rank in order, spins on its own buffer's region until no element of
-       its share is -0.0, adds it in float32 and writes -0.0 back over what it read;
-    3. stores the sum (every rank adds the same values in the same order: the same bits);
-       as an all-gather (``GATHER``), stores each source rank's share in its place instead
-       (-0.0 in an input arrives as +0.0).
-
-    A single NVLink crossing per call, where a flag protocol needs the data and then a
-    flag (and a fence between them). Why it is safe to reuse a slot: a peer writes a
-    region of slot ``e & 1`` again in call ``e + 2``, which it starts only after it has
-    read this rank's push of call ``e + 1``; this rank pushed that in a later launch than
-    the one that cleared the region, and a launch's stores are visible before the next
-    launch starts. That holds because every call uses every program with the same chunk
-    of the input per program, so a region is always cleared by the program that reads
-    it. Like ``one_shot_all_reduce_kernel``, no timeout: a dead peer hangs the spin.
-
-    ``SENT``: step 1 was done by the kernel that computed the input (``lamport_send``, in
-    the epilogue of a row-parallel projection's skinny GEMM: each of its programs stores
-    its output tile, -0.0 as +0.0, into region ``rank`` of slot ``(counter[0] + 1) & 1``
-    of every rank's buffer), so this launch only sums and clears (``x_ptr`` is not read;
-    ``_sum_sent``). The slots stay safe: the producer stores only after its PDL wait, i.e.
-    after this lane's previous launch (which cleared what it read) has completed on this
-    rank, and a peer stores into a slot again only after it has read this rank's next
-    call.
+    program ``b`` pushes its share (-0.0 as +0.0) into region ``rank`` of slot ``e & 1`` of
+    every rank's buffer; then, for each source rank in order, spins on its own buffer's
+    region until no element is -0.0, adds it in float32 and writes -0.0 back; then stores
+    the sum (the same bits on every rank), or with ``GATHER`` each rank's share in its
+    place. A region is always cleared by the program that reads it, which makes reusing a
+    slot two calls later safe (``docs/kernels.md``). ``SENT``: the producer's kernel
+    already pushed the shares (``push_send``): this launch only sums and clears.
     """
     b = tl.program_id(0)
     elem = x_ptr.dtype.element_ty
@@ -270,7 +229,7 @@ def lamport_all_reduce_kernel(
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             bits = tl.load(x_ptr + offs, mask=mask, other=0.0)
-            lamport_send(bits, offs, mask, bases_ptr, mine, WORLD)
+            push_send(bits, offs, mask, bases_ptr, mine, WORLD)
         for start in range(b * BLOCK, numel, stride):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel

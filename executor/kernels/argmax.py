@@ -3,11 +3,10 @@
 """Row-wise argmax over a vocabulary, spread across the GPU: greedy sampling's one kernel.
 
 ``torch.argmax(dim=-1)`` reduces a row in one thread block, so a batch of a few rows keeps
-a handful of SMs busy: on an H200 it took 28 us per call for one 128256-wide float32 row,
-the largest kernel of a decode step after the GEMMs. Here each row is cut into chunks of
-``block`` columns, one program per (row, chunk) finds the chunk's maximum and the first
-column holding it, and a second launch picks the first chunk holding the row's maximum:
-the result is torch's (the first index of the maximum), for rows without NaN.
+a handful of SMs busy. Here each row is cut into chunks of ``block`` columns, one program
+per (row, chunk) finds the chunk's maximum and the first column holding it, and a second
+launch picks the first chunk holding the row's maximum: the result is torch's (the first
+index of the maximum), for rows without NaN.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@
 Under tensor parallelism each rank holds rows ``[start, start + rows)`` of the embedding
 and looks up only the ids that fall there, zeros for the others, before the ranks sum
 (``executor.model.vocab_parallel.VocabParallelEmbedding``). In torch ops that is eight
-element-wise kernels at batch 1 (shift, two compares, and, clamp, gather, cast, multiply:
-about 13 us in a decode graph on an H100); here it is one, launched with PDL. Rows are
-copied bit for bit; an id outside the shard gives +0.0 where the torch ops give a signed
-zero, which sums the same.
+element-wise kernels at batch 1 (shift, two compares, and, clamp, gather, cast, multiply);
+here it is one, launched with PDL. Rows are copied bit for bit; an id outside the shard
+gives +0.0 where the torch ops give a signed zero, which sums the same.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Launching a compiled Triton kernel without the JIT's per-call argument binding.
 
-``kernel[grid](*args)`` binds and specializes every argument on every call (alignment of
-each pointer, value classes of each integer), hashes the result into a cache key, then
-calls the compiled kernel's C launcher, which asks the driver about every tensor pointer.
-For a kernel with many arguments launched once per layer between graph segments, that
-host time is as long as the GPU work it launches, so the forward waits on the host
-(measurements: ``bench/results/2026-11-25-h100-host-path/README.md``).
-
-``FastLauncher`` binds once per specialization and launches through the JIT that first
-time; later calls of the same specialization go straight to the compiled kernel's
-launcher with raw device pointers. A specialization is the caller's *key* plus the
-16-byte alignment of every pointer argument the kernel does not exempt
-(``do_not_specialize``), which the launcher reads itself from the pointers it passes.
+``kernel[grid](*args)`` binds and specializes every argument on every call, which for a
+kernel with many arguments costs as much host time as the GPU work it launches.
+``FastLauncher`` binds once per specialization through the JIT; later calls of the same
+specialization go straight to the compiled kernel's launcher with raw device pointers. A
+specialization is the caller's *key* plus the 16-byte alignment of every pointer argument
+the kernel does not exempt (``do_not_specialize``).
 
 NOTE: the caller's key must hold everything else the JIT specializes on: every tensor's
-dtype and every integer argument that is not in ``do_not_specialize`` (the JIT treats 1
-and multiples of 16 specially). A key that misses one would launch a kernel compiled for
-other arguments.
-
-The fast path needs Triton's launch interface of 3.3 and later (``CompiledKernel.run``
-taking every parameter, constexprs included, in signature order); anything unexpected,
-Triton's interpreter, or a launch hook installed (profilers such as Proton) sends every
-call through the JIT instead.
+dtype and every integer argument not in ``do_not_specialize`` (the JIT treats 1 and
+multiples of 16 specially). A key that misses one would launch a kernel compiled for other
+arguments. Triton older than 3.3, the interpreter, or an installed launch hook (profilers)
+send every call through the JIT instead. More in ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ from executor.kernels.pdl import LAUNCH_OPTION
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints (``triton.cdiv`` costs about 1.5 us a call on the host)."""
+    """``ceil(a / b)`` for ints (``triton.cdiv`` costs host time on every call)."""
     return -(-a // b)
 
 

@@ -7,9 +7,8 @@ graphs, its fields go where the graphs read them: token ids (a decode token that
 ``USE_LAST_SAMPLED``, i.e. negative, becomes its sequence's last sampled token), positions,
 each new token's location into the request-slot table, and for a captured decode
 attention the batch's three decode rows into the backend's static rows. In torch ops that
-is six to eight kernels of 1-2 us each (compare, gather, where, copy, cast, index_copy,
-copy); profiled on an H100 they took 9.2 us of a SmolLM2-135M decode step of 446 us
-(``bench.kernel_table`` at 7eff280). Here one program per ``BLOCK`` tokens does all of it.
+is six to eight small kernels (compare, gather, where, copy, cast, index_copy, copy); here
+one program per ``BLOCK`` tokens does all of it.
 
 Every value is moved, not computed, so the result equals the torch ops' exactly.
 """

@@ -2,32 +2,17 @@
 # (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
 """Programmatic dependent launch (PDL) for our Triton kernels (Hopper and later).
 
-Inside a CUDA graph a kernel normally starts only once its predecessor has finished and
-drained: at decode batch 1 that costs a gap and a ramp of a few microseconds at each of
-the ~7 kernel boundaries of a layer. A kernel launched with PDL may start while its
-predecessor still runs. Each of our kernels is written for that:
+A kernel launched with PDL may start while its predecessor still runs. Each of ours first
+does what depends on nothing the step writes (the skinny GEMM loads its first weight
+chunk), then waits in every program (``griddepcontrol.wait``, ``pdl_enter``) until the
+predecessor grid has completed, then lets its own successor launch
+(``griddepcontrol.launch_dependents``).
 
-1. first it does what depends on nothing the step writes: the skinny GEMM loads its first
-   weight chunk (weights are never written while a step runs);
-2. then every program waits (``griddepcontrol.wait``) until the predecessor grid has
-   completed and its writes are visible;
-3. then it lets its own successor launch (``griddepcontrol.launch_dependents``): that
-   successor's programs take SM slots as ours retire and do their own step 1.
-
-Rules a kernel launched with PDL must keep, or it races:
-
-- no load of anything a kernel of the step may have written, and no store at all, before
-  the wait (a store could overwrite what the predecessor still reads);
-- every program waits, whatever path it takes (``pdl_enter`` at the top does that; the
-  order stays transitive because each predecessor waited for its own).
-
-Kernels that are not ours (cuBLAS, torch's, Inductor's) are launched as before and wait
-for their predecessor to finish; a PDL kernel after one of them waits for its completion.
-Results are bit-identical with and without PDL: only the timing of loads changes.
-
-Whether launches use it is a process-wide switch read at each launch (``enabled()``; it
-is part of the kernel's specialization: the ``USE_PDL`` constexpr and the ``launch_pdl``
-option), owned by ``executor.kernels.switches``.
+Rules a PDL kernel must keep, or it races: no load of anything a kernel of the step may
+have written, and no store at all, before the wait; every program waits, whatever path it
+takes. Results are bit-identical with and without PDL. Whether launches use it is a
+process-wide switch (``enabled()``, owned by ``executor.kernels.switches``) and part of
+each kernel's specialization (``USE_PDL``, ``launch_pdl``). See ``docs/kernels.md``.
 """
 
 from __future__ import annotations

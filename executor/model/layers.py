@@ -6,13 +6,11 @@ the arithmetic between the matmuls goes through a ``LayerOps``:
 * ``TORCH_OPS``: plain PyTorch, op for op what Hugging Face computes (RMSNorm in float32,
   RoPE tables in float32 cast to the activation dtype), so float32 logits match it
   tightly. Used on CPU, for float32, and as the reference of the kernels' tests.
-* ``TRITON_OPS``: the fused kernels of ``executor.kernels`` (residual-add + RMSNorm,
-  q/k RoPE with optional q/k norm, SiLU-and-mul): about 4 launches per layer instead of
-  about 40. Same op-by-op rounding in fp16/bf16; only float32 sum orders differ. At
-  one row (decode at batch 1, ``skinny_gemm.MAX_ROWS``) the projections of plain
-  ``nn.Linear`` layers run as a skinny GEMM too, qkv and gate_up with the RMSNorm before
-  them fused in and down with SiLU-and-mul: the GEMM outputs then differ from cuBLAS by
-  summation order (about an ulp per output).
+* ``TRITON_OPS``: the fused kernels of ``executor.kernels``: a few launches per layer
+  instead of tens, with the same op-by-op rounding in fp16/bf16. At one row (decode at
+  batch 1, ``skinny.MAX_ROWS``) plain ``nn.Linear`` projections run as a skinny GEMM with
+  the norm or SiLU-and-mul before them fused in; outputs then differ from cuBLAS by
+  summation order (about an ulp).
 
 ``select_ops`` picks one per forward from a ``KernelChoice`` and the activations.
 """
@@ -26,7 +24,6 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
-from executor.distributed.group import PendingSum
 from executor.model.spec import RopeSpec
 
 # "auto": the fused Triton kernels on CUDA for fp16/bf16 activations, plain torch
@@ -44,12 +41,12 @@ class LayerOps(Protocol):
     tokens ``T``; ``q`` is ``(T, heads, head_dim)``, ``k`` is ``(T, kv_heads, head_dim)``
     (strided views of the QKV output are fine: only the last dim must be contiguous).
 
-    ``fuses_reductions``: whether a layer may leave a tensor-parallel all-reduce to the
-    kernels of the projections around it (``TensorParallel.push_sum``): only the kernels'
-    ops, whose one-row projections are the skinny GEMMs that push and gather.
+    ``gemm_sends``: whether a row-parallel projection's GEMM may store its output straight
+    into the push all-reduce's buffers (``TensorParallel.linear_all_reduce``): only the
+    kernels' ops, whose one-row projections are the skinny GEMMs that can send.
     """
 
-    fuses_reductions: bool
+    gemm_sends: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * normalize(x)`` over the last dim."""
@@ -90,7 +87,7 @@ class LayerOps(Protocol):
 class TorchOps:
     """Plain PyTorch, following the Hugging Face modules op for op."""
 
-    fuses_reductions = False
+    gemm_sends = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
@@ -144,7 +141,7 @@ class TritonOps:
     sets ``TRITON_INTERPRET``. ``prepare_kernels`` imports it ahead of any Dynamo trace.
     """
 
-    fuses_reductions = True
+    gemm_sends = True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from executor import kernels
@@ -230,15 +227,10 @@ class RMSNorm(nn.Module):
         """``(self(x + residual), x + residual)``: the pre-norm residual step."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear_forward(self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None,
+    def linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                        layer: nn.Module, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """``(layer(self(x + residual)), x + residual)``: the residual step and the
-        projection after it (``residual=None``: ``x`` alone, and ``x`` is the residual).
-        ``x`` may be a tensor-parallel ``PendingSum``, whose sum the projection's kernel
-        takes as it reads it."""
-        if isinstance(x, PendingSum):
-            assert residual is not None, "a pending sum follows a layer, with its residual"
-            return x.norm_linear(residual, self.weight, self.eps, layer)
+        projection after it (``residual=None``: ``x`` alone, and ``x`` is the residual)."""
         return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, layer)
 
 

@@ -6,18 +6,12 @@ model never sees how sequences are laid out, only the metadata object it passes 
 
 Layers thread ``(hidden, residual)`` (vLLM-style): each layer returns its MLP output and
 the residual stream *without* adding them; the next layer's input norm (or the final
-norm) does the add and the norm in one step. The sums are the same as Hugging Face's
-``residual + hidden``, in the same dtype, so logits do not change.
-
-The element-wise work between the matmuls goes through a ``LayerOps`` picked once per
-forward (``select_ops``): fused Triton kernels on CUDA for fp16/bf16, plain torch else.
-Per layer on the fused path: norm, qkv GEMM, RoPE, attention (its own kernels), o_proj,
-add+norm, gate_up GEMM, SiLU-and-mul, down GEMM; at one row (decode at batch 1) each
-norm is fused into the GEMM after it and SiLU-and-mul into the down GEMM (``skinny_gemm``).
-Under tensor parallelism, in a group set up to (``--tp-fuse-all-reduce on``, off by
-default: measured slower), the all-reduce after each row-parallel projection is then
-fused into the two GEMMs around it (``TensorParallel.push_sum``): the layer hands the next
-norm a ``PendingSum`` instead of a tensor.
+norm) does the add and the norm in one step, the same sums as Hugging Face's
+``residual + hidden`` in the same dtype. The element-wise work between the matmuls goes
+through a ``LayerOps`` picked once per forward (``select_ops``): fused Triton kernels on
+CUDA for fp16/bf16 (at one row each norm fused into the GEMM after it and SiLU-and-mul
+into down: ``executor.kernels.skinny``), plain torch else. Under tensor parallelism
+o_proj and down_proj are row-parallel (``TensorParallel.linear_all_reduce``).
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import torch
 from torch import nn
 
 from executor.attention.base import AttentionBackend, AttentionMetadata
-from executor.distributed.group import PendingSum, TensorParallel
+from executor.distributed.group import TensorParallel
 from executor.model.base import register_model
 from executor.model.layers import (
     GatedMLP,
@@ -62,15 +56,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
-        out = self.attend(positions, ops.linear(self.qkv_proj, x), backend, meta, ops)
-        assert isinstance(out, torch.Tensor)  # (nothing to read a pending sum: reduced)
-        return out
+        return self.attend(positions, ops.linear(self.qkv_proj, x), backend, meta, ops)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, backend: AttentionBackend,
-               meta: AttentionMetadata, ops: LayerOps,
-               then: tuple[RMSNorm, nn.Linear] | None = None) -> torch.Tensor | PendingSum:
+               meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         """Everything after the qkv projection: ``qkv`` ``(T, q + 2 * kv)`` -> ``(T, hidden)``,
-        or a ``PendingSum`` of it that ``then`` (the norm and projection after it) reads."""
+        all-reduced over the ranks."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # strided views of the QKV output
@@ -79,12 +70,8 @@ class Attention(nn.Module):
         if not backend.fuses_rope(meta):  # else its decode kernel rotates q and k
             q, k = self.rotary(positions, q, k, ops, self.q_norm, self.k_norm)  # (qk norm +) RoPE
         out = backend.forward(q, k, v, self.layer_id, meta).reshape(t, self.q_size)
-        if then is not None and ops.fuses_reductions:
-            pending = self.tp.push_sum(out, self.o_proj, 0, then[1], then[0].weight)
-            if pending is not None:
-                return pending
         return self.tp.linear_all_reduce(self.o_proj, out, lambda: ops.linear(self.o_proj, out),
-                                         send=ops.fuses_reductions)
+                                         send=ops.gemm_sends)
 
 
 class DecoderLayer(nn.Module):
@@ -97,31 +84,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, backend: AttentionBackend,
-                meta: AttentionMetadata, ops: LayerOps, next_layer: DecoderLayer | None = None
-                ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
+                meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: the previous layer's MLP output (the embeddings for the first layer,
         with ``residual=None``); returns ``(mlp_out, residual)``, not yet added. Each norm
         goes with the projection after it (``linear_forward``: one kernel where the ops
         fuse them). Under tensor parallelism o_proj and down_proj are row-parallel: their
-        partial sums are all-reduced, or left to the projection after them (a
-        ``PendingSum``; for down_proj only with a ``next_layer`` to read it)."""
+        partial sums are all-reduced."""
         qkv, residual = self.input_layernorm.linear_forward(
             hidden, residual, self.self_attn.qkv_proj, ops)
-        attn = self.self_attn.attend(positions, qkv, backend, meta, ops,
-                                     (self.post_attention_layernorm, self.mlp.gate_up_proj))
+        attn = self.self_attn.attend(positions, qkv, backend, meta, ops)
         gate_up, residual = self.post_attention_layernorm.linear_forward(
             attn, residual, self.mlp.gate_up_proj, ops)
-        if next_layer is not None and ops.fuses_reductions:
-            pending = self.tp.push_sum(gate_up, self.mlp.down_proj, 1,
-                                       next_layer.self_attn.qkv_proj,
-                                       next_layer.input_layernorm.weight, silu_mul=True)
-            if pending is not None:
-                return pending, residual
         down = self.tp.linear_all_reduce(self.mlp.down_proj, gate_up,
                                          lambda: self.mlp.down(gate_up, ops), silu_mul=True,
-                                         send=ops.fuses_reductions)
+                                         send=ops.gemm_sends)
         return down, residual
 
 
@@ -182,15 +160,12 @@ class CausalLM(nn.Module):
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         embedded = self.embed_tokens(input_ids)  # (T, hidden)
         ops = select_ops(self.kernels, embedded)
-        hidden: torch.Tensor | PendingSum = embedded
+        hidden: torch.Tensor = embedded
         residual: torch.Tensor | None = None
-        layers = list(self.layers)
-        for i, layer in enumerate(layers):
-            hidden, residual = layer(positions, hidden, residual, backend, meta, ops,
-                                     layers[i + 1] if i + 1 < len(layers) else None)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, backend, meta, ops)
         if residual is None:  # no layers
             return self.norm(embedded, ops)
-        assert isinstance(hidden, torch.Tensor)  # the last layer has no next to read a sum
         return self.norm.add_forward(hidden, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
@@ -200,8 +175,8 @@ class CausalLM(nn.Module):
         bf16/fp16 -> float32 is exact). With ``out`` (a buffer of the activation dtype), its
         rows ``:S``, returned as that view.
 
-        NOTE: no float32 cast here: on an H100 it was a copy kernel of 4.0 us per decode
-        step at batch 1 and 23.65 us at batch 64 (Llama-3.2-1B, vocabulary 128256)."""
+        NOTE: no float32 cast here: it would be one more vocabulary-wide copy kernel per
+        decode step, for a widening the sampler does on the rows it reads anyway."""
         if out is None:
             return self.lm_head(hidden)
         dst = out[: hidden.shape[0]]  # (S, vocab)

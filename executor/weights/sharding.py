@@ -1,22 +1,16 @@
 """Which slice of each weight a rank holds, and the model shape one rank computes.
 
-Megatron-style splits of a Llama decoder over ``N`` ranks:
-
-| parameter                         | split                 | after it                    |
-|-----------------------------------|-----------------------|-----------------------------|
-| qkv_proj (q, k, v each), its bias | rows (column-parallel)| attention on local heads    |
-| o_proj                            | columns (row-parallel)| all-reduce                  |
-| gate_up_proj (gate, up each)      | rows (column-parallel)| SiLU-and-mul on local rows  |
-| down_proj                         | columns (row-parallel)| all-reduce                  |
-| embed_tokens, lm_head             | vocabulary rows       | all-reduce / all-gather     |
-| norms, q_norm / k_norm            | replicated            |                             |
+Megatron-style splits of a Llama decoder over ``N`` ranks: qkv_proj (q, k, v each, and
+its bias) and gate_up_proj (gate, up each) by rows (column-parallel: attention on local
+heads, SiLU-and-mul on local rows); o_proj and down_proj by columns (row-parallel, an
+all-reduce after each); embed_tokens and lm_head by vocabulary rows (an all-reduce / an
+all-gather after them); norms and q_norm / k_norm replicated.
 
 Query and KV heads must both divide by ``N`` (so must the MLP width): a model that does
 not is refused with one line listing the sizes that work. KV heads are never replicated
-(``N`` above the KV head count is refused, not served with copies).
-
-The vocabulary is cut in ``ceil(V / N)``-row pieces; the last rank's piece is padded with
-zero rows, whose logits are dropped after the gather.
+(``N`` above the KV head count is refused, not served with copies). The vocabulary is cut
+in ``ceil(V / N)``-row pieces; the last rank's piece is padded with zero rows, whose
+logits are dropped after the gather.
 """
 
 from __future__ import annotations

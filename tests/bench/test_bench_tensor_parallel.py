@@ -63,9 +63,9 @@ def test_serve_args_reach_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(tp, "serve", fake_serve)
     with pytest.raises(RuntimeError, match="stop"):
-        tp.measure(Path("m"), 2, 100, "triton/off", "random",
+        tp.measure(Path("m"), 2, 100, "flags/off", "random",
                    ["--prefill-graph", "fixed_grid"])
-    assert seen == [["--tp-all-reduce", "triton", "--tp-fuse-all-reduce", "off",
+    assert seen == [["--tp-all-reduce", "flags", "--tp-gemm-send", "off",
                      "--load-format", "random", "--prefill-graph", "fixed_grid"]]
 
 
@@ -88,7 +88,7 @@ def test_a_slow_step_moves_the_median_only_within_its_window() -> None:
 
 def test_the_ratio_is_the_median_over_repeated_runs_of_the_default_algorithm() -> None:
     runs = [_run(2, "auto", 3.32), _run(1, "auto", 5.437), _run(2, "auto", 3.309),
-            _run(1, "auto", 5.452), _run(2, "auto", 3.365), _run(2, "lamport/off", 2.0)]
+            _run(1, "auto", 5.452), _run(2, "auto", 3.365), _run(2, "push/off", 2.0)]
     for r, ms in zip(runs, (3.32, 5.437, 3.309, 5.452, 3.365, 2.0), strict=True):
         r["decode_bs1"] = {"replay_ms_median": ms, "replay_ms_mean": 9.0}  # the median counts
     got = bs1_ratios(runs)
@@ -144,7 +144,7 @@ def _piped(run: dict[str, object], per_token: float, replay: float) -> None:
 
 def test_the_session_gives_its_own_ratios_and_table() -> None:
     runs = [_run(2, "auto", 3.3), _run(1, "auto", 5.4), _run(2, "auto", 3.2),
-            _run(1, "auto", 5.5), _run(2, "lamport/off", 9.0)]
+            _run(1, "auto", 5.5), _run(2, "push/off", 9.0)]
     for run, (per_token, replay) in zip(runs, ((3.4, 3.1), (5.6, 5.4), (3.5, 3.0),
                                                 (5.8, 5.5), (9.0, 9.0)), strict=True):
         _piped(run, per_token, replay)

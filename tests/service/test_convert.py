@@ -182,12 +182,12 @@ def test_health_says_what_the_kernel_switches_resolved_to() -> None:
     features = ("fused_decode_rope", "pdl", "tp_projections_send")
     model = ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096, "triton",
                       tensor_parallel_size=2, kernel_features=features,
-                      tp_all_reduce="triton_lamport")
+                      tp_all_reduce="push")
     kv = KVStats(total_tokens=100, free_tokens=100, total_slots=4, free_slots=4,
                  active_sequences=0)
     msg = convert.health_response(pb.SERVER_STATE_READY, ExecutorStatus(model, kv), "v", 1.0, 0)
     assert list(msg.model.kernel_features) == list(features)
-    assert msg.model.tp_all_reduce == "triton_lamport"
+    assert msg.model.tp_all_reduce == "push"
     bare = convert.health_response(pb.SERVER_STATE_READY,
                                    ExecutorStatus(ModelInfo("m", "a", "f", "cpu", 1, 1, "t"), kv),
                                    "v", 1.0, 0)
@@ -214,9 +214,9 @@ def test_kernel_features_are_a_metric_per_feature() -> None:
     assert "model_executor_tp_all_reduce" not in {
         s.name for m in registry.collect() for s in m.samples}
     recorder.model(ModelInfo("m", "LlamaForCausalLM", "bfloat16", "cuda:0", 1000, 4096,
-                             "triton", tensor_parallel_size=2, tp_all_reduce="triton_lamport"))
+                             "triton", tensor_parallel_size=2, tp_all_reduce="push"))
     assert registry.get_sample_value("model_executor_tp_all_reduce",
-                                     {"algorithm": "triton_lamport"}) == 1
+                                     {"algorithm": "push"}) == 1
 
 
 def test_a_steps_rank_timing_lands_in_its_phases_histograms_only_when_known() -> None:

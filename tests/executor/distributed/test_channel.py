@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from executor.api import RankTiming
-from executor.distributed import group
+from executor.distributed import bootstrap
 from executor.distributed.channel import StepChannel, Transport
-from executor.distributed.group import CollectiveFailed
+from executor.distributed.collectives import CollectiveFailed
 from executor.distributed.protocol import (
     CaptureHeader,
     ForkHeader,
@@ -49,7 +49,7 @@ def _messages() -> list[tuple[Any, torch.Tensor | None]]:
 def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))
-    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=60))
+    tp = bootstrap.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=60))
     channel = StepChannel(tp, torch.device("cpu"), inline=INLINE, transport=transport,
                           spin_s=spin_s)
     received: list[Any] = [channel.transport]
@@ -79,7 +79,7 @@ def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -
         received.append(("sampled", channel.receive_sampled(3).tolist()))
         out.put((1, received))
     channel.close()
-    group.shutdown(tp)
+    bootstrap.shutdown(tp)
 
 
 def _spawn(target: Any, *args: Any) -> tuple[list[Any], Any]:
@@ -132,7 +132,7 @@ def _silent_rank(rank: int, port: int, out: Any, reads_second: bool) -> None:
     its next confirmation raised and how long it took (timeout 2 s)."""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))
-    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
+    tp = bootstrap.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
     channel = StepChannel(tp, torch.device("cpu"), transport="local")
     header, packed = _messages()[0]
     if rank == 0:
@@ -170,12 +170,12 @@ def test_a_rank_that_stops_reading_fails_the_confirmation_within_the_timeout(
 def _slow_rank(rank: int, port: int, out: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=30))
-    tp = group.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
+    tp = bootstrap.init(rank, 2, torch.device("cpu"), store, datetime.timedelta(seconds=2))
     if rank == 1:
         time.sleep(5)  # loading its weights, longer than the collective timeout
     tp.settle()
     out.put((rank, tp.min_over_ranks(10 + rank)))
-    group.shutdown(tp)
+    bootstrap.shutdown(tp)
 
 
 def test_settle_waits_for_a_rank_slower_than_the_collective_timeout() -> None:

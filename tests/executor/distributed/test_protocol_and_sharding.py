@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from executor.distributed import group
+from executor.distributed.all_reduce import auto
+from executor.distributed.all_reduce.paths import PATHS
 from executor.distributed.protocol import (
     HEADER_LEN,
     CaptureHeader,
@@ -164,19 +165,19 @@ KIB = 1024
     ({"nccl": (10.0, 12.0, 20.0), "symm_mem": (7.0, 11.0, 26.0)}, [("symm_mem", 64 * KIB)]),
     ({"nccl": (10.0, 12.0, 20.0), "symm_mem": (7.0, 12.0, 15.0)}, [("symm_mem", 8 * KIB)]),
     # both: each size to the fastest, in ranges; NCCL from the first size it wins at
-    ({"nccl": (12.1, 13.1, 15.5), "symm_mem": (8.0, 8.2, 12.6), "triton": (4.2, 4.5, 13.9)},
-     [("triton", 64 * KIB), ("symm_mem", 512 * KIB)]),
-    ({"nccl": (12.0, 13.0, 15.0), "symm_mem": (8.0, 8.0, 12.0), "triton": (4.0, 8.5, 11.0)},
-     [("triton", 8 * KIB), ("symm_mem", 64 * KIB), ("triton", 512 * KIB)]),
-    ({"nccl": (9.0, 9.0, 9.0), "symm_mem": (8.0, 9.5, 8.0), "triton": (9.0, 9.0, 5.0)},
+    ({"nccl": (12.1, 13.1, 15.5), "symm_mem": (8.0, 8.2, 12.6), "flags": (4.2, 4.5, 13.9)},
+     [("flags", 64 * KIB), ("symm_mem", 512 * KIB)]),
+    ({"nccl": (12.0, 13.0, 15.0), "symm_mem": (8.0, 8.0, 12.0), "flags": (4.0, 8.5, 11.0)},
+     [("flags", 8 * KIB), ("symm_mem", 64 * KIB), ("flags", 512 * KIB)]),
+    ({"nccl": (9.0, 9.0, 9.0), "symm_mem": (8.0, 9.5, 8.0), "flags": (9.0, 9.0, 5.0)},
      [("symm_mem", 8 * KIB)]),  # NCCL ties at 64 KiB: it takes that and everything above
 ])
 def test_auto_shares_the_sizes_out_by_the_fastest_at_each_probe(
         times: dict[str, tuple[float, ...]], plan: list[tuple[str, int]]) -> None:
-    assert group.size_plan(group.AUTO_PROBE_BYTES, times) == plan
+    assert auto.size_plan(auto.AUTO_PROBE_BYTES, times) == plan
 
 
-@pytest.mark.parametrize("kind", ["triton", "lamport"])
+@pytest.mark.parametrize("kind", ["flags", "push"])
 def test_our_all_reduce_kernels_are_offered_only_to_power_of_two_groups_they_have_room_for(
         kind: str) -> None:
     """The flag kernel's ranks are a tl.arange and its flag area holds ``MAX_WORLD`` ranks
@@ -187,4 +188,4 @@ def test_our_all_reduce_kernels_are_offered_only_to_power_of_two_groups_they_hav
 
     assert MAX_WORLD == 8
     for size in (3, 6, 16):
-        assert not group._one_shot_possible(torch.device("cuda", 0), size, kind)
+        assert not PATHS[kind].possible(torch.device("cuda", 0), size)

@@ -8,6 +8,7 @@ import torch
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
 from executor.distributed import group
+from executor.distributed.all_reduce.auto import all_reduce_choice
 from executor.executor import Executor
 from executor.model.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tests.executor.distributed.world import transcript, world_of_one
@@ -28,9 +29,8 @@ def test_world_of_one_gives_the_plain_executors_tokens() -> None:
         assert ex.channel is not None and ex.rank_memory_bytes[0] > 0
         assert group.all_reduce_algorithm(tp) == "gloo"  # no symmetric memory on CPU
         # "auto", the default, asked; nothing to time on gloo, so nothing was
-        assert group.all_reduce_choice(tp) == {"algorithm": "gloo", "asked": "auto",
-                                             "fused_into_projections": False,
-                                             "projections_send": False}
+        assert all_reduce_choice(tp) == {"algorithm": "gloo", "asked": "auto",
+                                         "projections_send": False}
         # what Health reports: the group's algorithm, no projection features on gloo
         assert ex.model_info.tp_all_reduce == "gloo"
         assert not any(f.startswith("tp_") for f in ex.model_info.kernel_features)

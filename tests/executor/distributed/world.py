@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from executor.api import DecodeItem, PrefillItem
-from executor.distributed import group
+from executor.distributed import bootstrap
 from executor.distributed.group import TensorParallel
 
 
@@ -20,11 +20,11 @@ def world_of_one(device: torch.device) -> Iterator[TensorParallel]:
     """Rank 0 of 1 over a TCP store on a free loopback port (NCCL on CUDA, gloo on CPU)."""
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
                           timeout=datetime.timedelta(seconds=60))
-    tp = group.init(0, 1, device, store, datetime.timedelta(seconds=60))
+    tp = bootstrap.init(0, 1, device, store, datetime.timedelta(seconds=60))
     try:
         yield tp
     finally:
-        group.shutdown(tp)
+        bootstrap.shutdown(tp)
 
 
 def transcript(ex: object, prompts: list[list[int]], steps: int = 6) -> list[list[int]]:

@@ -195,7 +195,7 @@ def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None
     """Against the float32 product of the same inputs (SiLU-and-mul by the unfused kernel):
     one rounding of a float32 sum, so at most about an ulp of the dtype apart; and
     against cuBLAS (``F.linear``), which rounds the same sum in another order."""
-    from executor.kernels.skinny_gemm import skinny_gemm
+    from executor.kernels.skinny import skinny_gemm
 
     for m in (1, 3):  # the model uses M = 1 (MAX_ROWS); 3 covers the kernel's row blocks
         x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, scale=2.0)
@@ -218,7 +218,7 @@ def test_skinny_gemm(dtype: torch.dtype, k: int, n: int, silu_mul: bool) -> None
 def test_skinny_norm_gemm(dtype: torch.dtype, k: int, n: int, with_residual: bool) -> None:
     """The fused norm against the norm kernels: the new residual bit-identical, the product
     within about an ulp of the float32 product of the norm kernel's output."""
-    from executor.kernels.skinny_gemm import (
+    from executor.kernels.skinny import (
         ADD_RMS_NORM,
         device_name,
         pick_tile,
@@ -266,7 +266,7 @@ def test_skinny_row_kernel(k: int, n: int, prologue: str, dtype: torch.dtype = t
     the float32 product of the unfused kernels' output (SiLU-and-mul, the norm kernel's),
     the new residual the norm kernel's bit for bit, deterministic, and within two ulps of
     the classic kernel (bfloat16 here; float16 and float32 in the interpreter's test)."""
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
 
     x = _randn(1, 2 * k if prologue == "silu_mul" else k, dtype=dtype, scale=2.0)
     w = _randn(n, k, dtype=dtype, scale=k**-0.5)
@@ -316,7 +316,8 @@ def test_row_kernel_grid_fits_its_compiled_kernel(tile: tuple[int, int, int], k:
     the grid is ``row_programs`` capped at ``resident_programs`` of its registers and
     shared memory, and a tile that cannot fit its 4 programs per SM (two blocks of 8 rows
     of 4096 in registers) gets fewer, with the product still right."""
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
+    from executor.kernels.skinny import ops
 
     row_tile = sg.RowTile(*tile)
     x = _randn(1, k, dtype=torch.bfloat16, scale=2.0)
@@ -324,15 +325,15 @@ def test_row_kernel_grid_fits_its_compiled_kernel(tile: tuple[int, int, int], k:
     got = sg.skinny_gemm(x, w, tile=row_tile)
     ref32 = x.float() @ w.float().T
     assert (got.float() - ref32).abs().le(2 * 2.0**-7 * ref32.abs() + 2e-3).all()
-    grids = {key[0][1:3]: programs for key, programs in sg._ROW_GRIDS.items()
+    grids = {key[0][1:3]: programs for key, programs in ops._ROW_GRIDS.items()
              if key[0][1:3] == (n, k) and key[0][5] == row_tile.block_n
              and key[0][4] == sg.PLAIN and key[1:3] == (row_tile.programs_per_sm,
                                                         row_tile.num_warps)}
     assert list(grids) == [(n, k)]
-    constexprs = {"PROLOGUE": sg.PLAIN, "BLOCK_N": row_tile.block_n, "BLOCK_K": k,
+    constexprs = {"INPUT_OP": sg.PLAIN, "BLOCK_N": row_tile.block_n, "BLOCK_K": k,
                   "REDUCE": sg.NO_REDUCE, "WORLD": 1}
     args = (x, x, x, w, got, got, n, k, w.stride(0), 1.0 / k, 0.0, x, x, 0, 0)
-    kernel = sg._row_launcher(row_tile.num_warps).compiled(args, constexprs)
+    kernel = ops._row_launcher(row_tile.num_warps).compiled(args, constexprs)
     assert kernel is not None and kernel.n_regs > 0
     props = torch.cuda.get_device_properties(DEVICE)
     fit = sg.resident_programs(kernel.n_regs, row_tile.num_warps, int(kernel.metadata.shared),
@@ -358,7 +359,7 @@ def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, k: int, n: int, with_resi
     """One-pass tiles (the norm's scale applied after the product) against the float32
     norm-and-product of the same residual sum: within an ulp of the dtype; the new
     residual bit-identical to the norm kernel's; deterministic."""
-    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+    from executor.kernels.skinny import Tile, skinny_norm_gemm
 
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     for m in (1, 3):
@@ -376,8 +377,8 @@ def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, k: int, n: int, with_resi
 
 
 def test_every_tuned_tile_matches_the_unfused_path() -> None:
-    """The tiles of ``skinny_tiles.json`` (a re-tune rewrites them) on their own shapes."""
-    from executor.kernels import skinny_gemm as sg
+    """The tiles of ``skinny/tiles.json`` (a re-tune rewrites them) on their own shapes."""
+    from executor.kernels import skinny as sg
 
     dt = torch.bfloat16
     assert sg.tuned_tiles(), "no tuned tiles shipped"

@@ -10,6 +10,7 @@ where ``tests/executor/kernels/test_kernels_gpu.py`` runs the compiled kernels i
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -146,7 +147,7 @@ SKINNY_SHAPES = [(1, 64, 64), (2, 96, 40), (3, 24, 200), (4, 130, 72)]  # M, N, 
 def test_skinny_gemm(dtype: torch.dtype, m: int, n: int, k: int, silu_mul: bool) -> None:
     """Against the float32 product of the same (rounded) inputs: one rounding of a float32
     sum, so within an ulp of the dtype; the SiLU-and-mul input rounds like the kernel's."""
-    from executor.kernels.skinny_gemm import Tile, skinny_gemm
+    from executor.kernels.skinny import Tile, skinny_gemm
 
     x = _randn(m, 2 * k if silu_mul else k, dtype=dtype, seed=13, scale=2.0)
     w = _randn(n, k, dtype=dtype, seed=14, scale=k**-0.5)
@@ -166,7 +167,7 @@ def test_skinny_norm_gemm(dtype: torch.dtype, m: int, n: int, k: int, with_resid
                           ) -> None:
     """The fused norm rounds like the norm kernels: its new residual is bit-identical and
     the product is within an ulp of the float32 product of the norm kernel's output."""
-    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+    from executor.kernels.skinny import Tile, skinny_norm_gemm
 
     x = _randn(m, k, dtype=dtype, seed=18, scale=2.0)
     res = _randn(m, k, dtype=dtype, seed=19, scale=3.0) if with_residual else None
@@ -198,7 +199,7 @@ def test_skinny_norm_gemm_one_pass(dtype: torch.dtype, m: int, n: int, k: int,
     float32 norm-and-product of the (rounded) residual sum, which no intermediate rounds;
     the new residual is the norm kernel's, bit for bit, over several K chunks too. A
     scale applied per chunk, or a sum of squares missing a chunk, fails the bound."""
-    from executor.kernels.skinny_gemm import Tile, skinny_norm_gemm
+    from executor.kernels.skinny import Tile, skinny_norm_gemm
 
     x = _randn(m, k, dtype=dtype, seed=22, scale=2.0)
     res = _randn(m, k, dtype=dtype, seed=23, scale=3.0) if with_residual else None
@@ -234,7 +235,7 @@ def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, 
     the float32 product of what the unfused kernels compute first (SiLU-and-mul, the norm
     kernel's rounded output), the new residual the norm kernel's bit for bit, and as close
     to the classic kernel as the classic kernel is to the reference."""
-    from executor.kernels.skinny_gemm import RowTile, Tile, skinny_gemm, skinny_norm_gemm
+    from executor.kernels.skinny import RowTile, Tile, skinny_gemm, skinny_norm_gemm
 
     x = _randn(1, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=40, scale=2.0)
     w = _randn(n, k, dtype=dtype, seed=41, scale=k**-0.5)
@@ -270,9 +271,9 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the row kernel serves one-row launches storing their output or sending
     it into the push all-reduce (SEND) with ``K`` in ``ROW_KERNEL_K``; more rows, other
-    ``K`` and the fused all-reduce's outputs (PUSH, GATHER) keep the classic kernel. A
-    default launch in range runs it (and is right)."""
-    from executor.kernels import skinny_gemm as sg
+    ``K`` keep the classic kernel. A default launch in range runs it (and is right)."""
+    from executor.kernels import skinny as sg
+    from executor.kernels.skinny import ops
 
     lo, hi = sg.ROW_KERNEL_K
     least = sg.ROW_KERNEL_MIN_BLOCKS
@@ -286,12 +287,11 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sg.SEND, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) is None  # too few blocks
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
-                         (1, hi + 1, sg.NO_REDUCE), (2, lo, sg.SEND), (1, hi + 1, sg.SEND),
-                         (1, lo, sg.PUSH), (1, lo, sg.GATHER)):
+                         (1, hi + 1, sg.NO_REDUCE), (2, lo, sg.SEND), (1, hi + 1, sg.SEND)):
         assert sg.row_tile(sg.PLAIN, m, 64, k, reduce, sms=2) is None
     launched: list[sg.RowTile] = []
-    real = sg._launch_row
-    monkeypatch.setattr(sg, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
+    real = ops._launch_row
+    monkeypatch.setattr(ops, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
     x = _randn(1, lo, dtype=torch.float32, seed=44)
     w = _randn(4 * 4 * 2 * least, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
     torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
@@ -313,7 +313,7 @@ def test_row_kernel_grid_takes_its_blocks_in_the_fewest_rounds_evenly(
     """The row kernel's grid: no more programs than a full grid (the tile's 4 programs per
     SM, or fewer where fewer are resident), no more rounds of blocks than a full grid
     needs, and fewer than a round's count of programs one block short."""
-    from executor.kernels.skinny_gemm import RowTile, row_programs
+    from executor.kernels.skinny import RowTile, row_programs
 
     tile = RowTile(4, 8, 4)
     full = min(4, resident or 4) * sms
@@ -342,7 +342,7 @@ def test_resident_programs_are_the_fewest_registers_warps_and_shared_memory_allo
     """What an H100/H200 SM holds at once (64 Ki registers allocated 256 to a warp, 64 warps,
     228 KiB shared with 1 KiB reserved a program, 32 programs); the row kernel's grid uses
     it where the tile asks for more."""
-    from executor.kernels.skinny_gemm import resident_programs
+    from executor.kernels.skinny import resident_programs
 
     assert resident_programs(n_regs, warps, shared, max_warps=64,
                              shared_per_sm=228 * 1024) == fit
@@ -350,7 +350,8 @@ def test_resident_programs_are_the_fewest_registers_warps_and_shared_memory_allo
 
 def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
+    from executor.kernels.skinny import tiles
 
     path = tmp_path / "tiles.json"
     path.write_text('{"tiles": [{"prologue": 3, "n": 96, "k": 40, "tile": [8, 64, 4]},'
@@ -358,8 +359,8 @@ def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
                     ' {"prologue": 0, "n": 64, "k": 40, "tile": [2, 64, 4], "device": "A"},'
                     ' {"prologue": 0, "n": 64, "k": 40, "tile": [8, 32, 4, 4, true],'
                     ' "device": "B"}]}')
-    monkeypatch.setattr(sg, "TILES_FILE", path)
-    monkeypatch.setattr(sg, "_TUNED", None)
+    monkeypatch.setattr(tiles, "TILES_FILE", path)
+    monkeypatch.setattr(tiles, "_TUNED", None)
     # by device: its own tile, else the first GPU's the file names
     assert sg.pick_tile(sg.PLAIN, 1, 64, 40, "B") == sg.Tile(8, 32, 4, 4, True)
     assert sg.pick_tile(sg.PLAIN, 1, 64, 40, "A") == sg.Tile(2, 64, 4)
@@ -372,30 +373,34 @@ def test_tuned_tiles_are_read_from_the_tiles_file(tmp_path: Path,
     x = _randn(1, 40, dtype=torch.float32, seed=22)
     w = _randn(96, 40, dtype=torch.float32, seed=23)
     torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(sg, "TILES_FILE", tmp_path / "absent.json")
-    monkeypatch.setattr(sg, "_TUNED", None)
+    monkeypatch.setattr(tiles, "TILES_FILE", tmp_path / "absent.json")
+    monkeypatch.setattr(tiles, "_TUNED", None)
     assert sg.pick_tile(sg.PLAIN, 1, 96, 40) == sg.default_tile(1, 96, 40)
 
 
 def test_shapes_whose_sweep_found_cublas_faster_are_left_to_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tuned row whose unfused time (norm or SiLU kernel, then cuBLAS) was at least 5 %
-    below the tile's sends that shape, with that prologue, at one row, to the unfused path
+    below the tile's sends that shape, with that input op, at one row, to the unfused path
     (the norm kernels and ``layer``); 3 % below, or two rows, stays with the skinny kernel."""
-    from executor.kernels import skinny_gemm as sg
+    from executor.kernels import skinny as sg
+    from executor.kernels.skinny import tiles
+
+    # (the package's ``linear`` is the function: the module comes from the import system)
+    sg_linear = importlib.import_module("executor.kernels.skinny.linear")
 
     rows = [{"prologue": p, "n": 48, "k": 32, "tile": [4, 32, 4], "us": 10.0,
              "unfused_us": us} for p, us in ((sg.PLAIN, 9.0), (sg.ADD_RMS_NORM, 9.5),
                                              (sg.SILU_MUL, 9.7))]
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"tiles": rows}))
-    monkeypatch.setattr(sg, "TILES_FILE", path)
-    monkeypatch.setattr(sg, "_TUNED", None)
+    monkeypatch.setattr(tiles, "TILES_FILE", path)
+    monkeypatch.setattr(tiles, "_TUNED", None)
     calls: list[str] = []
     real_gemm, real_norm_gemm = sg.skinny_gemm, sg.skinny_norm_gemm
-    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **kw: calls.append("gemm")
+    monkeypatch.setattr(sg_linear, "skinny_gemm", lambda *a, **kw: calls.append("gemm")
                         or real_gemm(*a, **kw))
-    monkeypatch.setattr(sg, "skinny_norm_gemm", lambda *a, **kw: calls.append("norm_gemm")
+    monkeypatch.setattr(sg_linear, "skinny_norm_gemm", lambda *a, **kw: calls.append("norm_gemm")
                         or real_norm_gemm(*a, **kw))
     dt = torch.float32
     layer = torch.nn.Linear(32, 48, bias=False)
@@ -423,22 +428,22 @@ def test_shapes_whose_sweep_found_cublas_faster_are_left_to_it(
 
 
 def test_skinny_linear_serves_only_plain_linears_with_few_rows() -> None:
-    from executor.kernels import skinny_gemm
+    from executor.kernels import skinny
 
     dt = torch.float16
     plain = torch.nn.Linear(32, 48, bias=False).to(dt)
     biased = torch.nn.Linear(32, 48, bias=True).to(dt)
-    x = _randn(skinny_gemm.MAX_ROWS, 32, dtype=dt, seed=15)
-    many = _randn(skinny_gemm.MAX_ROWS + 1, 32, dtype=dt, seed=16)
-    assert skinny_gemm.serves(x, plain) and not skinny_gemm.serves(many, plain)
-    assert not skinny_gemm.serves(x, biased) and not skinny_gemm.serves(x.float(), plain)
+    x = _randn(skinny.MAX_ROWS, 32, dtype=dt, seed=15)
+    many = _randn(skinny.MAX_ROWS + 1, 32, dtype=dt, seed=16)
+    assert skinny.serves(x, plain) and not skinny.serves(many, plain)
+    assert not skinny.serves(x, biased) and not skinny.serves(x.float(), plain)
     for inp, layer in ((x, plain), (many, plain), (x, biased)):
-        torch.testing.assert_close(skinny_gemm.linear(layer, inp), layer(inp),
+        torch.testing.assert_close(skinny.linear(layer, inp), layer(inp),
                                    atol=2e-3, rtol=2e-3)
     down = torch.nn.Linear(16, 32, bias=False).to(dt)
     gate_up = _randn(2, 32, dtype=dt, seed=17)
     torch.testing.assert_close(
-        skinny_gemm.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
+        skinny.silu_and_mul_linear(gate_up, down, kernels.silu_and_mul),
         down(TORCH_OPS.silu_and_mul(gate_up)), atol=2e-3, rtol=2e-3)
 
 

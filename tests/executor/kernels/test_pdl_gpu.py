@@ -57,7 +57,7 @@ def assert_same(plain: object, fused: object) -> None:
 
 @pytest.mark.parametrize("k, n", [(576, 1728), (2048, 3072), (2048, 16384), (8192, 2048)])
 def test_kernels_equal_their_plain_launches(k: int, n: int) -> None:
-    from executor.kernels import activation, argmax, norm, skinny_gemm
+    from executor.kernels import activation, argmax, norm, skinny
 
     g = torch.Generator(device="cuda").manual_seed(k + n)
     dev, dt = "cuda", torch.bfloat16
@@ -67,10 +67,10 @@ def test_kernels_equal_their_plain_launches(k: int, n: int) -> None:
     w = torch.randn(n, k, generator=g, device=dev, dtype=dt) / k ** 0.5
     nw = 1 + 0.1 * torch.randn(k, generator=g, device=dev, dtype=dt)
     rows = torch.randn(5, k, generator=g, device=dev, dtype=dt)
-    for fn in (lambda: skinny_gemm.skinny_gemm(x, w),
-               lambda: skinny_gemm.skinny_gemm(gate_up, w, silu_mul=True),
-               lambda: skinny_gemm.skinny_norm_gemm(x, None, nw, 1e-5, w),
-               lambda: skinny_gemm.skinny_norm_gemm(x, res, nw, 1e-5, w),
+    for fn in (lambda: skinny.skinny_gemm(x, w),
+               lambda: skinny.skinny_gemm(gate_up, w, silu_mul=True),
+               lambda: skinny.skinny_norm_gemm(x, None, nw, 1e-5, w),
+               lambda: skinny.skinny_norm_gemm(x, res, nw, 1e-5, w),
                lambda: norm.add_rms_norm(rows, rows.flip(0), nw, 1e-5),
                lambda: activation.silu_and_mul(torch.cat([rows, rows], 1)),
                lambda: argmax.argmax_rows(rows)):

@@ -1,6 +1,6 @@
 """Tensor parallelism's kernels on CPU through Triton's interpreter.
 
-The push all-reduce (``lamport_all_reduce_kernel``) runs as one rank of two: the peer's
+The push all-reduce (``push_all_reduce_kernel``) runs as one rank of two: the peer's
 push is written by the test (or by a thread, late), so the slot choice, the -0.0 marks, the
 clearing and the wait for data still missing are checked without GPUs; the shard embedding
 lookup against the torch ops it replaces. ``tests/system/tp_serving/test_tp_server_gpus.py`` runs
@@ -38,7 +38,7 @@ class Rank0:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        size = k.lamport_buffer_bytes(SLOT_BYTES, WORLD) // 2
+        size = k.push_buffer_bytes(SLOT_BYTES, WORLD) // 2
         self.buffers = [torch.full((size,), k.LAMPORT_EMPTY, dtype=torch.int16)
                         for _ in range(WORLD)]
         self.bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64)
@@ -51,9 +51,9 @@ class Rank0:
     def all_reduce(self, x: torch.Tensor, gather: bool = False, sent: bool = False
                    ) -> torch.Tensor:
         out = x.new_empty(WORLD * x.numel()) if gather else torch.empty_like(x)
-        k.lamport_all_reduce_kernel[(PROGRAMS,)](
+        k.push_all_reduce_kernel[(PROGRAMS,)](
             x, out, self.bases, self.counters, x.numel(), 0, SLOT_ELEMS, WORLD=WORLD,
-            BLOCK=k.lamport_block(x.numel(), PROGRAMS), GATHER=gather, SENT=sent,
+            BLOCK=k.push_block(x.numel(), PROGRAMS), GATHER=gather, SENT=sent,
             USE_PDL=False)
         return out
 
@@ -131,22 +131,22 @@ def test_push_all_gather_stacks_the_ranks_in_order_between_all_reduces() -> None
 @pytest.mark.parametrize("kernel", ["classic", "row"])
 def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool, kernel: str
                                                                ) -> None:
-    """``skinny_gemm.send_linear`` then the lane's kernel with ``SENT``, between plain
+    """``skinny.send_linear`` then the lane's kernel with ``SENT``, between plain
     calls of the lane: the projection stores exactly what ``skinny_gemm`` returns (its -0.0
     as +0.0) as rank 0's share of the call's slot in both buffers, the kernel sums it with
     the peer's without reading its input, clears rank 0's buffer and counts the call
-    (``-0.0`` sent as ``+0.0`` is ``lamport_send``'s, shared with the kernel's own push).
+    (``-0.0`` sent as ``+0.0`` is ``push_send``'s, shared with the kernel's own push).
     ``kernel``: the classic skinny kernel's tile, or the persistent row kernel's (its
     programs loop over several column blocks)."""
-    from executor.kernels import skinny_gemm
+    from executor.kernels import skinny
 
     rank0 = Rank0(torch.float16)
-    lane = skinny_gemm.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)
+    lane = skinny.SendLane(rank0.bases, rank0.counters, 0, WORLD, SLOT_ELEMS)
     gen = torch.Generator().manual_seed(3)
     n, k_in = 300, 48
-    tile: skinny_gemm.Tile | skinny_gemm.RowTile = (
-        skinny_gemm.Tile(block_n=64, block_k=32, num_warps=4, num_stages=1)
-        if kernel == "classic" else skinny_gemm.RowTile(block_n=16, num_warps=4,
+    tile: skinny.Tile | skinny.RowTile = (
+        skinny.Tile(block_n=64, block_k=32, num_warps=4, num_stages=1)
+        if kernel == "classic" else skinny.RowTile(block_n=16, num_warps=4,
                                                         programs_per_sm=4))
     for epoch, send in enumerate([False, True, True, False, True], start=1):
         peer = torch.randint(-8, 9, (n,), generator=gen).to(torch.float16)
@@ -158,8 +158,8 @@ def test_projection_sends_its_output_into_the_push_all_reduce(silu_mul: bool, ke
             # integers: the products and sums are exact, some outputs are zeros
             x = torch.randint(-2, 3, (1, 2 * k_in if silu_mul else k_in), generator=gen)
             w = torch.randint(-1, 2, (n, k_in), generator=gen).to(torch.float16)
-            mine = skinny_gemm.skinny_gemm(x.half(), w, silu_mul=silu_mul, tile=tile)
-            skinny_gemm.send_linear(x.half(), w, lane, silu_mul=silu_mul, tile=tile)
+            mine = skinny.skinny_gemm(x.half(), w, silu_mul=silu_mul, tile=tile)
+            skinny.send_linear(x.half(), w, lane, silu_mul=silu_mul, tile=tile)
             pushed = rank0.region(1, epoch, 0, n)
             zeros = mine[0] == 0
             assert torch.equal(pushed, mine[0]) and (silu_mul or zeros.any())

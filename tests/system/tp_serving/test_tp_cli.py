@@ -39,27 +39,33 @@ def test_all_reduce_algorithm_flag() -> None:
     assert parallel.all_reduce == "nccl"
     parallel, _ = parallel_configs(_args("--tp-all-reduce", "symm_mem"), {})
     assert parallel.all_reduce == "symm_mem"
-    parallel, _ = parallel_configs(_args("--tp-all-reduce", "triton"), {})
-    assert parallel.all_reduce == "triton"
+    for algo in ("flags", "push"):
+        parallel, _ = parallel_configs(_args("--tp-all-reduce", algo), {})
+        assert parallel.all_reduce == algo
+    for old in ("triton", "lamport"):  # the algorithms' former names
+        with pytest.raises(SystemExit):
+            _args("--tp-all-reduce", old)
     with pytest.raises(SystemExit):  # argparse: one line naming the choices
         _args("--tp-all-reduce", "ring")
-    with pytest.raises(ConfigError, match="auto, nccl, symm_mem, triton"):
+    with pytest.raises(ConfigError, match="auto, nccl, symm_mem, flags, push"):
         ParallelConfig(2, all_reduce="ring")  # type: ignore[arg-type]
 
 
 def test_projections_send_into_the_all_reduce_unless_told_otherwise() -> None:
-    """``--tp-fuse-all-reduce``: "send" by default (measured quicker), "off" and the
-    experimental "on" (measured slower) when asked; anything else refused by argparse,
-    and by the config itself when built in code."""
+    """``--tp-gemm-send``: on by default, off when asked; anything else refused by
+    argparse, and a non-bool by the config itself when built in code. The fused mode's
+    former flag is gone."""
     parallel, _ = parallel_configs(_args(), {})
-    assert parallel.fuse_all_reduce == "send"
-    for mode in ("on", "off", "send"):
-        parallel, _ = parallel_configs(_args("--tp-fuse-all-reduce", mode), {})
-        assert parallel.fuse_all_reduce == mode
+    assert parallel.gemm_send is True
+    for mode, want in (("on", True), ("off", False)):
+        parallel, _ = parallel_configs(_args("--tp-gemm-send", mode), {})
+        assert parallel.gemm_send is want
     with pytest.raises(SystemExit):
-        _args("--tp-fuse-all-reduce", "maybe")
-    with pytest.raises(ConfigError, match="send, off, on"):
-        ParallelConfig(2, fuse_all_reduce=True)  # type: ignore[arg-type]
+        _args("--tp-gemm-send", "send")
+    with pytest.raises(SystemExit):
+        _args("--tp-fuse-all-reduce", "off")
+    with pytest.raises(ConfigError, match="on, off"):
+        ParallelConfig(2, gemm_send="on")  # type: ignore[arg-type]
 
 
 def test_each_rank_gets_its_own_gpu() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from bench.common.shapes import write_shape
 from bench.e2e.tensor_parallel import allreduce_us, serve, stop
-from executor.distributed.group import AUTO_PROBE_BYTES, size_plan
+from executor.distributed.all_reduce.auto import AUTO_PROBE_BYTES, size_plan
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -41,21 +41,19 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=[
-    (2, "breakable", "on"), (2, "tc_piecewise", "send"), (2, "fixed_grid", "off"),
-    pytest.param((4, "breakable", "send"), marks=pytest.mark.skipif(
+    (2, "breakable", "flags", "on"), (2, "tc_piecewise", "auto", "on"),
+    (2, "fixed_grid", "auto", "off"),
+    pytest.param((4, "breakable", "auto", "on"), marks=pytest.mark.skipif(
         torch.cuda.device_count() < 4, reason="TP = 4 needs 4 GPUs"))],
-    ids=lambda p: f"tp{p[0]}-{p[1]}" + {"on": "-fused", "off": "-unfused", "send": ""}[p[2]])
+    ids=lambda p: f"tp{p[0]}-{p[1]}-{p[2]}" + {"on": "", "off": "-no-send"}[p[3]])
 def servers(request: pytest.FixtureRequest, model: Path
             ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
-    """TP = 1 and TP = N servers; the first pair with ``--tp-fuse-all-reduce on`` and the
-    flag kernel (its batch-1 decode steps fuse the all-reduces into the projections),
-    the others under "auto" (which chose the push kernel on two H100s and two H200s):
-    with the projections sending into it (``send``, the default), and with a separate
-    all-reduce after each (``off``)."""
-    size, prefill, fuse = request.param
-    extra = ["--prefill-graph", prefill, "--tp-fuse-all-reduce", fuse]
-    if fuse == "on":  # fusion needs the flag kernel's one-row all-reduces
-        extra += ["--tp-all-reduce", "triton"]
+    """TP = 1 and TP = N servers; the first pair with the flag kernel, the others under
+    "auto" (which usually plans the push kernel): with the projections' GEMMs sending into
+    it (``--tp-gemm-send on``, the default), and with a separate all-reduce after each
+    (``off``)."""
+    size, prefill, algo, send = request.param
+    extra = ["--prefill-graph", prefill, "--tp-all-reduce", algo, "--tp-gemm-send", send]
     procs: list[subprocess.Popen[bytes]] = []
     stubs = []
     try:
@@ -112,8 +110,8 @@ def test_tp_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
             total += 1
             last[ro.seq_id] = ro.token_id
     assert agree >= total - 2, f"{agree} of {total} tokens agree"
-    # batch 1 (one sequence): with --tp-fuse-all-reduce on, its all-reduces are pushed and
-    # gathered by the projections (the skinny GEMMs serve one row only)
+    # batch 1 (one sequence): with --tp-gemm-send on and the push kernel, o_proj and
+    # down_proj send their rows into its buffers (the skinny GEMMs serve one row only)
     one = {"b": last["b"]}
     for _ in range(4):
         r, g = both("Decode", pb.DecodeRequest(items=[
@@ -161,38 +159,33 @@ def test_all_reduce_algorithms_sum_exactly_eager_and_inside_graphs(world: int) -
     """Every ``--tp-all-reduce`` choice through ``TensorParallel.all_reduce`` on 2 (4) GPUs:
     exact integer sums in bf16, eagerly and replayed from a graph of 32 back-to-back
     all-reduces; "symm_mem" takes the symmetric-memory kernel on NVLink-connected GPUs,
-    "triton" our flag kernel over the same memory, "lamport" our push kernel (with
+    "flags" our flag kernel over the same memory, "push" our push kernel (with
     each graph call its own values, a region read before its data arrived, or not marked
     empty again after, fails), and a size over ``ONE_SHOT_MAX_BYTES``
     (600 x 2048 bf16) goes to NCCL inside both. A row-parallel projection's output sent
     by its GEMM into the push all-reduce (``linear_all_reduce``) equals the two calls."""
     got = allreduce_us(world, 2048, sizes=[1, 8, 64, 600])
     assert got["nccl"] == {**got["nccl"], "algorithm": "nccl", "ok": True}, got
-    assert got["symm_mem"] == {**got["symm_mem"], "algorithm": "symm_mem_one_shot",
-                               "ok": True}, got
-    assert got["triton"] == {**got["triton"], "algorithm": "triton_one_shot", "ok": True}, got
-    assert got["lamport"] == {**got["lamport"], "algorithm": "triton_lamport", "ok": True}, got
+    for algo in ("symm_mem", "flags", "push"):
+        assert got[algo] == {**got[algo], "algorithm": algo, "ok": True}, got
     # A one-row projection sending its output into the push all-reduce: taken where the
     # push kernel runs the all-reduce (not through NCCL or the other kernels), and the same
     # bits as the projection then the all-reduce, eagerly and from graphs.
     for algo, result in got.items():
         assert result["send"]["ok"] is True, (algo, result["send"])
-        assert result["send"]["sends"] is (algo == "lamport" or (
-            algo == "auto" and result["algorithm"].startswith("triton_lamport"))), got
+        assert result["send"]["sends"] is (algo == "push" or (
+            algo == "auto" and result["algorithm"].startswith("push"))), got
     # "auto" timed each path at start-up and shared the sizes out by the slowest rank's
     # times: the plan is what size_plan makes of them, and the algorithm names its paths.
     auto = got["auto"]
     assert auto["ok"], got
     choice = auto["choice"]
     slowest = choice["slowest_rank_us"]
-    assert sorted(slowest) == ["lamport", "nccl", "symm_mem", "triton"], choice
+    assert sorted(slowest) == ["flags", "nccl", "push", "symm_mem"], choice
     for algo, times in slowest.items():  # rank 0's own times are no slower than the worst
         assert len(times) == len(AUTO_PROBE_BYTES), choice
         assert all(mine <= worst + 0.01 for mine, worst in zip(
             choice[f"{algo}_us"], times, strict=True)), choice
     plan = [(p["algorithm"], p["up_to_bytes"]) for p in choice["plan"]]
     assert plan == size_plan(AUTO_PROBE_BYTES, slowest), choice
-    names = {"symm_mem": "symm_mem_one_shot", "triton": "triton_one_shot",
-             "lamport": "triton_lamport"}
-    assert auto["algorithm"] == ("+".join(dict.fromkeys(names[a] for a, _ in plan))
-                                 or "nccl"), got
+    assert auto["algorithm"] == ("+".join(dict.fromkeys(a for a, _ in plan)) or "nccl"), got
