@@ -178,15 +178,18 @@ class Forward:
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
         mode = self.mode(batch.phase, decision, params)
-        # (the other ranks got the step from ``announcer`` while it was packed)
-        logits = self.run(batch, mode, decision.bucket)
-        ranks = None
-        if self.channel is not None:  # every rank launched the step (after our own launch)
-            ranks = self.channel.confirm(time.monotonic_ns())
-        sample = self.sampler.sample(
-            logits, params, positions, targets,
-            None if remember is None else self.last.sampler_target(remember)) \
-            if logits is not None and params else None
+        # NOTE: the switches stay held through sampling: its kernels launch as the
+        # forward's do (with PDL, the first overlaps the graph's tail).
+        with self.switches:
+            # (the other ranks got the step from ``announcer`` while it was packed)
+            logits = self.run(batch, mode, decision.bucket)
+            ranks = None
+            if self.channel is not None:  # every rank launched the step (after our launch)
+                ranks = self.channel.confirm(time.monotonic_ns())
+            sample = self.sampler.sample(
+                logits, params, positions, targets,
+                None if remember is None else self.last.sampler_target(remember)) \
+                if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
         path: Path = "graph" if decision.use_graph else "eager"

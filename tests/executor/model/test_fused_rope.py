@@ -150,28 +150,35 @@ def test_skinny_row_kernel_on_is_refused_off_cuda() -> None:
     assert not off.switches.row_kernel and "skinny_row_kernel" not in off.model_info.kernel_features
 
 
-def test_an_executor_holds_its_kernel_switches_around_each_forward() -> None:
+def test_an_executor_holds_its_kernel_switches_around_each_forward_and_sampling() -> None:
     """The PDL and row-kernel switches are process-wide; each executor holds its own
-    choices active around every forward (and capture), so two executors in a process
-    launch as configured, and nothing stays set between calls."""
+    choices active around every forward and its sampling (and capture), so two executors
+    in a process launch as configured, and nothing stays set between calls."""
     from executor.kernels import switches
     from executor.model.llama import CausalLM
+    from executor.sampling import Sampler
 
     ex = Executor(CONFIG)
     assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False)
-    seen: list[switches.KernelSwitches] = []
+    seen: list[tuple[str, switches.KernelSwitches]] = []
     ex.switches = ex.forward.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
-    real = CausalLM.forward
+    forward, sample = CausalLM.forward, Sampler.sample
 
-    def spy(self: CausalLM, *args: object, **kwargs: object) -> object:
-        seen.append(switches.active())
-        return real(self, *args, **kwargs)
+    def spy_forward(self: CausalLM, *args: object, **kwargs: object) -> object:
+        seen.append(("forward", switches.active()))
+        return forward(self, *args, **kwargs)
 
-    CausalLM.forward = spy  # type: ignore[method-assign,assignment]
+    def spy_sample(self: Sampler, *args: object, **kwargs: object) -> object:
+        seen.append(("sample", switches.active()))
+        return sample(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    CausalLM.forward = spy_forward  # type: ignore[method-assign,assignment]
+    Sampler.sample = spy_sample  # type: ignore[method-assign,assignment]
     try:
         ex.prefill([PrefillItem("a", [3, 4, 5])])
         ex.decode([DecodeItem("a", 6)])
     finally:
-        CausalLM.forward = real  # type: ignore[method-assign]
-    assert seen == [ex.switches] * 2
+        CausalLM.forward = forward  # type: ignore[method-assign]
+        Sampler.sample = sample  # type: ignore[method-assign]
+    assert seen == [("forward", ex.switches), ("sample", ex.switches)] * 2
     assert switches.active() == switches.DEFAULT
