@@ -155,13 +155,13 @@ def rank_main(rank: int, size: int, port: int, source: str, device: str, batches
     import torch
     import torch.distributed as dist
 
-    from executor.distributed import group
+    from executor import distributed
     from executor.executor import Executor
 
     cuda = device == "cuda"
     dev = f"cuda:{rank}" if cuda else "cpu"
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
-    tp = group.init(rank, size, torch.device(dev), dist.PrefixStore("tp", store), TIMEOUT)
+    tp = distributed.init(rank, size, torch.device(dev), dist.PrefixStore("tp", store), TIMEOUT)
     ex = Executor(_config(source, dev, context, load_format), tp)
     stamps = _Stamps(ex)
     result: dict[str, Any] = {"rank": rank}
@@ -177,7 +177,7 @@ def rank_main(rank: int, size: int, port: int, source: str, device: str, batches
     tmp.write_text(json.dumps(result, default=lambda k: k.__dict__))
     tmp.rename(Path(out, f"rank{rank}.json"))
     dist.barrier(group=tp.control_group)  # no rank tears down under another's last call
-    group.shutdown(tp)
+    distributed.shutdown(tp)
 
 
 def _first_collective(kernels: list[dict[str, Any]]) -> float:
