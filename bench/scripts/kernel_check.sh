@@ -57,7 +57,7 @@ if has skinny; then  # tune the tiles: they land in this tree's kernels (and in 
 fi
 if has tests; then
   log "GPU tests"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} \
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/executor tests/service tests/system/tp_serving} \
     -k "${TESTS_K:-kernels or decode_graphs}" > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?" | tee -a "$LOG"
   tail -n 15 "$OUT/gpu_tests.log" | tee -a "$LOG"
@@ -99,7 +99,7 @@ if has switch; then  # one kernel switch off against on, same tree, same machine
   SWITCH=${SWITCH:-pdl}  # a bench/common/switches.py flag: pdl, fuse-decode-rope, skinny-row-kernel
   SWITCH_K=${SWITCH_K:-pdl}
   log "--$SWITCH: GPU tests (-k $SWITCH_K)"
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests -k "$SWITCH_K" \
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/executor tests/service tests/system/tp_serving -k "$SWITCH_K" \
     > "$OUT/gpu_tests_$SWITCH.log" 2>&1
   echo "$SWITCH tests rc=$?" | tee -a "$LOG"
   tail -n 5 "$OUT/gpu_tests_$SWITCH.log" | tee -a "$LOG"

@@ -30,14 +30,14 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 if has regress; then
   log "single-GPU step-path tests on GPU 1"
-  CUDA_VISIBLE_DEVICES=1 timeout 500 python -m pytest -q -m gpu -p no:cacheprovider tests \
+  CUDA_VISIBLE_DEVICES=1 timeout 500 python -m pytest -q -m gpu -p no:cacheprovider tests/executor tests/service tests/system/tp_serving \
     -k "kv_primitives or pipelined or no_sync or decode_graphs or prefill_graphs or piecewise" \
     > "$OUT/gpu_single_gpu_regression.log" 2>&1 &
   regress=$!
 fi
 if has tests; then
   log "world of one through NCCL on GPU 0"
-  CUDA_VISIBLE_DEVICES=0 timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests \
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests/executor tests/service tests/system/tp_serving \
     -k "world_of_one${WS1_K:+ and ($WS1_K)}" > "$OUT/gpu_world_of_one.log" 2>&1
   log "world of one: $(tail -1 "$OUT/gpu_world_of_one.log")"
 fi
@@ -48,7 +48,7 @@ fi
 if has tests; then
   log "TP=2 against TP=1 under graphs"
   rm -f /tmp/tp*-serve-*.log
-  timeout 500 python -m pytest -q -m gpu -p no:cacheprovider -x tests \
+  timeout 500 python -m pytest -q -m gpu -p no:cacheprovider -x tests/executor tests/service tests/system/tp_serving \
     -k "(tp_equals_tp1 or all_reduce_algorithms)${TP2_K:+ and ($TP2_K)}" \
     > "$OUT/gpu_tp2_test.log" 2>&1
   rc=$?
