@@ -6,7 +6,6 @@ so prefill and fixed costs cancel: ``(t(n2) - t(n1)) / (n2 - n1)``.
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,9 @@ def _sync() -> None:
 
 
 def _generate_s(model: Any, ids: torch.Tensor, n: int, repeats: int, **kw: Any) -> float:
+    """Seconds of one ``generate`` of ``n`` tokens: the fastest of ``repeats`` (the run
+    least disturbed by other work; ``hf_decode_ms`` subtracts two of them, and medians
+    under load could make that difference negative)."""
     times = []
     for _ in range(repeats):
         _sync()
@@ -44,7 +46,7 @@ def _generate_s(model: Any, ids: torch.Tensor, n: int, repeats: int, **kw: Any) 
                        **kw)
         _sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @torch.inference_mode()
