@@ -25,7 +25,6 @@ from collections.abc import Callable
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
@@ -38,7 +37,7 @@ from service.config import RequestLimits, ServerConfig, channel_options
 from service.errors import StartupError
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
-from service.health import Lifecycle, State
+from service.health import HealthServicer, Lifecycle, State
 from service.idempotency import ResponseCache
 from service.interceptors import ParseInterceptor, ServiceInterceptor
 from service.metrics import Exporter, Metrics, start_exporter
@@ -94,7 +93,7 @@ class ExecutorServer:
         self.worker = ExecutorWorker(on_fatal=self._fatal_seen,
                                      on_wait=self.recorder.queue_wait)
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)
-        self.lifecycle = Lifecycle(health_aio.HealthServicer(),
+        self.lifecycle = Lifecycle(HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
         self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
