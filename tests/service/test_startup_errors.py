@@ -78,6 +78,27 @@ def test_tls_key_not_matching_its_certificate(tmp_path: Path,
     assert "does not match the certificate" in err and "Traceback" not in err
 
 
+def test_a_client_ca_that_is_not_a_certificate_is_named(tmp_path: Path) -> None:
+    """A client CA file with no certificate in it: exit 2 and one line naming the file
+    (it was "the port is in use", exit 1, after grpc-core's own lines)."""
+    pytest.importorskip("cryptography", reason="makes the test certificates")
+    from tests.system.reliability.certs import Authority  # needs cryptography (the test extra)
+
+    a = Authority.make(tmp_path / "a", "a")
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
+         "--metrics-port", "-1", "--tls-cert", str(a.server_cert), "--tls-key",
+         str(a.server_key), "--tls-client-ca", str(garbage), "--require-client-auth"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and str(garbage) in errors[0], done.stderr
+    assert "holds no certificate" in errors[0]
+    assert "port" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_model_that_cannot_load_is_one_line(tmp_path: Path) -> None:
     """Boot errors that are the operator's to fix (a missing model directory) are one log
     line with the reason, not a traceback."""
