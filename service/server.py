@@ -40,6 +40,7 @@ from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import HealthServicer, Lifecycle, State
 from service.idempotency import ResponseCache
 from service.interceptors import ParseInterceptor, ServiceInterceptor
+from service.listen import bind
 from service.metrics import Exporter, Metrics, start_exporter
 from service.reflection import enable_reflection
 from service.servicer import ExecutorServicer
@@ -133,7 +134,7 @@ class ExecutorServer:
         if config.reflection:
             enable_reflection(SERVICE_NAMES, server)  # v1 and v1alpha
         credentials = config.tls.server_credentials() if config.tls is not None else None
-        self.port = _bind(server, config.address, "--port", credentials)
+        self.port = bind(server, config.address, "--port", credentials)
         await server.start()
         self._server = server
         try:
@@ -159,7 +160,7 @@ class ExecutorServer:
                                                ParseInterceptor()],
                                  options=channel_options(self.limits))
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
-        self.health_port = _bind(server, self.config.address_of(port), "--health-port")
+        self.health_port = bind(server, self.config.address_of(port), "--health-port")
         await server.start()
         return server
 
@@ -293,26 +294,18 @@ class ExecutorServer:
         log.info("stopped", step_abandoned=self.step_abandoned)
 
 
-def _bind(server: grpc.aio.Server, address: str, flag: str,
-          credentials: grpc.ServerCredentials | None = None) -> int:
-    """Add a listening port; a port that cannot be bound is a one-line ``StartupError``."""
-    try:
-        if credentials is not None:
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
-    except RuntimeError:  # grpcio says only "Failed to bind to address ..."
-        raise StartupError(
-            f"cannot listen on {address}: the port is in use (another model-executor?) or "
-            f"the address is not on this host; stop the other process or choose another "
-            f"{flag}") from None
-
-
 async def run_until_signal(server: ExecutorServer, stop: asyncio.Event) -> bool:
-    """Let SIGTERM and SIGINT set ``stop``, then wait: False as soon as the server's boot
-    fails (unless ``stop`` was set first), True once ``stop`` is set."""
+    """Let SIGTERM and SIGINT set ``stop`` (each logged as ``signal_received``), then wait:
+    False as soon as the server's boot fails (unless ``stop`` was set first), True once
+    ``stop`` is set."""
     loop = asyncio.get_running_loop()
+
+    def received(sig: signal.Signals) -> None:
+        log.info("signal_received", signal=sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, received, sig)
     booted = asyncio.create_task(server.wait_booted())
     stopping = asyncio.create_task(stop.wait())
     try:
@@ -342,7 +335,6 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     if not await run_until_signal(server, asyncio.Event()):
         await server.stop(0)
         return 1
-    log.info("signal_received")
     await server.stop()
     if server.step_abandoned:
         # The executor thread cannot be interrupted, and the interpreter would join it at

@@ -60,6 +60,15 @@ def test_cli_on_a_busy_port_exits_with_one_line(server: ServerHarness) -> None:
     assert "Traceback" not in output
     failures = [line for line in output.splitlines() if "startup_failed" in line]
     assert len(failures) == 1 and f":{port}" in failures[0], output
+    assert "the port is in use" in failures[0]
+    # nothing else: grpc-core's own "Failed to add port" line no longer comes first
+    assert output.strip().splitlines() == failures, output
+
+
+def test_an_address_not_on_this_host_is_named() -> None:
+    with pytest.raises(StartupError, match=r"198\.51\.100\.7:45678: the address is not on "
+                                           r"this host; choose another --host"):
+        asyncio.run(_start(ServerConfig(host="198.51.100.7", port=45678, metrics_port=None)))
 
 
 def test_tls_key_not_matching_its_certificate(tmp_path: Path,
