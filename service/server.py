@@ -39,7 +39,7 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 from service.health import HealthServicer, Lifecycle, State
 from service.idempotency import ResponseCache
-from service.interceptors import ParseInterceptor, ServiceInterceptor
+from service.interceptors import AUTH_LOG_INTERVAL_S, ParseInterceptor, ServiceInterceptor
 from service.listen import bind
 from service.metrics import Exporter, Metrics, start_exporter
 from service.reflection import enable_reflection
@@ -111,6 +111,9 @@ class ExecutorServer:
         self._boot_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Future[None] | None = None
         self._booted = asyncio.Event()
+        # With tokens: the interceptor whose held-back auth_refused lines are said later.
+        self._interceptor: ServiceInterceptor | None = None
+        self._held_back_task: asyncio.Task[None] | None = None
 
     @property
     def metrics_port(self) -> int | None:
@@ -123,11 +126,11 @@ class ExecutorServer:
         # The service interceptor is outermost: auth refusals are logged and counted too.
         # It also admits calls by kind (service/admission.py); gRPC's own
         # maximum_concurrent_rpcs is not set: it would count probes with everything else.
+        service = ServiceInterceptor(self.recorder, self._on_fatal,
+                                     self._admission(self.recorder.calls_in_flight),
+                                     log_successes=config.rpc_log == "all")
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
-                                             self._admission(self.recorder.calls_in_flight),
-                                             log_successes=config.rpc_log == "all"),
-                          AuthInterceptor(config.auth), ParseInterceptor()],
+            interceptors=[service, AuthInterceptor(config.auth), ParseInterceptor()],
             options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
@@ -146,11 +149,22 @@ class ExecutorServer:
             await self._close_listeners()
             raise
         self._warn_if_exposed()
+        if config.auth.enabled:
+            self._interceptor = service
+            self._held_back_task = asyncio.create_task(self._say_held_back(service))
         self.metrics.set_build_info(__version__)
         executor_service = pb.DESCRIPTOR.services_by_name["Executor"]
         self.metrics.touch_rpcs(executor_service.full_name,
                                 tuple(m.name for m in executor_service.methods))
         self._boot_task = asyncio.create_task(self._boot(), name="executor-boot")
+
+    @staticmethod
+    async def _say_held_back(service: ServiceInterceptor) -> None:
+        """Auth refusals held back from the log are said within an interval of being held,
+        also when no later refusal of their kind comes to carry the count."""
+        while True:
+            await asyncio.sleep(AUTH_LOG_INTERVAL_S)
+            service.log_held_back()
 
     async def _start_health_listener(self, port: int) -> grpc.aio.Server:
         """Plaintext ``grpc.health.v1`` only, for probes that cannot do TLS or tokens."""
@@ -286,6 +300,10 @@ class ExecutorServer:
             await closing
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self._held_back_task is not None:
+            self._held_back_task.cancel()
+        if self._interceptor is not None:
+            self._interceptor.log_held_back(everything=True)  # no call runs any more
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()  # a construction under way still runs to its end
         await asyncio.to_thread(self.worker.shutdown, not self.step_abandoned)
