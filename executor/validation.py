@@ -52,10 +52,11 @@ class Limits:
         return min(self.max_context, self.kv_tokens)
 
     def context_limit_text(self) -> str:
+        """The limit as Health reports it (``model.max_context`` is the servable context)."""
         if self.servable_context == self.max_context:
             return f"max_context is {self.max_context}"
-        return (f"the KV pool holds {self.kv_tokens} tokens in all (max_context "
-                f"{self.max_context})")
+        return (f"max_context is {self.servable_context}: the KV pool holds "
+                f"{self.kv_tokens} tokens in all")
 
 
 def sampling_violations(p: SamplingParams, field: str) -> list[FieldViolation]:
@@ -219,8 +220,12 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
             if it.seq_id:
                 unknown.append((it.seq_id, f"items[{i}].seq_id"))
         elif cached > room:
+            # The field to change: num_steps when one step would still fit, else the item.
+            field = ("num_steps" if cached < limits.servable_context and num_steps > 1 else
+                     f"items[{i}].token_id" if token is not None else
+                     f"items[{i}].use_last_sampled")
             too_long.append(FieldViolation(
-                f"items[{i}].token_id",
+                field,
                 f"sequence {it.seq_id!r} already holds {cached} tokens; "
                 f"{limits.context_limit_text()}" + (f" ({num_steps} decode steps asked)"
                                                     if num_steps > 1 else "")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
@@ -24,6 +25,20 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 log = structlog.get_logger(__name__)
+
+
+class HealthServicer(health_aio.HealthServicer):
+    """grpcio's asyncio health servicer with ``List``, which its reference implementation
+    leaves to the base class (an exception: INTERNAL and a traceback on every call)."""
+
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        """Every registered service and its status: the table ``Check`` answers from, so a
+        listed status is what ``Check`` gives for that name at the same moment."""
+        statuses = dict(self._server_status)  # a snapshot: set() may run between awaits
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
 
 
 class State(enum.Enum):
@@ -56,7 +71,7 @@ _NEXT: dict[State, frozenset[State]] = {
 class Lifecycle:
     """Owns the server's state; every change goes through ``set`` on the event loop."""
 
-    def __init__(self, health: health_aio.HealthServicer,
+    def __init__(self, health: HealthServicer,
                  on_change: Callable[[State], None] | None = None) -> None:
         self.health = health
         self._state = State.STARTING

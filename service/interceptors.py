@@ -80,6 +80,17 @@ class RateLimiter:
         self._last[key] = now
         return self._held.pop(key, 0)
 
+    def overdue(self, everything: bool = False) -> dict[Any, int]:
+        """Take the held-back counts whose interval is over (all of them with
+        ``everything``), as if an event of each key were allowed now: {key: count}."""
+        now = self._clock()
+        due = {key: n for key, n in self._held.items()
+               if everything or now - self._last[key] >= self._interval}
+        for key in due:
+            del self._held[key]
+            self._last[key] = now
+        return due
+
 
 @dataclass
 class _Call:
@@ -148,6 +159,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; not counted
             return None
         return self._handlers.get(handler_call_details.method, handler)
+
+    def log_held_back(self, everything: bool = False) -> None:
+        """Say the ``auth_refused`` lines held back whose interval is over (``everything``:
+        all, at shutdown), so a count never waits for the next refusal of its kind."""
+        for (service, method, code), count in self._auth_log.overdue(everything).items():
+            log.warning("auth_refused_held_back", rpc=f"{service.rsplit('.', 1)[-1]}/{method}",
+                        code=code.name, held_back=count, every_s=AUTH_LOG_INTERVAL_S)
 
     def _wrap(self, full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` inside the error boundary; ``full`` is "/pkg.Service/Method"."""

@@ -27,12 +27,14 @@ import torch
 from executor import distributed
 from executor.config import ExecutorConfig
 from executor.distributed import (
+    LOOPBACK,
     ChildWatch,
     CollectiveFailed,
     Heartbeat,
     ParallelConfig,
     Rendezvous,
     die_with_parent,
+    host_store,
     rank_device,
     spawn_context,
 )
@@ -104,7 +106,7 @@ def follower_main(rdv: Rendezvous, config: ExecutorConfig, parallel: ParallelCon
 
 def _spawned_main(rank: int, size: int, port: int, config: ExecutorConfig,
                   parallel: ParallelConfig, log_format: str, log_level: str) -> None:
-    rdv = Rendezvous("127.0.0.1", port, size, rank, rank)
+    rdv = Rendezvous(LOOPBACK, port, size, rank, rank)
     sys.exit(follower_main(rdv, config, parallel, log_format, log_level, spawned=True))
 
 
@@ -130,9 +132,8 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
         import torch.distributed as dist
 
         # Rank 0 hosts the store on a free loopback port before its children start.
-        host = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
-                             timeout=parallel.collective_timeout, wait_for_workers=False)
-        rdv = Rendezvous("127.0.0.1", host.port, size, 0, 0)
+        host = host_store(LOOPBACK, 0, size, parallel.collective_timeout)
+        rdv = Rendezvous(LOOPBACK, host.port, size, 0, 0)
         store: Any = dist.PrefixStore("model_executor", host)
         ctx = spawn_context()
         for rank in range(1, size):

@@ -25,7 +25,6 @@ from collections.abc import Callable
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from executor.api import Phase
@@ -38,9 +37,10 @@ from service.config import RequestLimits, ServerConfig, channel_options
 from service.errors import StartupError
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
-from service.health import Lifecycle, State
+from service.health import HealthServicer, Lifecycle, State
 from service.idempotency import ResponseCache
-from service.interceptors import ParseInterceptor, ServiceInterceptor
+from service.interceptors import AUTH_LOG_INTERVAL_S, ParseInterceptor, ServiceInterceptor
+from service.listen import bind
 from service.metrics import Exporter, Metrics, start_exporter
 from service.reflection import enable_reflection
 from service.servicer import ExecutorServicer
@@ -94,7 +94,7 @@ class ExecutorServer:
         self.worker = ExecutorWorker(on_fatal=self._fatal_seen,
                                      on_wait=self.recorder.queue_wait)
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)
-        self.lifecycle = Lifecycle(health_aio.HealthServicer(),
+        self.lifecycle = Lifecycle(HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
         self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
@@ -111,6 +111,9 @@ class ExecutorServer:
         self._boot_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Future[None] | None = None
         self._booted = asyncio.Event()
+        # With tokens: the interceptor whose held-back auth_refused lines are said later.
+        self._interceptor: ServiceInterceptor | None = None
+        self._held_back_task: asyncio.Task[None] | None = None
 
     @property
     def metrics_port(self) -> int | None:
@@ -123,18 +126,18 @@ class ExecutorServer:
         # The service interceptor is outermost: auth refusals are logged and counted too.
         # It also admits calls by kind (service/admission.py); gRPC's own
         # maximum_concurrent_rpcs is not set: it would count probes with everything else.
+        service = ServiceInterceptor(self.recorder, self._on_fatal,
+                                     self._admission(self.recorder.calls_in_flight),
+                                     log_successes=config.rpc_log == "all")
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(self.recorder, self._on_fatal,
-                                             self._admission(self.recorder.calls_in_flight),
-                                             log_successes=config.rpc_log == "all"),
-                          AuthInterceptor(config.auth), ParseInterceptor()],
+            interceptors=[service, AuthInterceptor(config.auth), ParseInterceptor()],
             options=channel_options(self.limits))
         pb_grpc.add_ExecutorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
         if config.reflection:
             enable_reflection(SERVICE_NAMES, server)  # v1 and v1alpha
         credentials = config.tls.server_credentials() if config.tls is not None else None
-        self.port = _bind(server, config.address, "--port", credentials)
+        self.port = bind(server, config.address, "--port", credentials)
         await server.start()
         self._server = server
         try:
@@ -146,11 +149,22 @@ class ExecutorServer:
             await self._close_listeners()
             raise
         self._warn_if_exposed()
+        if config.auth.enabled:
+            self._interceptor = service
+            self._held_back_task = asyncio.create_task(self._say_held_back(service))
         self.metrics.set_build_info(__version__)
         executor_service = pb.DESCRIPTOR.services_by_name["Executor"]
         self.metrics.touch_rpcs(executor_service.full_name,
                                 tuple(m.name for m in executor_service.methods))
         self._boot_task = asyncio.create_task(self._boot(), name="executor-boot")
+
+    @staticmethod
+    async def _say_held_back(service: ServiceInterceptor) -> None:
+        """Auth refusals held back from the log are said within an interval of being held,
+        also when no later refusal of their kind comes to carry the count."""
+        while True:
+            await asyncio.sleep(AUTH_LOG_INTERVAL_S)
+            service.log_held_back()
 
     async def _start_health_listener(self, port: int) -> grpc.aio.Server:
         """Plaintext ``grpc.health.v1`` only, for probes that cannot do TLS or tokens."""
@@ -160,7 +174,7 @@ class ExecutorServer:
                                                ParseInterceptor()],
                                  options=channel_options(self.limits))
         health_pb2_grpc.add_HealthServicer_to_server(self.lifecycle.health, server)
-        self.health_port = _bind(server, self.config.address_of(port), "--health-port")
+        self.health_port = bind(server, self.config.address_of(port), "--health-port")
         await server.start()
         return server
 
@@ -286,6 +300,10 @@ class ExecutorServer:
             await closing
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self._held_back_task is not None:
+            self._held_back_task.cancel()
+        if self._interceptor is not None:
+            self._interceptor.log_held_back(everything=True)  # no call runs any more
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()  # a construction under way still runs to its end
         await asyncio.to_thread(self.worker.shutdown, not self.step_abandoned)
@@ -294,26 +312,18 @@ class ExecutorServer:
         log.info("stopped", step_abandoned=self.step_abandoned)
 
 
-def _bind(server: grpc.aio.Server, address: str, flag: str,
-          credentials: grpc.ServerCredentials | None = None) -> int:
-    """Add a listening port; a port that cannot be bound is a one-line ``StartupError``."""
-    try:
-        if credentials is not None:
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
-    except RuntimeError:  # grpcio says only "Failed to bind to address ..."
-        raise StartupError(
-            f"cannot listen on {address}: the port is in use (another model-executor?) or "
-            f"the address is not on this host; stop the other process or choose another "
-            f"{flag}") from None
-
-
 async def run_until_signal(server: ExecutorServer, stop: asyncio.Event) -> bool:
-    """Let SIGTERM and SIGINT set ``stop``, then wait: False as soon as the server's boot
-    fails (unless ``stop`` was set first), True once ``stop`` is set."""
+    """Let SIGTERM and SIGINT set ``stop`` (each logged as ``signal_received``), then wait:
+    False as soon as the server's boot fails (unless ``stop`` was set first), True once
+    ``stop`` is set."""
     loop = asyncio.get_running_loop()
+
+    def received(sig: signal.Signals) -> None:
+        log.info("signal_received", signal=sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, received, sig)
     booted = asyncio.create_task(server.wait_booted())
     stopping = asyncio.create_task(stop.wait())
     try:
@@ -343,7 +353,6 @@ async def serve(executor_config: ExecutorConfig, config: ServerConfig) -> int:
     if not await run_until_signal(server, asyncio.Event()):
         await server.stop(0)
         return 1
-    log.info("signal_received")
     await server.stop()
     if server.step_abandoned:
         # The executor thread cannot be interrupted, and the interpreter would join it at

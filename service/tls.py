@@ -10,7 +10,8 @@ Modes, from the flags (``model-executor serve``):
 
 ``--tls-client-ca`` alone is refused: gRPC Python can only *request* an optional client
 certificate without verifying it, so a certificate from any CA would be accepted while the
-flag promised a check. Files are read once, at start-up, so a bad path is a start-up error.
+flag promised a check. Files are read and checked once, at start-up, so a bad path or a
+file that is not what its flag names is a start-up error.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class TlsConfig:
             if path is not None:
                 _read(path, what)
         _check_pair(self.cert, self.key)
+        if self.client_ca is not None:
+            _check_ca(self.client_ca)
 
     @property
     def mode(self) -> str:
@@ -84,6 +87,18 @@ def _check_pair(cert: Path, key: Path) -> None:
         raise ValueError(f"cannot load the TLS certificate {str(cert)!r} with the key "
                          f"{str(key)!r} ({exc.reason or exc}): both must be PEM, the key "
                          "unencrypted") from None
+
+
+def _check_ca(path: Path) -> None:
+    """Refuse a client CA file with no PEM certificate in it (gRPC says only "Failed to
+    bind to address", which read as a busy port)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise ValueError(f"the client CA {str(path)!r} holds no certificate "
+                         f"({exc.reason or exc}): pass the PEM file of the CA that signs "
+                         "the client certificates") from None
 
 
 def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None

@@ -20,16 +20,18 @@ from executor.distributed.collectives import CollectiveFailed
 from executor.distributed.group import TensorParallel
 from executor.distributed.spawn import (
     GEMM_SEND_MODES,
+    LOOPBACK,
     ChildWatch,
     Heartbeat,
     ParallelConfig,
     Rendezvous,
     die_with_parent,
+    host_store,
     rank_device,
     spawn_context,
 )
 
-__all__ = ["ALL_REDUCE_CHOICES", "GEMM_SEND_MODES", "ChildWatch", "CollectiveFailed",
-           "Heartbeat", "ParallelConfig", "Rendezvous", "TensorParallel",
-           "all_reduce_choice", "die_with_parent", "init", "rank_device", "shutdown",
-           "spawn_context"]
+__all__ = ["ALL_REDUCE_CHOICES", "GEMM_SEND_MODES", "LOOPBACK", "ChildWatch",
+           "CollectiveFailed", "Heartbeat", "ParallelConfig", "Rendezvous", "TensorParallel",
+           "all_reduce_choice", "die_with_parent", "host_store", "init", "rank_device",
+           "shutdown", "spawn_context"]

@@ -3,8 +3,8 @@
 Two ways to start N ranks, one code path after the rendezvous:
 
 * ``--tensor-parallel-size N`` alone: the serving process is rank 0; it hosts a TCP store
-  on a free loopback port and spawns ranks 1..N-1 (``multiprocessing`` spawn context),
-  each a fresh interpreter that dies with its parent (``PR_SET_PDEATHSIG`` on Linux).
+  on loopback only (``host_store``) and spawns ranks 1..N-1 (``multiprocessing`` spawn
+  context), each a fresh interpreter that dies with its parent (``PR_SET_PDEATHSIG``).
 * A torchrun-style environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
   ``RANK``, ``LOCAL_RANK``): every process is started by the launcher and they meet at the
   store on ``MASTER_ADDR:MASTER_PORT`` (rank 0's, or torchrun's agent's).
@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ from executor.distributed.all_reduce.paths import ALL_REDUCE_CHOICES
 from executor.errors import ConfigError
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+#: Where spawned ranks meet: they share this host, and the store has no authentication.
+LOOPBACK = "127.0.0.1"
 #: ``--tp-gemm-send`` values (``ParallelConfig.gemm_send`` is True for "on").
 GEMM_SEND_MODES = ("on", "off")
 
@@ -115,11 +118,48 @@ class Rendezvous:
                           env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
     def store(self, timeout: datetime.timedelta) -> dist.Store:
-        """The store every rank reaches (rank 0 hosts it unless torchrun's agent does)."""
-        host = not self.agent_store and self.rank == 0
-        store = dist.TCPStore(self.master_addr, self.master_port, self.world_size,
-                              is_master=host, timeout=timeout, wait_for_workers=False)
+        """The store every rank reaches (rank 0 hosts it unless torchrun's agent does).
+
+        Rank 0 binds it to the address ``MASTER_ADDR`` names when that address is on this
+        host (the one the other ranks dial); otherwise (a NAT or service address) torch
+        binds every interface, as torchrun's agent does (docs/tensor-parallel.md)."""
+        store: dist.TCPStore
+        if not self.agent_store and self.rank == 0:
+            try:
+                store = host_store(self.master_addr, self.master_port, self.world_size,
+                                   timeout)
+            except OSError:
+                store = dist.TCPStore(self.master_addr, self.master_port, self.world_size,
+                                      is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
+        else:
+            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size,
+                                  is_master=False, timeout=timeout, wait_for_workers=False)
         return dist.PrefixStore("model_executor", store)
+
+
+def host_store(addr: str, port: int, world_size: int,
+               timeout: datetime.timedelta) -> dist.TCPStore:
+    """Host a TCP store listening on ``addr`` alone (``port`` 0: a free one, ``.port``).
+
+    torch's own store server listens on every interface (IPv4 and IPv6) whatever its
+    ``host_name``, and the store has no authentication: so the listening socket is made
+    here and handed over (``master_listen_fd``; the store owns and closes it). Raises
+    ``OSError`` when ``addr`` cannot be bound (not on this host, or the port is taken).
+    """
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port,
+                                                          type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    bound_port = sock.getsockname()[1]
+    return dist.TCPStore(addr, bound_port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def rank_device(device: str, local_rank: int) -> str:

@@ -7,6 +7,7 @@ ranks' pids from ``ranks_spawned``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -126,3 +127,29 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket ``pid`` listens on (``/proc``, Linux);
+    IPv4 addresses mapped into IPv6 are given as IPv4."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)  # 32-bit words in host (little-endian) order
+            addr = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(addr)
+            mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:a.b.c.d is a.b.c.d
+            found.append((str(mapped or ip), int(hex_port, 16)))
+    return found

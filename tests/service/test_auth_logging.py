@@ -74,6 +74,12 @@ def test_auth_refusals_are_warnings_rate_limited(log_lines: io.StringIO) -> None
     assert all(e["level"] == "warning" and e["code"] == "UNAUTHENTICATED"
                and e["reason"] == "UNAUTHENTICATED" and "missing credentials" in e["message"]
                and e["held_back"] == 0 for e in refused)
+    # the refusals held back are said at shutdown, not only by a later refusal of the kind
+    held = [e for e in events if e["event"] == "auth_refused_held_back"]
+    assert {e["rpc"]: (e["code"], e["held_back"]) for e in held} == {
+        "Executor/Health": ("UNAUTHENTICATED", CALLS - 1),
+        "ServerReflection/ServerReflectionInfo": ("UNAUTHENTICATED", CALLS - 1)}
+    assert len(held) == 2 and all(e["level"] == "warning" for e in held)
     assert TOKEN not in log_lines.getvalue()
     decode = [e for e in events if e["event"] == "rpc" and e["rpc"] == "Executor/Decode"]
     assert decode[0]["code"] == "NOT_FOUND" and decode[0]["reason"] == "SEQUENCE_NOT_FOUND"
@@ -91,6 +97,23 @@ def test_rate_limiter_counts_what_it_held_back() -> None:
     now[0] = 10.5
     assert limiter.allow("k") == 5
     assert limiter.allow("k") is None
+
+
+def test_held_back_counts_are_said_once_their_interval_is_over() -> None:
+    """Counts wait for no later event: ``overdue`` takes those whose interval is over (the
+    server asks every interval), and all of them at shutdown; each is said once."""
+    now = [0.0]
+    limiter = RateLimiter(10.0, clock=lambda: now[0])
+    assert limiter.allow("a") == 0 and limiter.allow("a") is None
+    now[0] = 4.0
+    assert limiter.allow("b") == 0 and limiter.allow("b") is None and limiter.allow("b") is None
+    assert limiter.overdue() == {}  # neither interval is over yet
+    now[0] = 10.0
+    assert limiter.overdue() == {"a": 1}
+    assert limiter.overdue() == {}
+    assert limiter.allow("a") is None  # the count was said at 10.0: a new interval began
+    assert limiter.overdue(everything=True) == {"a": 1, "b": 2}
+    assert limiter.overdue(everything=True) == {}
 
 
 def test_log_level_from_the_environment() -> None:

@@ -11,8 +11,9 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from structlog.testing import capture_logs
 
 from executor.api import Phase
 from service.config import ServerConfig
@@ -150,3 +151,39 @@ def _drain(stream: Any) -> Any:
         yield from stream
     except grpc.RpcError:
         return
+
+
+def _listed(channel: grpc.Channel) -> dict[str, int]:
+    response = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(),
+                                                        timeout=5)
+    return {name: int(r.status) for name, r in response.statuses.items()}
+
+
+def test_list_names_every_service_with_its_status() -> None:
+    """``grpc.health.v1.Health/List`` (in the standard health.proto; reflection advertises
+    it): both services and what Check says for each, on the main and the health port, in
+    every state; never INTERNAL, never an error line."""
+    harness = ServerHarness(tiny_config(), ServerConfig(port=0, metrics_port=0,
+                                                       health_port=0, drain_delay_s=2.0))
+    probe_port = grpc.insecure_channel(f"127.0.0.1:{harness.server.health_port}")
+    try:
+        with capture_logs() as logs:
+            harness.wait_ready()
+            for channel in (harness.channel, probe_port):
+                assert _listed(channel) == {"": SERVING, READINESS_SERVICE: SERVING}
+            codes = {dict(labels)["grpc_code"]: value
+                     for (name, labels), value in harness.scrape().items()
+                     if name == "grpc_server_handled_total"
+                     and ("grpc_method", "List") in labels}
+            assert codes == {"OK": 2}  # the alert on INTERNAL sees nothing
+            stop = harness.stop_in_background(grace=1.0)
+            wait_for(lambda: state(harness) == pb.SERVER_STATE_DRAINING, harness)
+            assert _listed(harness.channel) == {"": NOT_SERVING,
+                                                READINESS_SERVICE: NOT_SERVING}
+            assert (harness.check(), harness.ready()) == (NOT_SERVING, NOT_SERVING)
+            stop.result(timeout=10)
+        assert any(e["event"] == "draining" for e in logs)  # the server's lines are seen
+        assert [e for e in logs if e["log_level"] in ("error", "critical")] == []
+    finally:
+        probe_port.close()
+        harness.close()

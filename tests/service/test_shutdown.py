@@ -65,6 +65,8 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(served: Process) -> None:
 
     names = [e["event"] for e in served.events]
     assert names.index("signal_received") < names.index("draining") < names.index("stopped")
+    assert [e["signal"] for e in served.events if e["event"] == "signal_received"] == [
+        "SIGTERM"]
     summaries = [e for e in served.events if e["event"] == "rpc" and e["rpc"] == "Executor/Prefill"
                  and e["code"] == "OK"]
     assert {e["request_id"] for e in summaries} == {f"inflight-{i}" for i in range(4)}

@@ -60,6 +60,15 @@ def test_cli_on_a_busy_port_exits_with_one_line(server: ServerHarness) -> None:
     assert "Traceback" not in output
     failures = [line for line in output.splitlines() if "startup_failed" in line]
     assert len(failures) == 1 and f":{port}" in failures[0], output
+    assert "the port is in use" in failures[0]
+    # nothing else: grpc-core's own "Failed to add port" line no longer comes first
+    assert output.strip().splitlines() == failures, output
+
+
+def test_an_address_not_on_this_host_is_named() -> None:
+    with pytest.raises(StartupError, match=r"198\.51\.100\.7:45678: the address is not on "
+                                           r"this host; choose another --host"):
+        asyncio.run(_start(ServerConfig(host="198.51.100.7", port=45678, metrics_port=None)))
 
 
 def test_tls_key_not_matching_its_certificate(tmp_path: Path,
@@ -76,6 +85,27 @@ def test_tls_key_not_matching_its_certificate(tmp_path: Path,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "does not match the certificate" in err and "Traceback" not in err
+
+
+def test_a_client_ca_that_is_not_a_certificate_is_named(tmp_path: Path) -> None:
+    """A client CA file with no certificate in it: exit 2 and one line naming the file
+    (it was "the port is in use", exit 1, after grpc-core's own lines)."""
+    pytest.importorskip("cryptography", reason="makes the test certificates")
+    from tests.system.reliability.certs import Authority  # needs cryptography (the test extra)
+
+    a = Authority.make(tmp_path / "a", "a")
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
+         "--metrics-port", "-1", "--tls-cert", str(a.server_cert), "--tls-key",
+         str(a.server_key), "--tls-client-ca", str(garbage), "--require-client-auth"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and str(garbage) in errors[0], done.stderr
+    assert "holds no certificate" in errors[0]
+    assert "port" not in done.stdout + done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_model_that_cannot_load_is_one_line(tmp_path: Path) -> None:

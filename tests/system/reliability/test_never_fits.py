@@ -62,6 +62,32 @@ def test_extension_and_decode_past_the_pool_are_invalid(server: ServerHarness,
     check_kv(server, figures, baseline)
 
 
+def test_the_message_quotes_the_max_context_health_reports(server: ServerHarness) -> None:
+    """The limit in the message is Health's ``max_context`` (what can be served), never the
+    configured 256 the pool cannot hold."""
+    served = server.stub.Health(pb.HealthRequest(), timeout=5).model.max_context
+    text = rpc_error(server.stub.Prefill, prefill(("long", POOL + 1))).details() or ""
+    assert f"max_context is {served}" in text and "256" not in text, text
+
+
+def test_too_many_steps_name_num_steps(server: ServerHarness, figures: Figures) -> None:
+    """Steps that can never fit on a ``use_last_sampled`` item name ``num_steps`` (one step
+    would fit), and one step past the pool names the field the item used."""
+    baseline = check_kv(server, figures)
+    server.stub.Prefill(prefill(("s", POOL - 2)), timeout=30)
+    try:
+        steps = pb.DecodeRequest(items=[pb.DecodeItem(seq_id="s", use_last_sampled=True)],
+                                 num_steps=4)
+        assert_never_fits(rpc_error(server.stub.Decode, steps), "num_steps")
+        one = pb.DecodeRequest(items=[pb.DecodeItem(seq_id="s", use_last_sampled=True)])
+        server.stub.Decode(one, timeout=30)
+        server.stub.Decode(one, timeout=30)  # the pool is full: POOL tokens
+        assert_never_fits(rpc_error(server.stub.Decode, one), "items[0].use_last_sampled")
+    finally:
+        server.stub.Release(pb.ReleaseRequest(seq_ids=["s"]), timeout=10)
+    check_kv(server, figures, baseline)
+
+
 def test_a_call_that_fits_later_is_still_retryable(server: ServerHarness) -> None:
     server.stub.Prefill(prefill(("x", 40)), timeout=30)
     try:

@@ -281,6 +281,8 @@ def test_optional_client_certificate_is_refused(pki: tuple[Authority, Authority]
     (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{ca}"],
      "--tls-client-ca needs --require-client-auth"),
     (["--tls-cert", "/nonexistent.pem", "--tls-key", "{key}"], "cannot read"),
+    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{key}",
+      "--require-client-auth"], "holds no certificate"),  # a key where the CA goes
     (["--token-file", "{empty}"], "is empty"),
     (["--token-file", "/nonexistent"], "cannot read the token file"),
     (["--prefill-compiler", "inductor"], "only to --prefill-graph tc_piecewise"),
