@@ -25,7 +25,7 @@ from executor.distributed import (
     Rendezvous,
 )
 from executor.errors import ConfigError
-from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
+from executor.graphs.registry import auto_summary, resolve_graph_modes, valid_modes
 from service import __version__
 from service.auth import AuthConfig, read_secret
 from service.client import add_client_parser
@@ -95,7 +95,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     for phase in ("decode", "prefill"):
         graphs.add_argument(f"--{phase}-graph", default="auto", metavar="MODE",
                             help=f"{' | '.join(valid_modes(phase))} | auto "
-                            f"({default_mode(phase, cuda=True)} on CUDA)")
+                            f"({auto_summary(phase)})")
     graphs.add_argument("--prefill-compiler", choices=("eager", "inductor"), default="eager",
                         help="how torch.compile compiles the pieces of a tc_piecewise prefill "
                         "graph (only with --prefill-graph tc_piecewise)")
@@ -224,7 +224,10 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device.startswith("cuda")
-    decode_mode, prefill_mode = resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    # Names and device checked here; ``auto`` is settled at boot, against the attention
+    # backend that serves (``executor.boot.resolve_modes``).
+    resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    decode_mode, prefill_mode = args.decode_graph, args.prefill_graph
     if args.prefill_compiler != "eager" and prefill_mode != "tc_piecewise":
         raise ValueError(f"--prefill-compiler {args.prefill_compiler} applies only to "
                          f"--prefill-graph tc_piecewise (prefill graph mode is {prefill_mode})")
