@@ -131,10 +131,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--health-port", type=int, default=None,
                      help="also serve grpc.health.v1 alone, in plaintext and without a token, "
                      "on this port (for probes that cannot do TLS; 0: any free port)")
-    graphs.add_argument("--session-depth", type=int, default=2,
+    graphs.add_argument("--session-depth", type=int, default=3,
                         help="steps a Session stream may have launched and unanswered at "
-                        "once (2 hides the RPC round trip behind the device at batch 1; "
-                        "large batches may want 3)")
+                        "once (3 keeps the device busy through the RPC round trip and the "
+                        "host's per-step work at batch 1 and at large batches)")
     retry = p.add_argument_group("idempotent retries (Prefill/Decode with a request_id)")
     retry.add_argument("--retry-cache-entries", type=int, default=4096,
                        help="responses kept for retries (0: retries are not deduplicated)")
