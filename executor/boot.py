@@ -234,8 +234,9 @@ def resolve_modes(config: ExecutorConfig, at: Placement, w: Weights, att: Attent
     if config.attention_backend == AUTO:
         chosen["attention_backend"] = f"{w.backend_name} ({w.backend_why})"
     modes: dict[Phase, str] = {}
-    for phase, requested in (("decode", config.graphs.decode_mode),
-                             ("prefill", config.graphs.prefill_mode)):
+    requests: dict[Phase, str] = {"decode": config.graphs.decode_mode,
+                                  "prefill": config.graphs.prefill_mode}
+    for phase, requested in requests.items():
         if requested == AUTO:
             mode, why = auto_graph_mode(phase, cuda, att.attn.capturable, attention)
             chosen[f"{phase}_graph"] = f"{mode} ({why})"
