@@ -138,9 +138,11 @@ def _unpack(detail: Any) -> Message:
     return msg
 
 
-class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call (also on plaintext channels,
-    which grpc's own call credentials refuse; the server warns about that off loopback)."""
+class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call, Session streams included (also
+    on plaintext channels, which grpc's own call credentials refuse; the server warns about
+    that off loopback)."""
 
     def __init__(self, token: str) -> None:
         self._header = (AUTHORIZATION, f"Bearer {token}")
@@ -153,6 +155,10 @@ class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with_token(details), request)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any,
+                                request_iterator: Any) -> Any:
+        return continuation(self._with_token(details), request_iterator)
 
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:

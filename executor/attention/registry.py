@@ -112,8 +112,9 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         for candidate in ranked:
             why = candidate.why_not(device, dtype, shape, probe)
             if why is None:
+                dtype_name = str(dtype).removeprefix("torch.")
                 return candidate.name, ("; ".join(passed) if passed else
-                                        f"preferred for {dtype} on {device.type}")
+                                        f"preferred for {dtype_name} on {device.type}")
             reason, own = why
             passed.append(reason)
             if own:
