@@ -266,6 +266,8 @@ def make_graphs(config: ExecutorConfig, at: Placement, w: Weights, cache: Cache,
             continue
         backend = make_capture_backend(mode, at.device, config.graphs,
                                        _model_key(at, w, cache, tp))
+        # resolve_modes read the registry's record of this; the backend must agree.
+        assert not (backend.attention_in_graph and phase not in att.attn.capturable), mode
         if phase == "decode":
             buckets = config.graphs.decode_buckets or default_decode_buckets(
                 config.decode_batch_limit)

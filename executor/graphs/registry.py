@@ -129,11 +129,6 @@ def auto_graph_mode(phase: Phase, cuda: bool,
     return DISABLED, f"no graph mode can run {attention} for {phase}"
 
 
-def default_mode(phase: Phase, cuda: bool) -> str:
-    """What ``auto`` means for ``phase`` with an attention backend capturable for it."""
-    return auto_graph_mode(phase, cuda)[0]
-
-
 def auto_summary(phase: Phase) -> str:
     """What ``auto`` picks for ``phase``, in words (the CLI's help)."""
     order = [e for e in _REGISTRY.values() if phase in e.auto_for]
