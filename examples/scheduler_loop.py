@@ -40,7 +40,7 @@ def generate(stub: pb_grpc.ExecutorStub, seq_id: str, prompt: Sequence[int],
 
 
 def generate_pipelined(stub: pb_grpc.ExecutorStub, seq_id: str, prompt: Sequence[int],
-                       n: int, depth: int = 2) -> list[int]:
+                       n: int, depth: int = 3) -> list[int]:
     """One Session, ``depth`` steps in flight: a step is sent before the one ahead of it
     is answered, and continues from the token that step sampled, on the device."""
     window = threading.Semaphore(depth)  # steps sent and not answered yet
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--target", default="127.0.0.1:50051", help="the server's host:port")
     ap.add_argument("--prompt", default="5,17,99,3,250,41", help="prompt token ids")
     ap.add_argument("--tokens", type=int, default=16, help="tokens to generate")
-    ap.add_argument("--depth", type=int, default=2, help="Session steps in flight")
+    ap.add_argument("--depth", type=int, default=3,
+                    help="Session steps in flight (the server's default --session-depth)")
     args = ap.parse_args(argv)
     prompt = [int(t) for t in args.prompt.split(",")]
     run = uuid.uuid4().hex[:8]

@@ -5,7 +5,8 @@
     3. the KV cache sized and allocated (pools + request-slot table), the TP step channel
     4. the attention backend built, the fused decode RoPE decided, ``ModelInfo``
     5. the per-step pools: sampler, last sampled tokens, pinned staging, step pools
-    6. the graph runners (capture happens on ``Executor.capture``) and the ``Forward``
+    6. the graph modes settled against the attention backend (what each ``auto`` chose
+       logged in one line), the graph runners (capture on ``Executor.capture``), ``Forward``
 
 Under tensor parallelism every rank runs it: each loads its weight shard and allocates
 its KV shard (its KV heads); the collectives in steps 3 and 4 run in the same order on
@@ -15,13 +16,14 @@ every rank.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from executor.api import ModelInfo, Phase
-from executor.attention import create_backend, resolve_backend_name
+from executor.attention import create_backend, resolve_backend
 from executor.attention.base import AttentionBackend, AttentionShape
 from executor.config import ExecutorConfig
 from executor.distributed import group
@@ -36,7 +38,13 @@ from executor.graphs.buckets import (
     normalize_buckets,
 )
 from executor.graphs.graph_runner import GraphRunner
-from executor.graphs.registry import make_capture_backend, resolve_graph_mode
+from executor.graphs.registry import (
+    AUTO,
+    PHASES,
+    auto_graph_mode,
+    make_capture_backend,
+    resolve_graph_mode,
+)
 from executor.kernels.switches import KernelSwitches
 from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
 from executor.last_sampled import LastSampled
@@ -49,6 +57,7 @@ from executor.weights.catalog import model_name, resolve_model_source
 from executor.weights.loader import load_hf_config, load_model
 from executor.weights.sharding import local_spec
 
+_log = logging.getLogger("executor.boot")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: KV tokens off CUDA when ``--kv-tokens`` is not given (no device memory to size by).
 CPU_DEFAULT_KV_TOKENS = 32768
@@ -83,6 +92,8 @@ class Weights:
     max_context: int
     shape: AttentionShape
     backend_name: str
+    #: Why ``auto`` chose it (empty for a named backend), for the start-up log line.
+    backend_why: str
     #: Seconds per boot step (FlashInfer's probe JIT-compiles its kernels in "attention").
     seconds: dict[str, float]
 
@@ -95,14 +106,15 @@ def load_weights(config: ExecutorConfig, at: Placement, tp: TensorParallel) -> W
     # Settled before the weights load: a backend that cannot serve here fails fast.
     shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
     started = time.perf_counter()
-    backend_name = resolve_backend_name(config.attention_backend, at.device, at.dtype, shape)
+    backend_name, backend_why = resolve_backend(config.attention_backend, at.device, at.dtype,
+                                                shape)
     seconds = {"attention": time.perf_counter() - started}
     started = time.perf_counter()
     model, spec = load_model(model_dir, at.dtype, at.device, max_context, spec, tp,
                              config.model.load_format, config.model.seed)
     seconds["weights"] = time.perf_counter() - started
     return Weights(model, spec, model_name(source, model_dir), max_context, shape,
-                   backend_name, seconds)
+                   backend_name, backend_why, seconds)
 
 
 # -- 3. KV cache, TP channel ----------------------------------------------------------
@@ -204,28 +216,58 @@ def make_pools(config: ExecutorConfig, at: Placement, cache: Cache) -> Pools:
 # -- 6. graph runners and the forward ----------------------------------------------------
 @dataclass(frozen=True)
 class Graphs:
-    modes: dict[Phase, str]  # the configured graph mode per phase
+    modes: dict[Phase, str]  # the resolved graph mode per phase (``auto`` settled)
     runners: dict[Phase, GraphRunner]  # per phase with graphs on a CUDA device
     forward: Forward
 
 
+def resolve_modes(config: ExecutorConfig, at: Placement, w: Weights, att: Attention
+                  ) -> tuple[dict[Phase, str], dict[str, str]]:
+    """Each phase's graph mode, resolved against the attention backend's capabilities
+    (``auto`` always yields a mode that runs; a named mode it cannot run is refused naming
+    the flags), and what each ``auto`` setting resolved to and why."""
+    cuda = at.device.type == "cuda"
+    attention = _attention_label(config, at, w.backend_name)
+    # Off CUDA no runner is built: a named mode is only checked to be one of the phase's.
+    capturable = att.attn.capturable if cuda else frozenset(PHASES)
+    chosen: dict[str, str] = {}
+    if config.attention_backend == AUTO:
+        chosen["attention_backend"] = f"{w.backend_name} ({w.backend_why})"
+    modes: dict[Phase, str] = {}
+    requests: dict[Phase, str] = {"decode": config.graphs.decode_mode,
+                                  "prefill": config.graphs.prefill_mode}
+    for phase, requested in requests.items():
+        if requested == AUTO:
+            mode, why = auto_graph_mode(phase, cuda, att.attn.capturable, attention)
+            chosen[f"{phase}_graph"] = f"{mode} ({why})"
+        else:
+            mode = resolve_graph_mode(phase, requested, True, capturable, attention)
+        modes[phase] = mode
+    return modes, chosen
+
+
+def _attention_label(config: ExecutorConfig, at: Placement, name: str) -> str:
+    """The attention backend and the flags that chose it, for refusals."""
+    if config.attention_backend != AUTO:
+        return f"--attention-backend {name}"
+    dtype = f"--dtype {at.dtype_name}" if config.model.dtype else at.dtype_name
+    return (f"attention backend {name!r} (what --attention-backend auto picks for {dtype} "
+            f"on {at.device.type})")
+
+
 def make_graphs(config: ExecutorConfig, at: Placement, w: Weights, cache: Cache,
                 att: Attention, pools: Pools, tp: TensorParallel) -> Graphs:
-    modes: dict[Phase, str] = {"decode": config.graphs.decode_mode,
-                               "prefill": config.graphs.prefill_mode}
-    for phase, mode in modes.items():  # a name the phase has (any device)
-        resolve_graph_mode(phase, mode, cuda=True)
+    modes, chosen = resolve_modes(config, at, w, att)
+    if chosen and tp.leads:  # one line: what each auto setting resolved to, and why
+        _log.info("auto_resolved", extra={"auto": chosen})
     runners: dict[Phase, GraphRunner] = {}
     for phase, mode in modes.items():
         if mode == "disabled" or at.device.type != "cuda":
             continue
         backend = make_capture_backend(mode, at.device, config.graphs,
                                        _model_key(at, w, cache, tp))
-        if backend.attention_in_graph and phase not in att.attn.capturable:
-            raise ConfigError(
-                f"{phase} graph mode {mode!r} captures attention, and attention backend "
-                f"{att.attn.name!r} cannot be captured for {phase}; use --attention-backend "
-                f"triton, another graph mode, or disable {phase} graphs")
+        # resolve_modes read the registry's record of this; the backend must agree.
+        assert not (backend.attention_in_graph and phase not in att.attn.capturable), mode
         if phase == "decode":
             buckets = config.graphs.decode_buckets or default_decode_buckets(
                 config.decode_batch_limit)

@@ -74,9 +74,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Resolved CUDA-graph settings (see ``resolve_graph_modes``)."""
+    """CUDA-graph settings; ``auto`` modes are settled at boot (``resolve_graph_modes``)."""
 
-    decode_mode: str = "disabled"  # a registered graph mode for decode, or "disabled"
+    decode_mode: str = "disabled"  # a registered graph mode for decode, "disabled" or "auto"
     prefill_mode: str = "disabled"
     decode_buckets: tuple[int, ...] | None = None  # None: default list up to max_decode_batch
     prefill_buckets: tuple[int, ...] | None = None  # None: default list up to max_prefill_tokens

@@ -25,7 +25,7 @@ from executor.distributed import (
     Rendezvous,
 )
 from executor.errors import ConfigError
-from executor.graphs.registry import default_mode, resolve_graph_modes, valid_modes
+from executor.graphs.registry import auto_summary, resolve_graph_modes, valid_modes
 from service import __version__
 from service.auth import AuthConfig, read_secret
 from service.client import add_client_parser
@@ -95,7 +95,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     for phase in ("decode", "prefill"):
         graphs.add_argument(f"--{phase}-graph", default="auto", metavar="MODE",
                             help=f"{' | '.join(valid_modes(phase))} | auto "
-                            f"({default_mode(phase, cuda=True)} on CUDA)")
+                            f"({auto_summary(phase)})")
     graphs.add_argument("--prefill-compiler", choices=("eager", "inductor"), default="eager",
                         help="how torch.compile compiles the pieces of a tc_piecewise prefill "
                         "graph (only with --prefill-graph tc_piecewise)")
@@ -131,10 +131,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--health-port", type=int, default=None,
                      help="also serve grpc.health.v1 alone, in plaintext and without a token, "
                      "on this port (for probes that cannot do TLS; 0: any free port)")
-    graphs.add_argument("--session-depth", type=int, default=2,
+    graphs.add_argument("--session-depth", type=int, default=3,
                         help="steps a Session stream may have launched and unanswered at "
-                        "once (2 hides the RPC round trip behind the device at batch 1; "
-                        "large batches may want 3)")
+                        "once (3 keeps the device busy through the RPC round trip and the "
+                        "host's per-step work at batch 1 and at large batches)")
     retry = p.add_argument_group("idempotent retries (Prefill/Decode with a request_id)")
     retry.add_argument("--retry-cache-entries", type=int, default=4096,
                        help="responses kept for retries (0: retries are not deduplicated)")
@@ -224,7 +224,10 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device.startswith("cuda")
-    decode_mode, prefill_mode = resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    # Names and device checked here; ``auto`` is settled at boot, against the attention
+    # backend that serves (``executor.boot.resolve_modes``).
+    resolve_graph_modes(args.decode_graph, args.prefill_graph, cuda)
+    decode_mode, prefill_mode = args.decode_graph, args.prefill_graph
     if args.prefill_compiler != "eager" and prefill_mode != "tc_piecewise":
         raise ValueError(f"--prefill-compiler {args.prefill_compiler} applies only to "
                          f"--prefill-graph tc_piecewise (prefill graph mode is {prefill_mode})")

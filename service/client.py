@@ -24,7 +24,7 @@ from grpc_status import rpc_status
 from service.auth import AUTHORIZATION, read_secret
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
-from service.generate import GenerateError, generate
+from service.generate import GenerateError, StepFailed, generate
 from service.tls import channel_credentials
 
 TOKEN_ENV = "MODEL_EXECUTOR_TOKEN"
@@ -107,7 +107,19 @@ def _print(result: Message | dict[str, Any] | None) -> None:
 def describe_error(err: grpc.RpcError) -> dict[str, Any]:
     """A grpc error's code, message and decoded google.rpc details."""
     out: dict[str, Any] = {"code": err.code().name, "message": err.details()}  # type: ignore[attr-defined]
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    return _with_details(out, rpc_status.from_call(err))  # type: ignore[arg-type]
+
+
+def describe_step_error(error: pb.StepError) -> dict[str, Any]:
+    """A failed Session step, reported as ``describe_error`` reports the unary call."""
+    from google.rpc import status_pb2
+
+    out: dict[str, Any] = {"code": error.code_name, "message": error.message}
+    return _with_details(out, status_pb2.Status.FromString(error.status)
+                         if error.status else None)
+
+
+def _with_details(out: dict[str, Any], status: Any) -> dict[str, Any]:
     if status is not None:
         details = []
         for detail in status.details:
@@ -126,9 +138,11 @@ def _unpack(detail: Any) -> Message:
     return msg
 
 
-class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call (also on plaintext channels,
-    which grpc's own call credentials refuse; the server warns about that off loopback)."""
+class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call, Session streams included (also
+    on plaintext channels, which grpc's own call credentials refuse; the server warns about
+    that off loopback)."""
 
     def __init__(self, token: str) -> None:
         self._header = (AUTHORIZATION, f"Bearer {token}")
@@ -141,6 +155,10 @@ class _TokenAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with_token(details), request)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any,
+                                request_iterator: Any) -> Any:
+        return continuation(self._with_token(details), request_iterator)
 
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
@@ -170,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
             _print(args.func(stub, channel, args))
         except grpc.RpcError as err:
             print(json.dumps(describe_error(err), indent=2), file=sys.stderr)
+            return 1
+        except StepFailed as exc:
+            print(json.dumps(describe_step_error(exc.error), indent=2), file=sys.stderr)
             return 1
         except GenerateError as exc:
             print(f"model-executor client: {exc}", file=sys.stderr)
@@ -271,9 +292,10 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=None,
                           help="most tokens to generate (default: 16 with --tokens, 256 with "
                           "--prompt)")
-    generate.add_argument("--pipeline", type=int, default=0, metavar="N",
+    generate.add_argument("--pipeline", type=int, default=3, metavar="N",
                           help="send the decode steps over one Session, N in flight, each "
                           "continuing from the token sampled last on the server (0: one "
-                          "unary Decode at a time)")
+                          "unary Decode at a time; default: %(default)s, the server's "
+                          "default --session-depth)")
     _add_sampling(generate)
     generate.set_defaults(func=_generate)

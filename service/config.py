@@ -79,7 +79,7 @@ class ServerConfig:
     tls: TlsConfig | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)
     retry_cache: RetryCacheConfig = field(default_factory=RetryCacheConfig)
-    session_depth: int = 2
+    session_depth: int = 3  # the client's default --pipeline depth too
     rpc_log: Literal["all", "errors"] = "all"
 
     def __post_init__(self) -> None:

@@ -36,6 +36,15 @@ class GenerateError(Exception):
     """The run cannot start (no tokenizer, bad flags); the message says what to do."""
 
 
+class StepFailed(Exception):
+    """A Session step failed on the server: what the unary call would have raised (the
+    client reports it as it reports a failed call)."""
+
+    def __init__(self, error: pb.StepError) -> None:
+        super().__init__(f"step failed: {error.code_name}: {error.message}")
+        self.error = error
+
+
 def new_seq_id() -> str:
     return f"client-generate-{uuid.uuid4().hex[:12]}"
 
@@ -131,8 +140,7 @@ def _session(stub: pb_grpc.ExecutorStub, a: argparse.Namespace, seq_id: str,
         for response in call:
             kind = response.WhichOneof("result")
             if kind == "error":
-                raise GenerateError(f"step {response.step} failed: "
-                                    f"{response.error.code_name}: {response.error.message}")
+                raise StepFailed(response.error)
             tokens.append(getattr(response, kind).outputs[0].token_id)
             if on_token is not None:
                 on_token(tokens[-1])

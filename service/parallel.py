@@ -8,7 +8,9 @@ group; every other rank builds its executor shard and runs ``follower.run``.
 A failed rank (``executor/distributed/spawn.py`` says how one is found) is logged with
 its number and reason (``rank_failed``); the server turns UNHEALTHY at once (liveness and
 readiness NOT_SERVING, new steps UNAVAILABLE), stays so for ``--drain-delay`` so probes
-see it, then drains and exits with code 1 after stopping every rank it spawned.
+see it, then drains and exits with code 1 after stopping every rank it spawned. Leaving
+the groups and exiting are bounded too (``docs/reliability.md``, the TP shutdown timeline):
+a process whose teardown or exit does not finish in time ends with ``os._exit``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import structlog
@@ -47,6 +50,10 @@ from service.server import ExecutorServer, run_until_signal
 from service.worker import ExecutorLike
 
 log = structlog.get_logger(__name__)
+
+#: After a process has stopped its ranks and left the groups: how long exiting (threads a
+#: library left running, atexit handlers) may take before it exits without them.
+EXIT_GRACE_S = 5.0
 
 
 class RankFailure(CollectiveFailed):
@@ -100,14 +107,40 @@ def follower_main(rdv: Rendezvous, config: ExecutorConfig, parallel: ParallelCon
         return 1
     beat.stop()
     log.info("rank_stopped", steps=steps)
-    distributed.shutdown(tp)
-    return 0
+    if not distributed.shutdown(tp):
+        _exit_now(0, "leaving the process groups")
+    return 0 if spawned else _exit_guard(0)
 
 
 def _spawned_main(rank: int, size: int, port: int, config: ExecutorConfig,
                   parallel: ParallelConfig, log_format: str, log_level: str) -> None:
     rdv = Rendezvous(LOOPBACK, port, size, rank, rank)
-    sys.exit(follower_main(rdv, config, parallel, log_format, log_level, spawned=True))
+    code = follower_main(rdv, config, parallel, log_format, log_level, spawned=True)
+    # NOTE: a spawned rank has left its groups (or given up on it) and has nothing more to
+    # finalize: it skips interpreter exit, whose CUDA and NCCL destructors and thread joins
+    # can block on a peer that is gone, and which rank 0 would otherwise have to kill.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_now(code: int, what: str) -> None:
+    """``what`` did not finish within its bound: say so, flush the logs, exit at once."""
+    log.warning("exit_forced", code=code, reason=f"{what} did not finish in time")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_guard(code: int) -> int:
+    """Exit with ``code`` from a daemon thread if the interpreter has not exited within
+    ``EXIT_GRACE_S`` (it joins threads and runs atexit handlers first); ``code``."""
+    def guard() -> None:
+        time.sleep(EXIT_GRACE_S)
+        _exit_now(code, "exiting the interpreter")
+
+    threading.Thread(target=guard, name="exit-guard", daemon=True).start()
+    return code
 
 
 def run(executor_config: ExecutorConfig, server_config: ServerConfig,
@@ -147,12 +180,13 @@ def run(executor_config: ExecutorConfig, server_config: ServerConfig,
     else:
         store = rdv.store(parallel.collective_timeout)
     try:
-        return asyncio.run(_serve(executor_config, server_config, parallel, rdv, store,
+        code = asyncio.run(_serve(executor_config, server_config, parallel, rdv, store,
                                   children))
     finally:
-        if children:
+        if children:  # each leaves within its own teardown bound; then SIGTERM, SIGKILL
             codes = ChildWatch(children, lambda r, why: None).stop_all(timeout=10)
             log.info("ranks_stopped", exit_codes=codes)
+    return _exit_guard(code)
 
 
 class _GroupWatch:
@@ -255,5 +289,7 @@ async def _stop(server: ExecutorServer, parallel: ParallelConfig, failed: list[s
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1 if failed else 0)
-    if built:
-        distributed.shutdown(built[0][1])
+    if built and not distributed.shutdown(built[0][1]):
+        if children:
+            ChildWatch(children, lambda r, why: None).stop_all(timeout=2)
+        _exit_now(0, "leaving the process groups")

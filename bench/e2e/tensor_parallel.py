@@ -361,9 +361,18 @@ def allreduce_us(world: int, hidden: int, sizes: list[int] | None = None
     return spawn_ranks(_allreduce_worker, world, sizes or [*BATCHES, PREFILL], hidden)
 
 
+#: How long ``spawn_ranks`` waits for its ranks to exit after the result (a clean exit,
+#: process groups left, takes seconds) before it stops them.
+RANK_EXIT_S = 60.0
+
+
 def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
     """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes
-    (``port``: a free one for their store) and return what rank 0 puts on ``queue``."""
+    (``port``: a free one for their store) and return what rank 0 puts on ``queue``.
+
+    The ranks get a bounded wait to exit, then SIGTERM and SIGKILL: a rank stuck in its
+    group's teardown must not outlive the call (multiprocessing joins non-daemon children
+    at interpreter exit, which would hang the caller, a pytest run say)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -373,9 +382,17 @@ def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str
              for r in range(world)]
     for p in procs:
         p.start()
-    result: dict[str, Any] = queue.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    try:
+        result: dict[str, Any] = queue.get(timeout=600)
+    finally:
+        deadline = time.monotonic() + RANK_EXIT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            for stop in (p.terminate, p.kill):
+                if p.is_alive():
+                    stop()
+                    p.join(5)
     return result
 
 

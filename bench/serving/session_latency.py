@@ -4,11 +4,12 @@
 batch size, in one process and one ``model-executor serve`` subprocess: in-process, the
 synchronous decode call, the graph replay span (the yardstick) and two steps launched
 ahead on fresh sequences (host time per launch and completion); over gRPC, unary Decode,
-a Session with 1, 2 (also ``packed_outputs``) and 3 steps in flight (deeper ones continue
-from ``use_last_sampled``), and unary Decode with ``num_steps`` = 8, each with the server's
-and the client's CPU time per step. Per token = wall time between the first and last
-measured answer / steps. ``--rounds N`` interleaves the gRPC modes N times (medians);
-``--py-spy DIR`` samples the server during each batch's two-in-flight Session.
+a Session with 1, 2 and 3 steps in flight (the default depth, 3, also ``packed_outputs``;
+deeper ones continue from ``use_last_sampled``), and unary Decode with ``num_steps`` = 8,
+each with the server's and the client's CPU time per step. Per token = wall time between
+the first and last measured answer / steps; the headline ratio is the default depth's
+against the span. ``--rounds N`` interleaves the gRPC modes N times (medians);
+``--py-spy DIR`` samples the server during each batch's default-depth Session.
 ``--stand-in-span-ms 1:1.27,64:1.63`` runs the same on CPU with a simulated device
 (``bench.serving.stand_in``). Writes ``session.json``, ``session.md`` and ``session.png``
 to ``--out`` (default ``results-local``).
@@ -148,7 +149,7 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
               launch_us: float = 0.0, py_spy: Path | None = None) -> dict[str, Any]:
     """Each mode ``rounds`` times, the modes interleaved round by round (a host's speed
     drifts within minutes); the median per mode, and every round.
-    With ``py_spy``, the first round's two-in-flight Session of each batch is sampled."""
+    With ``py_spy``, the first round's default-depth Session of each batch is sampled."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     entry = ["service.cli"] if stand_in is None else \
@@ -177,7 +178,7 @@ def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int
                     ids = [f"{name}-{bs}-{r}-{i}" for i in range(bs)]
                     toks = client.admit(ids)
                     spy = PySpy(proc.pid, py_spy / f"pyspy-bs{bs}-{name}.txt") \
-                        if py_spy is not None and r == 0 and name == "session_2" else None
+                        if py_spy is not None and r == 0 and name == DEFAULT_MODE else None
                     with spy or contextlib.nullcontext():
                         cpu = _cpu_s(proc.pid), _cpu_s()
                         per_token = run(ids, toks)
@@ -206,12 +207,16 @@ def _runs(client: Client, steps: int) -> dict[str, Callable[[list[str], list[int
         "session_1": lambda i, t: client.session(i, t, steps, 1),
         "session_2": lambda i, t: client.session(i, t, steps, 2),
         "session_3": lambda i, t: client.session(i, t, steps, 3),
-        "session_2_packed": lambda i, t: client.session(i, t, steps, 2, True),
+        f"{DEFAULT_MODE}_packed": lambda i, t: client.session(i, t, steps, DEPTH, True),
         "unary_num_steps_8": lambda i, t: client.unary(i, t, steps // 8, 8),
     }
 
 
-_MODES = ("unary", "session_1", "session_2", "session_3", "session_2_packed",
+#: Steps in flight of the Session the headline compares with the span: the client's and
+#: the server's default depth (``--pipeline`` / ``--session-depth``).
+DEPTH = 3
+DEFAULT_MODE = f"session_{DEPTH}"
+_MODES = ("unary", "session_1", "session_2", "session_3", f"{DEFAULT_MODE}_packed",
           "unary_num_steps_8")
 
 
@@ -219,7 +224,7 @@ def render(result: dict[str, Any], out: Path) -> str:
     lines = [f"# Session vs unary: per-token time a scheduler sees ({result['device']}, "
              f"commit {result['commit']})", "",
              "| batch | GPU span | in-process call | in-process 2 ahead | (a) unary | "
-             "(b) session 1 | (c) session 2 | session 3 | session 2 packed | "
+             "(b) session 1 | session 2 | (c) session 3 | session 3 packed | "
              "(d) num_steps 8 | (c) / span |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for bs, ip in result["in_process"].items():
@@ -229,13 +234,13 @@ def render(result: dict[str, Any], out: Path) -> str:
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v:.3f} ms"
 
-        ratio = f"{g['session_2_ms'] / span:.2f}x" if span else "-"
+        ratio = f"{g[DEFAULT_MODE + '_ms'] / span:.2f}x" if span else "-"
         lines.append(f"| {bs} | {ms(span)} | {ms(ip['call_ms'])} | {ms(ip['launched_ahead_ms'])} "
                      f"| {ms(g['unary_ms'])} | {ms(g['session_1_ms'])} | {ms(g['session_2_ms'])}"
-                     f" | {ms(g['session_3_ms'])} | {ms(g.get('session_2_packed_ms'))}"
+                     f" | {ms(g['session_3_ms'])} | {ms(g.get(DEFAULT_MODE + '_packed_ms'))}"
                      f" | {ms(g['unary_num_steps_8_ms'])} | {ratio} |")
     for bs, g in result["grpc"].items():
-        spread = g.get("session_2_ms_rounds", [])
+        spread = g.get(DEFAULT_MODE + "_ms_rounds", [])
         if len(spread) > 1:
             lines.append(f"\nBatch {bs}, (c) in each of {len(spread)} interleaved rounds: "
                          + ", ".join(f"{v:.3f}" for v in spread) + " ms (the table: medians).")
@@ -267,7 +272,7 @@ def render(result: dict[str, Any], out: Path) -> str:
 
         keys = ["unary_ms", "session_1_ms", "session_2_ms", "session_3_ms",
                 "unary_num_steps_8_ms"]
-        labels = ["(a) unary", "(b) session 1", "(c) session 2", "session 3", "(d) k=8"]
+        labels = ["(a) unary", "(b) session 1", "session 2", "(c) session 3", "(d) k=8"]
         fig, axes = plt.subplots(1, len(result["grpc"]), figsize=(5 * len(result["grpc"]), 4))
         for ax, (bs, g) in zip(list(axes) if len(result["grpc"]) > 1 else [axes],
                                result["grpc"].items(), strict=True):
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the in-process figures (span, launch and completion host "
                     "time), printed as JSON: for A/B of the executor's host path")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
-                    help="sample the server with py-spy during each batch's two-in-flight "
+                    help="sample the server with py-spy during each batch's default-depth "
                     "Session; raw stacks and a summary into DIR")
     ap.add_argument("--stand-in-launch-us", type=float, default=0.0,
                     help="with --stand-in-span-ms: extra host time per launch, GIL held "

@@ -16,6 +16,7 @@ from executor.attention.registry import (
     available_backends,
     create_backend,
     register_attention,
+    resolve_backend,
     resolve_backend_name,
 )
 
@@ -68,4 +69,4 @@ def _flashinfer(shape: AttentionShape, pool: KVPool, table: ReqToTokenTable
     return FlashInferBackend(shape, pool, table)
 
 
-__all__ = ["available_backends", "create_backend", "resolve_backend_name"]
+__all__ = ["available_backends", "create_backend", "resolve_backend", "resolve_backend_name"]

@@ -97,20 +97,26 @@ def entry(name: str) -> AttentionEntry:
     return _REGISTRY[name]
 
 
-def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype,
-                         shape: AttentionShape, probe: Probe | None = None) -> str:
-    """The backend that serves. ``auto``: the most preferred registered backend that can
-    serve on this device, dtype and shape (a passed-over backend's own reason is logged:
-    a warning when it is installed, else a note). A named backend is checked the same
-    way, and a start-up error says why it cannot serve."""
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
+                    shape: AttentionShape, probe: Probe | None = None) -> tuple[str, str]:
+    """The backend that serves, and why (for the start-up log; empty for a named one).
+
+    ``auto``: the most preferred registered backend that can serve on this device, dtype
+    and shape (a passed-over backend's own reason is logged: a warning when it is
+    installed, else a note; the reason says why each was passed over). A named backend is
+    checked the same way, and a start-up error says why it cannot serve."""
     if requested == AUTO:
         ranked = sorted((e for e in _REGISTRY.values() if e.auto_preference is not None),
                         key=lambda e: e.auto_preference or 0)
+        passed: list[str] = []
         for candidate in ranked:
             why = candidate.why_not(device, dtype, shape, probe)
             if why is None:
-                return candidate.name
+                dtype_name = str(dtype).removeprefix("torch.")
+                return candidate.name, ("; ".join(passed) if passed else
+                                        f"preferred for {dtype_name} on {device.type}")
             reason, own = why
+            passed.append(reason)
             if own:
                 level = logging.WARNING if candidate.installed() else logging.INFO
                 _log.log(level, "attention backend auto: not %s: %s", candidate.name, reason)
@@ -118,7 +124,13 @@ def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtyp
     why = entry(requested).why_not(device, dtype, shape, probe)
     if why is not None:
         raise ConfigError(why[0])
-    return requested
+    return requested, ""
+
+
+def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype,
+                         shape: AttentionShape, probe: Probe | None = None) -> str:
+    """The name ``resolve_backend`` settles on."""
+    return resolve_backend(requested, device, dtype, shape, probe)[0]
 
 
 def create_backend(name: str, shape: AttentionShape, pool: KVPool,

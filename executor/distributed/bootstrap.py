@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from executor.distributed.group import TensorParallel
 STARTUP_TIMEOUT = datetime.timedelta(hours=1)
 #: The other ranks wait on the control plane for the next step without a bound.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+#: How long ``shutdown`` waits for the teardown: a clean one takes well under a second;
+#: past this a peer or a communicator is stuck, and the process must still exit.
+TEARDOWN_TIMEOUT_S = 10.0
 
 
 def init(rank: int, size: int, device: torch.device, store: dist.Store,
@@ -84,11 +88,39 @@ def init(rank: int, size: int, device: torch.device, store: dist.Store,
     return tp
 
 
-def shutdown(tp: TensorParallel) -> None:
-    """Leave the process groups (best effort: a peer may be gone)."""
+def shutdown(tp: TensorParallel, timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
+    """Leave the process groups, in the same order on every rank, waiting at most
+    ``timeout_s``; True when the teardown finished, False when it did not in time.
+
+    Order: this rank's device work finished; a barrier on the control group (gloo), so no
+    rank destroys a communicator a peer may still be using; the all-reduce paths' buffers
+    dropped; the gloo groups destroyed; then the default (device: NCCL on CUDA) group.
+    It runs on a daemon thread: a teardown blocked on a peer that is gone, or inside
+    NCCL, is left behind, and the caller exits the process (``os._exit``) instead of
+    waiting for it. Errors are swallowed: a peer may be gone.
+    """
     if not tp.distributed or not dist.is_initialized():
-        return
-    collectives.forget(tp.device_group_name)
-    # Tearing down after a peer died may raise anything.
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+        return True
+    done = threading.Event()
+
+    def teardown() -> None:
+        try:
+            if tp.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.set_device(tp.device)  # a new thread starts on device 0
+                    torch.cuda.synchronize(tp.device)  # no kernel left on a communicator
+            with contextlib.suppress(Exception):
+                dist.barrier(group=tp.control)
+            collectives.forget(tp.device_group_name)
+            for group in (tp.startup, tp.control):
+                if group is not None:
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(group)
+            # Tearing down after a peer died may raise anything.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=teardown, name="tp-teardown", daemon=True).start()
+    return done.wait(timeout_s)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,3 +208,25 @@ def test_the_pipelined_session_is_timed_with_every_step_answered_by_the_other_ra
         assert [o.seq_len for o in out.outputs] == [4 + SESSION_STEPS + 10 + 1] * 2
     finally:
         server.stop(10)
+
+
+def _stuck_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    """Rank 0 reports; every rank then hangs, as one stuck in its group's teardown."""
+    if rank == 0:
+        queue.put({"ok": True})
+    time.sleep(3600)
+
+
+def test_spawn_ranks_stops_ranks_that_do_not_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that never exits is stopped (SIGTERM, then SIGKILL) after a bounded wait:
+    none outlives the call, so the caller's own exit does not wait for it."""
+    import multiprocessing
+
+    from bench.e2e import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "RANK_EXIT_S", 1.0)
+    started = time.monotonic()
+    assert tensor_parallel.spawn_ranks(_stuck_worker, 2) == {"ok": True}
+    assert time.monotonic() - started < 60
+    assert not [p for p in multiprocessing.active_children()
+                if p.name.startswith(("Process", "SpawnProcess"))]

@@ -23,8 +23,8 @@ def configs(*flags: str) -> tuple:  # type: ignore[type-arg]
 def test_defaults_bind_loopback_and_serve_tiny() -> None:
     executor, server = configs("--device", "cpu")
     assert executor.model.source == "tiny" and executor.device == "cpu"
-    assert (executor.graphs.decode_mode, executor.graphs.prefill_mode) == ("disabled",
-                                                                           "disabled")
+    # ``auto`` is carried to boot, which settles it against the attention backend.
+    assert (executor.graphs.decode_mode, executor.graphs.prefill_mode) == ("auto", "auto")
     assert server.host == "127.0.0.1" and server.port == 50051
     executor, server = configs("--device", "cpu", "--max-sequences", "8", "--metrics-port",
                                "-1", "--no-capture-at-startup", "--dtype", "bfloat16")
@@ -33,16 +33,16 @@ def test_defaults_bind_loopback_and_serve_tiny() -> None:
     assert server.rpc_log == "all" and configs("--rpc-log", "errors")[1].rpc_log == "errors"
 
 
-def test_graph_modes_resolve_per_device() -> None:
+def test_graph_modes_pass_through_checked() -> None:
     executor, _ = configs("--device", "cuda", "--prefill-graph", "tc_piecewise")
-    assert (executor.graphs.decode_mode, executor.graphs.prefill_mode) == ("full",
+    assert (executor.graphs.decode_mode, executor.graphs.prefill_mode) == ("auto",
                                                                            "tc_piecewise")
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--prefill-graph", "full"], "variable-length"),
     (["--decode-graph", "bogus"], "valid: auto"),
-    (["--decode-graph", "full"], "needs a CUDA device"),
+    (["--decode-graph", "full"], "(--decode-graph full) needs a CUDA device"),
     (["--max-sequences", "0"], "max_sequences"),
     (["--port", "70000"], "port"),
 ])

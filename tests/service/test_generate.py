@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import time
@@ -49,7 +50,7 @@ def test_a_prefill_past_the_client_deadline_is_released(server: ServerHarness,
 
     monkeypatch.setattr(server.executor, "prefill", slow_prefill)
     assert main(["client", "--target", server.target, "--timeout", "0.3", "generate",
-                 "--tokens", "1 2 3", "--max-new-tokens", "4"]) == 1
+                 "--pipeline", "0", "--tokens", "1 2 3", "--max-new-tokens", "4"]) == 1
     assert client_error(capsys.readouterr().err)["code"] == "DEADLINE_EXCEEDED"
     assert finished.wait(10)
     monkeypatch.undo()
@@ -88,17 +89,23 @@ def test_ctrl_c_releases_the_sequence(server: ServerHarness, monkeypatch: pytest
                                       calls: int) -> None:
     baseline = server.kv()
     monkeypatch.setattr(pb_grpc, "ExecutorStub", interrupt_after(method, calls))
-    assert main(["client", "--target", server.target, "generate", "--tokens", "1 2 3",
-                 "--max-new-tokens", "8"]) == 130
+    assert main(["client", "--target", server.target, "generate", "--pipeline", "0",
+                 "--tokens", "1 2 3", "--max-new-tokens", "8"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert server.kv() == baseline
 
 
+@pytest.mark.parametrize("pipeline", ["0", "3"])
 def test_a_rejected_prefill_leaves_nothing(server: ServerHarness,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+                                          capsys: pytest.CaptureFixture[str],
+                                          pipeline: str) -> None:
+    """Unary or over a Session, a failed step is reported as a failed call (exit 1, the
+    status as JSON with its details)."""
     baseline = server.kv()
-    assert main(["client", "--target", server.target, "generate", "--tokens", "1 2 99999"]) == 1
-    assert client_error(capsys.readouterr().err)["code"] == "INVALID_ARGUMENT"
+    assert main(["client", "--target", server.target, "generate", "--pipeline", pipeline,
+                 "--tokens", "1 2 99999"]) == 1
+    report = client_error(capsys.readouterr().err)
+    assert report["code"] == "INVALID_ARGUMENT" and report["details"]
     assert server.kv() == baseline
 
 
@@ -120,7 +127,7 @@ def test_pipelined_generate_equals_the_unary_loop_and_releases(
     last token included)."""
     baseline = server.kv()
     runs = []
-    for extra in ([], ["--pipeline", str(depth)]):
+    for extra in (["--pipeline", "0"], ["--pipeline", str(depth)]):
         assert main(["client", "--target", server.target, "generate", "--tokens", "4 8 15",
                      "--max-new-tokens", "9", *extra]) == 0
         runs.append(json.loads(capsys.readouterr().out))
@@ -131,3 +138,21 @@ def test_pipelined_generate_equals_the_unary_loop_and_releases(
     while server.kv() != baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.kv() == baseline
+
+
+def test_the_default_pipeline_depth_is_the_servers_default_session_depth() -> None:
+    """Three steps in flight by default (two left the device waiting on some hosts), the
+    client's and the server's defaults alike."""
+    from service.cli import build_parser
+    from service.config import ServerConfig
+
+    parser = build_parser()
+    generate = parser.parse_args(["client", "generate", "--tokens", "1"])
+    serve = parser.parse_args(["serve"])
+    assert generate.pipeline == serve.session_depth == ServerConfig().session_depth == 3
+    from bench.serving.session_latency import DEPTH
+    from tests.service.test_scheduler_example import load_example
+
+    example = load_example()
+    assert inspect.signature(example.generate_pipelined).parameters["depth"].default == 3
+    assert DEPTH == 3  # the Session the benchmark's headline ratio measures

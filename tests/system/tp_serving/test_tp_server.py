@@ -73,6 +73,8 @@ def _run(args: list[str], world_size: int = 1) -> scenario.Transcript:
         if "--tensor-parallel-size" in args:
             stopped = server.events("rank_stopped")
             assert stopped, "".join(server.lines)[-3000:]  # the follower left its loop
+            # a clean shutdown leaves the groups within the teardown's bound
+            assert not server.events("exit_forced"), "".join(server.lines)[-3000:]
 
 
 @pytest.fixture(scope="module")
