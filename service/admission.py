@@ -8,9 +8,12 @@ of queued steps could take every slot and starve the probes. Each kind has its o
 |---------|-------------------------------------------------------|-------------------------|
 | probe   | ``grpc.health.v1.Health/Check``, ``Executor/Health``  | none: they never wait   |
 | watch   | ``grpc.health.v1.Health/Watch``                       | ``max_watch_streams``   |
+| session | ``Executor/Session`` (from open to end)               | ``max_session_streams`` |
 | call    | everything else (steps, Release, Capture, reflection) | ``max_concurrent_rpcs`` |
 
 Probes answer from memory (never the executor thread), so admitting all of them is free.
+A stream counts from the moment it opens, so idle ones hold only their own kind's slots
+(an idle Session is also closed after ``--session-idle-timeout``: ``service/session.py``).
 Each listener has its own ``Admission`` (the health port cannot take the main port's).
 """
 
@@ -20,13 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["probe", "watch", "call"]
-KINDS: tuple[Kind, ...] = ("probe", "watch", "call")
-LIMITED_KINDS: tuple[Kind, ...] = ("watch", "call")
+Kind = Literal["probe", "watch", "session", "call"]
+KINDS: tuple[Kind, ...] = ("probe", "watch", "session", "call")
+LIMITED_KINDS: tuple[Kind, ...] = ("watch", "session", "call")
 
 PROBE_METHODS = frozenset({"/grpc.health.v1.Health/Check",
                            "/model_executor.v1.Executor/Health"})
 WATCH_METHODS = frozenset({"/grpc.health.v1.Health/Watch"})
+SESSION_METHODS = frozenset({"/model_executor.v1.Executor/Session"})
 RETRY_AFTER_OVERLOAD_S = 0.25
 
 
@@ -36,17 +40,20 @@ def kind_of(method: str) -> Kind:
         return "probe"
     if method in WATCH_METHODS:
         return "watch"
+    if method in SESSION_METHODS:
+        return "session"
     return "call"
 
 
 class Overloaded(Exception):
     """A call over its kind's budget; nothing ran. Maps to RESOURCE_EXHAUSTED with
-    ``ErrorInfo`` reason ``OVERLOADED`` (a watch: ``WATCH_STREAMS_EXHAUSTED``) and a
-    ``RetryInfo``, which tells it apart from KV exhaustion; counted in
-    ``model_executor_overload_refusals_total{kind}``."""
+    ``ErrorInfo`` reason ``OVERLOADED`` (a watch: ``WATCH_STREAMS_EXHAUSTED``, a session:
+    ``SESSION_STREAMS_EXHAUSTED``) and a ``RetryInfo``, which tells it apart from KV
+    exhaustion; counted in ``model_executor_overload_refusals_total{kind}``."""
 
     def __init__(self, kind: Kind, limit: int) -> None:
-        what = ("Health/Watch streams" if kind == "watch" else "calls")
+        what = {"watch": "Health/Watch streams", "session": "Session streams"}.get(kind,
+                                                                                  "calls")
         super().__init__(f"too many {what} in flight on this server (limit {limit}); retry "
                          "later (health probes are not affected)")
         self.kind: Kind = kind
@@ -62,14 +69,18 @@ class Admission:
     max_calls: int
     max_watch_streams: int
     on_change: Callable[[Kind, int], None] | None = None
+    max_session_streams: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_calls <= 0 or self.max_watch_streams < 0:
-            raise ValueError("admission budgets must be > 0 (calls) and >= 0 (watch streams)")
+        if self.max_calls <= 0 or self.max_watch_streams < 0 or self.max_session_streams < 0:
+            raise ValueError("admission budgets must be > 0 (calls) and >= 0 (streams)")
         self._in_flight: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self._limits: dict[Kind, int | None] = {
+            "probe": None, "watch": self.max_watch_streams,
+            "session": self.max_session_streams, "call": self.max_calls}
 
     def limit(self, kind: Kind) -> int | None:
-        return {"probe": None, "watch": self.max_watch_streams, "call": self.max_calls}[kind]
+        return self._limits[kind]
 
     def in_flight(self, kind: Kind) -> int:
         return self._in_flight[kind]

@@ -445,3 +445,74 @@ def test_steps_with_a_device_event_complete_on_the_completion_threads(
     assert (got[2].error.code_name, got[3].error.code_name) == ("INTERNAL", "ABORTED")
     assert server.kv() == before
     assert_exact(server)
+
+
+class _HeldEvent:
+    """A device event that fires when the test says so: a step launched, its completion
+    held (as a CUDA step still on the device)."""
+
+    def __init__(self, fired: threading.Event) -> None:
+        self.fired = fired
+
+    def synchronize(self) -> None:
+        assert self.fired.wait(30), "the held step was never let complete"
+
+
+def test_health_shows_the_sequence_table_after_a_late_completion(
+        server: ServerHarness) -> None:
+    """A Session cut short while its steps are launched but not complete, then a Release
+    of its sequence: the launched steps complete afterwards (in the gone stream's drain)
+    and must not publish the KV accounting of their launch over the Release's. Health and
+    the gauges agree with the executor's table (before the fix: active_sequences 1 and the
+    prompt's tokens used, until another call changed KV)."""
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    fired = threading.Event()
+
+    def held(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _HeldEvent(fired)  # type: ignore[assignment]
+            return pending
+        return wrapped
+
+    hold = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("lt", prompt(31, 40), "lt-1"))
+        yield pb.SessionRequest(step=2, decode=decode_last(["lt"], request_id="lt-2"))
+        hold.wait(10)
+
+    before = server.kv()
+    ex.launch_decode, ex.launch_prefill = held(real[0]), held(real[1])
+    try:
+        call = server.stub.Session(requests(), timeout=60)
+        deadline = time.monotonic() + 10
+        while ex.kv.get("lt") is None or ex.kv.get("lt").length != 41:  # both launched
+            assert time.monotonic() < deadline, ("the steps were not launched", ex.kv.get("lt"))
+            time.sleep(0.01)
+        call.cancel()  # the client's deadline, cut short: the steps are still on the device
+        drains = server.server.servicer.sessions.draining
+        deadline = time.monotonic() + 10
+        while not drains:
+            assert time.monotonic() < deadline, "the stream's drain did not start"
+            time.sleep(0.01)
+        released = server.stub.Release(pb.ReleaseRequest(seq_ids=["lt"]), timeout=10)
+        assert released.released == 1
+        fired.set()  # the launched steps complete now, after the Release
+        deadline = time.monotonic() + 10
+        while drains or server.server.worker.pending:
+            assert time.monotonic() < deadline, "the drain did not finish"
+            time.sleep(0.01)
+        server.call(_noop())
+    finally:
+        fired.set()
+        hold.set()
+        ex.launch_decode, ex.launch_prefill = real
+    kv = server.kv()
+    assert kv.active_sequences == len(ex.kv._seqs) == before.active_sequences
+    assert kv == before
+    gauges = server.scrape()
+    assert gauges[("model_executor_active_sequences", ())] == kv.active_sequences
+    assert gauges[("model_executor_kv_tokens", (("state", "free"),))] == kv.free_tokens
+    assert_exact(server)
