@@ -516,3 +516,53 @@ def test_health_shows_the_sequence_table_after_a_late_completion(
     assert gauges[("model_executor_active_sequences", ())] == kv.active_sequences
     assert gauges[("model_executor_kv_tokens", (("state", "free"),))] == kv.free_tokens
     assert_exact(server)
+
+
+def test_a_stream_cancelled_while_a_completion_is_awaited_keeps_its_launched_steps(
+        server: ServerHarness) -> None:
+    """The client cancels while the server waits for a launched step's completion (the
+    CUDA path): the steps launched still apply, complete in the drain and answer retries
+    of their request_ids from the retry cache (before, the cancellation was taken for a
+    device failure: both steps were rolled back and the first answered INTERNAL)."""
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    fired, hold = threading.Event(), threading.Event()
+
+    def held(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _HeldEvent(fired)  # type: ignore[assignment]
+            return pending
+        return wrapped
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("kc", prompt(32, 6), "kc-1"))
+        yield pb.SessionRequest(step=2, decode=decode_last(["kc"], request_id="kc-2"))
+        hold.wait(10)
+
+    ex.launch_decode, ex.launch_prefill = held(real[0]), held(real[1])
+    try:
+        call = server.stub.Session(requests(), timeout=60)
+        deadline = time.monotonic() + 10
+        while ex.kv.get("kc") is None or ex.kv.get("kc").length != 7:
+            assert time.monotonic() < deadline, "the steps were not launched"
+            time.sleep(0.01)
+        call.cancel()
+        time.sleep(0.2)  # the server sees the cancel while it waits for step 1
+        fired.set()
+        drains = server.server.servicer.sessions.draining
+        deadline = time.monotonic() + 10
+        while drains or server.server.worker.pending:
+            assert time.monotonic() < deadline, "the drain did not finish"
+            time.sleep(0.01)
+    finally:
+        fired.set()
+        hold.set()
+        ex.launch_decode, ex.launch_prefill = real
+    assert ex.kv.get("kc").length == 7  # both applied, neither rolled back
+    first = server.stub.Prefill(prefill("kc", prompt(32, 6), "kc-1"), timeout=10)
+    second = server.stub.Decode(decode_last(["kc"], request_id="kc-2"), timeout=10)
+    assert (first.outputs[0].seq_len, second.outputs[0].seq_len) == (6, 7)  # replayed
+    assert ex.kv.get("kc").length == 7
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["kc"]), timeout=10)
+    assert_exact(server)
