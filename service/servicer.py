@@ -1,8 +1,8 @@
 """The Executor servicer: proto in -> one call on the executor thread -> proto out.
 
 It checks the server is READY, converts the request (``service/convert.py``), runs the
-call on the worker, records step metrics and the KV snapshot, and answers with the step's
-timings. Errors are raised, never caught: the interceptor maps them to status codes.
+call on the worker, records step metrics, and answers with the step's timings (the KV
+accounting that Health reports is the worker's, read after every executor call). Errors are raised, never caught: the interceptor maps them to status codes.
 
 Prefill and Decode with a ``request_id`` are idempotent: they run through the
 ``RetryGate`` (``service/idempotency.py``), and the job stores its own response and records
