@@ -2,7 +2,8 @@
 
 It checks the server is READY, converts the request (``service/convert.py``), runs the
 call on the worker, records step metrics, and answers with the step's timings (the KV
-accounting that Health reports is the worker's, read after every executor call). Errors are raised, never caught: the interceptor maps them to status codes.
+accounting that Health reports is the worker's, read after every executor call). Errors
+are raised, never caught: the interceptor maps them to status codes.
 
 Prefill and Decode with a ``request_id`` are idempotent: they run through the
 ``RetryGate`` (``service/idempotency.py``), and the job stores its own response and records
