@@ -37,7 +37,7 @@ from executor.errors import FieldViolation, InvalidRequest
 from service import convert, errors
 from service.completion import CompletionThreads
 from service.config import RequestLimits
-from service.errors import SessionIdle, StepAborted, step_error
+from service.errors import SessionIdle, StepAborted, Unavailable, step_error
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.idempotency import Key, Replayed, RetryGate, fork_once
 from service.idle import IdleTimer
@@ -179,9 +179,12 @@ class SessionStream:
             return self._failure(entry.step, exc, entry.request_id)
         except BaseException as exc:  # a device failure: roll back this step and later ones
             self._failed = entry.step
-            await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
+            response = self._failure(entry.step, exc, entry.request_id)
+            # After a fatal error the device is not touched again (the worker refuses).
+            with contextlib.suppress(Unavailable):
+                await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
             self._gate.abandon(entry.key)
-            return self._failure(entry.step, exc, entry.request_id)
+            return response
         return self._respond(entry, result)
 
     async def _complete(self, entry: _Entry) -> StepResult:
@@ -205,6 +208,8 @@ class SessionStream:
         INTERNAL status quotes is the one in the log."""
         if not isinstance(exc, StepAborted):
             self._recorder.error(exc)
+        if errors.is_fatal_device_error(exc):  # as a unary call's: the server turns UNHEALTHY
+            self._worker.fatal(exc)
         request_id = request_id[:MAX_HEADER_REQUEST_ID] or f"{self._stream_id}-step-{step}"
         response = step_error(step, exc, request_id)
         fields: dict[str, Any] = {"step": step, "request_id": request_id,

@@ -284,6 +284,16 @@ class ExecutorWorker:
             await asyncio.sleep(0.01)
         return True
 
+    def fatal(self, exc: BaseException) -> None:
+        """A fatal device error seen off the executor thread (a Session step's completion,
+        where an asynchronous device error surfaces): from now on the worker refuses every
+        call as it would after one raised on its thread, and ``on_fatal`` is told; on the
+        loop."""
+        if self.failure is None:
+            self.failure = exc
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
     def close_queue(self) -> None:
         """From now on, calls that have not started refuse (nothing applied)."""
         self._closing = True

@@ -213,6 +213,48 @@ def test_fatal_device_error_turns_health_not_serving(figures: Figures,
         check_kv(harness, figures, expected=baseline)  # the failed call was rolled back
 
 
+class _SyncRaises:
+    """A step's device event whose wait raises ``error``: an asynchronous device error that
+    surfaces when a Session step completes, off the executor thread."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def synchronize(self) -> None:
+        raise self.error
+
+
+def test_a_fatal_device_error_at_a_session_completion_turns_health_not_serving(
+        figures: Figures) -> None:
+    """As for a unary call: the step answers INTERNAL, the server turns UNHEALTHY and later
+    calls are refused UNAVAILABLE (before, only an error on the executor thread did that,
+    and a Session's completion waits elsewhere)."""
+    with serving(figures) as harness:
+        ex: Any = harness.executor
+        real = ex.launch_prefill
+
+        def launch(items: Any) -> Any:
+            pending = real(items)
+            pending.done = _SyncRaises(_device_lost())
+            return pending
+
+        ex.launch_prefill = launch
+        try:
+            [response] = harness.stub.Session(iter([pb.SessionRequest(
+                step=1, prefill=pb.PrefillRequest(request_id="fatal-1", items=[
+                    pb.PrefillItem(seq_id="fs", token_ids=[1, 2], sample=True)]))]),
+                timeout=30)
+        finally:
+            ex.launch_prefill = real
+        assert response.error.code_name == "INTERNAL"
+        assert "request_id=fatal-1" in response.error.message
+        wait_until(lambda: harness.check() == NOT_SERVING, what="liveness NOT_SERVING")
+        assert harness.check(READINESS_SERVICE) == NOT_SERVING
+        err = rpc_error(harness.stub.Prefill, pb.PrefillRequest(items=[
+            pb.PrefillItem(seq_id="after", token_ids=[3])]))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
 # -- capture failures -------------------------------------------------------------------
 
 CAPTURE = (PhaseCapture("decode", "full", (
