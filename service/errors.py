@@ -181,7 +181,8 @@ def _exhausted(exc: OutOfResources) -> status_pb2.Status:
                              details=_pack(quota, info, _retry(RETRY_AFTER_OUT_OF_RESOURCES_S)))
 
 
-_OVERLOAD_REASONS = {"watch": "WATCH_STREAMS_EXHAUSTED", "session": "SESSION_STREAMS_EXHAUSTED"}
+_OVERLOAD_REASONS = {"watch": "WATCH_STREAMS_EXHAUSTED", "session": "SESSION_STREAMS_EXHAUSTED",
+                     "reflection": "REFLECTION_STREAMS_EXHAUSTED"}
 
 
 def _overloaded(exc: Overloaded) -> status_pb2.Status:

@@ -1,9 +1,10 @@
 """Idle ``Session`` streams cannot lock out the server (docs/reliability.md, "Session
 admission and idle rules").
 
-A Session used to count against ``--max-concurrent-rpcs`` from the moment it opened, with
-no timeout: a few streams that never sent a message made every Prefill, every new Session
-and reflection answer OVERLOADED. Sessions now have their own budget
+A Session (and the reflection stream grpcurl holds beside it) used to count against
+``--max-concurrent-rpcs`` from the moment it opened, with no timeout: a few streams that
+never sent a message made every Prefill, every new Session and reflection answer
+OVERLOADED. Sessions now have their own budget
 (``--max-session-streams``) and are closed after ``--session-idle-timeout`` seconds with
 nothing to do (before the first step and between steps; never while a step is unanswered).
 """
@@ -17,6 +18,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -54,6 +56,22 @@ def _session(harness: ServerHarness, stack: ExitStack, *requests: pb.SessionRequ
     return call
 
 
+def _reflection(harness: ServerHarness, stack: ExitStack) -> None:
+    """A reflection stream held open after its first answer, as grpcurl holds one for as
+    long as the call it resolved runs."""
+    done = threading.Event()
+    stack.callback(done.set)
+
+    def ask() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        done.wait(30)
+
+    call = reflection_pb2_grpc.ServerReflectionStub(harness.channel).ServerReflectionInfo(
+        ask(), timeout=60)
+    stack.callback(call.cancel)
+    assert next(call).list_services_response.service
+
+
 def _prefill(seq_id: str) -> pb.PrefillRequest:
     return pb.PrefillRequest(items=[pb.PrefillItem(seq_id=seq_id, token_ids=[3, 4, 5],
                                                    sample=True)])
@@ -77,6 +95,8 @@ def test_idle_sessions_leave_the_call_budget_usable_and_time_out(figures: Figure
     with serving(figures, server_config=_config()) as harness, ExitStack() as stack:
         opened = time.monotonic()
         idle = [_session(harness, stack) for _ in range(SESSIONS)]
+        for _ in range(SESSIONS):  # grpcurl's way: each idle Session with its reflection
+            _reflection(harness, stack)
         # More idle Sessions than the call budget: all open, none of them a "call".
         wait_until(lambda: _in_flight(harness, "call") + _in_flight(harness, "session")
                    >= CALLS, what="the Sessions to open")
