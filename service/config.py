@@ -51,11 +51,11 @@ class ServerConfig:
     drain_delay_s: how long to keep answering (health NOT_SERVING, new steps UNAVAILABLE)
         before the listener closes, so load balancers and the scheduler see the drain. The
         CLI defaults to 5 s (``--drain-delay``); 0 here suits servers embedded in tests.
-    max_concurrent_rpcs: unary calls in flight at once (steps, Release, Capture,
-        reflection; not Session streams); more get RESOURCE_EXHAUSTED (reason
-        OVERLOADED). Executor calls run one at a time anyway, so a deep queue only adds
-        latency. Health probes (``Health/Check``, ``Executor/Health``) do not count:
-        they always answer (``service/admission.py``).
+    max_concurrent_rpcs: unary calls in flight at once (steps, Release, Capture; not
+        Session or reflection streams, whose budgets are their own); more get
+        RESOURCE_EXHAUSTED (reason OVERLOADED). Executor calls run one at a time anyway,
+        so a deep queue only adds latency. Health probes (``Health/Check``,
+        ``Executor/Health``) do not count: they always answer (``service/admission.py``).
     max_watch_streams: ``grpc.health.v1.Health/Watch`` streams open at once, per listener;
         more get RESOURCE_EXHAUSTED (reason WATCH_STREAMS_EXHAUSTED). Watch needs no token,
         so this bound keeps anyone from holding the call budget with idle streams.
