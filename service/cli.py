@@ -135,6 +135,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="steps a Session stream may have launched and unanswered at "
                         "once (3 keeps the device busy through the RPC round trip and the "
                         "host's per-step work at batch 1 and at large batches)")
+    net.add_argument("--max-session-streams", type=int, default=64,
+                     help="Session streams open at once (idle ones included); more get "
+                     "RESOURCE_EXHAUSTED (SESSION_STREAMS_EXHAUSTED)")
+    net.add_argument("--session-idle-timeout", type=float, default=60.0, metavar="S",
+                     help="close a Session with no step unanswered and no new request for "
+                     "S seconds (DEADLINE_EXCEEDED, SESSION_IDLE_TIMEOUT; 0: never)")
     retry = p.add_argument_group("idempotent retries (Prefill/Decode with a request_id)")
     retry.add_argument("--retry-cache-entries", type=int, default=4096,
                        help="responses kept for retries (0: retries are not deduplicated)")
@@ -258,7 +264,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         retry_cache=RetryCacheConfig(max_entries=args.retry_cache_entries,
                                      max_bytes=int(args.retry_cache_mib * MiB),
                                      per_sequence=args.retry_cache_per_sequence),
-        session_depth=args.session_depth, rpc_log=args.rpc_log)
+        session_depth=args.session_depth, max_session_streams=args.max_session_streams,
+        session_idle_timeout_s=args.session_idle_timeout, rpc_log=args.rpc_log)
     return executor_config, server_config
 
 

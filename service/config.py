@@ -51,9 +51,10 @@ class ServerConfig:
     drain_delay_s: how long to keep answering (health NOT_SERVING, new steps UNAVAILABLE)
         before the listener closes, so load balancers and the scheduler see the drain. The
         CLI defaults to 5 s (``--drain-delay``); 0 here suits servers embedded in tests.
-    max_concurrent_rpcs: calls in flight at once (steps, Release, Capture, reflection);
-        more get RESOURCE_EXHAUSTED (reason OVERLOADED). Executor calls run one at a time
-        anyway, so a deep queue only adds latency. Health probes (``Health/Check``,
+    max_concurrent_rpcs: unary calls in flight at once (steps, Release, Capture; not
+        Session or reflection streams, whose budgets are their own); more get
+        RESOURCE_EXHAUSTED (reason OVERLOADED). Executor calls run one at a time anyway,
+        so a deep queue only adds latency. Health probes (``Health/Check``,
         ``Executor/Health``) do not count: they always answer (``service/admission.py``).
     max_watch_streams: ``grpc.health.v1.Health/Watch`` streams open at once, per listener;
         more get RESOURCE_EXHAUSTED (reason WATCH_STREAMS_EXHAUSTED). Watch needs no token,
@@ -63,6 +64,10 @@ class ServerConfig:
     tls / auth: transport security and bearer tokens (``service/tls.py``, ``service/auth.py``).
     retry_cache: the idempotent-retry cache (``service/idempotency.py``).
     session_depth: steps a Session stream may have launched and unanswered at once.
+    max_session_streams: Session streams open at once, counted from the moment they open;
+        more get RESOURCE_EXHAUSTED (reason SESSION_STREAMS_EXHAUSTED).
+    session_idle_timeout_s: a Session with no step unanswered and no new request for this
+        long is closed with DEADLINE_EXCEEDED (reason SESSION_IDLE_TIMEOUT); 0: never.
     rpc_log: "all" logs one INFO line per call; "errors" only calls that did not succeed
         (a successful step's line costs server CPU on every call).
     """
@@ -80,6 +85,8 @@ class ServerConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     retry_cache: RetryCacheConfig = field(default_factory=RetryCacheConfig)
     session_depth: int = 3  # the client's default --pipeline depth too
+    max_session_streams: int = 64
+    session_idle_timeout_s: float = 60.0
     rpc_log: Literal["all", "errors"] = "all"
 
     def __post_init__(self) -> None:
@@ -97,6 +104,10 @@ class ServerConfig:
             raise ValueError("max_concurrent_rpcs must be > 0")
         if self.max_watch_streams < 0:
             raise ValueError("max_watch_streams must be >= 0")
+        if self.max_session_streams < 0:
+            raise ValueError("max_session_streams must be >= 0")
+        if self.session_idle_timeout_s < 0:
+            raise ValueError("session_idle_timeout_s must be >= 0 (0: never)")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health port must be in [0, 65535], got {self.health_port}")
 

@@ -86,6 +86,19 @@ class StepAborted(Exception):
     failed; nothing of it applied."""
 
 
+class SessionIdle(Exception):
+    """The server closed a Session stream that had nothing to do (no step unanswered, no
+    new request) for ``timeout_s`` seconds. Maps to DEADLINE_EXCEEDED with reason
+    ``SESSION_IDLE_TIMEOUT``: nothing was in flight, so nothing is lost."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the Session stream had no request and no step unanswered for {timeout_s:g} s "
+            "(--session-idle-timeout) and was closed; nothing was in flight: open a new "
+            "Session when there is work")
+        self.timeout_s = timeout_s
+
+
 def _pack(*details: object) -> list[any_pb2.Any]:
     packed = []
     for detail in details:
@@ -168,8 +181,12 @@ def _exhausted(exc: OutOfResources) -> status_pb2.Status:
                              details=_pack(quota, info, _retry(RETRY_AFTER_OUT_OF_RESOURCES_S)))
 
 
+_OVERLOAD_REASONS = {"watch": "WATCH_STREAMS_EXHAUSTED", "session": "SESSION_STREAMS_EXHAUSTED",
+                     "reflection": "REFLECTION_STREAMS_EXHAUSTED"}
+
+
 def _overloaded(exc: Overloaded) -> status_pb2.Status:
-    reason = "WATCH_STREAMS_EXHAUSTED" if exc.kind == "watch" else "OVERLOADED"
+    reason = _OVERLOAD_REASONS.get(exc.kind, "OVERLOADED")
     info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata={
         "kind": exc.kind, "limit": str(exc.limit)})
     return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc),
@@ -191,6 +208,13 @@ def _unavailable(exc: Unavailable) -> status_pb2.Status:
 
 def _deadline(exc: DeadlineExpired) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc))
+
+
+def _session_idle(exc: SessionIdle) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="SESSION_IDLE_TIMEOUT", domain=DOMAIN, metadata={
+        "idle_timeout_s": f"{exc.timeout_s:g}"})
+    return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED, message=str(exc),
+                             details=_pack(info))
 
 
 def _outcome_unknown(exc: OutcomeUnknown) -> status_pb2.Status:
@@ -230,6 +254,7 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (GraphsUnavailable, _graphs_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
+    (SessionIdle, _session_idle),
     (OutcomeUnknown, _outcome_unknown),
     (Unauthenticated, _unauthenticated),
     (PermissionDenied, _permission_denied),
@@ -254,15 +279,16 @@ def to_status(exc: BaseException, request_id: str) -> status_pb2.Status:
         details=_pack(info))
 
 
-def step_error(step: int, exc: BaseException) -> pb.SessionResponse:
+def step_error(step: int, exc: BaseException, request_id: str) -> pb.SessionResponse:
     """A Session step's failure as its response (the stream itself stays open):
-    ``StepAborted`` is ABORTED with reason STEP_ABORTED, anything else as ``to_status``."""
+    ``StepAborted`` is ABORTED with reason STEP_ABORTED, anything else as ``to_status``
+    (``request_id``: the id the step's failure is logged under)."""
     if isinstance(exc, StepAborted):
         status = status_pb2.Status(code=code_pb2.ABORTED, message=str(exc))
         status.details.add().Pack(error_details_pb2.ErrorInfo(
             reason="STEP_ABORTED", domain=DOMAIN))
     else:
-        status = to_status(exc, f"session-step-{step}")
+        status = to_status(exc, request_id)
     code = grpc_code(status)
     return pb.SessionResponse(step=step, error=pb.StepError(
         code=code.value[0], code_name=code.name, message=status.message,

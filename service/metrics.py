@@ -25,8 +25,8 @@ PATHS = ("graph", "eager")
 CAPTURE_FAILURE_REASONS = ("oom", "error")
 ALLOCATION_RESOURCES = ("kv_tokens", "sequence_slots")
 STEP_METHODS = ("Prefill", "Decode")
-OVERLOAD_KINDS = ("call", "watch")  # service/admission.py LIMITED_KINDS
-CALL_KINDS = ("probe", "watch", "call")  # service/admission.py KINDS
+OVERLOAD_KINDS = ("call", "watch", "session", "reflection")  # admission.LIMITED_KINDS
+CALL_KINDS = ("probe", "watch", "session", "reflection", "call")  # admission.KINDS
 RETRY_EVICTION_REASONS = ("capacity", "bytes", "sequence", "release", "too_large")
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,

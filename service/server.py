@@ -92,14 +92,16 @@ class ExecutorServer:
         self.metrics = Metrics(registry or _process_registry(), fallback_reasons())
         self.recorder = StatsRecorder(self.metrics)
         self.worker = ExecutorWorker(on_fatal=self._fatal_seen,
-                                     on_wait=self.recorder.queue_wait)
+                                     on_wait=self.recorder.queue_wait,
+                                     after_call=lambda ex: self.recorder.kv(ex.kv_stats()))
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)
         self.lifecycle = Lifecycle(HealthServicer(),
                                    on_change=lambda s: self.recorder.healthy(s is State.READY))
         self.cache = ResponseCache(self.config.retry_cache, self.recorder.retry_evicted)
         self.servicer = ExecutorServicer(self.lifecycle, self.worker, self.recorder,
                                          self.limits, __version__, self.cache,
-                                         self.config.session_depth)
+                                         self.config.session_depth,
+                                         self.config.session_idle_timeout_s)
         self.port = 0
         self.health_port: int | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -196,7 +198,7 @@ class ExecutorServer:
     def _admission(self, on_change: Callable[[Kind, int], None] | None = None) -> Admission:
         """Fresh budgets for one listener (``on_change``: the main one's gauge)."""
         return Admission(self.config.max_concurrent_rpcs, self.config.max_watch_streams,
-                         on_change)
+                         on_change, max_session_streams=self.config.max_session_streams)
 
     def _warn_if_exposed(self) -> None:
         config = self.config

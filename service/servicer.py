@@ -1,8 +1,9 @@
 """The Executor servicer: proto in -> one call on the executor thread -> proto out.
 
 It checks the server is READY, converts the request (``service/convert.py``), runs the
-call on the worker, records step metrics and the KV snapshot, and answers with the step's
-timings. Errors are raised, never caught: the interceptor maps them to status codes.
+call on the worker, records step metrics, and answers with the step's timings (the KV
+accounting that Health reports is the worker's, read after every executor call). Errors
+are raised, never caught: the interceptor maps them to status codes.
 
 Prefill and Decode with a ``request_id`` are idempotent: they run through the
 ``RetryGate`` (``service/idempotency.py``), and the job stores its own response and records
@@ -23,7 +24,6 @@ from google.protobuf.message import Message
 from executor.api import (
     DecodeItem,
     ExecutorStatus,
-    KVStats,
     PrefillItem,
     StepResult,
 )
@@ -61,7 +61,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, lifecycle: Lifecycle, worker: ExecutorWorker, recorder: StatsRecorder,
                  limits: RequestLimits, version: str, cache: ResponseCache,
-                 session_depth: int = 2) -> None:
+                 session_depth: int = 2, session_idle_timeout_s: float = 0.0) -> None:
         self._lifecycle = lifecycle
         self._worker = worker
         self._recorder = recorder
@@ -71,24 +71,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._gate = RetryGate(worker, cache)
         # The Session streams' shared parts (completion threads, drains of gone streams).
         self.sessions = SessionShared(worker, self._gate, recorder, limits, session_depth,
-                                      self._require_ready, self._update_kv)
+                                      self._require_ready, session_idle_timeout_s)
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
 
     # -- state shared with the server's boot sequence -----------------------------------
     def update_status(self, status: ExecutorStatus) -> None:
+        """The model and graphs of ``status``; its KV accounting is not kept: the worker
+        publishes that on the executor thread after every call (``StatsRecorder.kv``), and
+        this one, taken earlier, may be older than the last call's."""
         self.status = status
-        self._recorder.kv(status.kv)
         self._recorder.graphs(status.graphs)
 
-    def _update_kv(self, kv: KVStats) -> None:
-        """Every step's KV accounting, kept by the recorder (the gauges and Health read
-        it when asked; a step pays one assignment, not a status copy)."""
-        self._recorder.kv(kv)
-
     def current_status(self) -> ExecutorStatus | None:
-        """The executor's status with the latest KV accounting."""
+        """The executor's status with the KV accounting after the last executor call."""
         kv = self._recorder.latest_kv
         if self.status is None or kv is None or self.status.kv is kv:
             return self.status
@@ -139,7 +136,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         def run(ex: ExecutorLike) -> convert.StepResponse:
             started = time.perf_counter()
             result = call(ex, items)
-            kv, replays = ex.kv_stats(), ex.drain_replay_seconds()
+            replays = ex.drain_replay_seconds()
             execute_s = time.perf_counter() - started
             response = convert.step_response(result, (started - submitted) * 1e3,
                                              execute_s * 1e3, message, packed)
@@ -147,7 +144,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._recorder.step(result.step, len(items), execute_s)
             self._recorder.replays(replays)
             self._recorder.retry_cache(*self._cache.size())
-            self._update_kv(kv)
             return response
 
         response = await self._gate.run(key, run, deadline=_deadline(context))
@@ -181,7 +177,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             result = ex.release(seq_ids)
             self._cache.drop_sequences(seq_ids)  # retries of their calls now get ABORTED
             self._recorder.retry_cache(*self._cache.size())
-            self._update_kv(ex.kv_stats())
             return convert.release_response(result)
 
         return (await self._worker.run(run, _deadline(context))).value
@@ -192,9 +187,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         seq_id, length = convert.truncate_args(request, self._limits)
 
         def run(ex: ExecutorLike) -> pb.TruncateResponse:
-            result = ex.truncate(seq_id, length)
-            self._update_kv(ex.kv_stats())
-            return convert.truncate_response(result)
+            return convert.truncate_response(ex.truncate(seq_id, length))
 
         return (await self._worker.run(run, _deadline(context))).value
 
@@ -212,7 +205,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             response, replayed = fork_once(ex, self._cache, key, parent, child, prefix)
             if not replayed:  # else the original ran while this retry waited
                 self._recorder.retry_cache(*self._cache.size())
-                self._update_kv(ex.kv_stats())
             return response, replayed
 
         response, replayed = (await self._worker.run(run, _deadline(context))).value

@@ -10,8 +10,12 @@
 * On the executor thread launches and roll-backs run in arrival order; the launched steps
   (``_launched``) live there, so a roll-back sees every launch queued before it.
 
-A stream that ends early stops the reader; steps already launched still complete in a task
-of their own (``_drain``) and their responses go to the retry cache, not the gone client.
+A stream that ends early stops the reader; steps already launched (the one being waited for
+included) still complete in a task of their own (``_drain``) and their responses go to the
+retry cache, not the gone client. A stream with nothing unanswered and no new request for
+``idle_timeout_s`` is closed (``SessionIdle``, ``service/idle.py``). A failed step is
+logged like a failed unary call, under its own ``request_id`` (else one made from the
+stream's), which its INTERNAL status names.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ import grpc
 import structlog
 
 from executor import PendingStep
-from executor.api import KVStats, StepResult
+from executor.api import StepResult
 from executor.errors import FieldViolation, InvalidRequest
-from service import convert
+from service import convert, errors
 from service.completion import CompletionThreads
 from service.config import RequestLimits
-from service.errors import StepAborted, step_error
+from service.errors import SessionIdle, StepAborted, Unavailable, step_error
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.idempotency import Key, Replayed, RetryGate, fork_once
+from service.idle import IdleTimer
+from service.interceptors import MAX_HEADER_REQUEST_ID
 from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
@@ -52,7 +58,7 @@ class SessionShared:
     limits: RequestLimits
     depth: int  # launched steps not yet answered, per stream
     require_ready: Callable[[], None]
-    update_kv: Callable[[KVStats], None]
+    idle_timeout_s: float  # 0: never closed for idleness
     # Where launched steps are waited for and built, off the loop (threads start on use).
     completions: CompletionThreads = field(
         default_factory=lambda: CompletionThreads(name="session_complete"))
@@ -66,6 +72,7 @@ class _Entry:
 
     step: int
     op: str  # "prefill" | "decode" | "release" | "truncate" | "fork"
+    request_id: str = ""  # the step's own (its body's), if any
     pending: PendingStep | None = None  # launched, to complete
     response: pb.SessionResponse | None = None  # ready (error, release, replayed)
     key: Key | None = None
@@ -73,7 +80,9 @@ class _Entry:
     items: int = 0
     packed: bool = False  # DecodeRequest.packed_outputs
     launched_at: float = 0.0
-    kv: KVStats | None = None
+    # The wait for its completion off the loop, once asked: a drain takes it over when
+    # the writer's wait was cancelled (``finish`` runs once).
+    finishing: asyncio.Future[StepResult] | None = None
     replays: dict[Any, list[float]] = field(default_factory=dict)
     # A release, truncate or fork, run by the writer in step order (after every earlier step
     # has completed); ``applied`` is set once it has run.
@@ -89,7 +98,6 @@ class SessionStream:
         self._worker, self._gate, self._recorder = shared.worker, shared.gate, shared.recorder
         self._cache = shared.gate.cache
         self._limits, self._require_ready = shared.limits, shared.require_ready
-        self._update_kv = shared.update_kv
         self._slots = asyncio.Semaphore(shared.depth)
         self._queue: asyncio.Queue[_Entry | BaseException | None] = asyncio.Queue()
         self._failed: int | None = None  # the failed step not yet acknowledged
@@ -110,8 +118,12 @@ class SessionStream:
     # -- writer: the handler's generator ------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.SessionRequest],
                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
-        reader = asyncio.ensure_future(self._read(requests))
+        # The interceptor bound the stream's request id: steps without one log under it.
+        self._stream_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
+        self._idle = IdleTimer(self._shared.idle_timeout_s, self._close_idle)
+        self._reader = reader = asyncio.ensure_future(self._read(requests))
         finished = False
+        current: _Entry | None = None  # the step being answered
         try:
             while True:
                 entry = await self._queue.get()
@@ -120,54 +132,94 @@ class SessionStream:
                     break
                 if isinstance(entry, BaseException):
                     raise entry
+                current = entry
                 response = await self._answer(entry)
+                current = None
+                self._idle.answered()
                 yield response
                 self._slots.release()
                 self._record()
         finally:
+            self._idle.cancel()
             if not finished:  # the stream ended early: launched steps still complete
                 if self._in_launch:  # a launch that reached the executor thread applies
                     self._stopping = True
                 else:
                     reader.cancel()
-                task = asyncio.ensure_future(self._drain(reader))
+                task = asyncio.ensure_future(self._drain(reader, current))
                 self._shared.draining.add(task)
                 task.add_done_callback(self._shared.draining.discard)
+
+    def _close_idle(self) -> None:
+        """The idle timer expired: nothing is unanswered, so the reader waits for a request
+        (never inside a launch) and can be cancelled; the writer ends the stream."""
+        self._reader.cancel()
+        self._queue.put_nowait(SessionIdle(self._shared.idle_timeout_s))
 
     async def _answer(self, entry: _Entry) -> pb.SessionResponse:
         if entry.ordered is not None:
             try:
                 entry.response = (await self._worker.run(entry.ordered)).value
+            except asyncio.CancelledError:
+                raise
             except BaseException as exc:
                 self._failed = entry.step
-                self._recorder.error(exc)
-                entry.response = step_error(entry.step, exc)
+                entry.response = self._failure(entry.step, exc, entry.request_id)
             finally:
                 entry.applied.set()
         if entry.response is not None:
             return entry.response
         assert entry.pending is not None
         try:
-            result = await self._complete(entry.pending)
+            result = await self._complete(entry)
+        except asyncio.CancelledError:  # the stream ended: the drain completes the step
+            raise
         except StepAborted as exc:
             self._gate.abandon(entry.key)
-            return step_error(entry.step, exc)
+            return self._failure(entry.step, exc, entry.request_id)
         except BaseException as exc:  # a device failure: roll back this step and later ones
             self._failed = entry.step
-            await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
-            self._recorder.error(exc)
+            response = self._failure(entry.step, exc, entry.request_id)
+            # After a fatal error the device is not touched again (the worker refuses).
+            with contextlib.suppress(Unavailable):
+                await self._worker.run(lambda ex: self._roll_back(ex, entry.step))
             self._gate.abandon(entry.key)
-            return step_error(entry.step, exc)
+            return response
         return self._respond(entry, result)
 
-    async def _complete(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step off the executor thread (its event) and build it."""
-        if pending.finished:
-            raise StepAborted("rolled back: an earlier step of this session failed when it "
-                              "completed; nothing of this step applied")
-        if pending.done is None:  # CPU: the work ran at launch
-            return pending.finish()
-        return await self._shared.completions.run(pending.finish)
+    async def _complete(self, entry: _Entry) -> StepResult:
+        """Wait for a launched step off the executor thread (its event) and build it. The
+        wait is shielded: a writer cancelled meanwhile leaves it to the drain."""
+        pending = entry.pending
+        assert pending is not None
+        if entry.finishing is None:
+            if pending.finished:
+                raise StepAborted("rolled back: an earlier step of this session failed "
+                                  "when it completed; nothing of this step applied")
+            if pending.done is None:  # CPU: the work ran at launch
+                return pending.finish()
+            entry.finishing = self._shared.completions.run(pending.finish)
+        return await asyncio.shield(entry.finishing)
+
+    def _failure(self, step: int, exc: BaseException, request_id: str) -> pb.SessionResponse:
+        """A failed step's answer, logged like a failed unary call: a bug with its
+        traceback at ERROR, any other error with its code and reason at INFO. Named by the
+        step's ``request_id``, else ``<stream's request id>-step-<step>``: the id an
+        INTERNAL status quotes is the one in the log."""
+        if not isinstance(exc, StepAborted):
+            self._recorder.error(exc)
+        if errors.is_fatal_device_error(exc):  # as a unary call's: the server turns UNHEALTHY
+            self._worker.fatal(exc)
+        request_id = request_id[:MAX_HEADER_REQUEST_ID] or f"{self._stream_id}-step-{step}"
+        response = step_error(step, exc, request_id)
+        fields: dict[str, Any] = {"step": step, "request_id": request_id,
+                                  "stream_request_id": self._stream_id,
+                                  "code": response.error.code_name}
+        if isinstance(exc, StepAborted) or errors.is_expected(exc):
+            log.info("session_step_failed", message=response.error.message, **fields)
+        else:
+            log.error("session_step_failed", **fields, exc_info=exc)
+        return response
 
     def _respond(self, entry: _Entry, result: StepResult) -> pb.SessionResponse:
         """The step's answer, kept for retries; its metrics are recorded by ``_record``
@@ -186,16 +238,17 @@ class SessionStream:
         for entry, result, execute_s in self._unrecorded:
             self._recorder.step(result.step, entry.items, execute_s)
             self._recorder.replays(entry.replays)
-            if entry.kv is not None:
-                self._update_kv(entry.kv)
             if self._debug:
                 log.debug("session step", step=entry.step, op=entry.op)
         if self._unrecorded:
             self._recorder.retry_cache(*self._cache.size())
         self._unrecorded.clear()
 
-    async def _drain(self, reader: asyncio.Future[None]) -> None:
-        """Complete what the gone stream launched, for the retry cache and metrics."""
+    async def _drain(self, reader: asyncio.Future[None], current: _Entry | None) -> None:
+        """Complete what the gone stream launched (``current``: the step it was answering,
+        first), for the retry cache and metrics."""
+        if current is not None and current.pending is not None:
+            await self._drain_step(current)
         while not self._queue.empty() or not reader.done():
             if self._queue.empty():  # the reader finishes the launch it was in, then stops
                 with contextlib.suppress(BaseException):  # it queued its outcome
@@ -205,17 +258,21 @@ class SessionStream:
             if isinstance(entry, _Entry) and entry.ordered is not None:
                 entry.applied.set()  # never applied: its stream is gone
             elif isinstance(entry, _Entry) and entry.pending is not None:
-                try:
-                    await self._answer(entry)
-                except BaseException:  # nothing to tell a gone client; logged by metrics
-                    log.warning("session step failed after its stream ended",
-                                step=entry.step, exc_info=True)
-                self._record()
+                await self._drain_step(entry)
+
+    async def _drain_step(self, entry: _Entry) -> None:
+        try:
+            await self._answer(entry)
+        except BaseException:  # nothing to tell a gone client
+            log.warning("session step failed after its stream ended",
+                        step=entry.step, exc_info=True)
+        self._record()
 
     # -- reader ---------------------------------------------------------------------------
     async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
         try:
             async for request in requests:
+                self._idle.received()
                 await self._slots.acquire()
                 # Never cancelled (see ``run``): a launch that reached the executor thread
                 # applies even when the stream ends meanwhile, so its entry must reach the
@@ -246,26 +303,28 @@ class SessionStream:
             raise InvalidRequest([FieldViolation(
                 "step", f"step {step} is not greater than the previous step {self._last_step}")])
         self._last_step = step
+        request_id = str(getattr(getattr(request, op), "request_id", ""))
         if self._failed is not None:
             if request.ack_failed_step != self._failed:
-                return _Entry(step, op, response=step_error(step, StepAborted(
+                return _Entry(step, op, response=self._failure(step, StepAborted(
                     f"step {self._failed} failed; steps after it are refused until a "
-                    f"request sets ack_failed_step={self._failed}; nothing applied")))
+                    f"request sets ack_failed_step={self._failed}; nothing applied"),
+                    request_id))
             self._failed = None
         try:
             self._require_ready()
             if op in ("release", "truncate", "fork"):
-                return await self._ordered(step, op, request)
-            return await self._launch_step(step, op, request)
+                return await self._ordered(step, op, request, request_id)
+            return await self._launch_step(step, op, request, request_id)
         except StepAborted as exc:  # an earlier step's failure, found at this launch: that
             # step stays the one to acknowledge (nothing of this one applied)
-            return _Entry(step, op, response=step_error(step, exc))
+            return _Entry(step, op, response=self._failure(step, exc, request_id))
         except BaseException as exc:
             self._failed = step
-            self._recorder.error(exc)
-            return _Entry(step, op, response=step_error(step, exc))
+            return _Entry(step, op, response=self._failure(step, exc, request_id))
 
-    async def _ordered(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
+    async def _ordered(self, step: int, op: str, request: pb.SessionRequest,
+                       request_id: str) -> _Entry:
         """A release, truncate or fork runs when the writer reaches it, so after every
         earlier step has completed; the reader launches nothing past it until then."""
         run: Callable[[ExecutorLike], pb.SessionResponse]
@@ -275,7 +334,6 @@ class SessionStream:
             def run(ex: ExecutorLike) -> pb.SessionResponse:
                 result = ex.release(seq_ids)
                 self._cache.drop_sequences(seq_ids)
-                self._update_kv(ex.kv_stats())
                 return pb.SessionResponse(step=step, release=convert.release_response(result))
         elif op == "fork":
             parent, child, prefix = convert.fork_args(request.fork, self._limits)
@@ -285,31 +343,29 @@ class SessionStream:
                 response, replayed = fork_once(ex, self._cache, key, parent, child, prefix)
                 if replayed:
                     self._recorder.retry_replayed("Fork")
-                else:
-                    self._update_kv(ex.kv_stats())
                 return pb.SessionResponse(step=step, fork=response)
         else:
             seq_id, length = convert.truncate_args(request.truncate, self._limits)
 
             def run(ex: ExecutorLike) -> pb.SessionResponse:
                 result = ex.truncate(seq_id, length)
-                self._update_kv(ex.kv_stats())
                 return pb.SessionResponse(step=step,
                                           truncate=convert.truncate_response(result))
 
-        entry = _Entry(step, op, ordered=run)
+        entry = _Entry(step, op, request_id, ordered=run)
         self._queue.put_nowait(entry)
         await entry.applied.wait()
         return entry
 
-    async def _launch_step(self, step: int, op: str, request: pb.SessionRequest) -> _Entry:
+    async def _launch_step(self, step: int, op: str, request: pb.SessionRequest,
+                           request_id: str) -> _Entry:
         body: pb.PrefillRequest | pb.DecodeRequest = getattr(request, op)
         method = "Prefill" if op == "prefill" else "Decode"
         key = self._cache.key(method, body)
         items: list[Any] = (convert.prefill_items(body, self._limits)
                             if isinstance(body, pb.PrefillRequest)
                             else self._decode_items(body))
-        entry = _Entry(step, op, key=key, seq_ids=[it.seq_id for it in items],
+        entry = _Entry(step, op, request_id, key=key, seq_ids=[it.seq_id for it in items],
                        items=len(items), packed=isinstance(body, pb.DecodeRequest)
                        and body.packed_outputs)
 
@@ -326,7 +382,7 @@ class SessionStream:
                 entry.pending = ex.launch_decode(items, convert.decode_steps(body))
             self._launched = [(s, p) for s, p in self._launched if not p.finished]
             self._launched.append((step, entry.pending))
-            entry.kv, entry.replays = ex.kv_stats(), ex.drain_replay_seconds()
+            entry.replays = ex.drain_replay_seconds()
             return entry
 
         outcome = await self._gate.run(key, launch, hold=True, check=refuse_after_failure)
@@ -352,7 +408,6 @@ class SessionStream:
         for step, pending in reversed(self._launched):
             if step >= failed and not pending.finished:
                 ex.abort(pending)
-        self._update_kv(ex.kv_stats())
 
 
 def _stepped(step: int, response: convert.StepResponse) -> pb.SessionResponse:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, cast
 
+import structlog
+
 from executor import PendingStep
 from executor.api import (
     DecodeItem,
@@ -44,6 +46,7 @@ from executor.config import ExecutorConfig
 from service.errors import DeadlineExpired, OutcomeUnknown, Unavailable, is_fatal_device_error
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 class ExecutorLike(Protocol):
@@ -98,7 +101,9 @@ class ExecutorWorker:
 
     ``on_fatal`` is called on the event loop when a call fails with a fatal device error,
     also when that call's caller is gone. ``on_wait`` gets, on the worker thread, how long
-    each call waited in the queue.
+    each call waited in the queue. ``after_call`` runs on the worker thread after every call
+    that touched the executor (also one that raised), before its caller is answered: what
+    it reads of the executor (the KV accounting) is then never older than the last call.
 
     A call travels to the thread through a ``SimpleQueue`` and its result back through
     ``call_soon_threadsafe`` onto an asyncio future: about half the host time of a thread
@@ -107,13 +112,15 @@ class ExecutorWorker:
     """
 
     def __init__(self, on_fatal: Callable[[BaseException], None] | None = None,
-                 on_wait: Callable[[float], None] | None = None) -> None:
+                 on_wait: Callable[[float], None] | None = None,
+                 after_call: Callable[[ExecutorLike], None] | None = None) -> None:
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="executor_0", daemon=True)
         self._thread.start()
         self._executor: ExecutorLike | None = None
         self._on_fatal = on_fatal
         self._on_wait = on_wait  # seconds each call waited before it started (a metric)
+        self._after_call = after_call
         self._lock = threading.Lock()
         self._pending = 0
         self._queued: set[_Call] = set()  # submitted, not taken by the thread yet
@@ -180,6 +187,8 @@ class ExecutorWorker:
                     if self._on_fatal is not None:
                         loop.call_soon_threadsafe(self._on_fatal, exc)
                 raise
+            finally:
+                self._observe(executor)
             return value, started, time.perf_counter()
 
         call = _Call(job, loop.create_future(), loop)
@@ -189,6 +198,15 @@ class ExecutorWorker:
         outcome = cast(tuple[T, float, float], await self._enqueue(call))
         value, started, ended = outcome
         return Timed(value, (started - call.submitted) * 1e3, (ended - started) * 1e3)
+
+    def _observe(self, executor: ExecutorLike) -> None:
+        """``after_call`` (worker thread); a failure there never replaces the call's own
+        outcome."""
+        if self._after_call is not None:
+            try:
+                self._after_call(executor)
+            except Exception:
+                log.warning("after_call_failed", exc_info=True)
 
     async def _submit(self, fn: Callable[[], object]) -> object:
         call = _Call(fn, asyncio.get_running_loop().create_future(),
@@ -265,6 +283,16 @@ class ExecutorWorker:
                 return False
             await asyncio.sleep(0.01)
         return True
+
+    def fatal(self, exc: BaseException) -> None:
+        """A fatal device error seen off the executor thread (a Session step's completion,
+        where an asynchronous device error surfaces): from now on the worker refuses every
+        call as it would after one raised on its thread, and ``on_fatal`` is told; on the
+        loop."""
+        if self.failure is None:
+            self.failure = exc
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
 
     def close_queue(self) -> None:
         """From now on, calls that have not started refuse (nothing applied)."""

@@ -31,6 +31,9 @@ def test_defaults_bind_loopback_and_serve_tiny() -> None:
     assert executor.max_decode_batch == 8 and server.metrics_port is None
     assert not executor.graphs.capture_at_startup and executor.model.dtype == "bfloat16"
     assert server.rpc_log == "all" and configs("--rpc-log", "errors")[1].rpc_log == "errors"
+    assert (server.max_session_streams, server.session_idle_timeout_s) == (64, 60.0)
+    _, server = configs("--max-session-streams", "4", "--session-idle-timeout", "0")
+    assert (server.max_session_streams, server.session_idle_timeout_s) == (4, 0.0)
 
 
 def test_graph_modes_pass_through_checked() -> None:
@@ -45,6 +48,7 @@ def test_graph_modes_pass_through_checked() -> None:
     (["--decode-graph", "full"], "(--decode-graph full) needs a CUDA device"),
     (["--max-sequences", "0"], "max_sequences"),
     (["--port", "70000"], "port"),
+    (["--session-idle-timeout", "-1"], "session_idle_timeout_s"),
 ])
 def test_bad_flags_exit_2_with_the_reason(flags: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -445,3 +445,124 @@ def test_steps_with_a_device_event_complete_on_the_completion_threads(
     assert (got[2].error.code_name, got[3].error.code_name) == ("INTERNAL", "ABORTED")
     assert server.kv() == before
     assert_exact(server)
+
+
+class _HeldEvent:
+    """A device event that fires when the test says so: a step launched, its completion
+    held (as a CUDA step still on the device)."""
+
+    def __init__(self, fired: threading.Event) -> None:
+        self.fired = fired
+
+    def synchronize(self) -> None:
+        assert self.fired.wait(30), "the held step was never let complete"
+
+
+def test_health_shows_the_sequence_table_after_a_late_completion(
+        server: ServerHarness) -> None:
+    """A Session cut short while its steps are launched but not complete, then a Release
+    of its sequence: the launched steps complete afterwards (in the gone stream's drain)
+    and must not publish the KV accounting of their launch over the Release's. Health and
+    the gauges agree with the executor's table (before the fix: active_sequences 1 and the
+    prompt's tokens used, until another call changed KV)."""
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    fired = threading.Event()
+
+    def held(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _HeldEvent(fired)  # type: ignore[assignment]
+            return pending
+        return wrapped
+
+    hold = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("lt", prompt(31, 40), "lt-1"))
+        yield pb.SessionRequest(step=2, decode=decode_last(["lt"], request_id="lt-2"))
+        hold.wait(10)
+
+    before = server.kv()
+    ex.launch_decode, ex.launch_prefill = held(real[0]), held(real[1])
+    try:
+        call = server.stub.Session(requests(), timeout=60)
+        deadline = time.monotonic() + 10
+        while ex.kv.get("lt") is None or ex.kv.get("lt").length != 41:  # both launched
+            assert time.monotonic() < deadline, ("the steps were not launched", ex.kv.get("lt"))
+            time.sleep(0.01)
+        call.cancel()  # the client's deadline, cut short: the steps are still on the device
+        drains = server.server.servicer.sessions.draining
+        deadline = time.monotonic() + 10
+        while not drains:
+            assert time.monotonic() < deadline, "the stream's drain did not start"
+            time.sleep(0.01)
+        released = server.stub.Release(pb.ReleaseRequest(seq_ids=["lt"]), timeout=10)
+        assert released.released == 1
+        fired.set()  # the launched steps complete now, after the Release
+        deadline = time.monotonic() + 10
+        while drains or server.server.worker.pending:
+            assert time.monotonic() < deadline, "the drain did not finish"
+            time.sleep(0.01)
+        server.call(_noop())
+    finally:
+        fired.set()
+        hold.set()
+        ex.launch_decode, ex.launch_prefill = real
+    kv = server.kv()
+    assert kv.active_sequences == len(ex.kv._seqs) == before.active_sequences
+    assert kv == before
+    gauges = server.scrape()
+    assert gauges[("model_executor_active_sequences", ())] == kv.active_sequences
+    assert gauges[("model_executor_kv_tokens", (("state", "free"),))] == kv.free_tokens
+    assert_exact(server)
+
+
+def test_a_stream_cancelled_while_a_completion_is_awaited_keeps_its_launched_steps(
+        server: ServerHarness) -> None:
+    """The client cancels while the server waits for a launched step's completion (the
+    CUDA path): the steps launched still apply, complete in the drain and answer retries
+    of their request_ids from the retry cache (before, the cancellation was taken for a
+    device failure: both steps were rolled back and the first answered INTERNAL)."""
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    fired, hold = threading.Event(), threading.Event()
+
+    def held(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _HeldEvent(fired)  # type: ignore[assignment]
+            return pending
+        return wrapped
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(step=1, prefill=prefill("kc", prompt(32, 6), "kc-1"))
+        yield pb.SessionRequest(step=2, decode=decode_last(["kc"], request_id="kc-2"))
+        hold.wait(10)
+
+    ex.launch_decode, ex.launch_prefill = held(real[0]), held(real[1])
+    try:
+        call = server.stub.Session(requests(), timeout=60)
+        deadline = time.monotonic() + 10
+        while ex.kv.get("kc") is None or ex.kv.get("kc").length != 7:
+            assert time.monotonic() < deadline, "the steps were not launched"
+            time.sleep(0.01)
+        call.cancel()
+        time.sleep(0.2)  # the server sees the cancel while it waits for step 1
+        fired.set()
+        drains = server.server.servicer.sessions.draining
+        deadline = time.monotonic() + 10
+        while drains or server.server.worker.pending:
+            assert time.monotonic() < deadline, "the drain did not finish"
+            time.sleep(0.01)
+    finally:
+        fired.set()
+        hold.set()
+        ex.launch_decode, ex.launch_prefill = real
+    assert ex.kv.get("kc").length == 7  # both applied, neither rolled back
+    first = server.stub.Prefill(prefill("kc", prompt(32, 6), "kc-1"), timeout=10)
+    second = server.stub.Decode(decode_last(["kc"], request_id="kc-2"), timeout=10)
+    assert (first.outputs[0].seq_len, second.outputs[0].seq_len) == (6, 7)  # replayed
+    assert ex.kv.get("kc").length == 7
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["kc"]), timeout=10)
+    assert_exact(server)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -121,6 +123,53 @@ def test_forward_failure_is_internal_and_kv_stays_exact(server: ServerHarness,
     figures.notes["forward_fault_codes"] = dict(codes)
 
 
+def _logged(captured: str) -> list[dict[str, Any]]:
+    """The server's JSON log lines among ``captured`` (stderr)."""
+    lines = []
+    for text in captured.splitlines():
+        with contextlib.suppress(ValueError):
+            line = json.loads(text)
+            if isinstance(line, dict):
+                lines.append(line)
+    return lines
+
+
+def test_a_failed_session_step_is_logged_under_the_id_its_status_names(
+        server: ServerHarness, figures: Figures, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Session step that fails with a bug (an injected forward failure) answers INTERNAL
+    naming a request id; the server log has an ERROR line with that id and the traceback:
+    the step's own request_id when it has one, else the id made for it. Before, the
+    status named ``session-step-<n>``, which no log line had."""
+    baseline = check_kv(server, figures)
+
+    def prefill(seq_id: str, request_id: str) -> pb.PrefillRequest:
+        return pb.PrefillRequest(request_id=request_id, items=[
+            pb.PrefillItem(seq_id=seq_id, token_ids=[5, 6, 7], sample=True)])
+
+    requests = [pb.SessionRequest(step=59, prefill=prefill("sf1", "ts-59")),
+                pb.SessionRequest(step=60, prefill=prefill("sf2", ""), ack_failed_step=59)]
+    capsys.readouterr()
+    with EvilForward(server, RuntimeError("injected forward failure")) as evil:
+        evil.armed.set()
+        responses = list(server.stub.Session(iter(requests), timeout=30))
+    assert [r.error.code_name for r in responses] == ["INTERNAL", "INTERNAL"]
+    lines = _logged(capsys.readouterr().err)
+    named = []
+    for response in responses:
+        message = response.error.message
+        assert "in the server log has the traceback" in message
+        request_id = message.split("request_id=", 1)[1].split()[0]
+        named.append(request_id)
+        errors = [line for line in lines if line.get("request_id") == request_id
+                  and line.get("level") == "error"]
+        assert errors, (request_id, lines)
+        assert errors[0]["code"] == "INTERNAL" and errors[0]["step"] == response.step
+        assert "injected forward failure" in json.dumps(errors[0]["exception"])
+    assert named[0] == "ts-59"  # the step's own id
+    assert named[1] != "ts-59" and named[1].endswith("-step-60")  # one made for it
+    check_kv(server, figures, expected=baseline)  # nothing of either step applied
+
+
 def _device_lost() -> BaseException:
     return torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
@@ -162,6 +211,48 @@ def test_fatal_device_error_turns_health_not_serving(figures: Figures,
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "restarted" in err.details()
         assert harness.scrape()[("model_executor_healthy", ())] == 0
         check_kv(harness, figures, expected=baseline)  # the failed call was rolled back
+
+
+class _SyncRaises:
+    """A step's device event whose wait raises ``error``: an asynchronous device error that
+    surfaces when a Session step completes, off the executor thread."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def synchronize(self) -> None:
+        raise self.error
+
+
+def test_a_fatal_device_error_at_a_session_completion_turns_health_not_serving(
+        figures: Figures) -> None:
+    """As for a unary call: the step answers INTERNAL, the server turns UNHEALTHY and later
+    calls are refused UNAVAILABLE (before, only an error on the executor thread did that,
+    and a Session's completion waits elsewhere)."""
+    with serving(figures) as harness:
+        ex: Any = harness.executor
+        real = ex.launch_prefill
+
+        def launch(items: Any) -> Any:
+            pending = real(items)
+            pending.done = _SyncRaises(_device_lost())
+            return pending
+
+        ex.launch_prefill = launch
+        try:
+            [response] = harness.stub.Session(iter([pb.SessionRequest(
+                step=1, prefill=pb.PrefillRequest(request_id="fatal-1", items=[
+                    pb.PrefillItem(seq_id="fs", token_ids=[1, 2], sample=True)]))]),
+                timeout=30)
+        finally:
+            ex.launch_prefill = real
+        assert response.error.code_name == "INTERNAL"
+        assert "request_id=fatal-1" in response.error.message
+        wait_until(lambda: harness.check() == NOT_SERVING, what="liveness NOT_SERVING")
+        assert harness.check(READINESS_SERVICE) == NOT_SERVING
+        err = rpc_error(harness.stub.Prefill, pb.PrefillRequest(items=[
+            pb.PrefillItem(seq_id="after", token_ids=[3])]))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # -- capture failures -------------------------------------------------------------------
