@@ -116,12 +116,10 @@ def _spawned_main(rank: int, size: int, port: int, config: ExecutorConfig,
                   parallel: ParallelConfig, log_format: str, log_level: str) -> None:
     rdv = Rendezvous(LOOPBACK, port, size, rank, rank)
     code = follower_main(rdv, config, parallel, log_format, log_level, spawned=True)
-    # NOTE: a spawned rank has left its groups (or given up on it) and has nothing more to
-    # finalize: it skips interpreter exit, whose CUDA and NCCL destructors and thread joins
-    # can block on a peer that is gone, and which rank 0 would otherwise have to kill.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # NOTE: interpreter exit runs atexit handlers (buffered traces, logs) but also CUDA and
+    # NCCL destructors and thread joins, which can block on a peer that is gone: the guard
+    # bounds it, so rank 0 never has to kill a rank that finished its work.
+    sys.exit(_exit_guard(code))
 
 
 def _exit_now(code: int, what: str) -> None:
