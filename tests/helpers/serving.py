@@ -28,9 +28,15 @@ from service.health import READINESS_SERVICE
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _pythonpath() -> str:
+    """The checkout first, then whatever the test run's own path holds (dependencies
+    installed with ``pip --target`` on machines without a package index)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 class ServeProcess:
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        child_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        child_env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1",
                      **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
@@ -53,7 +59,7 @@ class ServeProcess:
         return subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", "0",
              "--metrics-port", "-1", *args],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1",
                            **env},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
 
