@@ -145,7 +145,7 @@ class WeightControl:
         except InvalidRequest as exc:
             refusal = exc
         check_ms = (time.perf_counter() - started) * 1e3
-        self._announce("update_trainer", (tuple(metas), bucket_bytes, refusal is None))
+        self._announce("update_trainer", (tuple(metas), bucket_bytes))
         group.verdict(group.config.rank_offset, refusal is None)
         if refusal is not None:
             raise refusal
@@ -328,7 +328,7 @@ class WeightControl:
                 files = directory_manifest(Path(args))[1]
                 self._apply(lambda: self._copy_files(files))
             elif op == "update_trainer":
-                metas, bucket_bytes, ok = args
+                metas, bucket_bytes = args
                 group = self._require_group()
                 if group.verdict(group.config.rank_offset):
                     self._apply(lambda: self._receive(group, metas, bucket_bytes))

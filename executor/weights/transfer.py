@@ -12,11 +12,12 @@ the same way). Each executor rank keeps its slice of every tensor (``receive``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,7 @@ class TransferGroup:
                               is_master=is_master, timeout=self.timeout,
                               wait_for_workers=is_master)
         self._store = dist.PrefixStore(config.group_name, store)
+        # (a backend object of its own: the default group is never touched)
         self._group = _process_group(config.backend, self._store, rank,
                                      config.world_size, self.timeout)
         self.barrier()  # every member is in: the first collective pairs up
@@ -132,14 +134,12 @@ class TransferGroup:
     def close(self) -> None:
         shutdown = getattr(self._group, "shutdown", None)
         if shutdown is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a peer already gone
                 shutdown()
-            except RuntimeError:  # a peer already gone
-                pass
 
 
 def _process_group(backend: Backend, store: dist.Store, rank: int, size: int,
-                   timeout: datetime.timedelta) -> dist.ProcessGroup:
+                   timeout: datetime.timedelta) -> Any:
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupNCCL.Options()

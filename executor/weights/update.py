@@ -89,7 +89,7 @@ class WeightLayout:
 
     def target(self, name: str, shard: int | None) -> torch.Tensor:
         """This rank's tensor (a view of the parameter) a checkpoint tensor lands in."""
-        target = self.params[name]
+        target: torch.Tensor = self.params[name]
         if shard is not None:
             rows = _shard_rows(self.spec, name)
             target = target[rows[shard] : rows[shard + 1]]
