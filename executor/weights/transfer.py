@@ -94,7 +94,9 @@ class TransferGroup:
     """One member's handle on the trainer's group (trainer or executor rank)."""
 
     def __init__(self, config: TransferConfig, rank: int, device: torch.device,
-                 is_master: bool = False) -> None:
+                 store: dist.Store | None = None) -> None:
+        """Join as ``rank``: over ``store`` (the trainer's, which it made as the master),
+        else as a client of the store at ``config``'s address."""
         if config.backend not in ("nccl", "gloo"):
             raise ConfigError(f"backend must be 'nccl' or 'gloo', got {config.backend!r}")
         if config.backend == "nccl" and device.type != "cuda":
@@ -105,9 +107,9 @@ class TransferGroup:
         self.config, self.rank, self.device = config, rank, device
         self.timeout = datetime.timedelta(seconds=config.timeout_s)
         started = time.perf_counter()
-        store = dist.TCPStore(config.master_address, config.master_port, config.world_size,
-                              is_master=is_master, timeout=self.timeout,
-                              wait_for_workers=is_master)
+        if store is None:
+            store = dist.TCPStore(config.master_address, config.master_port,
+                                  config.world_size, is_master=False, timeout=self.timeout)
         self._store = dist.PrefixStore(config.group_name, store)
         # (a backend object of its own: the default group is never touched)
         self._group = _process_group(config.backend, self._store, rank,
@@ -116,10 +118,14 @@ class TransferGroup:
         self.init_ms = (time.perf_counter() - started) * 1e3
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
+        """The broadcast posted; its work object (``wait``, ``is_completed``)."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         opts.timeout = self.timeout
-        self._group.broadcast([tensor], opts).wait()
+        return self._group.broadcast([tensor], opts)
 
     def barrier(self) -> None:
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
