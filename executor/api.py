@@ -14,6 +14,9 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
+#: What Sleep can release (``executor/sleep.py``), in the order Health lists them.
+SleepTag = Literal["weights", "kv_cache"]
+SLEEP_TAGS: tuple[SleepTag, ...] = ("weights", "kv_cache")
 
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy (see executor/sampling.py for why).

@@ -13,12 +13,10 @@ uninitialised and must be refilled (an update) before a step runs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
 
 import torch
 
-Tag = Literal["weights", "kv_cache"]
-TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
+from executor.api import SleepTag as Tag
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:

@@ -25,13 +25,14 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from executor.weights.transfer import (
+from executor.weights import (
+    TensorMeta,
     TransferConfig,
     TransferGroup,
+    dtype_name,
     pack_bucket,
     plan_buckets,
 )
-from executor.weights.update import TensorMeta, dtype_name
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 

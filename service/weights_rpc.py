@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
+from executor.api import SLEEP_TAGS as TAGS
 from executor.api import ExecutorStatus
+from executor.api import SleepTag as Tag
 from executor.errors import FieldViolation, InvalidRequest, StateConflict
-from executor.sleep import TAGS, Tag
-from executor.weights.transfer import TransferConfig
-from executor.weights.update import TensorMeta, parse_dtype
+from executor.weights import TensorMeta, TransferConfig, parse_dtype
 from service.config import RequestLimits
 from service.errors import Unavailable
 from service.gen.model_executor.v1 import executor_pb2 as pb

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from executor.api import SLEEP_TAGS as TAGS
 from executor.api import Phase
+from executor.api import SleepTag as Tag
 from executor.distributed.protocol import WeightsHeader
 from executor.errors import (
     FieldViolation,
@@ -34,7 +36,7 @@ from executor.errors import (
     TransferUnavailable,
     WeightUpdateFailed,
 )
-from executor.sleep import TAGS, SleepingMemory, Tag
+from executor.sleep import SleepingMemory
 from executor.weights.transfer import TransferConfig, TransferGroup, receive
 from executor.weights.update import (
     TensorMeta,

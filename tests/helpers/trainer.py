@@ -17,7 +17,7 @@ import grpc
 import torch
 from safetensors.torch import load_file
 
-from executor.weights.transfer import TransferGroup
+from executor.weights import TransferGroup
 from service.weight_sender import WeightSender
 
 
