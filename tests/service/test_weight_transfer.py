@@ -117,10 +117,20 @@ def test_tensor_parallel_ranks_each_keep_their_slice(dirs: dict[str, Path],
         server.wait_ready()
         harness: Any = server  # generate() needs .stub only
         versions: set[str] = set()
-        assert generate(harness, "before", versions) != expected and versions == {"w1"}
+        before = generate(harness, "before", versions)
+        assert before != expected and versions == {"w1"}
         check_trainer_events(trainer(server.target, dirs["w2"]), [1, 2])
         versions = set()
         assert generate(harness, "after", versions) == expected
         assert versions == {"trained-1"}
+        # the other paths every rank joins: an update from disk, Sleep and WakeUp
+        server.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="w1-disk",
+                                                          path=str(dirs["w1"])), timeout=60)
+        assert generate(harness, "disk") == before
+        slept = server.stub.Sleep(pb.SleepRequest(), timeout=60)
+        assert list(slept.sleeping) == ["weights", "kv_cache"]
+        assert slept.freed_bytes > 0
+        server.stub.WakeUp(pb.WakeUpRequest(), timeout=60)
+        assert generate(harness, "woken") == before
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]
