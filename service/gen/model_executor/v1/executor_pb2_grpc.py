@@ -217,9 +217,10 @@ class ExecutorServicer(object):
         stay valid; with tensor parallelism each rank keeps its slice. A failure during the
         copy itself (an I/O error, a trainer gone mid-broadcast) turns the server UNHEALTHY
         (it would serve a mix). KV already computed stays as it is: release sequences to
-        recompute them. FAILED_PRECONDITION while draining, or while a Sleep holds the KV
-        cache only (weights asleep are refilled, which wakes them). Give it a request_id to
-        make a retry safe. Also a Session step, applied after every earlier step finished.
+        recompute them. Runs while asleep too: weights Sleep released (backed up or
+        discarded) are taken back and refilled. FAILED_PRECONDITION while draining or
+        unhealthy, UNAVAILABLE while starting. Give it a request_id to make a retry safe.
+        Also a Session step, applied after every earlier step finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -229,8 +230,9 @@ class ExecutorServicer(object):
         """Joins every rank of this server to a process group with a trainer process (NCCL on
         GPUs, gloo on CPU), once, for UpdateWeights with a `distributed` source. The trainer is
         rank 0 of that group and hosts its TCP store; this server's rank r joins as
-        `rank_offset + r`. Blocks until every member joined or `timeout_s` passed
-        (DEADLINE_EXCEEDED, nothing kept). FAILED_PRECONDITION if a group is already set up.
+        `rank_offset + r`. Blocks until every member joined; UNAVAILABLE (reason
+        TRANSFER_GROUP_UNREACHABLE, nothing kept) if that takes longer than `timeout_s`.
+        FAILED_PRECONDITION if a group is already set up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
