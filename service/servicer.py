@@ -240,7 +240,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest,
                             context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
         structlog.contextvars.bind_contextvars(weight_version=request.weight_version)
-        return await self.weights.update_weights(request, context)
+        response = await self.weights.update_weights(request, context)
+        structlog.contextvars.bind_contextvars(  # on the call's one log line
+            tensors_updated=response.tensors_updated, bytes_updated=response.bytes_updated,
+            update_ms=round(response.update_ms, 1))
+        return response
 
     async def InitWeightTransfer(self, request: pb.InitWeightTransferRequest,
                                  context: grpc.aio.ServicerContext
