@@ -270,3 +270,21 @@ def test_discarded_weights_wait_for_an_update(server: ServerHarness,
     update(server, "refilled-asleep", dirs["w1"])
     assert stub.Health(pb.HealthRequest(), timeout=5).state == pb.SERVER_STATE_READY
     assert generate(server, "post-refill") == before
+
+
+def test_a_draining_server_refuses_updates(server: ServerHarness,
+                                           dirs: dict[str, Path]) -> None:
+    from service.health import State
+
+    lifecycle = server.server.lifecycle
+    lifecycle._state = State.DRAINING  # as during a graceful stop, without stopping
+    try:
+        for call in (lambda: update(server, "late", dirs["w2"]),
+                     lambda: server.stub.Sleep(pb.SleepRequest(), timeout=30)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "DRAINING" in str(err.value.details())
+    finally:
+        lifecycle._state = State.READY
+    assert model_info(server).weight_version != "late"
