@@ -97,8 +97,13 @@ class StateConflict(ExecutorError):
 
 
 class TransferUnavailable(ExecutorError):
-    """The trainer's weight-transfer group could not be joined; nothing kept. Maps to
-    UNAVAILABLE."""
+    """The trainer's weight-transfer group could not be joined, or an update's source
+    failed before any weight was written; nothing changed. Maps to UNAVAILABLE, with
+    ``reason`` as the ErrorInfo reason."""
+
+    def __init__(self, message: str, reason: str = "TRANSFER_GROUP_UNREACHABLE") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class WeightUpdateFailed(ExecutorError):

@@ -214,7 +214,7 @@ def _state_conflict(exc: StateConflict) -> status_pb2.Status:
 
 
 def _transfer_unavailable(exc: TransferUnavailable) -> status_pb2.Status:
-    info = error_details_pb2.ErrorInfo(reason="TRANSFER_GROUP_UNREACHABLE", domain=DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN)
     return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(exc), details=_pack(info))
 
 

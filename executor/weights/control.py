@@ -95,6 +95,7 @@ class WeightControl:
                                      executor.device)
         self.group: TransferGroup | None = None
         self._released_phases: tuple[Phase, ...] = ()  # captured before Sleep released them
+        self._written = False  # the update under way has written a weight on this rank
 
     # -- what steps may do ---------------------------------------------------------------
     @property
@@ -148,11 +149,29 @@ class WeightControl:
             refusal = exc
         check_ms = (time.perf_counter() - started) * 1e3
         self._announce("update_trainer", (tuple(metas), bucket_bytes))
-        group.verdict(group.config.rank_offset, refusal is None)
+        self._verdict(group, refusal is None)
         if refusal is not None:
             raise refusal
-        count, nbytes = self._apply(lambda: self._receive(group, metas, bucket_bytes))
+        count, nbytes = self._apply(lambda: self._receive(group, metas, bucket_bytes), True)
         return self._updated(version, count, nbytes, started, check_ms)
+
+    def _verdict(self, group: TransferGroup, ok: bool | None = None) -> bool:
+        """Every rank: the manifest's verdict, sent by rank 0 (``ok``) to the trainer and
+        the other ranks. A group that fails here (the trainer gone before sending) is
+        left on every rank: nothing was written, and a new InitWeightTransfer starts over."""
+        failure: BaseException | None = None
+        accepted = False
+        try:
+            accepted = group.verdict(group.config.rank_offset, ok)
+        except Exception as exc:
+            failure = exc
+        if self._ex.tp.min_over_ranks(int(failure is None)) != 1:
+            self._leave()
+            raise TransferUnavailable(
+                "the weight-transfer group failed before any weight was sent"
+                f"{f' ({failure})' if failure else ' (on another rank)'}; nothing changed: "
+                "call InitWeightTransfer again")
+        return accepted
 
     def _updated(self, version: str, count: int, nbytes: int, started: float,
                  check_ms: float) -> UpdateResult:
@@ -161,34 +180,45 @@ class WeightControl:
         return UpdateResult(version, count, nbytes, (time.perf_counter() - started) * 1e3,
                             check_ms)
 
-    def _apply(self, copy: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    def _apply(self, copy: Callable[[], tuple[int, int]], distributed: bool = False
+               ) -> tuple[int, int]:
         """Every rank: run ``copy`` into the weights (taking their memory back if they
-        sleep: they are all overwritten), then agree; raise if any rank failed."""
+        sleep: they are all overwritten), then agree; raise if any rank failed
+        (``distributed``: the copy reads the trainer's group, left if it broke)."""
         if "weights" in self.memory.asleep:
             self.memory.sleep("weights", discard=True)  # drops a backup the update replaces
             self.memory.wake("weights")
         failure: BaseException | None = None
         result = (0, 0)
+        self._written = False  # set by the copy before its first byte
         try:
             result = copy()
-        except Exception as exc:  # I/O, a trainer gone: the weights are a mix now
+            if self._ex.device.type == "cuda":
+                torch.cuda.synchronize(self._ex.device)
+        except Exception as exc:  # I/O, a trainer gone
             failure = exc
             _log.error("weight update failed during the copy: %s", exc)
-        if self._ex.tp.min_over_ranks(int(failure is None)) != 1:
-            self.memory.discarded = True  # never serve the mix
-            raise WeightUpdateFailed(
-                "the weight update failed while copying"
-                f"{f' ({failure})' if failure else ' on another rank'}; the model holds a "
-                "mix of two versions and cannot serve") from failure
-        self.memory.refilled()
-        if self._ex.device.type == "cuda":
-            torch.cuda.synchronize(self._ex.device)
-        return result
+        tp = self._ex.tp
+        if tp.min_over_ranks(int(failure is None)) == 1:
+            self.memory.refilled()
+            return result
+        why = f" ({failure})" if failure else " on another rank"
+        if tp.min_over_ranks(int(not self._written)) == 1:  # no rank wrote a byte
+            if distributed:  # its order of collectives is broken: it cannot go on
+                self._leave()
+            raise TransferUnavailable(
+                f"the weight update's source failed before any weight was written{why}; "
+                "the old weights serve on", "UPDATE_SOURCE_FAILED") from failure
+        self.memory.discarded = True  # never serve the mix
+        raise WeightUpdateFailed(
+            f"the weight update failed while copying{why}; the model holds a mix of two "
+            "versions and cannot serve") from failure
 
     def _copy_files(self, files: Sequence[Path]) -> tuple[int, int]:
         layout, rank = self.layout(), self._ex.tp.rank
         count = nbytes = 0
         for reader, name, where in directory_tensors(files):
+            self._written = True
             n = layout.copy_tensor(reader, name, rank, where)
             count, nbytes = count + (layout.resolve(name) is not None), nbytes + n
         return count, nbytes
@@ -199,6 +229,7 @@ class WeightControl:
         totals = [0, 0]
 
         def keep(tensors: dict[str, torch.Tensor]) -> None:
+            self._written = True
             reader = TensorReader(tensors)
             for name in tensors:
                 n = layout.copy_tensor(reader, name, rank, "the trainer's broadcast")
@@ -332,8 +363,8 @@ class WeightControl:
             elif op == "update_trainer":
                 metas, bucket_bytes = args
                 group = self._require_group()
-                if group.verdict(group.config.rank_offset):
-                    self._apply(lambda: self._receive(group, metas, bucket_bytes))
+                if self._verdict(group):
+                    self._apply(lambda: self._receive(group, metas, bucket_bytes), True)
             elif op == "init_transfer":
                 self._join(args)
             elif op == "destroy_transfer":

@@ -3,7 +3,8 @@
 Connects a ``WeightSender`` to a server and sends a checkpoint directory's tensors:
 ``--mode ok`` first sends a manifest with one tensor of the wrong shape (expects
 INVALID_ARGUMENT naming it), then the checkpoint; ``--mode die`` sends the first bucket
-of the checkpoint and exits the process mid-broadcast. Prints one JSON line per result.
+of the checkpoint and exits the process mid-broadcast; ``--mode die-early`` exits once
+the manifest was accepted, before the first bucket. Prints one JSON line per result.
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ def main() -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--weights", required=True, help="a directory with model.safetensors")
     p.add_argument("--version", default="trained")
-    p.add_argument("--mode", choices=("ok", "die"), default="ok")
+    p.add_argument("--mode", choices=("ok", "die", "die-early"), default="ok")
     p.add_argument("--bucket-bytes", type=int, default=256 << 10)
     args = p.parse_args()
     tensors = load_file(os.path.join(args.weights, "model.safetensors"))
     sender = WeightSender(args.target, backend="gloo", timeout_s=20)
     joined = sender.connect()
     print(json.dumps({"event": "joined", "ranks": list(joined.ranks)}), flush=True)
-    if args.mode == "die":
+    if args.mode != "ok":
         sent = [0]
         broadcast = TransferGroup.broadcast
+        last = 1 if args.mode == "die" else 0  # buckets sent before the process exits
 
         def dying(self: TransferGroup, tensor: torch.Tensor, src: int) -> None:
-            broadcast(self, tensor, src)
+            if sent[0] < last:
+                broadcast(self, tensor, src)
             sent[0] += 1
-            if sent[0] == 1:  # the first bucket went
+            if sent[0] > last:
                 print(json.dumps({"event": "dying"}), flush=True)
                 os._exit(3)
 

@@ -49,6 +49,7 @@ def trainer(target: str, weights: Path, mode: str = "ok") -> list[dict[str, Any]
         capture_output=True, text=True, timeout=120)
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == (0 if mode == "ok" else 3), proc.stdout + proc.stderr[-3000:]
+    assert events[0]["event"] == "joined"
     return events
 
 
@@ -78,6 +79,15 @@ def test_a_trainer_process_updates_the_weights(server: ServerHarness, dirs: dict
                                                expected: list[list[int]]) -> None:
     before = generate(server, "before")
     assert before != expected
+    # a trainer gone after its manifest was accepted, before a byte was written: the old
+    # weights serve on, the group is left, and another trainer can join afterwards
+    trainer(server.target, dirs["w2"], mode="die-early")
+    deadline = time.monotonic() + 60
+    while server.executor.weights.group is not None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.1)
+    health = server.stub.Health(pb.HealthRequest(), timeout=5)
+    assert health.state == pb.SERVER_STATE_READY and health.model.weight_version == "initial"
+    assert generate(server, "still-before") == before
     check_trainer_events(trainer(server.target, dirs["w2"]), [1])
     versions: set[str] = set()
     assert generate(server, "after", versions) == expected and versions == {"trained-1"}
