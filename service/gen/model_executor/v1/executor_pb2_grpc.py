@@ -215,12 +215,14 @@ class ExecutorServicer(object):
         and the old version keeps serving unchanged. The tensors are then copied into the
         existing parameters between steps (never during a forward), so captured CUDA graphs
         stay valid; with tensor parallelism each rank keeps its slice. A failure during the
-        copy itself (an I/O error, a trainer gone mid-broadcast) turns the server UNHEALTHY
-        (it would serve a mix). KV already computed stays as it is: release sequences to
-        recompute them. Runs while asleep too: weights Sleep released (backed up or
-        discarded) are taken back and refilled. FAILED_PRECONDITION while draining or
-        unhealthy, UNAVAILABLE while starting. Give it a request_id to make a retry safe.
-        Also a Session step, applied after every earlier step finished.
+        copy itself (an I/O error, a trainer gone mid-broadcast) is DATA_LOSS and turns the
+        server UNHEALTHY (it would serve a mix); a source that fails before any byte was
+        written is UNAVAILABLE (reason UPDATE_SOURCE_FAILED) and changes nothing. KV already
+        computed stays as it is: release sequences to recompute them. Runs while asleep too:
+        weights Sleep released (backed up or discarded) are taken back and refilled.
+        FAILED_PRECONDITION while draining or unhealthy, UNAVAILABLE while starting. Give it
+        a request_id to make a retry safe. Also a Session step, applied after every earlier
+        step finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
