@@ -357,9 +357,8 @@ class WeightControl:
         dist.broadcast_object_list(box, src=0, group=ex.tp.control_group)
         op, args = box[0]
         try:
-            if op == "update_disk":
-                files = directory_manifest(Path(args))[1]
-                self._apply(lambda: self._copy_files(files))
+            if op == "update_disk":  # (a directory this rank cannot read fails the copy)
+                self._apply(lambda: self._copy_files(directory_manifest(Path(args))[1]))
             elif op == "update_trainer":
                 metas, bucket_bytes = args
                 group = self._require_group()
