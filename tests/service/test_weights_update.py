@@ -288,3 +288,20 @@ def test_a_draining_server_refuses_updates(server: ServerHarness,
     finally:
         lifecycle._state = State.READY
     assert model_info(server).weight_version != "late"
+
+
+def test_the_debug_client_updates_sleeps_and_wakes(server: ServerHarness, dirs: dict[str, Path],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from service.cli import main
+
+    base = ["client", "--target", server.target]
+    assert main([*base, "update-weights", "--path", str(dirs["w2"]),
+                 "--weight-version", "from-cli"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_version"] == "from-cli"
+    assert main([*base, "sleep", "--tag", "weights"]) == 0
+    assert json.loads(capsys.readouterr().out)["sleeping"] == ["weights"]
+    assert main([*base, "wake-up"]) == 0
+    assert json.loads(capsys.readouterr().out).get("sleeping", []) == []
+    assert model_info(server).weight_version == "from-cli"
