@@ -16,6 +16,8 @@
 7. Server B started fresh on W2: its tokens must equal A's after the updates, bit for bit.
 
 Prints a summary table; writes ``weights.json`` and ``weights.md`` to ``--out``.
+``--smoke`` runs the same steps on CPU (the tiny shape, gloo, no graphs) to check the
+script itself.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from bench.common.shapes import hf_config
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
 
-PROMPTS = [[(i * 7 + j * 131) % 32000 + 3 for i in range(n)] for j, n in
+PROMPTS = [[(i * 7 + j * 131) % 500 + 3 for i in range(n)] for j, n in
            enumerate((7, 64, 200))]
 STEPS = 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,41 +48,57 @@ GiB = 1 << 30
 
 
 # -- yardsticks -------------------------------------------------------------------------------
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
 def nccl_probe(rank: int, port: int, device: str, nbytes: int, iters: int) -> None:
-    """One side of the NCCL broadcast bandwidth probe (rank 0 sends); prints GB/s."""
+    """One side of the broadcast bandwidth probe (rank 0 sends); prints GB/s."""
     from executor.weights import TransferConfig, TransferGroup
 
-    torch.cuda.set_device(torch.device(device))
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True,
                                        wait_for_workers=False) if rank == 0 else None
-    config = TransferConfig("127.0.0.1", port, 2, 1, "nccl", "probe", 120.0)
+    config = TransferConfig("127.0.0.1", port, 2, 1, _backend(device),  # type: ignore[arg-type]
+                            "probe", 120.0)
     group = TransferGroup(config, rank, torch.device(device), store=store)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     group.broadcast(buf, 0)  # warm-up: the communicator and its buffers
-    torch.cuda.synchronize()
+    _sync(device)
     started = time.perf_counter()
     for _ in range(iters):
         group.broadcast(buf, 0)
-    torch.cuda.synchronize()
+    _sync(device)
     seconds = (time.perf_counter() - started) / iters
     print(json.dumps({"rank": rank, "gbps": nbytes / seconds / 1e9}), flush=True)
     group.close()
 
 
-def measure_nccl(server_gpu: int, trainer_gpu: int, nbytes: int) -> float:
+def measure_broadcast(server: str, trainer: str, nbytes: int) -> float:
+    """GB/s of a broadcast from ``trainer``'s device to ``server``'s (two processes)."""
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "bench.e2e.weights", "--role", "probe", "--rank", str(rank),
-         "--port", str(port), "--device", f"cuda:{gpu}", "--probe-bytes", str(nbytes)],
+         "--port", str(port), "--device", device, "--probe-bytes", str(nbytes)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
-        for rank, gpu in ((0, trainer_gpu), (1, server_gpu))]
+        for rank, device in ((0, trainer), (1, server))]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     rates = [json.loads(line)["gbps"] for out in outs for line in out.splitlines()
              if line.startswith("{")]
     return min(rates)
 
 
-def measure_h2d(gpu: int, nbytes: int, iters: int = 5) -> float:
+def measure_h2d(device: str, nbytes: int, iters: int = 5) -> float:
+    """GB/s of pinned host-to-device copies (0 off CUDA)."""
+    if not device.startswith("cuda"):
+        return 0.0
+    gpu = torch.device(device).index or 0
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{gpu}")
     dst.copy_(src, non_blocking=True)
@@ -95,8 +113,11 @@ def measure_h2d(gpu: int, nbytes: int, iters: int = 5) -> float:
     return rate
 
 
-def device_used(gpu: int) -> int:
-    free, total = torch.cuda.mem_get_info(gpu)
+def device_used(device: str) -> int:
+    """Bytes in use on the device as this (another) process sees it; 0 off CUDA."""
+    if not device.startswith("cuda"):
+        return 0
+    free, total = torch.cuda.mem_get_info(torch.device(device))
     return total - free
 
 
@@ -108,12 +129,13 @@ def trainer(target: str, weights: Path, device: str, bucket_bytes: int, repeats:
 
     from service.weight_sender import WeightSender
 
-    torch.cuda.set_device(torch.device(device))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(weights.glob("*.safetensors")):
         tensors.update({k: v.to(device) for k, v in load_file(str(file)).items()})
-    torch.cuda.synchronize()
-    sender = WeightSender(target, backend="nccl", device=device, timeout_s=300)
+    _sync(device)
+    sender = WeightSender(target, backend=_backend(device), device=device, timeout_s=300)
     sender.connect()
     for i in range(repeats):
         started = time.perf_counter()
@@ -130,15 +152,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def start_server(model: Path, gpu: int, random: bool) -> tuple[subprocess.Popen[bytes], str,
-                                                                   int]:
+def start_server(model: Path, device: str, random: bool, log: Path
+                 ) -> tuple[subprocess.Popen[bytes], str, int]:
+    """A server on ``device`` (its log lines in ``log``): on random weights (W1) with the
+    shape of ``model``, or on ``model``'s checkpoint."""
     port, metrics = free_port(), free_port()
+    graphs = ["--decode-graph", "full", "--prefill-graph", "breakable"] \
+        if device.startswith("cuda") else ["--kv-tokens", "4096"]
     args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model),
-            "--device", f"cuda:{gpu}", "--port", str(port), "--metrics-port", str(metrics),
-            "--decode-graph", "full", "--prefill-graph", "breakable", "--max-context", "2048",
-            "--max-sequences", "16", "--drain-delay", "0",
+            "--device", device, "--port", str(port), "--metrics-port", str(metrics),
+            *graphs, "--max-context", "2048", "--max-sequences", "16", "--drain-delay", "0",
             *(["--load-format", "random", "--weight-version", "w1"] if random else [])]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
     wait_ready(target, proc, 900)
     return proc, target, metrics
@@ -174,12 +201,17 @@ def capture_state(stub: pb_grpc.ExecutorStub, metrics_port: int) -> Any:
 
 
 def write_w2(shape: str, root: Path) -> Path:
+    """The shape's W2 checkpoint (bf16; ``tiny``: float32), written once, page-cached."""
     from executor.weights.random_weights import write_random_model
+    from executor.weights.tiny import tiny_config
 
     path = root / f"{shape}-w2"
     if not (path / "config.json").is_file():
-        write_random_model(path, hf_config(shape), seed=1, dtype=torch.bfloat16,
-                           max_shard_bytes=2 * GiB)
+        if shape == "tiny":
+            write_random_model(path, tiny_config(), seed=1)
+        else:
+            write_random_model(path, hf_config(shape), seed=1, dtype=torch.bfloat16,
+                               max_shard_bytes=2 * GiB)
     for file in path.glob("*.safetensors"):  # into the page cache
         with file.open("rb") as f:
             while f.read(64 << 20):
@@ -189,24 +221,29 @@ def write_w2(shape: str, root: Path) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     r: dict[str, Any] = {"commit": git_commit(), "device": device_name(), "shape": args.shape}
-    r["nccl_gbps"] = measure_nccl(args.server_gpu, args.trainer_gpu, args.probe_bytes)
-    r["h2d_gbps"] = measure_h2d(args.server_gpu, args.probe_bytes)
+    server, trainer_device = (("cpu", "cpu") if args.smoke else
+                              (f"cuda:{args.server_gpu}", f"cuda:{args.trainer_gpu}"))
+    r["nccl_gbps"] = measure_broadcast(server, trainer_device, args.probe_bytes)
+    r["h2d_gbps"] = measure_h2d(server, args.probe_bytes)
     w2 = write_w2(args.shape, args.models)
     weight_bytes = sum(f.stat().st_size for f in w2.glob("*.safetensors"))
-    baseline = device_used(args.server_gpu)
-    proc, target, metrics = start_server(w2, args.server_gpu, random=True)
+    baseline = device_used(server)
+    args.out.mkdir(parents=True, exist_ok=True)
+    proc, target, metrics = start_server(w2, server, True,
+                                         args.out / "weights-server-a.log")
     try:
         stub = pb_grpc.ExecutorStub(grpc.insecure_channel(target))
         graphs_before = capture_state(stub, metrics)
         r["tokens_w1"], _, _ = greedy(stub, "w1")
         out = subprocess.run(
             [sys.executable, "-m", "bench.e2e.weights", "--role", "trainer", "--target",
-             target, "--weights", str(w2), "--device", f"cuda:{args.trainer_gpu}",
+             target, "--weights", str(w2), "--device", trainer_device,
              "--bucket-bytes", str(args.bucket_bytes), "--repeats", "2"],
             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stdout + out.stderr[-4000:]
         r["nccl_updates"] = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-        r["tokens_nccl"], r["versions_nccl"], paths = greedy(stub, "nccl")
+        r["tokens_nccl"], versions, paths = greedy(stub, "nccl")
+        r["versions_nccl"] = sorted(versions)
         started = time.perf_counter()
         disk = stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="w2-disk",
                                                           path=str(w2)), timeout=900)
@@ -214,10 +251,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["tokens_disk"], _, paths2 = greedy(stub, "disk")
         r["graph_paths"] = sorted(paths | paths2)
         r["graphs_unchanged"] = capture_state(stub, metrics) == graphs_before
-        awake = device_used(args.server_gpu)
+        awake = device_used(server)
         slept = stub.Sleep(pb.SleepRequest(tags=["weights", "kv_cache"]), timeout=900)
         time.sleep(1.0)
-        asleep = device_used(args.server_gpu)
+        asleep = device_used(server)
         r["executor_bytes"] = awake - baseline
         r["freed_fraction"] = (awake - asleep) / max(1, awake - baseline)
         r["sleep_ms"], r["reported_freed"] = slept.sleep_ms, slept.freed_bytes
@@ -228,7 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["tokens_wake"], _, _ = greedy(stub, "wake")
     finally:
         stop(proc)
-    proc, target, _ = start_server(w2, args.server_gpu, random=False)
+    proc, target, _ = start_server(w2, server, False,
+                                   args.out / "weights-server-b.log")
     try:
         r["tokens_fresh"], _, _ = greedy(pb_grpc.ExecutorStub(grpc.insecure_channel(target)),
                                          "fresh")
@@ -241,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(r: dict[str, Any]) -> str:
     best = min(u["seconds"] for u in r["nccl_updates"])
     floor = r["weight_bytes"] / (r["nccl_gbps"] * 1e9)
-    wake_floor = r["weight_bytes"] / (r["h2d_gbps"] * 1e9)
+    wake_floor = r["weight_bytes"] / (r["h2d_gbps"] * 1e9) if r["h2d_gbps"] else 0.0
     same = r["tokens_nccl"] == r["tokens_disk"] == r["tokens_wake"] == r["tokens_fresh"]
     rows = [
         ("NCCL broadcast bandwidth (probe)", f"{r['nccl_gbps']:.1f} GB/s", ""),
@@ -277,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-gpu", type=int, default=1)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
     ap.add_argument("--probe-bytes", type=int, default=1 << 30)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: the tiny shape over gloo, no graphs (checks the script)")
     # the roles' own arguments
     ap.add_argument("--target", default="")
     ap.add_argument("--weights", type=Path, default=None)
@@ -291,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "trainer":
         trainer(args.target, args.weights, args.device, args.bucket_bytes, args.repeats)
         return 0
+    if args.smoke:
+        args.shape, args.probe_bytes = "tiny", min(args.probe_bytes, 16 << 20)
     r = run(args)
     text = table(r)
     print(text)
