@@ -1,23 +1,16 @@
-"""Weights that change under a served executor, on GPUs, in one run:
-``python -m bench.e2e.weights [--shape llama-3.1-8b] [--server-gpu 0 --trainer-gpu 1]``.
+"""Weights that change under a served executor, two GPUs, one run
+(``python -m bench.e2e.weights --shape llama-3.1-8b``; ``--smoke``: the same on CPU):
 
-1. Yardsticks first: the NCCL broadcast bandwidth between the trainer's GPU and the
-   server's (two processes, the same ``TransferGroup`` the update uses), and pinned
-   host-to-device bandwidth on the server's GPU.
-2. Server A on random weights W1 (``--load-format random``; full decode graphs,
-   breakable prefill); greedy tokens of 3 prompts x 16 steps.
-3. A trainer process on the other GPU sends W2 (the shape's bf16 checkpoint, written once)
-   via NCCL (``WeightSender``): begin-to-end time against bytes / NCCL bandwidth.
-4. UpdateWeights from the page-cached W2 directory: time.
-5. Graph gauges and captured buckets unchanged (no recapture); tokens after each update.
-6. Sleep(weights, kv_cache): device memory as another process sees it (this one, through
-   ``torch.cuda.mem_get_info``); WakeUp: its time against weight bytes / pinned H2D
-   bandwidth, and the tokens again.
-7. Server B started fresh on W2: its tokens must equal A's after the updates, bit for bit.
+1. yardsticks: broadcast bandwidth trainer GPU -> server GPU (the update's own
+   ``TransferGroup``), pinned host-to-device bandwidth on the server's GPU;
+2. server A on random W1 (full decode graphs, breakable prefill): greedy tokens;
+3. a trainer process sends W2 via NCCL (``WeightSender``): begin-to-end time;
+4. UpdateWeights from the page-cached W2 directory: time;
+5. no recapture (captured buckets and capture gauges unchanged), tokens after each;
+6. Sleep(weights, kv_cache): device memory as this (other) process sees it; WakeUp time;
+7. server B fresh on W2: its tokens must equal A's, bit for bit.
 
 Prints a summary table; writes ``weights.json`` and ``weights.md`` to ``--out``.
-``--smoke`` runs the same steps on CPU (the tiny shape, gloo, no graphs) to check the
-script itself.
 """
 
 from __future__ import annotations
