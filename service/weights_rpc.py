@@ -50,7 +50,7 @@ class WeightsService:
         def job(ex: ExecutorLike) -> pb.UpdateWeightsResponse:
             if key is not None and (original := self._cache.get_update(key)) is not None:
                 return original
-            control = ex.weights  # type: ignore[attr-defined]
+            control = ex.weights
             if isinstance(source, str):
                 result = control.update_from_disk(version, source)
             else:
@@ -83,7 +83,7 @@ class WeightsService:
         self._require_state("InitWeightTransfer")
         config = _transfer_config(request)
         joined = (await self._worker.run(
-            lambda ex: ex.weights.init_transfer(config))).value  # type: ignore[attr-defined]
+            lambda ex: ex.weights.init_transfer(config))).value
         return pb.InitWeightTransferResponse(ranks=joined.ranks, init_ms=joined.init_ms)
 
     async def destroy_transfer(self, request: pb.DestroyWeightTransferRequest,
@@ -91,7 +91,7 @@ class WeightsService:
                                ) -> pb.DestroyWeightTransferResponse:
         self._require_state("DestroyWeightTransfer")
         destroyed = (await self._worker.run(
-            lambda ex: ex.weights.destroy_transfer())).value  # type: ignore[attr-defined]
+            lambda ex: ex.weights.destroy_transfer())).value
         return pb.DestroyWeightTransferResponse(destroyed=destroyed)
 
     # -- Sleep, WakeUp --------------------------------------------------------------------
@@ -101,7 +101,7 @@ class WeightsService:
         tags = _tags(request.tags)
 
         def run(ex: ExecutorLike) -> pb.SleepResponse:
-            result = ex.weights.sleep(tags, request.discard_weights,  # type: ignore[attr-defined]
+            result = ex.weights.sleep(tags, request.discard_weights,
                                       request.drop_sequences)
             if result.dropped_seq_ids:  # their retries now get ABORTED, as after Release
                 self._cache.drop_sequences(result.dropped_seq_ids)
@@ -120,7 +120,7 @@ class WeightsService:
         tags = _tags(request.tags)
 
         def run(ex: ExecutorLike) -> pb.WakeUpResponse:
-            result = ex.weights.wake(tags)  # type: ignore[attr-defined]
+            result = ex.weights.wake(tags)
             self._publish(ex.status())
             return pb.WakeUpResponse(sleeping=result.sleeping, restore_ms=result.restore_ms,
                                      recapture_ms=result.recapture_ms,
@@ -147,7 +147,7 @@ class WeightsService:
         ex = self._worker.executor
         if ex is None or self._lifecycle.state not in _ALLOWED:
             return
-        control = ex.weights  # type: ignore[attr-defined]
+        control = ex.weights
         asleep = bool(control.sleeping) or control.memory.discarded
         await self._lifecycle.set(State.SLEEPING if asleep else State.READY)
 
