@@ -72,7 +72,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._version = version
         self._gate = RetryGate(worker, cache)
         # UpdateWeights, the trainer's group, Sleep and WakeUp (``service/weights_rpc.py``).
-        self.weights = WeightsService(lifecycle, worker, cache, limits, self.update_status)
+        self.weights = WeightsService(lifecycle, worker, cache, limits, self.update_status,
+                                      recorder)
         # The Session streams' shared parts (completion threads, drains of gone streams).
         self.sessions = SessionShared(worker, self._gate, recorder, limits, session_depth,
                                       self._require_ready, session_idle_timeout_s,
@@ -88,6 +89,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         this one, taken earlier, may be older than the last call's."""
         self.status = status
         self._recorder.graphs(status.graphs)
+        self._recorder.sleeping(bool(status.model.sleeping) or status.model.weights_discarded)
 
     def current_status(self) -> ExecutorStatus | None:
         """The executor's status with the KV accounting after the last executor call."""

@@ -24,6 +24,7 @@ from service.errors import Unavailable
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.health import Lifecycle, State
 from service.idempotency import ResponseCache
+from service.stats import StatsRecorder
 from service.worker import ExecutorLike, ExecutorWorker
 
 MAX_VERSION_BYTES = 256
@@ -36,9 +37,10 @@ class WeightsService:
     """The servicer's weight RPCs; ``publish`` takes the executor's status after each."""
 
     def __init__(self, lifecycle: Lifecycle, worker: ExecutorWorker, cache: ResponseCache,
-                 limits: RequestLimits, publish: Callable[[ExecutorStatus], None]) -> None:
+                 limits: RequestLimits, publish: Callable[[ExecutorStatus], None],
+                 recorder: StatsRecorder) -> None:
         self._lifecycle, self._worker, self._cache = lifecycle, worker, cache
-        self._limits, self._publish = limits, publish
+        self._limits, self._publish, self._recorder = limits, publish, recorder
 
     # -- UpdateWeights --------------------------------------------------------------------
     def update_job(self, request: pb.UpdateWeightsRequest) -> UpdateJob:
@@ -61,6 +63,8 @@ class WeightsService:
                 check_ms=result.check_ms)
             if key is not None:
                 self._cache.put(key, (), response)
+            self._recorder.weights_updated("disk" if isinstance(source, str) else
+                                           "distributed", result.update_ms / 1e3)
             self._publish(ex.status())  # Health names the version at once
             return response
 

@@ -228,6 +228,10 @@ def test_sleep_refuses_steps_and_wake_up_restores_the_tokens(server: ServerHarne
     assert list(health.model.sleeping) == ["weights", "kv_cache"]
     assert server.check(READINESS_SERVICE) == 2 and server.check("") == 1
     assert health.kv.active_sequences == 0
+    metrics = server.scrape()  # asleep on purpose: the not-ready alert stays quiet
+    assert metrics[("model_executor_sleeping", ())] == 1
+    assert metrics[("model_executor_healthy", ())] == 0
+    assert metrics[("model_executor_weight_updates_total", (("source", "disk"),))] >= 1
     # the memory really went: every parameter and pool storage is empty
     ex: Any = server.executor
     assert all(p.untyped_storage().nbytes() == 0 for p in ex.model.parameters())
@@ -241,6 +245,7 @@ def test_sleep_refuses_steps_and_wake_up_restores_the_tokens(server: ServerHarne
     woke = stub.WakeUp(pb.WakeUpRequest(), timeout=60)
     assert list(woke.sleeping) == [] and not woke.weights_discarded
     assert stub.Health(pb.HealthRequest(), timeout=5).state == pb.SERVER_STATE_READY
+    assert server.scrape()[("model_executor_sleeping", ())] == 0
     assert generate(server, "post-sleep") == before
 
 
