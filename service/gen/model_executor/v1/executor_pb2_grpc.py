@@ -151,15 +151,15 @@ class ExecutorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Runs prefill, decode, release, truncate and fork steps over one stream, pipelined: the
-        server launches a step as soon as it arrives, while earlier steps still run on the
-        device, and answers each step in step order. A decode item may continue from the token its sequence
-        sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
+        """Runs prefill, decode, release, truncate, fork and update_weights steps over one
+        stream, pipelined: the server launches a step as soon as it arrives, while earlier
+        steps still run on the device, and answers each step in step order. A decode item
+        may continue from the token its sequence sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
         send step N+1 before it has read step N's tokens and the device never waits for the
         RPC boundary. Rules:
         * Order: steps apply in the order sent; each is atomic, as the unary call. A
-        release, truncate or fork is applied after every step sent before it has
-        finished.
+        release, truncate, fork or update_weights is applied after every step sent before
+        it has finished, and before any step sent after it launches.
         * Depth: at most `--session-depth` steps (default 2) are launched and unanswered at
         once; the server reads the next request when one is answered.
         * Failure: a step that fails is answered with SessionResponse.error (the status the
