@@ -154,9 +154,9 @@ class ExecutorServicer(object):
         """Runs prefill, decode, release, truncate, fork and update_weights steps over one
         stream, pipelined: the server launches a step as soon as it arrives, while earlier
         steps still run on the device, and answers each step in step order. A decode item
-        may continue from the token its sequence sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
-        send step N+1 before it has read step N's tokens and the device never waits for the
-        RPC boundary. Rules:
+        may continue from the token its sequence sampled last (DecodeItem.use_last_sampled),
+        read on the device, so the scheduler can send step N+1 before it has read step N's
+        tokens and the device never waits for the RPC boundary. Rules:
         * Order: steps apply in the order sent; each is atomic, as the unary call. A
         release, truncate, fork or update_weights is applied after every step sent before
         it has finished, and before any step sent after it launches.
