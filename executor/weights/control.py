@@ -124,7 +124,7 @@ class WeightControl:
                 files = _weight_files(resolve_model_source(ex.config.model.source))
             model: Any = ex.model
             self._layout = WeightLayout(model, ex.spec, ex.tp.size,
-                                        reference_dtypes(model, ex.spec, files))
+                                        reference_dtypes(files))
         return self._layout
 
     def update_from_disk(self, version: str, path: str) -> UpdateResult:

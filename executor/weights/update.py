@@ -243,8 +243,7 @@ def directory_tensors(files: Sequence[Path]) -> Iterator[tuple[Any, str, str]]:
                 yield f, name, file.name
 
 
-def reference_dtypes(layout_model: torch.nn.Module, spec: ModelSpec,
-                     files: Sequence[Path] | None) -> dict[str, torch.dtype] | None:
+def reference_dtypes(files: Sequence[Path] | None) -> dict[str, torch.dtype] | None:
     """The served checkpoint's dtype per internal ``name[shard]`` (headers only); None for
     random weights (then the parameters' dtype is expected)."""
     if files is None:
