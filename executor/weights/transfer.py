@@ -150,7 +150,12 @@ def _process_group(backend: Backend, store: dist.Store, rank: int, size: int,
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
+    group = dist.ProcessGroupNCCL(store, rank, size, opts)
+    # As ``init_process_group`` does for a new NCCL backend (the sequence numbers its
+    # collectives carry start agreed over the members).
+    if hasattr(group, "_set_sequence_number_for_group"):
+        group._set_sequence_number_for_group()
+    return group
 
 
 def receive(group: TransferGroup, metas: Sequence[TensorMeta], bucket_bytes: int,
