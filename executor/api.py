@@ -14,6 +14,9 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 Phase = Literal["prefill", "decode"]
 Path = Literal["graph", "eager"]
+#: What Sleep can release (``executor/sleep.py``), in the order Health lists them.
+SleepTag = Literal["weights", "kv_cache"]
+SLEEP_TAGS: tuple[SleepTag, ...] = ("weights", "kv_cache")
 
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy (see executor/sampling.py for why).
@@ -158,12 +161,15 @@ class StepInfo:
     #: Tensor parallelism with the ranks on rank 0's host: when the other ranks had the
     #: step and launched its forward (the largest over ``num_steps``); None otherwise.
     ranks: RankTiming | None = None
+    #: The weight version the forward ran with.
+    weight_version: str = ""
 
-    def timed(self, forward_ms: float) -> StepInfo:
-        """This info with ``forward_ms`` (once per step: cheaper than
-        ``dataclasses.replace``, which looks the fields up each call)."""
+    def timed(self, forward_ms: float, weight_version: str = "") -> StepInfo:
+        """This info with ``forward_ms`` and the weight version (once per step: cheaper
+        than ``dataclasses.replace``, which looks the fields up each call)."""
         return StepInfo(self.phase, self.path, self.fallback_reason, self.num_tokens,
-                        self.padded_tokens, forward_ms, self.num_steps, self.ranks)
+                        self.padded_tokens, forward_ms, self.num_steps, self.ranks,
+                        weight_version or self.weight_version)
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,11 @@ class ModelInfo:
     # what a tensor-parallel group's small all-reduces run as (``all_reduce_algorithm``);
     # "" for one process
     tp_all_reduce: str = ""
+    # the weight version served now; what Sleep holds released; weights discarded by
+    # Sleep and not refilled yet (``executor/weights/control.py``)
+    weight_version: str = ""
+    sleeping: tuple[str, ...] = ()
+    weights_discarded: bool = False
 
 
 @dataclass(frozen=True)

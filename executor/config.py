@@ -39,6 +39,8 @@ class ModelConfig:
     dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
     load_format: LoadFormat = "safetensors"
     seed: int = 0  # of load_format "random"'s values
+    #: The version the start-up weights are served as (StepInfo, Health).
+    weight_version: str = "initial"
 
     def __post_init__(self) -> None:
         _require(
@@ -48,6 +50,8 @@ class ModelConfig:
         _require(self.load_format in get_args(LoadFormat),
                  f"load_format must be one of {list(get_args(LoadFormat))}, "
                  f"got {self.load_format!r}")
+        _require(0 < len(self.weight_version.encode()) <= 256,
+                 f"weight_version must be 1..256 bytes, got {self.weight_version!r}")
 
 
 @dataclass(frozen=True)

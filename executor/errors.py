@@ -86,6 +86,31 @@ class GraphsUnavailable(ExecutorError):
     """CUDA graphs cannot be captured in this process. Maps to FAILED_PRECONDITION."""
 
 
+class StateConflict(ExecutorError):
+    """The executor's state forbids the call (asleep, discarded weights, a transfer group
+    missing or already there); nothing was applied. Maps to FAILED_PRECONDITION, with
+    ``reason`` as the ErrorInfo reason."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TransferUnavailable(ExecutorError):
+    """The trainer's weight-transfer group could not be joined, or an update's source
+    failed before any weight was written; nothing changed. Maps to UNAVAILABLE, with
+    ``reason`` as the ErrorInfo reason."""
+
+    def __init__(self, message: str, reason: str = "TRANSFER_GROUP_UNREACHABLE") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class WeightUpdateFailed(ExecutorError):
+    """A weight update failed while copying: the model holds a mix of versions and must
+    not serve. Maps to DATA_LOSS, and the server turns UNHEALTHY."""
+
+
 class ModelLoadError(ExecutorError):
     """The model directory or its config cannot be served (start-up error)."""
 

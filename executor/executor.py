@@ -15,6 +15,7 @@ header and its packed batch (``StepChannel``), and they run the same forward
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -48,6 +49,7 @@ from executor.validation import (
     validate_prefill,
     validate_truncate,
 )
+from executor.weights.control import WeightControl
 
 
 class Executor:
@@ -70,6 +72,8 @@ class Executor:
         self._graph_modes = parts.graphs.modes
         # The last decode launch, for the next one if it continues the same items.
         self._decode_memo: DecodeMemo | None = None
+        # The weight version, in-place updates, the trainer's group, sleep and wake-up.
+        self.weights = WeightControl(self, config.model.weight_version)
 
     # -- steps --------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
@@ -85,6 +89,7 @@ class Executor:
         """Validate, allocate, run and sample a prefill without waiting for the device
         (see ``executor/steps.py``); ``complete`` gives its result."""
         started = time.perf_counter()
+        self.weights.check_steps()
         validate_prefill(items, self.kv.length, self.limits)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = self.last.had(it.seq_id for it in items)
@@ -102,7 +107,8 @@ class Executor:
             "prefill", tuple(it.seq_id for it in items), alloc,
             tuple(e.seq_len for e in alloc.extensions), plan.item_rows, tuple(plan.params),
             tuple(frozenset() for _ in plan.params), [] if sample is None else [sample],
-            info, started=started, had_last=had_last, position_rows=plan.position_rows))
+            info, started=started, had_last=had_last, position_rows=plan.position_rows,
+            weight_version=self.weights.version))
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
@@ -110,6 +116,7 @@ class Executor:
         graph replay per step, no host round trip); ``complete`` gives the result. An
         item without a token continues from its sequence's last sampled token."""
         started = time.perf_counter()
+        self.weights.check_steps()
         memo = self._decode_memo
         if memo is not None and not memo.repeats(items, num_steps, self.kv.version,
                                                  self.limits.servable_context):
@@ -140,7 +147,8 @@ class Executor:
         self._decode_memo = memo
         return self.pools.pend(PendingStep(
             "decode", seq_ids, alloc, seq_lens, tuple(range(len(seq_ids))), sampling, stops,
-            samples, info, started=started, had_last=had_last))
+            samples, info, started=started, had_last=had_last,
+            weight_version=self.weights.version))
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""
@@ -256,7 +264,10 @@ class Executor:
             GraphStatus(phase, mode, self.runners[phase].captured_sizes()
                         if phase in self.runners else ())
             for phase, mode in self._graph_modes.items())
-        return ExecutorStatus(self.model_info, self.kv.stats(), graphs)
+        info = dataclasses.replace(self.model_info, weight_version=self.weights.version,
+                                   sleeping=self.weights.sleeping,
+                                   weights_discarded=self.weights.memory.discarded)
+        return ExecutorStatus(info, self.kv.stats(), graphs)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""

@@ -2,8 +2,9 @@
 
 Rank 0's ``Executor`` validates, allocates and samples; each step, capture and fork it
 runs reaches the other ranks first (``StepChannel``), and each of them runs the same
-forward on its shard (``follow_step``), copies the same table rows (``follow_fork``) or
-captures the same graphs, until rank 0 says to stop (``run``).
+forward on its shard (``follow_step``), copies the same table rows (``follow_fork``),
+captures the same graphs or joins the same weight operation (``WeightControl.follow``),
+until rank 0 says to stop (``run``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader
+from executor.distributed.protocol import CaptureHeader, ForkHeader, StepHeader, WeightsHeader
 
 if TYPE_CHECKING:
     from executor.executor import Executor
@@ -38,6 +39,8 @@ def run(executor: Executor) -> int:
             executor.capture(header.phases, header.force)
         elif isinstance(header, ForkHeader):
             follow_fork(executor, header)
+        elif isinstance(header, WeightsHeader):
+            executor.weights.follow()
         else:
             return steps
 

@@ -55,6 +55,8 @@ class PendingStep:
     #: ``finish`` builds the outputs, or after an abort): the launcher takes back the
     #: step's event and staging buffers for later steps.
     recycle: Callable[[PendingStep], None] | None = field(default=None, repr=False)
+    #: The weight version its forward ran with.
+    weight_version: str = ""
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -65,7 +67,8 @@ class PendingStep:
         self.finished = True
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
         self.recycled()
-        return StepResult(self.outputs(sampled), self.info.timed(elapsed_ms))
+        return StepResult(self.outputs(sampled), self.info.timed(elapsed_ms,
+                                                                 self.weight_version))
 
     def recycled(self) -> None:
         """Hand the step's event and buffers back to its launcher (once; the device work

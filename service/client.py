@@ -80,6 +80,22 @@ def _capture(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace)
     return stub.Capture(pb.CaptureRequest(phases=phases, force=a.force), timeout=a.timeout)
 
 
+def _update_weights(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace
+                    ) -> Message:
+    return stub.UpdateWeights(pb.UpdateWeightsRequest(
+        request_id=a.request_id, weight_version=a.weight_version, path=a.path),
+        timeout=a.timeout)
+
+
+def _sleep(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    return stub.Sleep(pb.SleepRequest(tags=a.tag, discard_weights=a.discard_weights,
+                                      drop_sequences=a.drop_sequences), timeout=a.timeout)
+
+
+def _wake_up(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
+    return stub.WakeUp(pb.WakeUpRequest(tags=a.tag), timeout=a.timeout)
+
+
 def _health(stub: pb_grpc.ExecutorStub, _: grpc.Channel, a: argparse.Namespace) -> Message:
     return stub.Health(pb.HealthRequest(), timeout=a.timeout)
 
@@ -273,6 +289,23 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="repeatable; default: both")
     capture.add_argument("--force", action="store_true", help="recapture captured buckets")
     capture.set_defaults(func=_capture)
+
+    update = cmds.add_parser("update-weights", help="replace the weights from a directory on "
+                             "the server (docs/weights.md)")
+    update.add_argument("--path", required=True, help="a Hugging Face directory on the server")
+    update.add_argument("--weight-version", required=True, help="the new version's name")
+    update.set_defaults(func=_update_weights)
+    for name, func, what in (("sleep", _sleep, "release"), ("wake-up", _wake_up, "take back")):
+        cmd = cmds.add_parser(name, help=f"{what} device memory: weights, kv_cache")
+        cmd.add_argument("--tag", action="append", default=[],
+                         choices=("weights", "kv_cache"), help="repeatable; default: both")
+        if name == "sleep":
+            cmd.add_argument("--discard-weights", action="store_true",
+                             help="drop the weights (an update refills them) instead of "
+                             "backing them up to host memory")
+            cmd.add_argument("--drop-sequences", action="store_true",
+                             help="release live sequences with the KV cache")
+        cmd.set_defaults(func=func)
 
     generate = cmds.add_parser(
         "generate", help="prefill a prompt, decode to a stop, release",

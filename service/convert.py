@@ -305,7 +305,7 @@ def _add_outputs(outputs: Any, items: Sequence[ItemOutput]) -> None:
 # Prefill and Decode answer with distinct messages of the same fields (executor.proto).
 StepResponse = pb.PrefillResponse | pb.DecodeResponse
 #: What the retry cache keeps: a step's response, or a Fork's.
-CachedResponse = StepResponse | pb.ForkResponse
+CachedResponse = StepResponse | pb.ForkResponse | pb.UpdateWeightsResponse
 StepResponseType = type[pb.PrefillResponse] | type[pb.DecodeResponse]
 
 
@@ -349,7 +349,7 @@ def fill_step_response(response: StepResponse, result: StepResult, queue_ms: flo
         phase=PHASE_TO_PB[step.phase], path=PATH_TO_PB[step.path],
         fallback_reason=step.fallback_reason, num_tokens=step.num_tokens,
         padded_tokens=step.padded_tokens, forward_ms=step.forward_ms,
-        num_steps=step.num_steps))
+        num_steps=step.num_steps, weight_version=step.weight_version))
     response.queue_ms, response.execute_ms = queue_ms, execute_ms
     if packed:
         assert isinstance(response, pb.DecodeResponse)
@@ -390,7 +390,9 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         vocab_size=m.vocab_size, max_context=max_context,
         attention_backend=m.attention_backend, tensor_parallel_size=m.tensor_parallel_size,
         rank_memory_bytes=m.rank_memory_bytes, kernel_features=m.kernel_features,
-        load_format=m.load_format, tp_all_reduce=m.tp_all_reduce))
+        load_format=m.load_format, tp_all_reduce=m.tp_all_reduce,
+        weight_version=m.weight_version, sleeping=m.sleeping,
+        weights_discarded=m.weights_discarded))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
         free_slots=kv.free_slots, active_sequences=kv.active_sequences,

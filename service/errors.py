@@ -19,6 +19,9 @@ from executor.errors import (
     InvalidRequest,
     OutOfResources,
     SequenceNotFound,
+    StateConflict,
+    TransferUnavailable,
+    WeightUpdateFailed,
 )
 from service.admission import Overloaded
 from service.gen.model_executor.v1 import executor_pb2 as pb
@@ -201,6 +204,25 @@ def _graphs_unavailable(exc: GraphsUnavailable) -> status_pb2.Status:
                              details=_pack(failure))
 
 
+def _state_conflict(exc: StateConflict) -> status_pb2.Status:
+    failure = error_details_pb2.PreconditionFailure(violations=[
+        error_details_pb2.PreconditionFailure.Violation(
+            type=exc.reason, subject="executor", description=_cut(str(exc)))])
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(exc),
+                             details=_pack(failure, info))
+
+
+def _transfer_unavailable(exc: TransferUnavailable) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(exc), details=_pack(info))
+
+
+def _weights_corrupted(exc: WeightUpdateFailed) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason="WEIGHT_UPDATE_FAILED", domain=DOMAIN)
+    return status_pb2.Status(code=code_pb2.DATA_LOSS, message=str(exc), details=_pack(info))
+
+
 def _unavailable(exc: Unavailable) -> status_pb2.Status:
     details = _pack(_retry(exc.retry_after_s)) if exc.retry_after_s is not None else []
     return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(exc), details=details)
@@ -252,6 +274,9 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (OutOfResources, _exhausted),
     (Overloaded, _overloaded),
     (GraphsUnavailable, _graphs_unavailable),
+    (StateConflict, _state_conflict),
+    (TransferUnavailable, _transfer_unavailable),
+    (WeightUpdateFailed, _weights_corrupted),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
     (SessionIdle, _session_idle),
@@ -317,7 +342,10 @@ _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
 
 def is_fatal_device_error(exc: BaseException) -> bool:
     """True if ``exc`` means the device (and so this process) can no longer serve: also a
-    failed tensor-parallel collective (a rank died or timed out: the group cannot step)."""
+    failed tensor-parallel collective (a rank died or timed out: the group cannot step)
+    and a weight update that failed while copying."""
+    if isinstance(exc, WeightUpdateFailed):  # a mix of two versions must not serve
+        return True
     accelerator_error = _accelerator_error_class()
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True

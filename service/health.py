@@ -47,6 +47,7 @@ class State(enum.Enum):
     READY = pb.SERVER_STATE_READY
     DRAINING = pb.SERVER_STATE_DRAINING
     UNHEALTHY = pb.SERVER_STATE_UNHEALTHY
+    SLEEPING = pb.SERVER_STATE_SLEEPING
 
 
 # state -> (liveness, readiness)
@@ -56,13 +57,17 @@ _HEALTH: dict[State, tuple[int, int]] = {
     State.READY: (SERVING, SERVING),
     State.DRAINING: (NOT_SERVING, NOT_SERVING),
     State.UNHEALTHY: (NOT_SERVING, NOT_SERVING),
+    # alive, and not ready: its memory is given back until WakeUp
+    State.SLEEPING: (SERVING, NOT_SERVING),
 }
 
-# Allowed moves. DRAINING is final; UNHEALTHY can only drain.
+# Allowed moves. DRAINING is final; UNHEALTHY can only drain; SLEEPING (Sleep) returns to
+# READY on WakeUp.
 _NEXT: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.CAPTURING, State.READY, State.DRAINING, State.UNHEALTHY}),
     State.CAPTURING: frozenset({State.READY, State.DRAINING, State.UNHEALTHY}),
-    State.READY: frozenset({State.DRAINING, State.UNHEALTHY}),
+    State.READY: frozenset({State.SLEEPING, State.DRAINING, State.UNHEALTHY}),
+    State.SLEEPING: frozenset({State.READY, State.DRAINING, State.UNHEALTHY}),
     State.UNHEALTHY: frozenset({State.DRAINING}),
     State.DRAINING: frozenset(),
 }

@@ -1,4 +1,5 @@
-"""Idempotent retries: recent Prefill/Decode/Fork responses kept by ``request_id``.
+"""Idempotent retries: recent Prefill/Decode/Fork/UpdateWeights responses kept by
+``request_id``.
 
 A scheduler whose call timed out cannot tell whether the step ran. It retries with the same
 ``request_id`` and gets the first call's response; the step never runs twice (AIP-155).
@@ -97,8 +98,8 @@ class ResponseCache:
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def key(self, method: str,
-            request: pb.PrefillRequest | pb.DecodeRequest | pb.ForkRequest) -> Key | None:
+    def key(self, method: str, request: pb.PrefillRequest | pb.DecodeRequest | pb.ForkRequest
+            | pb.UpdateWeightsRequest) -> Key | None:
         """The call's key; None when it has no request_id or the cache is off."""
         if not self.enabled or not request.request_id:
             return None
@@ -132,13 +133,19 @@ class ResponseCache:
         """``get`` for a Prefill or Decode key (its digest names the method, so it never
         finds another method's response)."""
         response = self.get(key)
-        assert not isinstance(response, pb.ForkResponse)
+        assert not isinstance(response, (pb.ForkResponse, pb.UpdateWeightsResponse))
         return response
 
     def get_fork(self, key: Key) -> pb.ForkResponse | None:
         """``get`` for a Fork key."""
         response = self.get(key)
         assert response is None or isinstance(response, pb.ForkResponse)
+        return response
+
+    def get_update(self, key: Key) -> pb.UpdateWeightsResponse | None:
+        """``get`` for an UpdateWeights key."""
+        response = self.get(key)
+        assert response is None or isinstance(response, pb.UpdateWeightsResponse)
         return response
 
     def put(self, key: Key, seq_ids: Iterable[str], response: CachedResponse) -> None:

@@ -110,6 +110,15 @@ class Metrics:
                                  "retries", registry=r)
         self.retry_evictions = Counter(p + "retry_cache_evictions", "Responses dropped from "
                                        "the retry cache, by reason", ["reason"], registry=r)
+        # -- weights (service/weights_rpc.py) --------------------------------------------
+        self.weight_updates = Counter(p + "weight_updates", "UpdateWeights calls that "
+                                      "applied, by source", ["source"], registry=r)
+        self.weight_update_seconds = Gauge(p + "weight_update_seconds", "Duration of the "
+                                           "last update (check and copy)", ["source"],
+                                           registry=r)
+        self.sleeping = Gauge(p + "sleeping", "1 while Sleep holds memory released (or "
+                              "discarded weights wait for an update): not ready on purpose",
+                              registry=r)
         # -- process -------------------------------------------------------------------
         self.healthy = Gauge(p + "healthy", "1 when ready to serve steps, else 0", registry=r)
         self.build_info = Gauge(p + "build_info", "Build and runtime versions (always 1)",

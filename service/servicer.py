@@ -27,6 +27,7 @@ from executor.api import (
     PrefillItem,
     StepResult,
 )
+from executor.errors import StateConflict
 from service import convert
 from service.config import RequestLimits
 from service.errors import Unavailable
@@ -36,6 +37,7 @@ from service.health import Lifecycle, State
 from service.idempotency import Key, Replayed, ResponseCache, RetryGate, fork_once
 from service.session import SessionShared, SessionStream
 from service.stats import StatsRecorder
+from service.weights_rpc import WeightsService
 from service.worker import ExecutorLike, ExecutorWorker
 
 _RETRY_AFTER_S: dict[State, float | None] = {
@@ -69,9 +71,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._cache = cache
         self._version = version
         self._gate = RetryGate(worker, cache)
+        # UpdateWeights, the trainer's group, Sleep and WakeUp (``service/weights_rpc.py``).
+        self.weights = WeightsService(lifecycle, worker, cache, limits, self.update_status,
+                                      recorder)
         # The Session streams' shared parts (completion threads, drains of gone streams).
         self.sessions = SessionShared(worker, self._gate, recorder, limits, session_depth,
-                                      self._require_ready, session_idle_timeout_s)
+                                      self._require_ready, session_idle_timeout_s,
+                                      self.weights.update_job)
         self._started = time.monotonic()
         # Last known executor status, for Health: read without touching the executor.
         self.status: ExecutorStatus | None = None
@@ -83,6 +89,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         this one, taken earlier, may be older than the last call's."""
         self.status = status
         self._recorder.graphs(status.graphs)
+        self._recorder.sleeping(bool(status.model.sleeping) or status.model.weights_discarded)
 
     def current_status(self) -> ExecutorStatus | None:
         """The executor's status with the KV accounting after the last executor call."""
@@ -96,6 +103,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         state = self._lifecycle.state
         if state is State.READY:
             return
+        if state is State.SLEEPING:
+            raise StateConflict("the server is asleep (Sleep gave its memory back): call "
+                                "WakeUp first, or UpdateWeights to refill discarded weights",
+                                "SLEEPING")
         why = _WHY_NOT_READY[state]
         if state is State.UNHEALTHY and self._lifecycle.reason:
             why = f"{why} ({self._lifecycle.reason})"
@@ -226,3 +237,31 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return convert.health_response(
             self._lifecycle.state.value, self.current_status(), self._version,
             time.monotonic() - self._started, self._worker.pending)
+
+    # -- weights (``service/weights_rpc.py``) ---------------------------------------------
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest,
+                            context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
+        structlog.contextvars.bind_contextvars(weight_version=request.weight_version)
+        response = await self.weights.update_weights(request, context)
+        structlog.contextvars.bind_contextvars(  # on the call's one log line
+            tensors_updated=response.tensors_updated, bytes_updated=response.bytes_updated,
+            update_ms=round(response.update_ms, 1))
+        return response
+
+    async def InitWeightTransfer(self, request: pb.InitWeightTransferRequest,
+                                 context: grpc.aio.ServicerContext
+                                 ) -> pb.InitWeightTransferResponse:
+        return await self.weights.init_transfer(request, context)
+
+    async def DestroyWeightTransfer(self, request: pb.DestroyWeightTransferRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> pb.DestroyWeightTransferResponse:
+        return await self.weights.destroy_transfer(request, context)
+
+    async def Sleep(self, request: pb.SleepRequest,
+                    context: grpc.aio.ServicerContext) -> pb.SleepResponse:
+        return await self.weights.sleep(request, context)
+
+    async def WakeUp(self, request: pb.WakeUpRequest,
+                     context: grpc.aio.ServicerContext) -> pb.WakeUpResponse:
+        return await self.weights.wake_up(request, context)

@@ -39,10 +39,12 @@ from service.completion import CompletionThreads
 from service.config import RequestLimits
 from service.errors import SessionIdle, StepAborted, Unavailable, step_error
 from service.gen.model_executor.v1 import executor_pb2 as pb
-from service.idempotency import Key, Replayed, RetryGate, fork_once
+from service.idempotency import Key, Replayed, RetryGate
 from service.idle import IdleTimer
 from service.interceptors import MAX_HEADER_REQUEST_ID
+from service.session_ordered import ORDERED_OPS, ordered_job
 from service.stats import StatsRecorder
+from service.weights_rpc import UpdateJob
 from service.worker import ExecutorLike, ExecutorWorker
 
 log = structlog.get_logger("model_executor.session")
@@ -59,6 +61,8 @@ class SessionShared:
     depth: int  # launched steps not yet answered, per stream
     require_ready: Callable[[], None]
     idle_timeout_s: float  # 0: never closed for idleness
+    # An UpdateWeights step's job (``WeightsService.update_job``); None: not offered.
+    update_weights: Callable[[pb.UpdateWeightsRequest], UpdateJob] | None = None
     # Where launched steps are waited for and built, off the loop (threads start on use).
     completions: CompletionThreads = field(
         default_factory=lambda: CompletionThreads(name="session_complete"))
@@ -71,7 +75,7 @@ class _Entry:
     """One step on its way to its response."""
 
     step: int
-    op: str  # "prefill" | "decode" | "release" | "truncate" | "fork"
+    op: str  # "prefill" | "decode" | "release" | "truncate" | "fork" | "update_weights"
     request_id: str = ""  # the step's own (its body's), if any
     pending: PendingStep | None = None  # launched, to complete
     response: pb.SessionResponse | None = None  # ready (error, release, replayed)
@@ -84,8 +88,8 @@ class _Entry:
     # the writer's wait was cancelled (``finish`` runs once).
     finishing: asyncio.Future[StepResult] | None = None
     replays: dict[Any, list[float]] = field(default_factory=dict)
-    # A release, truncate or fork, run by the writer in step order (after every earlier step
-    # has completed); ``applied`` is set once it has run.
+    # A barrier step (``ORDERED_OPS``), run by the writer in step order (after every
+    # earlier step has completed); ``applied`` is set once it has run.
     ordered: Callable[[ExecutorLike], pb.SessionResponse] | None = None
     applied: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -298,7 +302,7 @@ class SessionStream:
         if op is None:
             raise InvalidRequest([FieldViolation(
                 "op", "a Session request needs one of prefill, decode, release, "
-                "truncate or fork")])
+                "truncate, fork or update_weights")])
         if self._last_step is not None and step <= self._last_step:
             raise InvalidRequest([FieldViolation(
                 "step", f"step {step} is not greater than the previous step {self._last_step}")])
@@ -313,7 +317,7 @@ class SessionStream:
             self._failed = None
         try:
             self._require_ready()
-            if op in ("release", "truncate", "fork"):
+            if op in ORDERED_OPS:
                 return await self._ordered(step, op, request, request_id)
             return await self._launch_step(step, op, request, request_id)
         except StepAborted as exc:  # an earlier step's failure, found at this launch: that
@@ -325,33 +329,12 @@ class SessionStream:
 
     async def _ordered(self, step: int, op: str, request: pb.SessionRequest,
                        request_id: str) -> _Entry:
-        """A release, truncate or fork runs when the writer reaches it, so after every
-        earlier step has completed; the reader launches nothing past it until then."""
-        run: Callable[[ExecutorLike], pb.SessionResponse]
-        if op == "release":
-            seq_ids = convert.release_ids(request.release, self._limits)
-
-            def run(ex: ExecutorLike) -> pb.SessionResponse:
-                result = ex.release(seq_ids)
-                self._cache.drop_sequences(seq_ids)
-                return pb.SessionResponse(step=step, release=convert.release_response(result))
-        elif op == "fork":
-            parent, child, prefix = convert.fork_args(request.fork, self._limits)
-            key = self._cache.key("Fork", request.fork)
-
-            def run(ex: ExecutorLike) -> pb.SessionResponse:
-                response, replayed = fork_once(ex, self._cache, key, parent, child, prefix)
-                if replayed:
-                    self._recorder.retry_replayed("Fork")
-                return pb.SessionResponse(step=step, fork=response)
-        else:
-            seq_id, length = convert.truncate_args(request.truncate, self._limits)
-
-            def run(ex: ExecutorLike) -> pb.SessionResponse:
-                result = ex.truncate(seq_id, length)
-                return pb.SessionResponse(step=step,
-                                          truncate=convert.truncate_response(result))
-
+        """A barrier step (``service/session_ordered.py``) runs when the writer reaches it,
+        so after every earlier step has completed; the reader launches nothing past it
+        until then."""
+        shared = self._shared
+        run = ordered_job(step, op, request, self._limits, self._cache, self._recorder,
+                          shared.update_weights)
         entry = _Entry(step, op, request_id, ordered=run)
         self._queue.put_nowait(entry)
         await entry.applied.wait()

@@ -130,6 +130,13 @@ class StatsRecorder:
     def retry_evicted(self, reason: str) -> None:
         self.metrics.retry_evictions.labels(reason).inc()
 
+    def weights_updated(self, source: str, seconds: float) -> None:
+        self.metrics.weight_updates.labels(source).inc()
+        self.metrics.weight_update_seconds.labels(source).set(seconds)
+
+    def sleeping(self, asleep: bool) -> None:
+        self.metrics.sleeping.set(1 if asleep else 0)
+
     def healthy(self, healthy: bool) -> None:
         self.metrics.healthy.set(1 if healthy else 0)
 

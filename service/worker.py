@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import structlog
 
@@ -45,6 +45,9 @@ from executor.api import (
 from executor.config import ExecutorConfig
 from service.errors import DeadlineExpired, OutcomeUnknown, Unavailable, is_fatal_device_error
 
+if TYPE_CHECKING:
+    from executor.weights.control import WeightControl
+
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
@@ -54,6 +57,7 @@ class ExecutorLike(Protocol):
 
     config: ExecutorConfig
     model_info: ModelInfo
+    weights: WeightControl  # the version, updates, the trainer's group, sleep
 
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult: ...
     def decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> StepResult: ...

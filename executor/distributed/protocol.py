@@ -12,6 +12,8 @@ truncation live on rank 0 only; a fork is the one table change outside a step.
     FORK     copy a prefix of one request-slot table row to another (and the parent's last
              sampled token, when the child inherits it)
     CAPTURE  which phases, force
+    WEIGHTS  a weight operation (update, transfer group, sleep, wake-up): its arguments
+             follow as one object on the control group (``executor/weights/control.py``)
     SHUTDOWN leave the loop
 """
 
@@ -33,6 +35,7 @@ class Op(enum.IntEnum):
     CAPTURE = 2
     SHUTDOWN = 3
     FORK = 4
+    WEIGHTS = 5
 
 
 class Mode(enum.IntEnum):
@@ -89,12 +92,20 @@ class ForkHeader:
 
 
 @dataclass(frozen=True)
+class WeightsHeader:
+    """A weight operation every rank joins; its arguments follow on the control group."""
+
+    def encode(self) -> list[int]:
+        return _padded([Op.WEIGHTS])
+
+
+@dataclass(frozen=True)
 class ShutdownHeader:
     def encode(self) -> list[int]:
         return _padded([Op.SHUTDOWN])
 
 
-Header = StepHeader | CaptureHeader | ForkHeader | ShutdownHeader
+Header = StepHeader | CaptureHeader | ForkHeader | WeightsHeader | ShutdownHeader
 
 
 def _padded(values: Sequence[int]) -> list[int]:
@@ -121,4 +132,6 @@ def decode(values: Sequence[int]) -> Header:
         return ForkHeader(values[1], values[2], values[3], bool(values[4]))
     if op == Op.SHUTDOWN:
         return ShutdownHeader()
+    if op == Op.WEIGHTS:
+        return WeightsHeader()
     raise ValueError(f"unknown operation {op} in a header")

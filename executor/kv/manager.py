@@ -137,6 +137,10 @@ class KVCacheManager:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def seq_ids(self) -> list[str]:
+        """The live sequences, in admission order."""
+        return list(self._seqs)
+
     def __len__(self) -> int:
         return len(self._seqs)
 

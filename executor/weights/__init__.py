@@ -6,6 +6,9 @@
     gguf            GGUF tensors into the Hugging Face layout
     random_weights  random weights of any shape (``--load-format random``)
     tiny            the small model written on first use (``--model tiny``)
+    update          new weights in place: the served layout, the whole-source check
+    transfer        a trainer's process group, the bucket plan (both sides use it)
+    control         the weight version, updates, the trainer's group, sleep (per rank)
 """
 
 from executor.weights.catalog import (
@@ -19,7 +22,16 @@ from executor.weights.catalog import (
 from executor.weights.loader import load_hf_config, load_model
 from executor.weights.sharding import check_divisible, local_spec
 from executor.weights.tiny import default_cache_dir
+from executor.weights.transfer import (
+    TransferConfig,
+    TransferGroup,
+    pack_bucket,
+    plan_buckets,
+)
+from executor.weights.update import TensorMeta, dtype_name, parse_dtype
 
-__all__ = ["NAMED_MODELS", "cached_model_dir", "check_divisible", "converted_dir",
-           "default_cache_dir", "ensure_named_model", "load_hf_config", "load_model",
-           "local_spec", "model_name", "resolve_model_source"]
+__all__ = ["NAMED_MODELS", "TensorMeta", "TransferConfig", "TransferGroup",
+           "cached_model_dir", "check_divisible", "converted_dir", "default_cache_dir",
+           "dtype_name", "ensure_named_model", "load_hf_config", "load_model", "local_spec",
+           "model_name", "pack_bucket", "parse_dtype", "plan_buckets",
+           "resolve_model_source"]

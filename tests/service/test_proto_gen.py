@@ -48,4 +48,6 @@ def test_service_surface() -> None:
     service = pb.DESCRIPTOR.services_by_name["Executor"]
     assert service.full_name == "model_executor.v1.Executor"
     assert set(service.methods_by_name) == {"Prefill", "Decode", "Release", "Capture", "Health",
-                                            "Session", "Truncate", "Fork"}
+                                            "Session", "Truncate", "Fork", "UpdateWeights",
+                                            "InitWeightTransfer", "DestroyWeightTransfer",
+                                            "Sleep", "WakeUp"}

@@ -26,6 +26,7 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_READY: _ClassVar[ServerState]
     SERVER_STATE_DRAINING: _ClassVar[ServerState]
     SERVER_STATE_UNHEALTHY: _ClassVar[ServerState]
+    SERVER_STATE_SLEEPING: _ClassVar[ServerState]
 PHASE_UNSPECIFIED: Phase
 PHASE_PREFILL: Phase
 PHASE_DECODE: Phase
@@ -38,6 +39,7 @@ SERVER_STATE_CAPTURING: ServerState
 SERVER_STATE_READY: ServerState
 SERVER_STATE_DRAINING: ServerState
 SERVER_STATE_UNHEALTHY: ServerState
+SERVER_STATE_SLEEPING: ServerState
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "top_logprobs")
@@ -146,7 +148,7 @@ class SampledToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., next_token_logprob: _Optional[float] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps")
+    __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps", "weight_version")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class StepInfo(_message.Message):
     PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     path: Path
     fallback_reason: str
@@ -161,7 +164,8 @@ class StepInfo(_message.Message):
     padded_tokens: int
     forward_ms: float
     num_steps: int
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., path: _Optional[_Union[Path, str]] = ..., fallback_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ..., num_steps: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("outputs", "step", "queue_ms", "execute_ms")
@@ -324,7 +328,7 @@ class HealthResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv: _Optional[_Union[KVCacheStats, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[GraphStatus, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pending_calls: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context", "attention_backend", "tensor_parallel_size", "rank_memory_bytes", "kernel_features", "load_format", "tp_all_reduce")
+    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context", "attention_backend", "tensor_parallel_size", "rank_memory_bytes", "kernel_features", "load_format", "tp_all_reduce", "weight_version", "sleeping", "weights_discarded")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +341,9 @@ class ModelInfo(_message.Message):
     KERNEL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TP_ALL_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     dtype: str
@@ -349,7 +356,10 @@ class ModelInfo(_message.Message):
     kernel_features: _containers.RepeatedScalarFieldContainer[str]
     load_format: str
     tp_all_reduce: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ..., kernel_features: _Optional[_Iterable[str]] = ..., load_format: _Optional[str] = ..., tp_all_reduce: _Optional[str] = ...) -> None: ...
+    weight_version: str
+    sleeping: _containers.RepeatedScalarFieldContainer[str]
+    weights_discarded: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ..., kernel_features: _Optional[_Iterable[str]] = ..., load_format: _Optional[str] = ..., tp_all_reduce: _Optional[str] = ..., weight_version: _Optional[str] = ..., sleeping: _Optional[_Iterable[str]] = ..., weights_discarded: bool = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
     __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences", "shared_tokens", "forked_sequences")
@@ -380,13 +390,14 @@ class GraphStatus(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., mode: _Optional[str] = ..., captured_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "ack_failed_step")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "update_weights", "ack_failed_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ACK_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillRequest
@@ -394,17 +405,19 @@ class SessionRequest(_message.Message):
     release: ReleaseRequest
     truncate: TruncateRequest
     fork: ForkRequest
+    update_weights: UpdateWeightsRequest
     ack_failed_step: int
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., truncate: _Optional[_Union[TruncateRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., update_weights: _Optional[_Union[UpdateWeightsRequest, _Mapping]] = ..., ack_failed_step: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "error")
+    __slots__ = ("step", "prefill", "decode", "release", "truncate", "fork", "update_weights", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     prefill: PrefillResponse
@@ -412,8 +425,9 @@ class SessionResponse(_message.Message):
     release: ReleaseResponse
     truncate: TruncateResponse
     fork: ForkResponse
+    update_weights: UpdateWeightsResponse
     error: StepError
-    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., truncate: _Optional[_Union[TruncateResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., update_weights: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "code_name", "message", "status")
@@ -426,3 +440,123 @@ class StepError(_message.Message):
     message: str
     status: bytes
     def __init__(self, code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("request_id", "weight_version", "path", "distributed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    weight_version: str
+    path: str
+    distributed: DistributedSource
+    def __init__(self, request_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., path: _Optional[str] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ...) -> None: ...
+
+class DistributedSource(_message.Message):
+    __slots__ = ("tensors", "bucket_bytes")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    bucket_bytes: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "tensors_updated", "bytes_updated", "update_ms", "check_ms")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_MS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    tensors_updated: int
+    bytes_updated: int
+    update_ms: float
+    check_ms: float
+    def __init__(self, weight_version: _Optional[str] = ..., tensors_updated: _Optional[int] = ..., bytes_updated: _Optional[int] = ..., update_ms: _Optional[float] = ..., check_ms: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "world_size", "rank_offset", "backend", "group_name", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+    group_name: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ("ranks", "init_ms")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    INIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    init_ms: float
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., init_ms: _Optional[float] = ...) -> None: ...
+
+class DestroyWeightTransferRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DestroyWeightTransferResponse(_message.Message):
+    __slots__ = ("destroyed",)
+    DESTROYED_FIELD_NUMBER: _ClassVar[int]
+    destroyed: bool
+    def __init__(self, destroyed: bool = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("tags", "discard_weights", "drop_sequences")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DROP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    discard_weights: bool
+    drop_sequences: bool
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., discard_weights: bool = ..., drop_sequences: bool = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("sleeping", "freed_bytes", "dropped_seq_ids", "sleep_ms")
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_MS_FIELD_NUMBER: _ClassVar[int]
+    sleeping: _containers.RepeatedScalarFieldContainer[str]
+    freed_bytes: int
+    dropped_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    sleep_ms: float
+    def __init__(self, sleeping: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ..., dropped_seq_ids: _Optional[_Iterable[str]] = ..., sleep_ms: _Optional[float] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("sleeping", "restore_ms", "recapture_ms", "weights_discarded")
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    RECAPTURE_MS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    sleeping: _containers.RepeatedScalarFieldContainer[str]
+    restore_ms: float
+    recapture_ms: float
+    weights_discarded: bool
+    def __init__(self, sleeping: _Optional[_Iterable[str]] = ..., restore_ms: _Optional[float] = ..., recapture_ms: _Optional[float] = ..., weights_discarded: bool = ...) -> None: ...

@@ -77,6 +77,31 @@ class ExecutorStub(object):
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.ForkRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.ForkResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/model_executor.v1.Executor/UpdateWeights',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/model_executor.v1.Executor/InitWeightTransfer',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.InitWeightTransferResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightTransfer = channel.unary_unary(
+                '/model_executor.v1.Executor/DestroyWeightTransfer',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/model_executor.v1.Executor/Sleep',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.SleepRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/model_executor.v1.Executor/WakeUp',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer(object):
@@ -126,15 +151,15 @@ class ExecutorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Runs prefill, decode, release, truncate and fork steps over one stream, pipelined: the
-        server launches a step as soon as it arrives, while earlier steps still run on the
-        device, and answers each step in step order. A decode item may continue from the token its sequence
-        sampled last (DecodeItem.use_last_sampled), read on the device, so the scheduler can
-        send step N+1 before it has read step N's tokens and the device never waits for the
-        RPC boundary. Rules:
+        """Runs prefill, decode, release, truncate, fork and update_weights steps over one
+        stream, pipelined: the server launches a step as soon as it arrives, while earlier
+        steps still run on the device, and answers each step in step order. A decode item
+        may continue from the token its sequence sampled last (DecodeItem.use_last_sampled),
+        read on the device, so the scheduler can send step N+1 before it has read step N's
+        tokens and the device never waits for the RPC boundary. Rules:
         * Order: steps apply in the order sent; each is atomic, as the unary call. A
-        release, truncate or fork is applied after every step sent before it has
-        finished.
+        release, truncate, fork or update_weights is applied after every step sent before
+        it has finished, and before any step sent after it launches.
         * Depth: at most `--session-depth` steps (default 2) are launched and unanswered at
         once; the server reads the next request when one is answered.
         * Failure: a step that fails is answered with SessionResponse.error (the status the
@@ -176,6 +201,68 @@ class ExecutorServicer(object):
         parent; INVALID_ARGUMENT for a child id in use or a prefix_len outside [0, the
         parent's length]; RESOURCE_EXHAUSTED (SEQUENCE_SLOTS_EXHAUSTED) when no sequence slot
         is free; nothing changes on failure. Give it a request_id to make a retry safe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Replaces the served weights in place with a new version, from a Hugging Face directory
+        on the server's filesystem (`path`) or from a trainer over a process group set up by
+        InitWeightTransfer (`distributed`). All or nothing: the whole source is checked first
+        (every tensor the model needs present, shapes and dtypes as the served checkpoint's,
+        no unknown names); a bad source is INVALID_ARGUMENT naming the first offending tensor
+        and the old version keeps serving unchanged. The tensors are then copied into the
+        existing parameters between steps (never during a forward), so captured CUDA graphs
+        stay valid; with tensor parallelism each rank keeps its slice. A failure during the
+        copy itself (an I/O error, a trainer gone mid-broadcast) is DATA_LOSS and turns the
+        server UNHEALTHY (it would serve a mix); a source that fails before any byte was
+        written is UNAVAILABLE (reason UPDATE_SOURCE_FAILED) and changes nothing. KV already
+        computed stays as it is: release sequences to recompute them. Runs while asleep too:
+        weights Sleep released (backed up or discarded) are taken back and refilled.
+        FAILED_PRECONDITION while draining or unhealthy, UNAVAILABLE while starting. Give it
+        a request_id to make a retry safe. Also a Session step, applied after every earlier
+        step finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Joins every rank of this server to a process group with a trainer process (NCCL on
+        GPUs, gloo on CPU), once, for UpdateWeights with a `distributed` source. The trainer is
+        rank 0 of that group and hosts its TCP store; this server's rank r joins as
+        `rank_offset + r`. Blocks until every member joined; UNAVAILABLE (reason
+        TRANSFER_GROUP_UNREACHABLE, nothing kept) if that takes longer than `timeout_s`.
+        FAILED_PRECONDITION if a group is already set up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightTransfer(self, request, context):
+        """Leaves the weight-transfer process group (nothing to do without one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Gives device memory back: `tags` names what ("weights", "kv_cache"). Weights are backed
+        up to host memory or discarded (a later UpdateWeights refills them); the KV cache is
+        dropped. Health then says SERVER_STATE_SLEEPING and Prefill, Decode, Release,
+        Truncate, Fork and Capture are FAILED_PRECONDITION until WakeUp. Sleeping the KV cache
+        while sequences are live is FAILED_PRECONDITION unless `drop_sequences` is set; the
+        response lists what was dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Takes back what Sleep released (`tags`, default all): the memory, the backed-up
+        weights, then the CUDA graphs recaptured (their time in the response). The server is
+        READY again once nothing sleeps and no discarded weights wait for UpdateWeights.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +310,31 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.ForkRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.ForkResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.InitWeightTransferResponse.SerializeToString,
+            ),
+            'DestroyWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightTransfer,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.SleepRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.WakeUpRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.WakeUpResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +556,141 @@ class Executor(object):
             '/model_executor.v1.Executor/Fork',
             model__executor_dot_v1_dot_executor__pb2.ForkRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/UpdateWeights',
+            model__executor_dot_v1_dot_executor__pb2.UpdateWeightsRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/InitWeightTransfer',
+            model__executor_dot_v1_dot_executor__pb2.InitWeightTransferRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.InitWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/DestroyWeightTransfer',
+            model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.DestroyWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/Sleep',
+            model__executor_dot_v1_dot_executor__pb2.SleepRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.Executor/WakeUp',
+            model__executor_dot_v1_dot_executor__pb2.WakeUpRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.WakeUpResponse.FromString,
             options,
             channel_credentials,
             insecure,
