@@ -47,12 +47,14 @@ def check_divisible(spec: ModelSpec, size: int) -> None:
         raise ConfigError(f"tensor parallel size must be >= 1, got {size}")
     if size in valid_sizes(spec):
         return
-    experts = (f", expert width {spec.moe.intermediate_size} (expert parallelism is not "
-               "supported)") if spec.moe is not None else ""
+    experts, ep = "", ""
+    if spec.moe is not None:
+        experts = f", expert width {spec.moe.intermediate_size}"
+        ep = "; expert parallelism is not supported"
     raise ConfigError(
         f"--tensor-parallel-size {size} does not divide the model's {spec.num_heads} query "
-        f"heads, {spec.num_kv_heads} KV heads and MLP width {spec.intermediate_size}"
-        f"{experts} (KV heads are not replicated); sizes that work: "
+        f"heads, {spec.num_kv_heads} KV heads{experts} and MLP width {spec.intermediate_size} "
+        f"(KV heads are not replicated{ep}); sizes that work: "
         f"{', '.join(map(str, valid_sizes(spec)))}")
 
 
