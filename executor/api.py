@@ -290,6 +290,9 @@ class ModelInfo:
     # what a tensor-parallel group's small all-reduces run as (``all_reduce_algorithm``);
     # "" for one process
     tp_all_reduce: str = ""
+    # experts per mixture-of-experts layer and experts routed per token; 0 for dense models
+    num_experts: int = 0
+    num_experts_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,78 @@ def write_moe_model(root: Path, kind: str, seed: int = 0) -> Path:
     out = root / kind
     model.save_pretrained(str(out))
     return out
+
+
+# -- greedy parity through the gRPC API (one process or tensor-parallel) -----------------
+PROMPTS = [[(i * 37) % 250 + 3 for i in range(21)], [5, 17, 99, 4, 250, 31, 8],
+           [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+STEPS = 32
+TOP = 5  # top log-probabilities compared at each step
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], steps: int
+              ) -> list[tuple[list[int], Any]]:
+    """Per prompt: HF ``generate``'s greedy tokens and the log-softmax of its logits at
+    each step ``(steps, vocab)``, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            res = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=steps, min_new_tokens=steps,
+                                 eos_token_id=None, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+        logprobs = torch.log_softmax(torch.cat(res.logits).float(), dim=-1)  # (steps, vocab)
+        out.append((res.sequences[0, len(prompt):].tolist(), logprobs))
+    return out
+
+
+def served_greedy(stub: Any, prompts: list[list[int]], steps: int, tag: str
+                  ) -> list[list[tuple[int, float, list[tuple[int, float]]]]]:
+    """Greedy ``steps`` tokens per prompt through Prefill (each prompt in two chunks, the
+    first without sampling) and batched Decode calls: per prompt, each step's
+    ``(token, logprob, top log-probabilities)``."""
+    from service.gen.model_executor.v1 import executor_pb2 as pb
+
+    sampling = pb.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=TOP)
+    seqs = [f"{tag}{i}" for i in range(len(prompts))]
+    cut = [len(p) // 2 for p in prompts]
+    stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[:c], sample=False)
+        for s, p, c in zip(seqs, prompts, cut, strict=True)]), timeout=60)
+    response = stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[c:], sample=True, sampling=sampling)
+        for s, p, c in zip(seqs, prompts, cut, strict=True)]), timeout=60)
+    out: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in prompts]
+
+    def record(outputs: Any) -> None:
+        for i, o in enumerate(outputs):
+            top = [(t.token_id, t.logprob) for t in o.top_logprobs]
+            out[i].append((o.token_id, o.logprob, top))
+
+    record(response.outputs)
+    for _ in range(steps - 1):
+        response = stub.Decode(pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id=s, token_id=out[i][-1][0], sampling=sampling)
+            for i, s in enumerate(seqs)]), timeout=60)
+        record(response.outputs)
+    stub.Release(pb.ReleaseRequest(seq_ids=seqs), timeout=60)
+    return out
+
+
+def assert_matches_hf(served: list[list[tuple[int, float, list[tuple[int, float]]]]],
+                      reference: list[tuple[list[int], Any]], atol: float = 1e-4) -> None:
+    """Tokens identical; each step's log-probabilities (the sampled one and the top ones)
+    within ``atol`` of HF's log-softmax of its last-position logits."""
+    for steps, (tokens, logprobs) in zip(served, reference, strict=True):
+        assert [s[0] for s in steps] == tokens
+        for j, (token, logprob, top) in enumerate(steps):
+            assert abs(logprob - float(logprobs[j, token])) <= atol, (j, token)
+            assert len(top) == TOP
+            for t, lp in top:
+                assert abs(lp - float(logprobs[j, t])) <= atol, (j, t)
