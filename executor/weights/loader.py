@@ -75,6 +75,8 @@ def _weight_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"{index.name} lists missing shard(s): {', '.join(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / "RANDOM_SHAPE").is_file():  # catalog.RANDOM_SHAPE_MARKER
+        raise ModelLoadError((path / "RANDOM_SHAPE").read_text().strip())
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights (only safetensors "
                              "checkpoints are supported)")
