@@ -137,3 +137,27 @@ def assert_matches_hf(served: list[list[tuple[int, float, list[tuple[int, float]
             assert len(top) == TOP
             for t, lp in top:
                 assert abs(lp - float(logprobs[j, t])) <= atol, (j, t)
+
+
+def gpu_moe_model(root: Path, kind: str) -> Path:
+    """A bf16 MoE with the GPU tests' head layout (vocabulary 1024, hidden 512, 8 query and
+    2 KV heads of 64): Qwen3-MoE (16 experts, top 4, layer 1 dense) or Mixtral (8 experts,
+    top 2)."""
+    import torch
+    import transformers as tf
+
+    from executor.weights.random_weights import write_random_model
+
+    common = dict(vocab_size=1024, hidden_size=512, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5)
+    if kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=1024, moe_intermediate_size=256,
+                                num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                mlp_only_layers=[1])
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        cfg = tf.MixtralConfig(**common, intermediate_size=512, num_local_experts=8,
+                               num_experts_per_tok=2, sliding_window=None)
+        cfg.architectures = ["MixtralForCausalLM"]
+    return write_random_model(root / f"gpu-{kind}", cfg, seed=11, dtype=torch.bfloat16)
