@@ -35,22 +35,22 @@ def experts_touched(ex: Any, step: Callable[[], None]) -> list[int]:
     the eager path: every graph-or-eager decision answers eager meanwhile)."""
     from executor.api import FallbackReason
     from executor.graphs.dispatch import Decision
-    from executor.model import moe
+    from executor.kernels.moe import route as routing
 
     counts: list[int] = []
-    route, decide = moe.route, ex.forward.decide
+    route, decide = routing.route_topk, ex.forward.decide
 
     def counting(logits: Any, *args: Any) -> Any:
         weights, ids = route(logits, *args)
         counts.append(int(ids.unique().numel()))
         return weights, ids
 
-    moe.route = counting  # type: ignore[assignment]
+    routing.route_topk = counting  # type: ignore[assignment]
     ex.forward.decide = lambda phase, size: Decision(None, FallbackReason.DISABLED)
     try:
         step()
     finally:
-        moe.route = route  # type: ignore[assignment]
+        routing.route_topk = route  # type: ignore[assignment]
         ex.forward.decide = decide
     return counts
 

@@ -65,13 +65,15 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """``x`` ``(T, hidden)`` (normed) -> this rank's partial sum ``(T, hidden)``."""
         logits = ops.linear(self.gate, x)  # (T, E) in the activation dtype, as HF's
-        weights, ids = route(logits, self.moe.top_k, self.moe.renormalize,
-                             self.moe.weights_in_activation_dtype)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        if experts_path(x, ops) == "fused":
-            from executor.kernels.moe.fused import fused_moe
+        moe = self.moe
+        if experts_path(x, ops) == "fused":  # routing in one kernel, then the experts
+            from executor.kernels.moe import fused
 
-            return fused_moe(x, w13, w2, weights, ids)
+            return fused.fused_moe(x, logits, w13, w2, moe.top_k, moe.renormalize,
+                                   moe.weights_in_activation_dtype)
+        weights, ids = route(logits, moe.top_k, moe.renormalize,
+                             moe.weights_in_activation_dtype)
         return experts_reference(x, w13, w2, weights, ids)
 
 

@@ -16,12 +16,14 @@ applied in float32 and rounded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from executor.kernels.moe import route as routing
 from executor.kernels.moe.align import align
 
 
@@ -110,26 +112,51 @@ def _down_kernel(
 
 @dataclass(frozen=True)
 class MoeTiles:
-    """Tile sizes of the two GEMMs (``block_m`` is also ``align``'s padding)."""
+    """Tile sizes of the two GEMMs (``block_m`` is also ``align``'s padding);
+    ``block_n_down`` defaults to ``block_n``."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    block_n_down: int | None = None
 
 
-def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _narrow_enough(row_blocks: int, cols: int, widest: int, sms: int) -> int:
+    """The widest column block (down to 16) that still gives every multiprocessor a
+    program: at decode the few row blocks alone would leave most of the GPU idle while
+    the weights stream."""
+    block = widest
+    while block > 16 and row_blocks * triton.cdiv(cols, block) < sms:
+        block //= 2
+    return block
+
+
+def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, inter: int = 0,
+               hidden: int = 0, device: torch.device | None = None) -> MoeTiles:
     """Tiles by the mean rows per expert: 16-row blocks while an expert sees a few rows
-    (decode: each block is padding around a handful of tokens, the GEMM reads weights),
-    taller ones once experts see many (prefill: the GEMMs are compute-bound)."""
+    (decode: each block is padding around a handful of tokens, the GEMM streams weights,
+    column blocks narrowed until the GPU is covered), taller ones once experts see many
+    (prefill: the GEMMs are compute-bound)."""
     per_expert = num_pairs / num_experts
     block_k = 32 if dtype == torch.float32 else 64
-    if per_expert <= 16:
-        return MoeTiles(16, 64, block_k * 2 if dtype != torch.float32 else block_k)
-    if per_expert <= 64:
+    if per_expert > 64:
+        return MoeTiles(64, 128, block_k, num_warps=8)
+    if per_expert > 16:
         return MoeTiles(32, 64, block_k)
-    return MoeTiles(64, 128, block_k, num_warps=8)
+    sms = _multiprocessors(device) if device is not None else 1
+    blocks = min(num_pairs, num_experts)  # row blocks that hold pairs, at most
+    return MoeTiles(16, _narrow_enough(blocks, inter, 64, sms),
+                    block_k if dtype == torch.float32 else 2 * block_k,
+                    block_n_down=_narrow_enough(blocks, hidden, 64, sms))
 
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -145,7 +172,8 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     if num_pairs == 0:
         return torch.zeros_like(x)
     assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
-    tiles = tiles or pick_tiles(num_pairs, num_experts, x.dtype)
+    tiles = tiles or pick_tiles(num_pairs, num_experts, x.dtype, inter, hidden, x.device)
+    block_n_down = tiles.block_n_down or tiles.block_n
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_ids, block_experts, num_padded = align(ids, num_experts, tiles.block_m)
     blocks = block_experts.numel()
@@ -157,31 +185,47 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks * triton.cdiv(hidden, tiles.block_n),)](
+    _down_kernel[(blocks * triton.cdiv(hidden, block_n_down),)](
         act, w_down, out, weights.reshape(-1).to(torch.float32), sorted_ids, block_experts,
         num_padded, num_pairs, hidden, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n_down, BLOCK_K=tiles.block_k,
         PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.view(t, top_k, hidden).sum(dim=1)
 
 
-@torch.library.custom_op("model_executor::fused_moe", mutates_args=())
-def _fused_moe_op(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def route_and_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor, top_k: int, renormalize: bool,
+                      weights_in_activation_dtype: bool) -> torch.Tensor:
+    """The sparse block after its router GEMM: ``route.route_topk`` (one launch) then
+    ``fused_experts``."""
+    weights, ids = routing.route_topk(router_logits, top_k, renormalize,
+                                      weights_in_activation_dtype)
     return fused_experts(x, w_gate_up, w_down, weights, ids)
+
+
+@torch.library.custom_op("model_executor::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, top_k: int, renormalize: bool,
+                  weights_in_activation_dtype: bool) -> torch.Tensor:
+    return route_and_experts(x, router_logits, w_gate_up, w_down, top_k, renormalize,
+                             weights_in_activation_dtype)
 
 
 @_fused_moe_op.register_fake
-def _fused_moe_fake(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _fused_moe_fake(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, top_k: int, renormalize: bool,
+                    weights_in_activation_dtype: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``fused_experts``; under Dynamo one opaque custom op."""
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, top_k: int, renormalize: bool,
+              weights_in_activation_dtype: bool) -> torch.Tensor:
+    """``route_and_experts``; under Dynamo one opaque custom op."""
     if torch.compiler.is_compiling():
         return torch.ops.model_executor.fused_moe(  # type: ignore[no-any-return]
-            x, w_gate_up, w_down, weights, ids)
-    return fused_experts(x, w_gate_up, w_down, weights, ids)
+            x, router_logits, w_gate_up, w_down, top_k, renormalize,
+            weights_in_activation_dtype)
+    return route_and_experts(x, router_logits, w_gate_up, w_down, top_k, renormalize,
+                             weights_in_activation_dtype)

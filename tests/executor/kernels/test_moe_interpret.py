@@ -129,6 +129,31 @@ def test_fused_empty_batch_and_tiles() -> None:
     assert out.shape == (0, 32)
     assert pick_tiles(8, 128, torch.bfloat16).block_m == 16  # decode: a few rows per expert
     assert pick_tiles(2048 * 8, 128, torch.bfloat16).block_m == 64  # prefill
+    # decode on 132 multiprocessors, 8 row blocks: column blocks narrowed until the
+    # programs cover them (768 / 32 * 8 = 192 programs; 2048 / 64 * 8 = 256 already do)
+    from executor.kernels.moe.fused import _narrow_enough
+
+    assert (_narrow_enough(8, 768, 64, 132), _narrow_enough(8, 2048, 64, 132)) == (32, 64)
+    assert _narrow_enough(1, 64, 64, 132) == 16  # never below 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"),
+                         [(5, 8, 2), (17, 128, 8), (3, 6, 1), (1, 60, 4), (40, 16, 4)])
+def test_route_kernel_matches_torch_route(dtype: torch.dtype, tokens: int, experts: int,
+                                          top_k: int) -> None:
+    """The one-launch routing against ``route``'s torch ops: the same experts in the same
+    order, weights within float32 rounding (exp and the sums), every option."""
+    from executor.kernels.moe.route import route_topk
+
+    logits = torch.randn(tokens, experts, generator=_gen(experts)).to(dtype)
+    for renormalize, rounded in ((True, True), (False, False), (True, False)):
+        weights, ids = route_topk(logits, top_k, renormalize, rounded)
+        want_w, want_ids = route(logits, top_k, renormalize, rounded)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, atol=1e-6 if not rounded else 1e-3,
+                                   rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_moe_raw", "mixtral"])

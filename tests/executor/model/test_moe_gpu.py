@@ -66,18 +66,29 @@ def test_fused_matches_eager_at_real_shapes(shape: tuple[int, int, int, int],
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_route_kernel_matches_torch_route(tokens: int) -> None:
+    from executor.kernels.moe.reference import route
+    from executor.kernels.moe.route import route_topk
+
+    logits = torch.randn(tokens, 128, device="cuda").bfloat16()
+    for renormalize in (True, False):
+        w, ids = route_topk(logits, 8, renormalize, renormalize)
+        want_w, want_ids = route(logits, 8, renormalize, renormalize)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+
+
 def test_routing_and_experts_never_sync_and_replay_in_a_graph() -> None:
     """route + fused experts under ``set_sync_debug_mode("error")``, then captured in a
     CUDA graph and replayed on new inputs: equal to the eager run on those inputs."""
     from executor.kernels.moe.fused import fused_moe
-    from executor.kernels.moe.reference import route
 
     w13, w2, router = _experts(QWEN3_30B, 0)
     x = torch.randn(16, QWEN3_30B[2], device="cuda").bfloat16()
 
     def step() -> torch.Tensor:
-        weights, ids = route(x @ router.t(), 8, True, True)
-        return fused_moe(x, w13, w2, weights, ids)
+        return fused_moe(x, x @ router.t(), w13, w2, 8, True, True)
 
     step()  # compile the kernels outside the checks
     torch.cuda.synchronize()
