@@ -220,3 +220,28 @@ def test_moe_model_fused_matches_eager(tmp_path: Path, monkeypatch: pytest.Monke
         assert calls == {"fused": 4 if choice == "triton" else 0, "eager": 4}
     for got_fused, got_eager in zip(out["triton"], out["torch"], strict=True):
         torch.testing.assert_close(got_fused, got_eager, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_moe_custom_op_schema_fake_impl_and_trace() -> None:
+    """``model_executor::fused_moe``: schema and fake impl (``opcheck``), and a Dynamo
+    trace records it as one node whose output equals the eager call's."""
+    from executor.kernels.moe import fused
+
+    g = _gen(9)
+    x = torch.randn(6, 32, generator=g).to(torch.float16)
+    logits = torch.randn(6, 8, generator=g).to(torch.float16)
+    w13, w2 = _weights(8, 32, 32, torch.float16, seed=3)
+    args = (x, logits, w13, w2, 2, True, True)
+    torch.library.opcheck(torch.ops.model_executor.fused_moe.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    want = fused.fused_moe(*args)
+    graphs: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    got = torch.compile(lambda *a: fused.fused_moe(*a), backend=backend, fullgraph=True)(*args)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets == ["model_executor.fused_moe"]
