@@ -75,8 +75,12 @@ def test_route_kernel_matches_torch_route(tokens: int) -> None:
     for renormalize in (True, False):
         w, ids = route_topk(logits, 8, renormalize, renormalize)
         want_w, want_ids = route(logits, 8, renormalize, renormalize)
-        assert torch.equal(ids, want_ids)
-        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+        # bf16 logits tie often: slot by slot the same probability (the order among
+        # equals is each implementation's own)
+        probs = torch.softmax(logits.float(), dim=-1)
+        assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids.long()))
+        # rounded to bf16 (renormalized here), an exp an ulp apart may round one bf16 ulp off
+        torch.testing.assert_close(w, want_w, atol=4e-3 if renormalize else 1e-6, rtol=1e-5)
 
 
 def test_routing_and_experts_never_sync_and_replay_in_a_graph() -> None:
