@@ -5,9 +5,8 @@
 Each program takes a block of tokens' router logits ``(BLOCK_T, E)``, computes the softmax
 in float32, picks the ``top_k`` largest probabilities one after the other (descending, the
 lowest expert index first among equals; ``torch.topk``'s order among equals is its own),
-divides them by
-their sum with ``RENORMALIZE`` and rounds them through the logits' dtype with
-``ROUND_TO_ACT`` (Qwen3-MoE). Outputs: float32 weights and int32 ids, ``(T, top_k)``.
+divides them by their sum with ``RENORMALIZE`` and rounds them through the logits' dtype
+with ``ROUND_TO_ACT`` (Qwen3-MoE). Outputs: float32 weights and int32 ids, ``(T, top_k)``.
 """
 
 from __future__ import annotations
