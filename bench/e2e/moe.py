@@ -38,19 +38,19 @@ def experts_touched(ex: Any, step: Callable[[], None]) -> list[int]:
     from executor.kernels.moe import route as routing
 
     counts: list[int] = []
-    route, decide = routing.route_topk, ex.forward.decide
+    route, decide = routing.route_align, ex.forward.decide
 
     def counting(logits: Any, *args: Any) -> Any:
-        weights, ids = route(logits, *args)
+        weights, ids, aligned = route(logits, *args)
         counts.append(int(ids.unique().numel()))
-        return weights, ids
+        return weights, ids, aligned
 
-    routing.route_topk = counting  # type: ignore[assignment]
+    routing.route_align = counting  # type: ignore[assignment]
     ex.forward.decide = lambda phase, size: Decision(None, FallbackReason.DISABLED)
     try:
         step()
     finally:
-        routing.route_topk = route  # type: ignore[assignment]
+        routing.route_align = route  # type: ignore[assignment]
         ex.forward.decide = decide
     return counts
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _align_kernel(
+def align_body(
     ids_ptr,  # (N,) int32 expert of each (token, slot)
     sorted_ptr,  # (max_rows,) int32 out
     block_expert_ptr,  # (max_blocks,) int32 out
@@ -31,6 +31,7 @@ def _align_kernel(
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,  # >= the number of experts, a power of two
 ):
+    """The whole alignment, by one program (``_align_kernel``, ``route_align``)."""
     experts = tl.arange(0, E_POW2)
     chunk = tl.arange(0, CHUNK)
     # 1. tokens per expert
@@ -66,6 +67,14 @@ def _align_kernel(
         next_row += tl.sum(hit, axis=0)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n, max_rows,
+                  max_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  E_POW2: tl.constexpr):
+    align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n, max_rows, max_blocks,
+               BLOCK_M, CHUNK, E_POW2)
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows the padded runs can take at most: every pair, plus up to ``block_m - 1``
     padding rows for each expert that can receive a pair, rounded up to whole blocks."""
@@ -73,19 +82,30 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Aligned = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sorted, block experts, rows
+
+
+def empty_aligned(num_pairs: int, num_experts: int, block_m: int, device: torch.device
+                  ) -> Aligned:
+    """The alignment's buffers for ``num_pairs`` pairs (uninitialized)."""
+    max_rows = max_padded_rows(num_pairs, num_experts, block_m)
+    return (torch.empty(max_rows, dtype=torch.int32, device=device),
+            torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
+
+
+def chunk_for(num_experts: int) -> int:
+    """Pairs per step of the alignment's loops: a ``(CHUNK, E)`` one-hot in registers."""
+    return max(16, min(256, 8192 // triton.next_power_of_2(num_experts)))
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
     """``(sorted_ids, block_experts, num_padded)`` for ``ids`` ``(T, top_k)`` int32 (see the
     module docstring); sizes depend only on ``T``, ``top_k``, the experts and ``block_m``."""
     flat = ids.reshape(-1)
     n = flat.numel()
-    max_rows = max_padded_rows(n, num_experts, block_m)
-    max_blocks = max_rows // block_m
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    e_pow2 = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(256, 8192 // e_pow2))
-    _align_kernel[(1,)](flat, sorted_ids, block_experts, num_padded, n, max_rows, max_blocks,
-                        BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2, num_warps=8)
+    sorted_ids, block_experts, num_padded = empty_aligned(n, num_experts, block_m, ids.device)
+    _align_kernel[(1,)](flat, sorted_ids, block_experts, num_padded, n, sorted_ids.numel(),
+                        block_experts.numel(), BLOCK_M=block_m, CHUNK=chunk_for(num_experts),
+                        E_POW2=triton.next_power_of_2(num_experts), num_warps=8)
     return sorted_ids, block_experts, num_padded

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.moe import route as routing
-from executor.kernels.moe.align import align
+from executor.kernels.moe.align import Aligned, align
 
 
 @triton.jit
@@ -165,17 +165,29 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     """What ``reference.experts_reference`` computes, as align + two grouped GEMMs + a sum:
     ``x`` ``(T, H)``, ``w_gate_up`` ``(E, 2I, H)``, ``w_down`` ``(E, H, I)``, ``weights``
     float32 and ``ids`` int32, both ``(T, top_k)``. No host sync; a new ``(T, H)`` tensor."""
-    t, hidden = x.shape
-    num_experts, two_i, _ = w_gate_up.shape
-    inter, top_k = two_i // 2, ids.shape[1]
-    num_pairs = t * top_k
-    if num_pairs == 0:
+    if ids.numel() == 0:
         return torch.zeros_like(x)
+    tiles = tiles or _tiles(x, w_gate_up, ids.numel())
+    return grouped_experts(x, w_gate_up, w_down, weights, ids.shape[1],
+                           align(ids, w_gate_up.shape[0], tiles.block_m), tiles)
+
+
+def _tiles(x: torch.Tensor, w_gate_up: torch.Tensor, num_pairs: int) -> MoeTiles:
+    experts, two_i, hidden = w_gate_up.shape
+    return pick_tiles(num_pairs, experts, x.dtype, two_i // 2, hidden, x.device)
+
+
+def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    weights: torch.Tensor, top_k: int, aligned: Aligned, tiles: MoeTiles
+                    ) -> torch.Tensor:
+    """The two grouped GEMMs and the sum, over pairs ``aligned`` with ``tiles.block_m``."""
+    t, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    num_pairs = t * top_k
     assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
-    tiles = tiles or pick_tiles(num_pairs, num_experts, x.dtype, inter, hidden, x.device)
     block_n_down = tiles.block_n_down or tiles.block_n
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    sorted_ids, block_experts, num_padded = align(ids, num_experts, tiles.block_m)
+    sorted_ids, block_experts, num_padded = aligned
     blocks = block_experts.numel()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks * triton.cdiv(inter, tiles.block_n),)](
@@ -197,11 +209,14 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 def route_and_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, top_k: int, renormalize: bool,
                       weights_in_activation_dtype: bool) -> torch.Tensor:
-    """The sparse block after its router GEMM: ``route.route_topk`` (one launch) then
-    ``fused_experts``."""
-    weights, ids = routing.route_topk(router_logits, top_k, renormalize,
-                                      weights_in_activation_dtype)
-    return fused_experts(x, w_gate_up, w_down, weights, ids)
+    """The sparse block after its router GEMM: routing and alignment
+    (``route.route_align``: one launch for decode batches), then ``grouped_experts``."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    tiles = _tiles(x, w_gate_up, x.shape[0] * top_k)
+    weights, _, aligned = routing.route_align(router_logits, top_k, renormalize,
+                                              weights_in_activation_dtype, tiles.block_m)
+    return grouped_experts(x, w_gate_up, w_down, weights, top_k, aligned, tiles)
 
 
 @torch.library.custom_op("model_executor::fused_moe", mutates_args=())

@@ -253,3 +253,19 @@ def test_fused_moe_custom_op_schema_fake_impl_and_trace() -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert targets == ["model_executor.fused_moe"]
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (7, 8, 2), (64, 16, 4),
+                                                          (65, 16, 4)])
+def test_route_align_equals_route_then_align(tokens: int, experts: int, top_k: int) -> None:
+    """One launch up to ``ROUTE_ALIGN_MAX_TOKENS`` tokens (two past it): the same weights,
+    ids and alignment as ``route_topk`` then ``align``."""
+    from executor.kernels.moe.route import route_align, route_topk
+
+    logits = torch.randn(tokens, experts, generator=_gen(tokens)).to(torch.float16)
+    weights, ids, (sorted_ids, blocks, padded) = route_align(logits, top_k, True, True, 16)
+    want_w, want_ids = route_topk(logits, top_k, True, True)
+    assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
+    want_sorted, want_blocks, want_padded = align(want_ids, experts, 16)
+    assert torch.equal(padded, want_padded) and torch.equal(blocks, want_blocks)
+    assert torch.equal(sorted_ids, want_sorted)
