@@ -83,6 +83,19 @@ def test_route_kernel_matches_torch_route(tokens: int) -> None:
         torch.testing.assert_close(w, want_w, atol=4e-3 if renormalize else 1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 65])
+def test_route_align_one_launch_equals_two(tokens: int) -> None:
+    from executor.kernels.moe.align import align
+    from executor.kernels.moe.route import route_align, route_topk
+
+    logits = torch.randn(tokens, 128, device="cuda").bfloat16()
+    weights, ids, aligned = route_align(logits, 8, True, True, 16)
+    want_w, want_ids = route_topk(logits, 8, True, True)
+    assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
+    for got, want in zip(aligned, align(want_ids, 128, 16), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_routing_and_experts_never_sync_and_replay_in_a_graph() -> None:
     """route + fused experts under ``set_sync_debug_mode("error")``, then captured in a
     CUDA graph and replayed on new inputs: equal to the eager run on those inputs."""
