@@ -301,6 +301,9 @@ class ModelInfo:
     weight_version: str = ""
     sleeping: tuple[str, ...] = ()
     weights_discarded: bool = False
+    # experts per mixture-of-experts layer and experts routed per token; 0 for dense models
+    num_experts: int = 0
+    num_experts_per_token: int = 0
 
 
 @dataclass(frozen=True)

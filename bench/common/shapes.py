@@ -3,6 +3,7 @@ no download is needed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,23 @@ def spec_weight_bytes(spec: Any) -> int:
     if spec.tie_word_embeddings:  # embedding table is read once as lm_head; lookups are tiny
         return 2 * n
     return 2 * (n - spec.vocab_size * spec.hidden_size)
+
+
+def moe_step_weight_bytes(spec: Any, experts_per_layer: Sequence[int]) -> int:
+    """Bytes of bf16 weights a mixture-of-experts step reads: everything but the experts
+    (attention, norms, routers, dense layers' MLPs, the LM head; embedding rows excluded)
+    plus ``experts_per_layer[j]`` experts of the ``j``-th sparse layer (``top_k`` each at
+    batch 1; the distinct experts a batch's tokens were routed to)."""
+    moe = spec.moe
+    sparse = [layer for layer in range(spec.num_layers) if moe.sparse(layer)]
+    if len(experts_per_layer) != len(sparse):
+        raise ValueError(f"{len(experts_per_layer)} expert counts for {len(sparse)} sparse "
+                         "layers")
+    per_expert = 3 * spec.hidden_size * moe.intermediate_size
+    rest = spec.num_params() - len(sparse) * moe.num_experts * per_expert
+    if not spec.tie_word_embeddings:  # the embedding table is looked up, not read
+        rest -= spec.vocab_size * spec.hidden_size
+    return 2 * (rest + per_expert * sum(experts_per_layer))
 
 
 def spec(name: str) -> Any:

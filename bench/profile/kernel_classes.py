@@ -21,8 +21,8 @@ from typing import Any
 
 GEMM_ROLES = ("qkv", "o", "gate_up", "down")
 #: Table order of the classes (rows absent from a step are left out).
-CLASSES = ("gate_up", "down", "qkv", "o", "lm_head", "gemm", "attention", "norm", "rope", "silu",
-           "other", "collective", "copy", "idle", "wait")
+CLASSES = ("gate_up", "down", "qkv", "o", "lm_head", "gemm", "moe", "attention", "norm", "rope",
+           "silu", "other", "collective", "copy", "idle", "wait")
 #: A gap between two kernels of a step at least this long is the GPU waiting on the host
 #: (``wait``: the host preparing the replay, launching eager kernels, sampling); shorter
 #: gaps are ``idle``, the launch latency between kernels the host had queued in time.
@@ -34,6 +34,8 @@ WAIT_US = 20.0
 # parallelism); their time includes waiting inside the kernel for the other ranks.
 _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather")),
+    # the fused mixture-of-experts kernels (executor/kernels/moe): align, the two GEMMs
+    ("moe", ("_align_kernel", "_gate_up_kernel", "_down_kernel")),
     ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_")),
     ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_extend_fixed_grid",
                    "_store_kv", "batchdecode", "batchprefill", "flashinfer")),
@@ -148,7 +150,9 @@ def floor_ms(spec: Any, phase: str, tokens: int, context: int, bandwidth_gbs: fl
     if phase == "decode":
         return (weight_bytes + tokens * context * kv_bytes) / (bandwidth_gbs * 1e9) * 1e3, "bytes"
     read_ms = weight_bytes / (bandwidth_gbs * 1e9) * 1e3
-    flops_ms = 2 * spec.num_params() * tokens / (tflops * 1e12) * 1e3
+    # (a mixture of experts: the parameters one token uses, its top-k experts)
+    params = spec.num_params(active=True) if getattr(spec, "moe", None) else spec.num_params()
+    flops_ms = 2 * params * tokens / (tflops * 1e12) * 1e3
     return (flops_ms, "flops") if flops_ms > read_ms else (read_ms, "bytes")
 
 

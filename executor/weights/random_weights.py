@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from executor.weights.experts import moe_layer_recipe
+
 
 @dataclass(frozen=True)
 class RandomTensor:
@@ -37,7 +39,7 @@ def random_recipe(cfg: Any) -> dict[str, RandomTensor]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or h // heads
     qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
-    qk_norm = cfg.model_type == "qwen3"
+    qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
 
     def norm(n: int) -> RandomTensor:
         return RandomTensor((n,), 0.1, 1.0)
@@ -57,6 +59,10 @@ def random_recipe(cfg: Any) -> dict[str, RandomTensor]:
         if qk_norm:
             out[p + "self_attn.q_norm.weight"] = norm(head_dim)
             out[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        sparse = moe_layer_recipe(cfg, i)  # a mixture-of-experts layer's router and experts
+        if sparse is not None:
+            out.update({name: RandomTensor(shape, std) for name, (shape, std) in sparse.items()})
+            continue
         out[p + "mlp.gate_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
         out[p + "mlp.up_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
         out[p + "mlp.down_proj.weight"] = RandomTensor((h, inter), 1 / math.sqrt(inter))

@@ -6,7 +6,10 @@ heads, SiLU-and-mul on local rows); o_proj and down_proj by columns (row-paralle
 all-reduce after each); embed_tokens and lm_head by vocabulary rows (an all-reduce / an
 all-gather after them); norms and q_norm / k_norm replicated.
 
-Query and KV heads must both divide by ``N`` (so must the MLP width): a model that does
+Mixture-of-experts blocks: every expert is split like the dense MLP (its gate and up rows,
+its down columns: ``weights/experts.py``); the router is replicated.
+
+Query and KV heads must both divide by ``N`` (so must the MLP and expert widths): a model that does
 not is refused with one line listing the sizes that work. KV heads are never replicated
 (``N`` above the KV head count is refused, not served with copies). The vocabulary is cut
 in ``ceil(V / N)``-row pieces; the last rank's piece is padded with zero rows, whose
@@ -33,7 +36,8 @@ _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 def valid_sizes(spec: ModelSpec) -> list[int]:
     """Tensor-parallel sizes that split this model evenly."""
-    g = math.gcd(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+    g = math.gcd(spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
+                 spec.moe.intermediate_size if spec.moe is not None else 0)
     return [n for n in range(1, g + 1) if g % n == 0]
 
 
@@ -43,10 +47,14 @@ def check_divisible(spec: ModelSpec, size: int) -> None:
         raise ConfigError(f"tensor parallel size must be >= 1, got {size}")
     if size in valid_sizes(spec):
         return
+    experts, ep = "", ""
+    if spec.moe is not None:
+        experts = f", expert width {spec.moe.intermediate_size}"
+        ep = "; expert parallelism is not supported"
     raise ConfigError(
         f"--tensor-parallel-size {size} does not divide the model's {spec.num_heads} query "
-        f"heads, {spec.num_kv_heads} KV heads and MLP width {spec.intermediate_size} "
-        f"(KV heads are not replicated); sizes that work: "
+        f"heads, {spec.num_kv_heads} KV heads{experts} and MLP width {spec.intermediate_size} "
+        f"(KV heads are not replicated{ep}); sizes that work: "
         f"{', '.join(map(str, valid_sizes(spec)))}")
 
 
@@ -56,9 +64,11 @@ def local_spec(spec: ModelSpec, size: int) -> ModelSpec:
     check_divisible(spec, size)
     if size == 1:
         return spec
+    moe = spec.moe and dataclasses.replace(
+        spec.moe, intermediate_size=spec.moe.intermediate_size // size)
     return dataclasses.replace(spec, num_heads=spec.num_heads // size,
                                num_kv_heads=spec.num_kv_heads // size,
-                               intermediate_size=spec.intermediate_size // size)
+                               intermediate_size=spec.intermediate_size // size, moe=moe)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,140 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Router softmax and top-k in one kernel: what ``reference.route`` does in five torch ops.
+
+Each program takes a block of tokens' router logits ``(BLOCK_T, E)``, computes the softmax
+in float32, picks the ``top_k`` largest probabilities one after the other (descending, the
+lowest expert index first among equals; ``torch.topk``'s order among equals is its own),
+divides them by their sum with ``RENORMALIZE`` and rounds them through the logits' dtype
+with ``ROUND_TO_ACT`` (Qwen3-MoE). Outputs: float32 weights and int32 ids, ``(T, top_k)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from executor.kernels.moe.align import Aligned, align, align_body, chunk_for, empty_aligned
+
+
+@triton.jit
+def route_rows(
+    logits_ptr,  # (T, E)
+    weights_ptr,  # (T, TOP_K) float32 out
+    ids_ptr,  # (T, TOP_K) int32 out
+    rows,  # (BLOCK_T,) token indices of this block
+    num_tokens, num_experts, stride_l,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_ACT: tl.constexpr,
+):
+    """Route the tokens ``rows`` (those past ``num_tokens`` are skipped)."""
+    cols = tl.arange(0, E_POW2)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    # rows past the end read zeros (no NaN from -inf - -inf); columns past E are -inf
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    e = tl.where(col_ok[None, :], e, 0.0)
+    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2)
+    probs = tl.where(col_ok[None, :], probs, -1.0)
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
+    top_i = tl.zeros((rows.shape[0], K_POW2), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)  # (BLOCK_T,)
+        # the lowest expert index holding the maximum
+        idx = tl.min(tl.where(probs == best[:, None], cols[None, :], E_POW2), axis=1)
+        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
+        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    if ROUND_TO_ACT:
+        top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
+    offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offs, top_w, mask=out_mask)
+    tl.store(ids_ptr + offs, top_i, mask=out_mask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l,
+                  TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr,
+                  K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    route_rows(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_l,
+               TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
+                        num_padded_ptr, num_tokens, num_experts, stride_l, max_rows,
+                        max_blocks, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        E_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # one program: every token routed, then (its ids read back) aligned
+    for start in range(0, num_tokens, BLOCK_T):
+        route_rows(logits_ptr, weights_ptr, ids_ptr, start + tl.arange(0, BLOCK_T),
+                   num_tokens, num_experts, stride_l, TOP_K, E_POW2, K_POW2, RENORMALIZE,
+                   ROUND_TO_ACT)
+    tl.debug_barrier()  # the ids other threads stored, visible to the whole program
+    align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * TOP_K,
+               max_rows, max_blocks, BLOCK_M, CHUNK, E_POW2)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
+               weights_in_activation_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.route`` in one launch: ``(weights float32, ids int32)``, ``(T, top_k)``."""
+    t, experts = logits.shape
+    assert logits.stride(-1) == 1
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    e_pow2 = triton.next_power_of_2(experts)
+    block_t = _block_t(e_pow2)
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, weights, ids, t, experts, logits.stride(0), TOP_K=top_k, BLOCK_T=block_t,
+        E_POW2=e_pow2, K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        ROUND_TO_ACT=weights_in_activation_dtype, num_warps=4)
+    return weights, ids
+
+
+#: Up to this many tokens (decode batches) routing and alignment are one launch: one
+#: program routes them all, then aligns; past it the routing's parallelism wins.
+ROUTE_ALIGN_MAX_TOKENS = 64
+
+
+def _block_t(e_pow2: int) -> int:
+    return max(1, min(16, 4096 // e_pow2))
+
+
+def route_align(logits: torch.Tensor, top_k: int, renormalize: bool,
+                weights_in_activation_dtype: bool, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, Aligned]:
+    """``route_topk`` then ``align.align`` of its ids: ``(weights, ids, aligned)``; one
+    launch up to ``ROUTE_ALIGN_MAX_TOKENS`` tokens, two past it."""
+    t, experts = logits.shape
+    if t > ROUTE_ALIGN_MAX_TOKENS:
+        weights, ids = route_topk(logits, top_k, renormalize, weights_in_activation_dtype)
+        return weights, ids, align(ids, experts, block_m)
+    assert logits.stride(-1) == 1
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    aligned = empty_aligned(t * top_k, experts, block_m, logits.device)
+    e_pow2 = triton.next_power_of_2(experts)
+    _route_align_kernel[(1,)](
+        logits, weights, ids, *aligned, t, experts, logits.stride(0), aligned[0].numel(),
+        aligned[1].numel(), TOP_K=top_k, BLOCK_T=_block_t(e_pow2), E_POW2=e_pow2,
+        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        ROUND_TO_ACT=weights_in_activation_dtype, BLOCK_M=block_m, CHUNK=chunk_for(experts),
+        num_warps=8)
+    return weights, ids, aligned

@@ -1,0 +1,88 @@
+"""A mixture-of-experts model under tensor parallelism on two GPUs (marker ``gpu``; skips
+with fewer): ``serve --tensor-parallel-size 2`` of a bf16 random Qwen3-MoE (16 experts,
+top 4, one dense layer; each rank holds half of every expert's width) against
+``--tensor-parallel-size 1``, both replaying graphs (breakable prefill, full decode) with
+the experts' all-reduce captured inside. Lockstep calls; wherever TP = 1's top-2
+log-probability margin exceeds 0.05 the tokens must be equal, and each sampled token's
+log-probability within 0.1."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from bench.e2e.tensor_parallel import serve, stop
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from tests.helpers.moe_models import gpu_moe_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (tensor parallelism)")]
+
+SCORED = pb.SamplingParams(logprobs=True, top_logprobs=2)
+MARGIN, LOGPROB_ATOL = 0.05, 0.1
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
+    model: Path = gpu_moe_model(tmp_path_factory.mktemp("tp-moe"), "qwen3_moe")
+    procs: list[subprocess.Popen[bytes]] = []
+    stubs = []
+    try:
+        for tp in (1, 2):
+            proc, target, _ = serve(model, tp)
+            procs.append(proc)
+            stubs.append(pb_grpc.ExecutorStub(grpc.insecure_channel(target)))
+        yield stubs[0], stubs[1]
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_moe_tp2_equals_tp1_under_graphs(servers: tuple[pb_grpc.ExecutorStub,
+                                                        pb_grpc.ExecutorStub]) -> None:
+    ref, tp2 = servers
+    health = tp2.Health(pb.HealthRequest(), timeout=30).model
+    assert (health.tensor_parallel_size, health.num_experts,
+            health.num_experts_per_token) == (2, 16, 4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {s: torch.randint(3, 1024, (n,), generator=gen).tolist()
+               for s, n in (("a", 300), ("b", 45), ("c", 700))}
+    agree = total = 0
+    last: dict[str, int] = {}
+
+    def both(method: str, request: object) -> tuple[object, object]:
+        return (getattr(ref, method)(request, timeout=120),
+                getattr(tp2, method)(request, timeout=120))
+
+    def check(r: object, g: object) -> None:
+        nonlocal agree, total
+        assert r.step.path == g.step.path == pb.PATH_GRAPH  # type: ignore[attr-defined]
+        for ro, go in zip(r.outputs, g.outputs, strict=True):  # type: ignore[attr-defined]
+            (_, lp1), (_, lp2) = [(t.token_id, t.logprob) for t in ro.top_logprobs]
+            if lp1 - lp2 > MARGIN:
+                assert go.token_id == ro.token_id, (ro, go)
+            assert go.logprob == pytest.approx(ro.logprob, abs=LOGPROB_ATOL)
+            agree += go.token_id == ro.token_id
+            total += 1
+            last[ro.seq_id] = ro.token_id
+
+    both("Prefill", pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[: len(p) // 2]) for s, p in prompts.items()]))
+    check(*both("Prefill", pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=s, token_ids=p[len(p) // 2:], sample=True, sampling=SCORED)
+        for s, p in prompts.items()])))
+    for _ in range(12):
+        check(*both("Decode", pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id=s, token_id=t, sampling=SCORED) for s, t in last.items()])))
+    for _ in range(4):  # batch 1
+        check(*both("Decode", pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id="b", token_id=last["b"], sampling=SCORED)])))
+    assert agree >= total - 2, f"{agree} of {total} tokens agree"
+    both("Release", pb.ReleaseRequest(seq_ids=list(prompts)))
