@@ -290,6 +290,12 @@ class ModelInfo:
     # what a tensor-parallel group's small all-reduces run as (``all_reduce_algorithm``);
     # "" for one process
     tp_all_reduce: str = ""
+    # how the projections' weights are held: "fp8_e4m3", or the serving dtype (never
+    # quantized, or dequantized at load where the device has no FP8)
+    weight_format: str = ""
+    # the checkpoint's or --quantization's FP8 scheme ("fp8_block_128x128",
+    # "fp8_per_channel_dynamic", "fp8_per_tensor", "fp8_at_load"); "" for none
+    quantization: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ DType = Literal["float32", "bfloat16", "float16"]
 #: Where the weights come from: the directory's safetensors, or random values drawn on
 #: the device from its config.json alone (vLLM's ``--load-format dummy``; benchmarks).
 LoadFormat = Literal["safetensors", "random"]
+#: ``--quantization``: quantize an unquantized checkpoint's projections at load
+#: (``fp8``: e4m3 weights per output channel, activations per token; docs/quantization.md).
+Quantization = Literal["fp8"]
 
 TINY_MODEL = "tiny"
 
@@ -39,6 +42,7 @@ class ModelConfig:
     dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
     load_format: LoadFormat = "safetensors"
     seed: int = 0  # of load_format "random"'s values
+    quantization: Quantization | None = None  # None: the checkpoint's own format, if any
 
     def __post_init__(self) -> None:
         _require(
@@ -48,6 +52,9 @@ class ModelConfig:
         _require(self.load_format in get_args(LoadFormat),
                  f"load_format must be one of {list(get_args(LoadFormat))}, "
                  f"got {self.load_format!r}")
+        _require(self.quantization is None or self.quantization in get_args(Quantization),
+                 f"quantization must be one of {list(get_args(Quantization))} or None, "
+                 f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""Triton kernels of the FP8 projections.
+
+``_w8a16_kernel``: ``x @ dequantize(W).T`` with ``x`` in bf16/fp16 and ``W`` read in FP8,
+converted in registers (exactly: every e4m3 value is a bf16 value) and scaled per output
+row or per 128x128 block. Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows
+and streams its weight rows in ``BLOCK_K`` chunks; ``USE_DOT`` takes the tensor cores
+(``tl.dot``, at least 16 rows), else the CUDA cores reduce in float32 as the bf16 skinny
+GEMM does for one row. Block scales multiply each chunk's partial sums (a chunk never
+spans two 128-column blocks); row scales multiply the final sums. No split-K: the result
+is deterministic. ``_act_quant_kernel``: rows to e4m3 with a per-row (dynamic) or one
+static scale, for ``torch._scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr,  # (M, K) activations, unit column stride
+    w_ptr,  # (N, K) e4m3, row-major
+    s_ptr,  # BLOCK_SCALES: (ceil(N/SBN), ceil(K/SBK)) float32; else (N,) float32
+    out_ptr,  # (M, N)
+    M, N, K,
+    stride_xm, stride_wn, stride_om, stride_sn,
+    SBN: tl.constexpr,  # scale block rows (BLOCK_SCALES)
+    SBK: tl.constexpr,  # scale block columns (BLOCK_SCALES); a multiple of BLOCK_K
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
+    act_ty = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_DOT:
+            part = tl.dot(x, tl.trans(w.to(act_ty)))  # (BLOCK_M, BLOCK_N), float32
+        elif BLOCK_M == 1:
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        else:
+            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if BLOCK_SCALES:
+            s = tl.load(s_ptr + (offs_n // SBN) * stride_sn + k0 // SBK, mask=mask_n,
+                        other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+    if not BLOCK_SCALES:
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,  # (M, K), unit column stride
+    q_ptr,  # (M, K) e4m3 out
+    s_ptr,  # (M, 1) float32 out: the scale each row was divided by
+    static_ptr,  # STATIC: (1,) float32 scale for every row
+    K, stride_x, stride_q,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)

@@ -1,0 +1,73 @@
+"""Launchers of the FP8 Triton kernels (``kernels.py``): tile choice, output allocation.
+
+Imported at the first FP8 GEMM, never with the model, so CPU runs that only load and
+dequantize never import Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor.kernels.fast_launch import cdiv, next_power_of_2
+from executor.kernels.skinny.tiles import sm_count
+from executor.quant.fp8 import FP8
+from executor.quant.kernels import _act_quant_kernel, _w8a16_kernel
+
+# Rows below which the CUDA cores reduce (tl.dot needs 16 rows; padding 1 row to 16 only
+# adds work to a kernel bound by the weight read, but the reduction is as fast there).
+_DOT_MIN_ROWS = 8
+
+
+def _tile(m: int, n: int, k: int, block: tuple[int, int] | None,
+          device: torch.device) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT) for an (m, n, k) product."""
+    dot = m >= _DOT_MIN_ROWS
+    block_m = min(max(16, next_power_of_2(m)), 64) if dot else next_power_of_2(m)
+    # Enough programs to cover every SM twice over (no split-K: one program owns whole
+    # output columns), never fewer columns than 16 nor more than 128.
+    want = max(1, n // (2 * sm_count(device)))
+    block_n = min(128, max(16, 1 << (want.bit_length() - 1)))
+    if m > 64:
+        block_n = 128
+    block_k = 128 if block is not None or m > 1 else 256
+    block_k = min(block_k, max(16, next_power_of_2(k)))
+    if block is not None:
+        assert block[1] % block_k == 0, (block, block_k)
+    return block_m, block_n, block_k, dot
+
+
+def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+          block: tuple[int, int] | None) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
+    ``scale`` block scales (with ``block``) or (N,) row scales. A new (M, N) tensor."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8, (x.shape, weight.dtype)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = x.new_empty((m, n))
+    if m == 0:
+        return out
+    bm, bn, bk, dot = _tile(m, n, k, block, x.device)
+    sbn, sbk = block or (1, 1)
+    stride_sn = scale.stride(0)
+    grid = (cdiv(n, bn), cdiv(m, bm))
+    _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0),
+                        out.stride(0), stride_sn, SBN=sbn, SBK=sbk,
+                        BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                        USE_DOT=dot, num_warps=4 if m <= 64 else 8, num_stages=4)
+    return out
+
+
+def act_quant(x: torch.Tensor, static_scale: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (M, K) to e4m3: (q (M, K), float32 scales (M, 1)); per row, or all
+    with ``static_scale`` (1,)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, next_power_of_2(k))
+        _act_quant_kernel[(m,)](x, q, s, static_scale if static_scale is not None else s,
+                                k, x.stride(0), q.stride(0), STATIC=static_scale is not None,
+                                BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return q, s
