@@ -99,3 +99,18 @@ def test_fp8_checkpoint_serves_its_dequantized_values(fmt: Format, sizes: tuple[
         assert tokens == want_tokens, f"TP={tp}"
         for got, want in zip(lps, want_lps, strict=True):
             assert got == pytest.approx(want, abs=LOGPROB_ATOL), f"TP={tp}"
+
+
+def test_quantization_flag_serves_tiny_and_health_says_so() -> None:
+    server = ServeProcess([*ARGS, "--model", "tiny", "--quantization", "fp8"])
+    try:
+        server.wait_ready()
+        model = server.stub.Health(pb.HealthRequest(), timeout=10).model
+        assert (model.quantization, model.weight_format) == ("fp8_at_load", "float32")
+        ready = server.wait_for("executor_ready", timeout=10)
+        assert (ready["quantization"], ready["weight_format"]) == ("fp8_at_load", "float32")
+        out = server.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="a", token_ids=[1, 2, 3], sample=True)]), timeout=60).outputs[0]
+        assert 0 <= out.token_id < 512
+    finally:
+        assert server.stop() == 0, "".join(server.lines)[-3000:]
