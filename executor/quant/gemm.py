@@ -36,7 +36,11 @@ def prepare(layer: Fp8Linear) -> None:
     """Give ``layer`` its GEMM on this GPU (and the static scale buffers it reads)."""
     kind = layer.scheme.kind
     n, k = layer.out_features, layer.in_features
-    aligned = n % 16 == 0 and k % 16 == 0  # what cuBLAS FP8 takes
+    # What cuBLAS FP8 takes: dimensions in multiples of 16; row-wise scales on Hopper
+    # (torch's CPU ``_scaled_mm``, which the interpreter tests run, takes them too).
+    aligned = n % 16 == 0 and k % 16 == 0
+    dev = layer.weight.device
+    rowwise = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (9, 0)
     if kind == "fp8_block":
         mode, scale, block = W8A16, layer.scales, layer.scheme.block
         input_scale = None
@@ -48,7 +52,12 @@ def prepare(layer: Fp8Linear) -> None:
             assert layer.input_scale is not None
             input_scale = layer.input_scale.max().reshape(1)  # the safe one of the shards'
         scale = layer.row_scales().contiguous()  # (N,)
-        mode = (PER_TENSOR if input_scale is not None else ROWWISE) if aligned else W8A16
+        if not aligned:
+            mode = W8A16
+        elif input_scale is not None:
+            mode = PER_TENSOR
+        else:
+            mode = ROWWISE if rowwise else W8A16
     # Static buffers (CUDA graphs keep their addresses), owned by the layer.
     # NOTE: the GEMM holds these tensors themselves: the layer is prepared on its device
     # and never moved after.

@@ -6,6 +6,8 @@ dequantize never import Triton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from executor.kernels.fast_launch import cdiv, next_power_of_2
@@ -36,6 +38,15 @@ def _tile(m: int, n: int, k: int, block: tuple[int, int] | None,
     return block_m, block_n, block_k, dot
 
 
+@functools.cache
+def _stages(device: torch.device) -> int:
+    """Software-pipelining depth: Hopper's shared memory holds four stages of the largest
+    tile (64 x 128 bf16 rows + 128 x 128 FP8 weights); Ada's (~100 KiB) two."""
+    if device.type != "cuda":
+        return 2
+    return 4 if torch.cuda.get_device_capability(device) >= (9, 0) else 2
+
+
 def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
           block: tuple[int, int] | None) -> torch.Tensor:
     """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
@@ -53,7 +64,8 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0),
                         out.stride(0), stride_sn, SBN=sbn, SBK=sbk,
                         BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                        USE_DOT=dot, num_warps=4 if m <= 64 else 8, num_stages=4)
+                        USE_DOT=dot, num_warps=4 if m <= 64 else 8,
+                        num_stages=_stages(x.device))
     return out
 
 
