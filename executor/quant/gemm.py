@@ -15,6 +15,8 @@ is one custom op (``model_executor::fp8_linear``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from executor.quant.linear import Fp8Linear
@@ -71,7 +73,39 @@ def prepare(layer: Fp8Linear) -> None:
         return fp8_linear(x, weight, gemm_scale, input_scale, bn, bk, mode)
 
     layer.gemm = gemm
+    layer.norm_gemm, layer.silu_mul_gemm = _fused(weight, gemm_scale, block)
     layer.path = f"w8a16 (<= {SKINNY_MAX_ROWS} rows) + {_MODE_NAMES[mode]}"
+
+
+def _fused(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+           ) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None],
+                      Callable[[torch.Tensor], torch.Tensor | None]]:
+    """The layer's GEMMs with the RMSNorm (residual-add + RMSNorm) or the SiLU-and-mul
+    before it fused in: one launch instead of two for the few rows of a decode step
+    (fewer than ``launch.DOT_MIN_ROWS``), as the bf16 skinny GEMM fuses them. Outside
+    a Dynamo trace only (the fused launch is no custom op)."""
+    from executor.kernels.skinny.kernel import ADD_RMS_NORM, RMS_NORM, SILU_MUL
+    from executor.quant import launch
+
+    def rows_fit(x: torch.Tensor) -> bool:
+        return not torch.compiler.is_compiling() and x.dim() == 2 and x.stride(-1) == 1 \
+            and 0 < x.shape[0] < launch.DOT_MIN_ROWS
+
+    def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if not rows_fit(x) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous() \
+                or (residual is not None and (residual.dtype != x.dtype
+                                              or residual.stride(-1) != 1)):
+            return None
+        op = RMS_NORM if residual is None else ADD_RMS_NORM
+        return launch.w8a16_fused(x, weight, scale, block, op, residual, norm_weight, eps)
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+        if not rows_fit(gate_up):
+            return None
+        return launch.w8a16_fused(gate_up, weight, scale, block, SILU_MUL, None, None, 0.0)[0]
+
+    return norm, silu_mul
 
 
 def _requantize_to_one_scale(layer: Fp8Linear) -> None:

@@ -7,10 +7,11 @@ converted in registers (exactly: every e4m3 value is a bf16 value) and scaled pe
 row or per 128x128 block. Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows
 and streams its weight rows in ``BLOCK_K`` chunks; ``USE_DOT`` takes the tensor cores
 (``tl.dot``, at least 16 rows), else the CUDA cores reduce in float32 as the bf16 skinny
-GEMM does for one row. Block scales multiply each chunk's partial sums (a chunk never
-spans two 128-column blocks); row scales multiply the final sums. No split-K: the result
-is deterministic. ``_act_quant_kernel``: rows to e4m3 with a per-row (dynamic) or one
-static scale, for ``torch._scaled_mm``.
+GEMM does, with its input ops fused in (``INPUT_OP``: RMSNorm, residual-add + RMSNorm,
+SiLU-and-mul, rounded as the unfused kernels round). Block scales multiply each chunk's
+partial sums (a chunk never spans two 128-column blocks); row scales multiply the final
+sums. No split-K: the result is deterministic. ``_act_quant_kernel``: rows to e4m3 with a
+per-row (dynamic) or one static scale, for ``torch._scaled_mm``.
 """
 
 from __future__ import annotations
@@ -18,21 +19,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from executor.kernels.skinny.kernel import _input_chunk, _residual_sum
+
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr,  # (M, K) activations, unit column stride
+    x_ptr,  # (M, K) activations, unit column stride; (M, 2K) gate|up for SILU_MUL
+    res_ptr,  # (M, K) residual in (ADD_RMS_NORM)
+    nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
     w_ptr,  # (N, K) e4m3, row-major
     s_ptr,  # BLOCK_SCALES: (ceil(N/SBN), ceil(K/SBK)) float32; else (N,) float32
     out_ptr,  # (M, N)
+    res_out_ptr,  # (M, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
     M, N, K,
-    stride_xm, stride_wn, stride_om, stride_sn,
+    stride_xm, stride_rm, stride_wn, stride_om, stride_rom, stride_sn,
+    inv_k, eps,  # the norm's 1 / K and epsilon
     SBN: tl.constexpr,  # scale block rows (BLOCK_SCALES)
     SBK: tl.constexpr,  # scale block columns (BLOCK_SCALES); a multiple of BLOCK_K
     BLOCK_SCALES: tl.constexpr,
+    INPUT_OP: tl.constexpr,  # the bf16 skinny GEMM's input ops (not with USE_DOT)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -47,19 +55,34 @@ def _w8a16_kernel(
     mask_m = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
-    act_ty = x_ptr.dtype.element_ty
+    r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    act_ty = out_ptr.dtype.element_ty
+    rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+    if INPUT_OP >= 2:  # RMSNorm: a first pass over the rows for their sums of squares
+        ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+        writes = mask_m & (offs_m * 0 + pid_n == 0)  # program 0 writes the new residual
+        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            s32 = _residual_sum(x_rows, r_rows, ro_rows, writes, out_ptr, ks, mask_m, ks < K,
+                                INPUT_OP).to(tl.float32)
+            ssq += tl.sum(s32 * s32, axis=1)
+        rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if USE_DOT:
+            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             part = tl.dot(x, tl.trans(w.to(act_ty)))  # (BLOCK_M, BLOCK_N), float32
-        elif BLOCK_M == 1:
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
         else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            x32 = _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
+                               INPUT_OP)  # (BLOCK_M, BLOCK_K) float32
+            if BLOCK_M == 1:
+                part = tl.sum(w.to(tl.float32) * x32, axis=1)[None, :]
+            else:
+                part = tl.sum(x32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if BLOCK_SCALES:
             s = tl.load(s_ptr + (offs_n // SBN) * stride_sn + k0 // SBK, mask=mask_n,
                         other=0.0)
@@ -69,7 +92,7 @@ def _w8a16_kernel(
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(dst, acc.to(act_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

@@ -54,6 +54,10 @@ class Fp8Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+        #: (x, residual or None, norm weight, eps) -> (out, x + residual or None), or None
+        #: where the shape or dtypes do not fuse; (gate_up) -> out, or None. Set with ``gemm``.
+        self.norm_gemm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
+        self.silu_mul_gemm: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         self.path = ""
 
     def _scale_shape(self) -> tuple[int, ...]:
@@ -152,6 +156,22 @@ class Fp8Linear(nn.Module):
                 assert linear.bias is not None
                 out.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return out
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(rms_norm(x [+ residual])), x + residual)`` in one launch (the skinny
+        kernels' hook, ``executor.kernels.skinny.linear``); None where it does not fuse."""
+        got = self.norm_gemm(x, residual, norm_weight, eps) if self.norm_gemm else None
+        if got is None:
+            return None
+        out, res = got
+        return (out if self.bias is None else out + self.bias), (x if res is None else res)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``self(silu_and_mul(gate_up))`` in one launch; None where it does not fuse."""
+        out = self.silu_mul_gemm(gate_up) if self.silu_mul_gemm else None
+        return out if out is None or self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is None:

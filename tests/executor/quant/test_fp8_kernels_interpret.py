@@ -149,3 +149,30 @@ def test_prepared_layer_equals_dequantized_reference(kind: str, m: int) -> None:
     assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all(), \
         (got.float() - ref).abs().max()
     assert layer.path.startswith("w8a16")
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_fused_input_ops_equal_the_unfused_kernels(kind: str, m: int) -> None:
+    """RMSNorm, residual-add + RMSNorm and SiLU-and-mul fused into the FP8 GEMM (the
+    skinny kernels' hook) give the unfused kernels' results bit for bit: the same
+    roundings of the input, the same sums."""
+    from executor import kernels
+
+    layer = _layer(kind, (256,), 256, seed=11)
+    gemm.prepare(layer)
+    gen = torch.Generator().manual_seed(m)
+    x, res = (torch.randn(m, 256, generator=gen).to(torch.float16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(256, generator=gen)).to(torch.float16)
+    for residual in (None, res):
+        got, got_res = kernels.add_rms_norm_linear(x, residual, nw, 1e-5, layer,
+                                                   kernels.rms_norm, kernels.add_rms_norm)
+        if residual is None:
+            normed, want_res = kernels.rms_norm(x, nw, 1e-5), x
+        else:
+            normed, want_res = kernels.add_rms_norm(x, residual, nw, 1e-5)
+        assert torch.equal(got, layer(normed)) and torch.equal(got_res, want_res)
+    gate_up = torch.randn(m, 512, generator=gen).to(torch.float16)
+    got = kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
+    assert torch.equal(got, layer(kernels.silu_and_mul(gate_up)))
+    assert layer.silu_mul_linear(torch.randn(8, 512).to(torch.float16)) is None  # tl.dot rows
