@@ -161,5 +161,10 @@ def finalize(model: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype,
     info = QuantInfo("fp8_e4m3" if keep else _DTYPE_NAMES.get(dtype, str(dtype)),
                      scheme.name, paths)
     setattr(model, _ATTR, info)
+    if device.type == "cuda":
+        # NOTE: the replaced weights (bf16 before --quantization, FP8 before a dequantize)
+        # go back to the device, not only to torch's cache: the KV cache is sized from the
+        # device's free memory next.
+        torch.cuda.empty_cache()
     _log.debug("fp8 %s%s", scheme.name, why)
     return info
