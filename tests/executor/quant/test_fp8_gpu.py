@@ -93,8 +93,8 @@ def _projection_shards(shape: str) -> dict[str, tuple[int, tuple[int, ...]]]:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
     for proj, (k, shards) in _projection_shards(shape).items():
-        if kind == "block" and any(r % 128 for r in shards):
-            continue  # SmolLM2's 192-row k/v: not a block layout any checkpoint has
+        if kind == "block" and len(shards) > 1 and any(r % 128 for r in shards):
+            continue  # SmolLM2's fused 576/192-row q/k/v: blocks the fusion would cut
         layer, dense = _layer(kind, k, shards)
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, generator=torch.Generator(device=DEV)
