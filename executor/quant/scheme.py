@@ -71,6 +71,15 @@ class Fp8Scheme:
                 return True
         return False
 
+    def misplaced(self, hf_name: str) -> str:
+        """What to add to the loader's "unexpected tensor" error for an FP8 scale of a
+        module we do not quantize."""
+        if not re.search(r"\.(weight_scale|weight_scale_inv|input_scale)$", hf_name):
+            return ""
+        return (f" ({self.source} quantized a module that takes no FP8 here: only the "
+                "decoder's attention and MLP projections do; MoE experts and the LM head "
+                "do not yet)")
+
     @staticmethod
     def skips(hf_name: str) -> bool:
         """Checkpoint tensors the loader reads past (KV-cache scales)."""

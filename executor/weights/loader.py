@@ -174,8 +174,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
             if spec.tie_word_embeddings and name == "lm_head.weight":
                 continue  # a tied checkpoint may still carry a copy
             if name not in params:
-                raise ModelLoadError(
-                    f"unexpected tensor {hf_name!r} in {where} for {spec.architecture}")
+                hint = scheme.misplaced(hf_name) if scheme is not None else ""
+                raise ModelLoadError(f"unexpected tensor {hf_name!r} in {where} for "
+                                     f"{spec.architecture}{hint}")
             owner, _, pname = name.rpartition(".")
             if owner in fp8:  # an FP8 projection loads its weight and scales itself
                 with torch.no_grad():
