@@ -82,14 +82,14 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | N
                       Callable[[torch.Tensor], torch.Tensor | None]]:
     """The layer's GEMMs with the RMSNorm (residual-add + RMSNorm) or the SiLU-and-mul
     before it fused in: one launch instead of two for the few rows of a decode step
-    (fewer than ``launch.DOT_MIN_ROWS``), as the bf16 skinny GEMM fuses them. Outside
+    (fewer than ``tiles.DOT_MIN_ROWS``), as the bf16 skinny GEMM fuses them. Outside
     a Dynamo trace only (the fused launch is no custom op)."""
-    from executor.kernels.skinny.kernel import ADD_RMS_NORM, RMS_NORM, SILU_MUL
     from executor.quant import launch
+    from executor.quant.tiles import ADD_RMS_NORM, DOT_MIN_ROWS, RMS_NORM, SILU_MUL
 
     def rows_fit(x: torch.Tensor) -> bool:
         return not torch.compiler.is_compiling() and x.dim() == 2 and x.stride(-1) == 1 \
-            and 0 < x.shape[0] < launch.DOT_MIN_ROWS
+            and 0 < x.shape[0] < DOT_MIN_ROWS
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:

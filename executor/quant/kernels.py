@@ -8,9 +8,10 @@ row or per 128x128 block. Each program owns ``BLOCK_N`` output columns of ``BLOC
 and streams its weight rows in ``BLOCK_K`` chunks; ``USE_DOT`` takes the tensor cores
 (``tl.dot``, at least 16 rows), else the CUDA cores reduce in float32 as the bf16 skinny
 GEMM does, with its input ops fused in (``INPUT_OP``: RMSNorm, residual-add + RMSNorm,
-SiLU-and-mul, rounded as the unfused kernels round). Block scales multiply each chunk's
-partial sums (a chunk never spans two 128-column blocks); row scales multiply the final
-sums. No split-K: the result is deterministic. ``_act_quant_kernel``: rows to e4m3 with a
+SiLU-and-mul, rounded as the unfused kernels round). Block scales multiply each 128-column
+block's partial sums (a tensor-core chunk lies in one block; a wider CUDA-core chunk sums
+per block first); row scales multiply the final sums. No split-K: the result is
+deterministic. ``_act_quant_kernel``: rows to e4m3 with a
 per-row (dynamic) or one static scale, for ``torch._scaled_mm``.
 """
 
@@ -79,20 +80,42 @@ def _w8a16_kernel(
         else:
             x32 = _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
                                INPUT_OP)  # (BLOCK_M, BLOCK_K) float32
-            if BLOCK_M == 1:
+            if BLOCK_SCALES and BLOCK_K > SBK:  # a chunk of several block columns
+                part = _block_scaled_sums(x32, w.to(tl.float32), s_ptr, offs_n, mask_n, k0,
+                                          K, stride_sn, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K)
+            elif BLOCK_M == 1:
                 part = tl.sum(w.to(tl.float32) * x32, axis=1)[None, :]
             else:
                 part = tl.sum(x32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if BLOCK_SCALES:
+        if BLOCK_SCALES and BLOCK_K <= SBK:  # the chunk lies in one block column
             s = tl.load(s_ptr + (offs_n // SBN) * stride_sn + k0 // SBK, mask=mask_n,
                         other=0.0)
             acc += part * s[None, :]
-        else:
+        else:  # row scales at the end; several block columns: scaled above
             acc += part
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, acc.to(act_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _block_scaled_sums(x32, w32, s_ptr, offs_n, mask_n, k0, K, stride_sn, SBN: tl.constexpr,
+                       SBK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """``x32 @ (w32 * scales).T`` for a chunk spanning ``BLOCK_K / SBK`` block columns:
+    each block's products summed, times its scale, then summed (BLOCK_M, BLOCK_N)."""
+    NB: tl.constexpr = BLOCK_K // SBK
+    blocks = k0 // SBK + tl.arange(0, NB)
+    s = tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + blocks[None, :],
+                mask=mask_n[:, None] & (blocks < tl.cdiv(K, SBK))[None, :],
+                other=0.0)  # (BLOCK_N, NB)
+    if BLOCK_M == 1:
+        per_block = tl.sum(tl.reshape(w32 * x32, (BLOCK_N, NB, SBK)), axis=2)
+        return tl.sum(per_block * s, axis=1)[None, :]
+    prod = x32[:, None, :] * w32[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
+    per_block = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, NB, SBK)), axis=3)
+    return tl.sum(per_block * s[None, :, :], axis=2)
 
 
 @triton.jit

@@ -9,8 +9,10 @@ machines, where ``test_fp8_gpu.py`` runs the compiled kernels.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,7 @@ from executor.quant.fp8 import (  # noqa: E402
     quantize_tensor,
 )
 from executor.quant.scheme import AT_LOAD  # noqa: E402
+from executor.quant.tiles import Fp8Tile  # noqa: E402
 
 
 def _half_ulp(ref: torch.Tensor) -> torch.Tensor:
@@ -159,7 +162,7 @@ def test_fused_input_ops_equal_the_unfused_kernels(kind: str, m: int) -> None:
     roundings of the input, the same sums."""
     from executor import kernels
 
-    layer = _layer(kind, (256,), 256, seed=11)
+    layer = _layer(kind, (48,), 256, seed=11)  # (a partial block of rows)
     gemm.prepare(layer)
     gen = torch.Generator().manual_seed(m)
     x, res = (torch.randn(m, 256, generator=gen).to(torch.float16) for _ in range(2))
@@ -176,3 +179,42 @@ def test_fused_input_ops_equal_the_unfused_kernels(kind: str, m: int) -> None:
     got = kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
     assert torch.equal(got, layer(kernels.silu_and_mul(gate_up)))
     assert layer.silu_mul_linear(torch.randn(8, 512).to(torch.float16)) is None  # tl.dot rows
+
+
+@pytest.mark.parametrize("tile", [Fp8Tile(16, 64, 4), Fp8Tile(2, 128, 8), Fp8Tile(8, 256, 4),
+                                  Fp8Tile(1, 512, 4, 3)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a16_any_valid_tile_gives_the_product(tile: Fp8Tile, m: int) -> None:
+    """What the tile sweep may pick: chunks inside one 128-column block or of several."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 600, generator=gen) / 16
+    x = torch.randn(m, 600, generator=gen).to(torch.float16)
+    q, s = quantize_blocks(w)
+    ref = x.float() @ dequantize(q, s, (128, 128), torch.float32).T
+    got = launch.w8a16(x, q, s, (128, 128), tile=tile)
+    assert ((got.float() - ref).abs() <= _half_ulp(ref)).all()
+
+
+def test_tuned_tiles_are_read_by_shape_and_device(tmp_path: Any, monkeypatch: Any) -> None:
+    from executor.quant import tiles
+
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"tiles": [
+        {"device": "GPU A", "scales": "rows", "m": 1, "n": 4096, "k": 4096, "input_op": 3,
+         "tile": [2, 1024, 8, 3]},
+        {"device": "GPU B", "scales": "rows", "m": 1, "n": 4096, "k": 4096, "input_op": 3,
+         "tile": [8, 512, 4, 4]}]}))
+    monkeypatch.setattr(tiles, "TILES_FILE", path)
+    tiles.tuned_tiles.cache_clear()
+    try:
+        # the first layer's plain norm shares its add-norm twin's tile
+        assert tiles.pick_tile(1, 4096, 4096, False, tiles.RMS_NORM, "GPU B") == \
+            Fp8Tile(8, 512, 4, 4)
+        assert tiles.pick_tile(1, 4096, 4096, False, tiles.ADD_RMS_NORM, "GPU C") == \
+            Fp8Tile(2, 1024, 8, 3)  # another GPU: the first one listed
+        assert tiles.pick_tile(2, 4096, 4096, False, tiles.PLAIN, "GPU A") == \
+            tiles.default_tile(2, 4096, 4096, False)
+    finally:
+        tiles.tuned_tiles.cache_clear()
+    assert not tiles.valid(Fp8Tile(64, 256), 16, blocks=True)
+    assert not tiles.valid(Fp8Tile(4, 192), 1, blocks=True)
