@@ -9,11 +9,18 @@ time is one CUDA-graph replay over weight copies that exceed L2, divided by the 
 (``bench.common.timing``), beside the FP8 and bf16 weight-read floors at the read bandwidth
 measured in the run. The numbers say where ``SKINNY_MAX_ROWS`` and the tiles should sit.
 Prints a table; ``--out`` also writes ``fp8_gemm.json``.
+
+``--sweep`` is the **tile tuner**: for each projection with the input op the decoder fuses
+into it at few rows (qkv and gate_up: residual-add + RMSNorm, down: SiLU-and-mul, o:
+none), row and block scales, and each ``--tokens`` up to 64, every candidate tile is checked
+against the default tile's output and timed; ``--tiles-out executor/quant/tiles.json``
+merges the fastest per (scales, rows, N, K, input op, GPU) into the tuned tile file.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -99,12 +106,120 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _candidates(m: int, k: int, blocks: bool) -> list[Any]:
+    from executor.kernels.fast_launch import next_power_of_2
+    from executor.quant.tiles import DOT_MIN_ROWS, Fp8Tile, valid
+
+    if m < DOT_MIN_ROWS:
+        tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
+                 for w in (4, 8) if bk <= max(512, next_power_of_2(k))]
+    else:
+        tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+    return [t for t in tiles if valid(t, m, blocks)]
+
+
+def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
+            scale: torch.Tensor, block: tuple[int, int] | None
+            ) -> Callable[..., torch.Tensor]:
+    """``run(w, tile)``: the launch the sweep times, with ``op`` fused in."""
+    from executor.quant import launch
+    from executor.quant.tiles import ADD_RMS_NORM, PLAIN
+
+    def run(w: torch.Tensor, tile: Any) -> torch.Tensor:
+        if op == PLAIN:
+            return launch.w8a16(x, w, scale, block, tile)
+        norm = op == ADD_RMS_NORM
+        return launch.w8a16_fused(x, w, scale, block, op, res if norm else None,
+                                  nw if norm else None, 1e-5, tile)[0]
+
+    return run
+
+
+def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
+    """The fastest valid tile per projection, scales and row count (see the docstring)."""
+    from executor.kernels.skinny.tiles import device_name
+    from executor.quant.tiles import (
+        ADD_RMS_NORM,
+        DOT_MIN_ROWS,
+        PLAIN,
+        SILU_MUL,
+        default_tile,
+        rows_bucket,
+    )
+
+    dev = torch.device("cuda")
+    bw = hardware.read_bandwidth_gbs() * 1e9
+    ops = {"qkv": ADD_RMS_NORM, "o": PLAIN, "gate_up": ADD_RMS_NORM, "down": SILU_MUL}
+    out = []
+    for name, (k, n) in shapes.projections(spec).items():
+        if name not in ops:
+            continue
+        fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
+               for _ in range(weight_copies(k, n, 1))]
+        for blocks in (False, True):
+            scale = torch.rand((-(-n // 128), -(-k // 128)) if blocks else (n,),
+                               device=dev) / 448 + 1e-3
+            block = (128, 128) if blocks else None
+            for m in [t for t in tokens if t <= 64]:
+                op = ops[name] if m < DOT_MIN_ROWS else PLAIN
+                x = torch.randn(m, 2 * k if op == SILU_MUL else k, device=dev).to(torch.bfloat16)
+                res = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+
+                run = _runner(x, op, res, nw, scale, block)
+                default = default_tile(m, n, k, blocks, op)
+                want = run(fp8[0], default).float()
+                times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
+                for tile in _candidates(m, k, blocks):
+                    if tile in times:
+                        continue
+                    try:
+                        got = run(fp8[0], tile).float()
+                    except Exception as exc:  # a tile this GPU cannot compile
+                        print(f"skip {tile}: {exc!r}"[:200], flush=True)
+                        continue
+                    atol = 1e-2 * float(want.abs().max())
+                    if not torch.allclose(got, want, rtol=2e-2, atol=atol):
+                        print(f"skip {tile}: wrong result", flush=True)
+                        continue
+                    times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
+                best = min(times, key=times.__getitem__)
+                row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
+                       "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
+                       "tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
+                       "us": round(times[best], 2), "default_us": round(times[default], 2),
+                       "floor_us": round(k * n / bw * 1e6, 2)}
+                print(json.dumps(row), flush=True)
+                out.append(row)
+        del fp8
+        torch.cuda.empty_cache()
+    return out
+
+
+def merge_tiles(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` into the tile file at ``path``, replacing rows of the same key."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["device"], r["scales"], r["m"], r["n"], r["k"], r["input_op"])
+
+    old = json.loads(path.read_text())["tiles"] if path.is_file() else []
+    new = {key(r): r for r in old}
+    new.update({key(r): r for r in rows})
+    path.write_text(json.dumps({"tiles": sorted(new.values(), key=key)}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--tokens", type=int, action="append")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sweep", action="store_true", help="tune the w8a16 tiles")
+    ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
     args = ap.parse_args(argv)
+    if args.sweep:
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1])
+        if args.tiles_out:
+            merge_tiles(args.tiles_out, tuned)
+        return 0
     rows = measure(shapes.spec(args.shape), args.tokens or [1, 8, 64, 2048])
     print(table(rows))
     if args.out:

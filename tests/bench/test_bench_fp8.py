@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from bench.common import shapes
@@ -35,3 +38,17 @@ def test_report_marks_targets() -> None:
     text = fp8.markdown(result)
     assert "| decode:1 | 5.300 | 3.000 | 0.566 | <= 0.63 met | 2.700 | 1.11x | 1.06x |" in text
     assert "| decode:64 | 6.000 | 5.000 | 0.833 | <= 0.8 MISSED |" in text
+
+
+def test_tile_file_merge_replaces_rows_of_the_same_key(tmp_path: Any) -> None:
+    from bench.kernels.fp8_gemm import merge_tiles
+    from executor.quant import tiles
+
+    path = tmp_path / "tiles.json"
+    row = {"device": "H100", "scales": "rows", "m": 1, "n": 4096, "k": 4096, "input_op": 3,
+           "tile": [4, 2048, 8, 3], "us": 10.0}
+    merge_tiles(path, [row, {**row, "n": 6144}])
+    merge_tiles(path, [{**row, "tile": [2, 1024, 8, 3], "us": 9.0}])
+    rows = json.loads(path.read_text())["tiles"]
+    assert [(r["n"], r["tile"]) for r in rows] == [(4096, [2, 1024, 8, 3]), (6144, [4, 2048, 8, 3])]
+    assert "tiles" in json.loads(tiles.TILES_FILE.read_text())  # the shipped file parses
