@@ -64,7 +64,8 @@ def prepare(layer: Fp8Linear) -> None:
     # NOTE: the GEMM holds these tensors themselves: the layer is prepared on its device
     # and never moved after.
     scale = scale.contiguous()
-    layer.register_buffer("gemm_scale", scale, persistent=False)
+    if scale is not layer.scales:  # (block scales serve as they are)
+        layer.register_buffer("gemm_scale", scale, persistent=False)
     layer.register_buffer("gemm_input_scale", input_scale, persistent=False)
     bn, bk = block or (0, 0)
     weight, gemm_scale = layer.weight, scale
