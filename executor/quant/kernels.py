@@ -22,8 +22,9 @@ import triton.language as tl
 
 from executor.kernels.skinny.kernel import _input_chunk, _residual_sum
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+# (constexpr: a jitted function reads only constexpr globals)
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
@@ -137,10 +138,11 @@ def _act_quant_kernel(
         for k0 in range(0, K, BLOCK):
             v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        # (div_rn: correctly rounded, as torch divides; Triton's ``/`` may not be)
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
