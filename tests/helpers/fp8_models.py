@@ -26,15 +26,17 @@ _PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)
 INPUT_SCALE = 8.0 / 448.0
 
 
-def fp8_config(cfg: Any) -> Any:
-    """A tiny Llama whose fused shards and TP = 2 slices keep whole 128x128 blocks."""
+def fp8_config(cfg: dict[str, Any]) -> Any:
+    """A tiny Llama whose fused shards and TP = 2 slices keep whole 128x128 blocks
+    (``cfg`` overrides its fields)."""
     from transformers import LlamaConfig
 
-    c = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                    rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
-                    eos_token_id=2, **cfg)
+    fields: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    c = LlamaConfig(**{**fields, **cfg})
     c.architectures = ["LlamaForCausalLM"]
     return c
 
