@@ -14,7 +14,9 @@ Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 into it at few rows (qkv and gate_up: residual-add + RMSNorm, down: SiLU-and-mul, o:
 none), row and block scales, and each ``--tokens`` up to 64, every candidate tile is checked
 against the default tile's output and timed; ``--tiles-out executor/quant/tiles.json``
-merges the fastest per (scales, rows, N, K, input op, GPU) into the tuned tile file.
+merges the fastest per (scales, rows, N, K, input op, GPU) into the tuned tile file, with
+the time of the cuBLAS FP8 path for the same work (its input op unfused): where that is
+faster the row bucket goes to cuBLAS (``executor.quant.tiles.scaled_mm_faster``).
 """
 
 from __future__ import annotations
@@ -135,6 +137,27 @@ def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
     return run
 
 
+def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
+                       scale: torch.Tensor) -> Callable[[torch.Tensor], object]:
+    """The cuBLAS FP8 path of the same work: the input op's own kernel, the activation
+    quantization, ``torch._scaled_mm`` row-wise."""
+    from executor import kernels
+    from executor.quant import launch
+    from executor.quant.tiles import ADD_RMS_NORM, SILU_MUL
+
+    def run(w: torch.Tensor) -> object:
+        a = x
+        if op == ADD_RMS_NORM:
+            a = kernels.add_rms_norm(x, res, nw, 1e-5)[0]
+        elif op == SILU_MUL:
+            a = kernels.silu_and_mul(x)
+        q, s = launch.act_quant(a, None)
+        return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1),
+                                out_dtype=torch.bfloat16)
+
+    return run
+
+
 def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales and row count (see the docstring)."""
     from executor.kernels.skinny.tiles import device_name
@@ -184,11 +207,16 @@ def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
                         continue
                     times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
                 best = min(times, key=times.__getitem__)
+                cublas = None
+                if not blocks and k % 16 == 0 and n % 16 == 0:
+                    cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
                 row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
                        "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
                        "tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
                        "us": round(times[best], 2), "default_us": round(times[default], 2),
                        "floor_us": round(k * n / bw * 1e6, 2)}
+                if cublas is not None:  # what gemm.prepare's cuBLAS FP8 path costs here
+                    row["scaled_mm_us"] = round(cublas, 2)
                 print(json.dumps(row), flush=True)
                 out.append(row)
         del fp8

@@ -2,7 +2,8 @@
 
 * up to ``SKINNY_MAX_ROWS`` rows (decode): ``w8a16``, our Triton kernel: FP8 weight read,
   bf16 row, dequantized in registers (the weights are the bytes a decode step reads, so
-  halving them is the gain; no activation quantization).
+  halving them is the gain; no activation quantization); except row buckets where this
+  GPU's tile sweep measured cuBLAS FP8 faster (``tiles.scaled_mm_faster``).
 * more rows, per-channel or per-tensor scales: the activations quantized to e4m3 (one
   Triton pass: per token, or the checkpoint's static scale), then ``torch._scaled_mm``
   (cuBLAS FP8 tensor cores) with row-wise or per-tensor scales.
@@ -74,23 +75,24 @@ def prepare(layer: Fp8Linear) -> None:
         return fp8_linear(x, weight, gemm_scale, input_scale, bn, bk, mode)
 
     layer.gemm = gemm
-    layer.norm_gemm, layer.silu_mul_gemm = _fused(weight, gemm_scale, block)
+    layer.norm_gemm, layer.silu_mul_gemm = _fused(weight, gemm_scale, block, mode != W8A16)
     layer.path = f"w8a16 (<= {SKINNY_MAX_ROWS} rows) + {_MODE_NAMES[mode]}"
 
 
-def _fused(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
-           ) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None],
+def _fused(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+           cublas: bool) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None],
                       Callable[[torch.Tensor], torch.Tensor | None]]:
     """The layer's GEMMs with the RMSNorm (residual-add + RMSNorm) or the SiLU-and-mul
     before it fused in: one launch instead of two for the few rows of a decode step
     (fewer than ``tiles.DOT_MIN_ROWS``), as the bf16 skinny GEMM fuses them. Outside
-    a Dynamo trace only (the fused launch is no custom op)."""
+    a Dynamo trace only (the fused launch is no custom op), and not where the sweep found
+    cuBLAS FP8 faster (``cublas``: the layer has that path)."""
     from executor.quant import launch
     from executor.quant.tiles import ADD_RMS_NORM, DOT_MIN_ROWS, RMS_NORM, SILU_MUL
 
     def rows_fit(x: torch.Tensor) -> bool:
         return not torch.compiler.is_compiling() and x.dim() == 2 and x.stride(-1) == 1 \
-            and 0 < x.shape[0] < DOT_MIN_ROWS
+            and 0 < x.shape[0] < DOT_MIN_ROWS and not (cublas and _cublas_here(x, weight))
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -138,7 +140,7 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     from executor.quant import launch
 
     block = (block_n, block_k) if block_n else None
-    if x.shape[0] <= SKINNY_MAX_ROWS or mode == W8A16:
+    if mode == W8A16 or (x.shape[0] <= SKINNY_MAX_ROWS and not _cublas_here(x, weight)):
         return launch.w8a16(x, weight, scale, block)
     q, row_scales = launch.act_quant(x, input_scale)
     if mode == PER_TENSOR:
@@ -147,6 +149,15 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                 out_dtype=x.dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=row_scales, scale_b=scale.view(1, -1),
                             out_dtype=x.dtype)
+
+
+def _cublas_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this GPU's tile sweep found cuBLAS FP8 faster for these few rows."""
+    from executor.kernels.skinny.tiles import device_name
+    from executor.quant.tiles import scaled_mm_faster
+
+    n, k = weight.shape
+    return scaled_mm_faster(x.shape[0], n, k, device_name(x.device) if x.is_cuda else "")
 
 
 @torch.library.custom_op("model_executor::fp8_linear", mutates_args=())

@@ -12,6 +12,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from executor.kernels.fast_launch import next_power_of_2
 
@@ -58,16 +59,42 @@ def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN) ->
                    4 if m <= 64 else 8)
 
 
+#: How much faster cuBLAS FP8 (activation quantization + ``torch._scaled_mm``) must have
+#: been than the best tile for a row bucket to take it: w8a16 keeps the input op fused.
+SCALED_MM_MARGIN = 0.9
+
+
 @functools.cache
 def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]]:
     """(scales "rows"/"blocks", rows bucket, N, K, input op) -> device name -> tile, read
     once."""
     out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]] = {}
-    if TILES_FILE.is_file():
-        for row in json.loads(TILES_FILE.read_text())["tiles"]:
-            key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
-            out.setdefault(key, {})[row.get("device", "")] = Fp8Tile(*row["tile"])
+    for row in _rows():
+        key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
+        out.setdefault(key, {})[row.get("device", "")] = Fp8Tile(*row["tile"])
     return out
+
+
+@functools.cache
+def _scaled_mm_faster() -> frozenset[tuple[int, int, int, str]]:
+    """(rows bucket, N, K, device) where the sweep found cuBLAS FP8 faster (per-channel
+    scales, by ``SCALED_MM_MARGIN``)."""
+    return frozenset((r["m"], r["n"], r["k"], r.get("device", "")) for r in _rows()
+                     if r["scales"] == "rows" and "scaled_mm_us" in r
+                     and r["scaled_mm_us"] <= SCALED_MM_MARGIN * r["us"])
+
+
+def scaled_mm_faster(m: int, n: int, k: int, device: str) -> bool:
+    """Whether ``m`` rows of an (N, K) per-channel projection go to cuBLAS FP8 on this GPU
+    although the w8a16 kernel takes up to ``gemm.SKINNY_MAX_ROWS`` (measured, not assumed:
+    the sweep records both)."""
+    return (rows_bucket(m), n, k, device) in _scaled_mm_faster()
+
+
+def _rows() -> list[dict[str, Any]]:
+    if not TILES_FILE.is_file():
+        return []
+    return list(json.loads(TILES_FILE.read_text())["tiles"])
 
 
 def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str) -> Fp8Tile:

@@ -206,6 +206,7 @@ def test_tuned_tiles_are_read_by_shape_and_device(tmp_path: Any, monkeypatch: An
          "tile": [8, 512, 4, 4]}]}))
     monkeypatch.setattr(tiles, "TILES_FILE", path)
     tiles.tuned_tiles.cache_clear()
+    tiles._scaled_mm_faster.cache_clear()
     try:
         # the first layer's plain norm shares its add-norm twin's tile
         assert tiles.pick_tile(1, 4096, 4096, False, tiles.RMS_NORM, "GPU B") == \
@@ -214,7 +215,40 @@ def test_tuned_tiles_are_read_by_shape_and_device(tmp_path: Any, monkeypatch: An
             Fp8Tile(2, 1024, 8, 3)  # another GPU: the first one listed
         assert tiles.pick_tile(2, 4096, 4096, False, tiles.PLAIN, "GPU A") == \
             tiles.default_tile(2, 4096, 4096, False)
+        assert not tiles.scaled_mm_faster(1, 4096, 4096, "GPU A")
     finally:
         tiles.tuned_tiles.cache_clear()
+        tiles._scaled_mm_faster.cache_clear()
     assert not tiles.valid(Fp8Tile(64, 256), 16, blocks=True)
     assert not tiles.valid(Fp8Tile(4, 192), 1, blocks=True)
+
+
+def test_measured_cublas_rows_take_scaled_mm(tmp_path: Any, monkeypatch: Any) -> None:
+    """A row bucket the sweep found faster on cuBLAS FP8 goes there (activations quantized
+    per token) instead of w8a16, fused input ops included."""
+    from executor import kernels
+    from executor.quant import tiles
+
+    layer = _layer("channel", (96, 160), 256, seed=2)
+    gemm.prepare(layer)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    w8a16 = layer(x)
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"tiles": [
+        {"device": "", "scales": "rows", "m": 4, "n": 256, "k": 256, "input_op": 0,
+         "tile": [4, 256, 8, 0], "us": 10.0, "scaled_mm_us": 5.0}]}))
+    monkeypatch.setattr(tiles, "TILES_FILE", path)
+    tiles._scaled_mm_faster.cache_clear()
+    try:
+        got = layer(x)
+        q, s = launch.act_quant(x, None)
+        ref = (q.float() * s) @ layer.dense_weight(torch.float32).T
+        assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all()
+        assert not torch.equal(got, w8a16)
+        nw = torch.ones(256, dtype=torch.float16)
+        assert layer.norm_linear(x, None, nw, 1e-5) is None  # not fused: cuBLAS here
+        fused = kernels.add_rms_norm_linear(x, None, nw, 1e-5, layer, kernels.rms_norm,
+                                            kernels.add_rms_norm)[0]
+        assert torch.equal(fused, layer(kernels.rms_norm(x, nw, 1e-5)))
+    finally:
+        tiles._scaled_mm_faster.cache_clear()
