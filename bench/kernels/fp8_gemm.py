@@ -1,22 +1,17 @@
 """The FP8 GEMM paths against bf16, per projection of a shape and token count.
 
 ``python -m bench.kernels.fp8_gemm --shape llama-3.1-8b --tokens 1 --tokens 64`` on an FP8
-GPU. For each projection (qkv, o, gate_up, down) and ``M``: bf16 ``F.linear`` (cuBLAS) and,
-at one row, our bf16 skinny GEMM; FP8 ``w8a16`` with row scales and with 128x128 block
-scales (``executor.quant.launch``); the activation quantization plus ``torch._scaled_mm``
-row-wise and per-tensor (what ``gemm.prepare`` runs above ``SKINNY_MAX_ROWS`` rows). Each
-time is one CUDA-graph replay over weight copies that exceed L2, divided by the copies
-(``bench.common.timing``), beside the FP8 and bf16 weight-read floors at the read bandwidth
-measured in the run. The numbers say where ``SKINNY_MAX_ROWS`` and the tiles should sit.
-Prints a table; ``--out`` also writes ``fp8_gemm.json``.
+GPU: per projection and ``M``, bf16 ``F.linear`` (and at one row our bf16 skinny GEMM),
+FP8 ``w8a16`` with row and with 128x128 block scales, the activation quantization plus
+``torch._scaled_mm`` row-wise and per-tensor; each a CUDA-graph replay over weight copies
+that exceed L2 (``bench.common.timing``), beside the FP8 and bf16 read floors measured in
+the run. Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 
-``--sweep`` is the **tile tuner**: for each projection with the input op the decoder fuses
-into it at few rows (qkv and gate_up: residual-add + RMSNorm, down: SiLU-and-mul, o:
-none), row and block scales, and each ``--tokens`` up to 64, every candidate tile is checked
-against the default tile's output and timed; ``--tiles-out executor/quant/tiles.json``
-merges the fastest per (scales, rows, N, K, input op, GPU) into the tuned tile file, with
-the time of the cuBLAS FP8 path for the same work (its input op unfused): where that is
-faster the row bucket goes to cuBLAS (``executor.quant.tiles.scaled_mm_faster``).
+``--sweep`` is the **tile tuner**: per projection with the input op the decoder fuses into
+it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
+checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
+work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
+rows, N, K, input op, GPU) with both times (``executor.quant.tiles``).
 """
 
 from __future__ import annotations
