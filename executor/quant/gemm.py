@@ -92,7 +92,7 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | N
 
     def rows_fit(x: torch.Tensor) -> bool:
         return not torch.compiler.is_compiling() and x.dim() == 2 and x.stride(-1) == 1 \
-            and 0 < x.shape[0] < DOT_MIN_ROWS and not (cublas and _cublas_here(x, weight))
+            and 0 < x.shape[0] < DOT_MIN_ROWS and not (cublas and cublas_here(x, weight))
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -140,7 +140,7 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     from executor.quant import launch
 
     block = (block_n, block_k) if block_n else None
-    if mode == W8A16 or (x.shape[0] <= SKINNY_MAX_ROWS and not _cublas_here(x, weight)):
+    if mode == W8A16 or (x.shape[0] <= SKINNY_MAX_ROWS and not cublas_here(x, weight)):
         return launch.w8a16(x, weight, scale, block)
     q, row_scales = launch.act_quant(x, input_scale)
     if mode == PER_TENSOR:
@@ -151,7 +151,7 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                             out_dtype=x.dtype)
 
 
-def _cublas_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def cublas_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this GPU's tile sweep found cuBLAS FP8 faster for these few rows."""
     from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import scaled_mm_faster
