@@ -304,6 +304,12 @@ class ModelInfo:
     # experts per mixture-of-experts layer and experts routed per token; 0 for dense models
     num_experts: int = 0
     num_experts_per_token: int = 0
+    # how the projections' weights are held: "fp8_e4m3", or the serving dtype (never
+    # quantized, or dequantized at load where the device has no FP8)
+    weight_format: str = ""
+    # the checkpoint's or --quantization's FP8 scheme ("fp8_block_128x128",
+    # "fp8_per_channel_dynamic", "fp8_per_tensor", "fp8_at_load"); "" for none
+    quantization: str = ""
 
 
 @dataclass(frozen=True)

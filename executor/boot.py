@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor import quant
 from executor.api import ModelInfo, Phase
 from executor.attention import create_backend, resolve_backend
 from executor.attention.base import AttentionBackend, AttentionShape
@@ -111,8 +112,14 @@ def load_weights(config: ExecutorConfig, at: Placement, tp: TensorParallel) -> W
     seconds = {"attention": time.perf_counter() - started}
     started = time.perf_counter()
     model, spec = load_model(model_dir, at.dtype, at.device, max_context, spec, tp,
-                             config.model.load_format, config.model.seed)
+                             config.model.load_format, config.model.seed,
+                             config.model.quantization)
     seconds["weights"] = time.perf_counter() - started
+    qi = quant.info_of(model, at.dtype)
+    if qi.quantization and tp.leads:  # one line: which GEMM each projection kind takes
+        _log.info("fp8_gemm_paths", extra={"quantization": qi.quantization,
+                                           "weight_format": qi.weight_format,
+                                           "paths": qi.paths})
     return Weights(model, spec, model_name(source, model_dir), max_context, shape,
                    backend_name, backend_why, seconds)
 
@@ -185,6 +192,7 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
     fuses = can_fuse and config.fuse_decode_rope != "off"
     if fuses:
         attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
+    qi = quant.info_of(w.model, at.dtype)
     features = ("fused_decode_rope",) * fuses + at.switches.features + \
         group.projection_features(tp)
     info = ModelInfo(
@@ -195,7 +203,8 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
         kernel_features=features,
         tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "",
         num_experts=w.spec.moe.num_experts if w.spec.moe else 0,
-        num_experts_per_token=w.spec.moe.top_k if w.spec.moe else 0)
+        num_experts_per_token=w.spec.moe.top_k if w.spec.moe else 0,
+        weight_format=qi.weight_format, quantization=qi.quantization)
     return Attention(attn, fuses, info)
 
 

@@ -18,6 +18,9 @@ DType = Literal["float32", "bfloat16", "float16"]
 #: Where the weights come from: the directory's safetensors, or random values drawn on
 #: the device from its config.json alone (vLLM's ``--load-format dummy``; benchmarks).
 LoadFormat = Literal["safetensors", "random"]
+#: ``--quantization``: quantize an unquantized checkpoint's projections at load
+#: (``fp8``: e4m3 weights per output channel, activations per token; docs/quantization.md).
+Quantization = Literal["fp8"]
 
 TINY_MODEL = "tiny"
 
@@ -41,6 +44,7 @@ class ModelConfig:
     seed: int = 0  # of load_format "random"'s values
     #: The version the start-up weights are served as (StepInfo, Health).
     weight_version: str = "initial"
+    quantization: Quantization | None = None  # None: the checkpoint's own format, if any
 
     def __post_init__(self) -> None:
         _require(
@@ -52,6 +56,9 @@ class ModelConfig:
                  f"got {self.load_format!r}")
         _require(0 < len(self.weight_version.encode()) <= 256,
                  f"weight_version must be 1..256 bytes, got {self.weight_version!r}")
+        _require(self.quantization is None or self.quantization in get_args(Quantization),
+                 f"quantization must be one of {list(get_args(Quantization))} or None, "
+                 f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="the version the start-up weights are served as: every "
                        "StepInfo and Health's model.weight_version name it until "
                        "UpdateWeights sets another (default: %(default)s)")
+    model.add_argument("--quantization", choices=("fp8",), default=None,
+                       help="quantize an unquantized checkpoint's projections at load: "
+                       "'fp8' (e4m3 weights per output channel, activations per token; on "
+                       "CPU and GPUs below compute capability 8.9 the weights are "
+                       "dequantized again, once). FP8 checkpoints need no flag: their "
+                       "quantization_config is read (docs/quantization.md)")
     model.add_argument("--device", default=None,
                        help="'cpu' or 'cuda[:N]' (default: cuda if available, else cpu)")
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -247,7 +253,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     executor_config = ExecutorConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype,
                           load_format="random" if args.load_format == "dummy"
-                          else args.load_format, weight_version=args.weight_version),
+                          else args.load_format, weight_version=args.weight_version,
+                          quantization=args.quantization),
         cache=CacheConfig(kv_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
                           max_sequences=args.max_sequences, max_context=args.max_context),
         graphs=GraphConfig(decode_mode=decode_mode, prefill_mode=prefill_mode,  # type: ignore[arg-type]

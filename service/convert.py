@@ -393,7 +393,8 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         load_format=m.load_format, tp_all_reduce=m.tp_all_reduce,
         num_experts=m.num_experts, num_experts_per_token=m.num_experts_per_token,
         weight_version=m.weight_version, sleeping=m.sleeping,
-        weights_discarded=m.weights_discarded))
+        weights_discarded=m.weights_discarded,
+        weight_format=m.weight_format, quantization=m.quantization))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
         free_slots=kv.free_slots, active_sequences=kv.active_sequences,

@@ -25,11 +25,13 @@ from safetensors import safe_open
 
 import executor.model.llama  # (registers the Llama family)
 import executor.model.moe  # noqa: F401 (registers the mixture-of-experts families)
+from executor import quant
 from executor.config import LoadFormat
 from executor.distributed.group import TensorParallel
 from executor.errors import ModelLoadError
 from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
+from executor.quant import Fp8Linear, Fp8Scheme
 from executor.weights import experts
 from executor.weights.sharding import copy_shard
 
@@ -132,31 +134,48 @@ def _readers(path: Path, files: list[Path] | None, seed: int, device: torch.devi
             yield f, file.name
 
 
+def _finish_fp8(model: torch.nn.Module, scheme: Fp8Scheme, spec: ModelSpec,
+                dtype: torch.dtype, device: torch.device) -> None:
+    if scheme.at_load:
+        quant.quantize_at_load(model, scheme, spec)
+    quant.finalize(model, scheme, dtype, device)
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context: int,
                spec: ModelSpec | None = None, tp: TensorParallel | None = None,
-               load_format: LoadFormat = "safetensors", seed: int = 0
-               ) -> tuple[CausalModel, ModelSpec]:
+               load_format: LoadFormat = "safetensors", seed: int = 0,
+               quantization: str | None = None) -> tuple[CausalModel, ModelSpec]:
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill it from safetensors
     (or, ``load_format="random"``, from random values drawn with ``seed``).
 
     Under tensor parallelism ``spec`` is this rank's shape (``sharding.local_spec``) and
-    only this rank's slice of each split tensor is read (``sharding.copy_shard``)."""
+    only this rank's slice of each split tensor is read (``sharding.copy_shard``). FP8
+    weights (the checkpoint's ``quantization_config``, or ``quantization="fp8"``) load
+    into ``executor.quant.Fp8Linear`` projections (``executor/quant``)."""
     spec = spec or load_hf_config(path)  # callers that already parsed the config pass it
     spec.check_servable(max_context)
     # (a directory without weights fails here, before the model is built)
     files = _weight_files(path) if load_format == "safetensors" else None
+    scheme = quant.read_scheme(quant.quantization_config(path, _hf_config(path)), quantization)
     factory = model_factory(spec.architecture)
     tp = tp or TensorParallel.single()
     with torch.device("meta"):
         model = factory(spec, max_context) if not tp.distributed \
             else factory(spec, max_context, tp=tp)  # type: ignore[call-arg]
+    if scheme is not None and not scheme.at_load:
+        if load_format == "random":
+            raise ModelLoadError(f"--load-format random draws unquantized weights; this "
+                                 f"config is {scheme.source}: use --quantization fp8 on an "
+                                 "unquantized config instead")
+        quant.install(model, scheme, spec, tp.size)  # type: ignore[arg-type]
     model.materialize(dtype, device)
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}  # type: ignore[attr-defined]
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
     loaded: set[tuple[str, int | None]] = set()
     for f, where in _readers(path, files, seed, device):
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            if _IGNORED_RE.search(hf_name):
+            if _IGNORED_RE.search(hf_name) or (scheme is not None and scheme.skips(hf_name)):
                 continue
             expert = experts.match(experts.canonical(hf_name))
             if expert is not None:  # a stacked experts parameter's slice
@@ -172,8 +191,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
             if spec.tie_word_embeddings and name == "lm_head.weight":
                 continue  # a tied checkpoint may still carry a copy
             if name not in params:
-                raise ModelLoadError(
-                    f"unexpected tensor {hf_name!r} in {where} for {spec.architecture}")
+                hint = scheme.misplaced(hf_name) if scheme is not None else ""
+                raise ModelLoadError(f"unexpected tensor {hf_name!r} in {where} for "
+                                     f"{spec.architecture}{hint}")
+            owner, _, pname = name.rpartition(".")
+            if owner in fp8:  # an FP8 projection loads its weight and scales itself
+                with torch.no_grad():
+                    fp8[owner].load(f, hf_name, pname, shard, tp.rank, tp.size, where)
+                loaded.add((name, shard))
+                continue
             target: torch.Tensor = params[name]
             if shard is not None:
                 rows = _shard_rows(spec, name)
@@ -186,5 +212,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         shown = ", ".join(missing[:8]) + more
         raise ModelLoadError(f"checkpoint at {str(path)!r} is missing tensors: {shown}")
+    if scheme is not None:
+        _finish_fp8(model, scheme, spec, dtype, device)  # type: ignore[arg-type]
     model.eval().requires_grad_(False)
     return model, spec

@@ -56,7 +56,11 @@ def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,
                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``layer(silu_and_mul(gate_up))``, as one ``skinny_gemm`` launch where it ``takes``
-    it."""
+    it (a layer with a fused GEMM of its own, ``silu_mul_linear``, launches that)."""
+    own = None if type(layer) is torch.nn.Linear else \
+        getattr(layer, "silu_mul_linear", None)  # e.g. executor.quant.Fp8Linear
+    if own is not None and (out := own(gate_up)) is not None:
+        return out  # type: ignore[no-any-return]
     if takes(gate_up, layer, silu_mul=True):
         return skinny_gemm(gate_up, layer.weight, silu_mul=True)  # type: ignore[arg-type]
     return layer(silu_and_mul(gate_up))  # type: ignore[no-any-return]
@@ -70,7 +74,12 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     """``(layer(rms_norm(x + residual)), x + residual)`` (without a residual: the norm of
     ``x``, and ``x`` as the residual), one ``skinny_norm_gemm`` launch where it serves;
     else ``norm``/``add_norm`` (the norm kernels) then ``linear`` (cuBLAS where this GPU's
-    sweep found that path faster for the shape)."""
+    sweep found that path faster for the shape). A layer with a fused GEMM of its own
+    (``norm_linear``) launches that where it fuses."""
+    own = None if type(layer) is torch.nn.Linear else \
+        getattr(layer, "norm_linear", None)  # e.g. executor.quant.Fp8Linear
+    if own is not None and (got := own(x, residual, norm_weight, eps)) is not None:
+        return got  # type: ignore[no-any-return]
     fused = serves(x, layer) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
         and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
     unfused = fused and cublas_faster(ADD_RMS_NORM, x, layer.weight)  # type: ignore[arg-type]

@@ -1,0 +1,255 @@
+"""The FP8 GEMM paths against bf16, per projection of a shape and token count.
+
+``python -m bench.kernels.fp8_gemm --shape llama-3.1-8b --tokens 1 --tokens 64`` on an FP8
+GPU: per projection and ``M``, bf16 ``F.linear`` (and at one row our bf16 skinny GEMM),
+FP8 ``w8a16`` with row and with 128x128 block scales, the activation quantization plus
+``torch._scaled_mm`` row-wise and per-tensor; each a CUDA-graph replay over weight copies
+that exceed L2 (``bench.common.timing``), beside the FP8 and bf16 read floors measured in
+the run. Prints a table; ``--out`` also writes ``fp8_gemm.json``.
+
+``--sweep`` is the **tile tuner**: per projection with the input op the decoder fuses into
+it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
+checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
+work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
+rows, N, K, input op, GPU) with both times (``executor.quant.tiles``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import hardware, shapes
+from bench.common.timing import weight_copies, weights_replay_us
+
+
+def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], object], bool]]:
+    """name -> (fn of one weight copy, whether it takes the FP8 copies)."""
+    from executor.kernels.skinny import skinny_gemm
+    from executor.quant import launch
+    from executor.quant.fp8 import FP8_MAX
+
+    dev = torch.device("cuda")
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    rows = torch.full((n,), 1 / FP8_MAX, device=dev)
+    blocks = torch.full((-(-n // 128), -(-k // 128)), 1 / FP8_MAX, device=dev)
+    one = torch.ones(1, device=dev)
+    out: dict[str, tuple[Callable[[torch.Tensor], object], bool]] = {
+        "bf16 cuBLAS": (lambda w: F.linear(x, w), False),
+        "fp8 w8a16 rows": (lambda w: launch.w8a16(x, w, rows, None), True),
+        "fp8 w8a16 blocks": (lambda w: launch.w8a16(x, w, blocks, (128, 128)), True),
+    }
+    if m == 1:
+        out["bf16 skinny"] = (lambda w: skinny_gemm(x, w), False)
+    if k % 16 == 0 and n % 16 == 0:
+        def rowwise(w: torch.Tensor) -> object:
+            q, s = launch.act_quant(x, None)
+            return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=rows.view(1, -1),
+                                    out_dtype=torch.bfloat16)
+
+        def per_tensor(w: torch.Tensor) -> object:
+            q, _ = launch.act_quant(x, one)
+            return torch._scaled_mm(q, w.t(), scale_a=one, scale_b=one,
+                                    out_dtype=torch.bfloat16)
+
+        out["fp8 scaled_mm rowwise"] = (rowwise, True)
+        out["fp8 scaled_mm per-tensor"] = (per_tensor, True)
+    return out
+
+
+def measure(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
+    dev = torch.device("cuda")
+    bw = hardware.read_bandwidth_gbs() * 1e9
+    rows = []
+    for name, (k, n) in shapes.projections(spec).items():
+        if name == "lm_head":
+            continue
+        bf16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+                for _ in range(weight_copies(k, n))]
+        fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
+               for _ in range(weight_copies(k, n, 1))]
+        for m in tokens:
+            row: dict[str, Any] = {"proj": name, "k": k, "n": n, "m": m,
+                                   "floor_bf16_us": 2 * k * n / bw * 1e6,
+                                   "floor_fp8_us": k * n / bw * 1e6}
+            for label, (fn, takes_fp8) in _paths(m, k, n).items():
+                row[label] = weights_replay_us(fn, fp8 if takes_fp8 else bf16)
+            rows.append(row)
+            print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v
+                              for k2, v in row.items()}), flush=True)
+        del bf16, fp8
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    labels = [k for k in rows[0] if k.startswith(("bf16", "fp8"))]
+    labels += sorted({k for r in rows for k in r if k.startswith(("bf16", "fp8"))} - set(labels))
+    head = "| proj | M | fp8 floor µs | bf16 floor µs | " + " | ".join(labels) + " |"
+    lines = [head, "|" + "---|" * (4 + len(labels))]
+    for r in rows:
+        cells = [f"{r[label]:.1f}" if label in r else "" for label in labels]
+        lines.append(f"| {r['proj']} ({r['k']}->{r['n']}) | {r['m']} | "
+                     f"{r['floor_fp8_us']:.1f} | {r['floor_bf16_us']:.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _candidates(m: int, k: int, blocks: bool) -> list[Any]:
+    from executor.kernels.fast_launch import next_power_of_2
+    from executor.quant.tiles import DOT_MIN_ROWS, Fp8Tile, valid
+
+    if m < DOT_MIN_ROWS:
+        tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
+                 for w in (4, 8) if bk <= max(512, next_power_of_2(k))]
+    else:
+        tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+    return [t for t in tiles if valid(t, m, blocks)]
+
+
+def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
+            scale: torch.Tensor, block: tuple[int, int] | None
+            ) -> Callable[..., torch.Tensor]:
+    """``run(w, tile)``: the launch the sweep times, with ``op`` fused in."""
+    from executor.quant import launch
+    from executor.quant.tiles import ADD_RMS_NORM, PLAIN
+
+    def run(w: torch.Tensor, tile: Any) -> torch.Tensor:
+        if op == PLAIN:
+            return launch.w8a16(x, w, scale, block, tile)
+        norm = op == ADD_RMS_NORM
+        return launch.w8a16_fused(x, w, scale, block, op, res if norm else None,
+                                  nw if norm else None, 1e-5, tile)[0]
+
+    return run
+
+
+def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
+                       scale: torch.Tensor) -> Callable[[torch.Tensor], object]:
+    """The cuBLAS FP8 path of the same work: the input op's own kernel, the activation
+    quantization, ``torch._scaled_mm`` row-wise."""
+    from executor import kernels
+    from executor.quant import launch
+    from executor.quant.tiles import ADD_RMS_NORM, SILU_MUL
+
+    def run(w: torch.Tensor) -> object:
+        a = x
+        if op == ADD_RMS_NORM:
+            a = kernels.add_rms_norm(x, res, nw, 1e-5)[0]
+        elif op == SILU_MUL:
+            a = kernels.silu_and_mul(x)
+        q, s = launch.act_quant(a, None)
+        return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1),
+                                out_dtype=torch.bfloat16)
+
+    return run
+
+
+def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
+    """The fastest valid tile per projection, scales and row count (see the docstring)."""
+    from executor.kernels.skinny.tiles import device_name
+    from executor.quant.tiles import (
+        ADD_RMS_NORM,
+        DOT_MIN_ROWS,
+        PLAIN,
+        SILU_MUL,
+        default_tile,
+        rows_bucket,
+    )
+
+    dev = torch.device("cuda")
+    bw = hardware.read_bandwidth_gbs() * 1e9
+    ops = {"qkv": ADD_RMS_NORM, "o": PLAIN, "gate_up": ADD_RMS_NORM, "down": SILU_MUL}
+    out = []
+    for name, (k, n) in shapes.projections(spec).items():
+        if name not in ops:
+            continue
+        fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
+               for _ in range(weight_copies(k, n, 1))]
+        for blocks in (False, True):
+            scale = torch.rand((-(-n // 128), -(-k // 128)) if blocks else (n,),
+                               device=dev) / 448 + 1e-3
+            block = (128, 128) if blocks else None
+            for m in [t for t in tokens if t <= 64]:
+                op = ops[name] if m < DOT_MIN_ROWS else PLAIN
+                x = torch.randn(m, 2 * k if op == SILU_MUL else k, device=dev).to(torch.bfloat16)
+                res = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+
+                run = _runner(x, op, res, nw, scale, block)
+                default = default_tile(m, n, k, blocks, op)
+                want = run(fp8[0], default).float()
+                times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
+                for tile in _candidates(m, k, blocks):
+                    if tile in times:
+                        continue
+                    try:
+                        got = run(fp8[0], tile).float()
+                    except Exception as exc:  # a tile this GPU cannot compile
+                        print(f"skip {tile}: {exc!r}"[:200], flush=True)
+                        continue
+                    atol = 1e-2 * float(want.abs().max())
+                    if not torch.allclose(got, want, rtol=2e-2, atol=atol):
+                        print(f"skip {tile}: wrong result", flush=True)
+                        continue
+                    times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
+                best = min(times, key=times.__getitem__)
+                cublas = None
+                if not blocks and k % 16 == 0 and n % 16 == 0:
+                    cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
+                row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
+                       "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
+                       "tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
+                       "us": round(times[best], 2), "default_us": round(times[default], 2),
+                       "floor_us": round(k * n / bw * 1e6, 2)}
+                if cublas is not None:  # what gemm.prepare's cuBLAS FP8 path costs here
+                    row["scaled_mm_us"] = round(cublas, 2)
+                print(json.dumps(row), flush=True)
+                out.append(row)
+        del fp8
+        torch.cuda.empty_cache()
+    return out
+
+
+def merge_tiles(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` into the tile file at ``path``, replacing rows of the same key."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["device"], r["scales"], r["m"], r["n"], r["k"], r["input_op"])
+
+    old = json.loads(path.read_text())["tiles"] if path.is_file() else []
+    new = {key(r): r for r in old}
+    new.update({key(r): r for r in rows})
+    path.write_text(json.dumps({"tiles": sorted(new.values(), key=key)}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, action="append")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--sweep", action="store_true", help="tune the w8a16 tiles")
+    ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
+    args = ap.parse_args(argv)
+    if args.sweep:
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1])
+        if args.tiles_out:
+            merge_tiles(args.tiles_out, tuned)
+        return 0
+    rows = measure(shapes.spec(args.shape), args.tokens or [1, 8, 64, 2048])
+    print(table(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_gemm.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

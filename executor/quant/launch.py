@@ -1,0 +1,105 @@
+"""Launchers of the FP8 Triton kernels (``kernels.py``): output allocation, the tile
+(``tiles.py``), the grid.
+
+Imported at the first FP8 GEMM, never with the model, so CPU runs that only load and
+dequantize never import Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from executor.kernels.fast_launch import cdiv, next_power_of_2
+from executor.kernels.skinny.tiles import device_name
+from executor.quant.fp8 import FP8
+from executor.quant.kernels import _act_quant_kernel, _w8a16_kernel
+from executor.quant.tiles import (
+    DOT_MIN_ROWS,
+    PLAIN,
+    SILU_MUL,
+    Fp8Tile,
+    block_m,
+    pick_tile,
+    valid,
+)
+
+
+@functools.cache
+def stages(device: torch.device) -> int:
+    """Default software-pipelining depth: Hopper's shared memory holds four stages of the
+    largest tile (64 x 128 bf16 rows + 128 x 128 FP8 weights); Ada's (~100 KiB) two."""
+    if device.type != "cuda":
+        return 2
+    return 4 if torch.cuda.get_device_capability(device) >= (9, 0) else 2
+
+
+def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+          block: tuple[int, int] | None, tile: Fp8Tile | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
+    ``scale`` block scales (with ``block``) or (N,) row scales. A new (M, N) tensor.
+    ``tile``: the launch shape (default: ``tiles.pick_tile``)."""
+    return _launch(x, weight, scale, block, PLAIN, None, None, 0.0, tile)[0]
+
+
+def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
+                norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w8a16`` of the input op's output (``executor.kernels.skinny`` ``SILU_MUL``: ``x``
+    is (M, 2K) gate|up; ``RMS_NORM``/``ADD_RMS_NORM``: ``rms_norm(x [+ residual])`` with
+    ``norm_weight``), for fewer than ``DOT_MIN_ROWS`` rows; with a residual also
+    ``x + residual``, as ``skinny_norm_gemm`` returns them."""
+    assert 0 < x.shape[0] < DOT_MIN_ROWS, x.shape
+    return _launch(x, weight, scale, block, input_op, residual, norm_weight, eps, tile)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
+            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8, (x.shape, weight.dtype)
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.shape[1] == (2 * k if input_op == SILU_MUL else k), (x.shape, weight.shape)
+    out = x.new_empty((m, n))
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m == 0:
+        return out, res_out
+    dot = m >= DOT_MIN_ROWS
+    assert not dot or input_op == PLAIN
+    if tile is None:
+        name = device_name(x.device) if x.is_cuda else ""
+        tile = pick_tile(m, n, k, block is not None, input_op, name)
+    assert valid(tile, m, block is not None), tile
+    sbn, sbk = block or (1, 1)
+    res_in = residual if residual is not None else x
+    res_dst = res_out if res_out is not None else out
+    nw = norm_weight if norm_weight is not None else x
+    bm = block_m(m)
+    grid = (cdiv(n, tile.block_n), cdiv(m, bm))
+    _w8a16_kernel[grid](x, res_in, nw, weight, scale, out, res_dst, m, n, k, x.stride(0),
+                        res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0),
+                        scale.stride(0), 1.0 / k, eps, SBN=sbn, SBK=sbk,
+                        BLOCK_SCALES=block is not None, INPUT_OP=input_op, BLOCK_M=bm,
+                        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_DOT=dot,
+                        num_warps=tile.num_warps,
+                        num_stages=tile.num_stages or stages(x.device))
+    return out, res_out
+
+
+def act_quant(x: torch.Tensor, static_scale: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (M, K) to e4m3: (q (M, K), float32 scales (M, 1)); per row, or all
+    with ``static_scale`` (1,)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, next_power_of_2(k))
+        _act_quant_kernel[(m,)](x, q, s, static_scale if static_scale is not None else s,
+                                k, x.stride(0), q.stride(0), STATIC=static_scale is not None,
+                                BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return q, s

@@ -1,0 +1,116 @@
+"""Launch shapes of the w8a16 kernel: tuned ones as data, defaults otherwise.
+
+A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on this GPU
+(``tiles.json`` beside this module, written by ``bench.kernels.fp8_gemm --sweep
+--tiles-out``), else the first GPU's the file lists for it, else ``default_tile``. Rows are
+bucketed to powers of two up to 64 (the sweep times each bucket's top).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from executor.kernels.fast_launch import next_power_of_2
+
+TILES_FILE = Path(__file__).with_name("tiles.json")
+#: Rows from which ``tl.dot`` (16-row tiles) multiplies; fewer reduce on the CUDA cores,
+#: where the input ops can be fused in.
+DOT_MIN_ROWS = 8
+# The skinny kernels' input ops (``executor.kernels.skinny.kernel``), restated here so
+# this module needs no Triton: PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM.
+PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Fp8Tile:
+    """Output columns and K chunk per program, warps, pipelining depth (0: the device's
+    default, ``launch.stages``)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 0
+
+
+def rows_bucket(m: int) -> int:
+    """The tuned-tile bucket of ``m`` rows: the next power of two, at most 128 (more)."""
+    return min(next_power_of_2(m), 128)
+
+
+def block_m(m: int) -> int:
+    """Rows per program: all of them on the CUDA cores, 16 to 64 on the tensor cores."""
+    return next_power_of_2(m) if m < DOT_MIN_ROWS else min(max(16, next_power_of_2(m)), 64)
+
+
+def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN) -> Fp8Tile:
+    """Untuned shapes. CUDA cores (fewer than ``DOT_MIN_ROWS`` rows): the bf16 skinny
+    GEMM's shape (narrow programs, long K chunks: many programs in flight, each streaming
+    its rows), 4 columns per program (FP8 rows are half the bytes) over 8 warps, which
+    keeps a fused input op's program under 96 registers on Hopper (8 columns over 4 warps
+    take 224). Tensor cores: 64 columns (128 above 64 rows), 128-column chunks (a block's
+    width)."""
+    if m < DOT_MIN_ROWS:
+        return Fp8Tile(4, max(64, min(next_power_of_2(k), 2048 // next_power_of_2(m))), 8)
+    return Fp8Tile(64 if m <= 64 else 128, 128 if blocks or k >= 128 else 64,
+                   4 if m <= 64 else 8)
+
+
+#: How much faster cuBLAS FP8 (activation quantization + ``torch._scaled_mm``) must have
+#: been than the best tile for a row bucket to take it: w8a16 keeps the input op fused.
+SCALED_MM_MARGIN = 0.9
+
+
+@functools.cache
+def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]]:
+    """(scales "rows"/"blocks", rows bucket, N, K, input op) -> device name -> tile, read
+    once."""
+    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]] = {}
+    for row in _rows():
+        key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
+        out.setdefault(key, {})[row.get("device", "")] = Fp8Tile(*row["tile"])
+    return out
+
+
+@functools.cache
+def _scaled_mm_faster() -> frozenset[tuple[int, int, int, str]]:
+    """(rows bucket, N, K, device) where the sweep found cuBLAS FP8 faster (per-channel
+    scales, by ``SCALED_MM_MARGIN``)."""
+    return frozenset((r["m"], r["n"], r["k"], r.get("device", "")) for r in _rows()
+                     if r["scales"] == "rows" and "scaled_mm_us" in r
+                     and r["scaled_mm_us"] <= SCALED_MM_MARGIN * r["us"])
+
+
+def scaled_mm_faster(m: int, n: int, k: int, device: str) -> bool:
+    """Whether ``m`` rows of an (N, K) per-channel projection go to cuBLAS FP8 on this GPU
+    although the w8a16 kernel takes up to ``gemm.SKINNY_MAX_ROWS`` (measured, not assumed:
+    the sweep records both)."""
+    return (rows_bucket(m), n, k, device) in _scaled_mm_faster()
+
+
+def _rows() -> list[dict[str, Any]]:
+    if not TILES_FILE.is_file():
+        return []
+    return list(json.loads(TILES_FILE.read_text())["tiles"])
+
+
+def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str) -> Fp8Tile:
+    """The tile for a launch (see the module docstring)."""
+    op = ADD_RMS_NORM if input_op == RMS_NORM else input_op  # the norms share tiles
+    tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op))
+    if tuned:
+        return tuned.get(device) or next(iter(tuned.values()))
+    return default_tile(m, n, k, blocks, input_op)
+
+
+def valid(tile: Fp8Tile, m: int, blocks: bool) -> bool:
+    """Whether the kernel takes ``tile``: block scales need tensor-core chunks inside one
+    128-column block and CUDA-core chunks of whole blocks (or inside one)."""
+    if not blocks:
+        return True
+    if m >= DOT_MIN_ROWS:
+        return 128 % tile.block_k == 0
+    return tile.block_k % 128 == 0 or 128 % tile.block_k == 0

@@ -1,0 +1,54 @@
+"""``bench.e2e.fp8``'s floors and report on CPU (the measurement needs an FP8 GPU)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench.common import shapes
+from bench.e2e import fp8
+
+
+def test_fp8_floor_counts_projections_at_one_byte() -> None:
+    spec = shapes.spec("llama-3.1-8b")
+    bf16 = fp8.floors(spec, "decode", 1, 0, 1000.0, 500.0, 1000.0, fp8=False)
+    f8 = fp8.floors(spec, "decode", 1, 0, 1000.0, 500.0, 1000.0, fp8=True)
+    # 8B: 15.0 GB read per step in bf16, 7.0 GB of them projections
+    assert bf16 == pytest.approx(shapes.weight_bytes("llama-3.1-8b") / 1e9)
+    assert bf16 - f8 == pytest.approx(fp8.projection_params(spec) / 1e9)
+    assert 0.5 < f8 / bf16 < 0.55
+    # prefill 2048 is FLOP-bound: projections at the FP8 rate
+    p16 = fp8.floors(spec, "prefill", 2048, 0, 3000.0, 700.0, 1400.0, fp8=False)
+    p8 = fp8.floors(spec, "prefill", 2048, 0, 3000.0, 700.0, 1400.0, fp8=True)
+    assert p16 == pytest.approx(2 * spec.num_params() * 2048 / 700e12 * 1e3)
+    assert 0.5 < p8 / p16 < 0.6
+
+
+def test_report_marks_targets() -> None:
+    run = {"quantization": "fp8_at_load", "weight_format": "fp8_e4m3"}
+    result = {"model": "llama-3.1-8b", "device": "H100", "commit": "abc",
+              "read_bandwidth_gbs": 3000.0, "matmul_tflops": 700.0, "fp8_matmul_tflops": 1400.0,
+              "steps": 10, "context": 512, "runs": {
+                  "bf16": {**run, "cases": {"decode:1": {"gpu_ms": 5.3, "floor_ms": 5.0},
+                                            "decode:64": {"gpu_ms": 6.0, "floor_ms": 5.5}}},
+                  "fp8": {**run, "cases": {"decode:1": {"gpu_ms": 3.0, "floor_ms": 2.7},
+                                           "decode:64": {"gpu_ms": 5.0, "floor_ms": 3.2}}}}}
+    text = fp8.markdown(result)
+    assert "| decode:1 | 5.300 | 3.000 | 0.566 | <= 0.63 met | 2.700 | 1.11x | 1.06x |" in text
+    assert "| decode:64 | 6.000 | 5.000 | 0.833 | <= 0.8 MISSED |" in text
+
+
+def test_tile_file_merge_replaces_rows_of_the_same_key(tmp_path: Any) -> None:
+    from bench.kernels.fp8_gemm import merge_tiles
+    from executor.quant import tiles
+
+    path = tmp_path / "tiles.json"
+    row = {"device": "H100", "scales": "rows", "m": 1, "n": 4096, "k": 4096, "input_op": 3,
+           "tile": [4, 2048, 8, 3], "us": 10.0}
+    merge_tiles(path, [row, {**row, "n": 6144}])
+    merge_tiles(path, [{**row, "tile": [2, 1024, 8, 3], "us": 9.0}])
+    rows = json.loads(path.read_text())["tiles"]
+    assert [(r["n"], r["tile"]) for r in rows] == [(4096, [2, 1024, 8, 3]), (6144, [4, 2048, 8, 3])]
+    assert "tiles" in json.loads(tiles.TILES_FILE.read_text())  # the shipped file parses

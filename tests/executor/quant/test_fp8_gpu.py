@@ -1,0 +1,208 @@
+"""FP8 on an FP8 GPU (compute capability 8.9+): the GEMM paths, graphs, and agreement.
+
+* every GEMM path (``gemm.prepare``: w8a16 up to 64 rows; above, ``torch._scaled_mm``
+  after the activation quantization, or w8a16 on the tensor cores for block scales)
+  against float32 on the values it multiplies, over the 1B, 8B and SmolLM2 projection
+  shapes at 1, 8, 64 and 2048 rows. Tolerance: ``REL`` of the reference's largest value
+  (one bf16 rounding of float32 sums; cuBLAS FP8 sums in its own order);
+* the activation quantization kernel equals ``fp8.quantize_activations`` bit for bit;
+* graphs (full decode, breakable prefill) give eager's greedy tokens with FP8 weights,
+  and the layers keep FP8 (no dequantized fallback);
+* a bf16 checkpoint with ``--quantization fp8`` agrees with its bf16 self on >= 90 % of
+  greedy tokens over 8 prompts x 64 steps (the figure is printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.api import DecodeItem, PrefillItem, SamplingParams
+from executor.config import ModelConfig
+from executor.quant import Fp8Linear, gemm, launch, read_scheme
+from executor.quant.fp8 import (
+    quantize_activations,
+    quantize_blocks,
+    quantize_rows,
+    quantize_tensor,
+)
+from executor.quant.scheme import AT_LOAD
+from tests.helpers.fp8_models import write_fp8_model
+from tests.helpers.gpu import greedy_agrees, make_prefill_executor
+
+pytestmark = pytest.mark.gpu
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8 = pytest.mark.skipif(not FP8_GPU, reason="needs compute capability 8.9+")
+#: |got - ref| <= REL * max|ref|: bf16 output rounding (2^-9 relative) plus summation order
+REL = 8e-3
+SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m")
+ROWS = (1, 8, 64, 2048)
+DEV = torch.device("cuda")
+
+
+def _scheme(kind: str):  # type: ignore[no-untyped-def]
+    return {"block": read_scheme({"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                 None),
+            "channel": AT_LOAD,
+            "tensor": read_scheme({"quant_method": "modelopt", "quant_algo": "FP8"}, None)}[kind]
+
+
+def _layer(kind: str, k: int, shards: tuple[int, ...]) -> tuple[Fp8Linear, torch.Tensor]:
+    """An ``Fp8Linear`` on the GPU of random weights, and its float32 dequantized weight."""
+    scheme = _scheme(kind)
+    with torch.device("meta"):
+        layer = Fp8Linear(k, sum(shards), scheme, shards, None, bias=False)
+    layer.to_empty(device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(k + sum(shards))
+    with torch.no_grad():
+        lo = 0
+        for i, rows in enumerate(shards):
+            w = torch.randn(rows, k, generator=gen, device=DEV) / (k ** 0.5 * (i + 1))
+            if kind == "block":
+                q, s = quantize_blocks(w)
+                layer.scales[lo // 128 : lo // 128 + s.shape[0]] = s
+            elif kind == "channel":
+                q, s = quantize_rows(w)
+                layer.scales[lo : lo + rows] = s
+            else:
+                q, s = quantize_tensor(w)
+                layer.scales[i] = s
+                assert layer.input_scale is not None
+                layer.input_scale[i] = 4.0 / 448
+            layer.weight[lo : lo + rows] = q
+            lo += rows
+    gemm.prepare(layer)  # (per-tensor: shards re-rounded to one scale first)
+    return layer, layer.dense_weight(torch.float32)
+
+
+def _projection_shards(shape: str) -> dict[str, tuple[int, tuple[int, ...]]]:
+    from bench.common import shapes
+
+    s = shapes.spec(shape)
+    return {"qkv": (s.hidden_size, (s.q_size, s.kv_size, s.kv_size)),
+            "o": (s.q_size, (s.hidden_size,)),
+            "gate_up": (s.hidden_size, (s.intermediate_size, s.intermediate_size)),
+            "down": (s.intermediate_size, (s.hidden_size,))}
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["block", "channel", "tensor"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
+    for proj, (k, shards) in _projection_shards(shape).items():
+        if kind == "block" and len(shards) > 1 and any(r % 128 for r in shards):
+            continue  # SmolLM2's fused 576/192-row q/k/v: blocks the fusion would cut
+        layer, dense = _layer(kind, k, shards)
+        for m in ROWS:
+            x = torch.randn(m, k, device=DEV, generator=torch.Generator(device=DEV)
+                            .manual_seed(m)).to(torch.bfloat16)
+            got = layer(x)
+            rows = x.float()
+            # (Ada takes w8a16 for per-channel rows too: no row-wise cuBLAS scales there;
+            # tuned tiles may send a few rows to cuBLAS)
+            quantized = "scaled_mm" in layer.path and (
+                m > gemm.SKINNY_MAX_ROWS or gemm.cublas_here(x, layer.weight))
+            if quantized:  # what cuBLAS multiplies: the quantized rows
+                static = layer.input_scale.max().reshape(1) \
+                    if layer.input_scale is not None else None
+                q, s = quantize_activations(x, static)
+                rows = q.float() * s
+            ref = rows @ dense.T
+            err = (got.float() - ref).abs().max().item()
+            bound = REL * ref.abs().max().item()
+            assert err <= bound, f"{shape} {proj} {kind} M={m}: {err:.4g} > {bound:.4g}"
+            if quantized:  # and the rows' own quantization stays small against bf16 rows
+                plain = x.float() @ dense.T
+                assert (got.float() - plain).abs().max() <= 0.1 * plain.abs().max()
+
+
+@needs_fp8
+@pytest.mark.parametrize("static", [False, True])
+def test_act_quant_kernel_is_exact(static: bool) -> None:
+    x = (torch.randn(300, 4096, device=DEV) * 3).to(torch.bfloat16)
+    scale = torch.tensor([0.02], device=DEV) if static else None
+    q, s = launch.act_quant(x, scale)
+    rq, rs = quantize_activations(x, scale)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.float(), rq.float())
+
+
+def _fp8_model(root: Path) -> Path:
+    """The GPU tests' small Llama's shape, block-wise FP8 (``gpu_model``'s layout)."""
+    return write_fp8_model(root / "fp8-llama", "block", vocab_size=1024, hidden_size=512,
+                           intermediate_size=1024, num_hidden_layers=3,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=4096)
+
+
+@needs_fp8
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_graphs_equal_eager_with_fp8(quantization: str | None, tmp_path: Path,
+                                     model_path: Path) -> None:
+    """A block FP8 checkpoint, and a bf16 one with ``--quantization fp8``: full decode and
+    breakable prefill graphs against eager, every clear greedy choice the same."""
+    path = _fp8_model(tmp_path) if quantization is None else model_path
+    model = ModelConfig(source=str(path), dtype="bfloat16", quantization=quantization)  # type: ignore[arg-type]
+    ex = make_prefill_executor(path, model=model)  # type: ignore[arg-type]
+    eager = make_prefill_executor(path, prefill="disabled", decode="disabled",
+                                  model=model)  # type: ignore[arg-type]
+    try:
+        info = ex.status().model
+        assert info.weight_format == "fp8_e4m3"
+        assert info.quantization == ("fp8_block_128x128" if quantization is None
+                                     else "fp8_at_load")
+        assert isinstance(ex.model.layers[0].mlp.down_proj, Fp8Linear)  # type: ignore[attr-defined]
+        ex.capture(["decode", "prefill"])
+        greedy_agrees(ex, eager)
+    finally:
+        ex.close()
+        eager.close()
+
+
+@needs_fp8
+def test_quantization_fp8_agrees_with_bf16(model_path: Path) -> None:
+    """Greedy tokens of the bf16 checkpoint, 8 prompts x 64 steps; the FP8 run fed the
+    same tokens (teacher-forced: one early difference would otherwise decide every later
+    token) must pick the same next token at >= 90 % of the positions. The free-running
+    agreement (identical prefix length) is printed beside it."""
+    greedy = SamplingParams()
+    runs: dict[str, dict[str, list[int]]] = {}
+    prompts = {f"p{i}": torch.randint(0, 1024, (12 + 5 * i,), generator=torch.Generator()
+                                      .manual_seed(i)).tolist() for i in range(8)}
+    base = ModelConfig(source=str(model_path), dtype="bfloat16")
+    configs = {"bf16": base, "fp8": dataclasses.replace(base, quantization="fp8")}
+    exs = {k: make_prefill_executor(model_path, model=c) for k, c in configs.items()}  # type: ignore[arg-type]
+    try:
+        for name, ex in exs.items():
+            out = {o.seq_id: [int(o.token_id)] for o in ex.prefill(
+                [PrefillItem(s, p, sampling=greedy) for s, p in prompts.items()]).outputs}
+            for _ in range(63):
+                step = ex.decode([DecodeItem(s, t[-1], greedy) for s, t in out.items()])
+                for o in step.outputs:
+                    out[o.seq_id].append(int(o.token_id))
+            ex.release(list(out))
+            runs[name] = out
+        # teacher-forced: the FP8 model's choice after each bf16 prefix
+        fp8 = exs["fp8"]
+        agree = total = 0
+        for s, p in prompts.items():
+            ref = runs["bf16"][s]
+            res = fp8.prefill([PrefillItem(s, p + ref[:-1], sampling=greedy,
+                                           every_position=True)])
+            # positions[i]: the pick after token i; from the prompt's last on, one per step
+            picks = [int(t.token_id) for t in res.outputs[0].positions][len(p) - 1 :]
+            agree += sum(a == b for a, b in zip(picks, ref, strict=True))
+            total += len(ref)
+            fp8.release([s])
+        free = sum(next((i for i, (a, b) in enumerate(zip(runs["fp8"][s], runs["bf16"][s],
+                                                            strict=True)) if a != b), 64)
+                   for s in prompts) / (64 * len(prompts))
+        print(f"\n--quantization fp8 vs bf16: {agree / total:.1%} of {total} greedy tokens "
+              f"agree (teacher-forced); free-running identical prefix {free:.1%}")
+        assert agree / total >= 0.9
+    finally:
+        for ex in exs.values():
+            ex.close()
