@@ -49,6 +49,7 @@ from executor.weights.update import (
 
 if TYPE_CHECKING:
     from executor.executor import Executor
+    from executor.model.spec import ModelSpec
 
 _log = logging.getLogger("executor.weights")
 
@@ -116,6 +117,7 @@ class WeightControl:
         """The served checkpoint's tensors (built on first use: reads its headers)."""
         if self._layout is None:
             ex = self._ex
+            _check_updatable(ex.spec, ex.model_info.quantization)
             files = None
             if ex.config.model.load_format == "safetensors":
                 from executor.weights.catalog import resolve_model_source
@@ -142,10 +144,10 @@ class WeightControl:
         """Check the trainer's manifest, tell it the verdict, then receive its buckets."""
         started = time.perf_counter()
         group = self._require_group()
-        refusal: InvalidRequest | None = None
+        refusal: InvalidRequest | StateConflict | None = None
         try:
             self.layout().check(metas, "distributed.tensors")
-        except InvalidRequest as exc:
+        except (InvalidRequest, StateConflict) as exc:
             refusal = exc
         check_ms = (time.perf_counter() - started) * 1e3
         self._announce("update_trainer", (tuple(metas), bucket_bytes))
@@ -375,3 +377,13 @@ class WeightControl:
                     self.memory.wake(tag)
         except (WeightUpdateFailed, TransferUnavailable) as exc:  # rank 0 reports it
             _log.error("weight operation %s failed on this rank: %s", op, exc)
+
+
+def _check_updatable(spec: ModelSpec, quantization: str) -> None:
+    """Refuse (FAILED_PRECONDITION, nothing applied) an update of weights that the copy
+    into existing parameters does not cover yet: stacked experts and FP8 projections."""
+    what = ("mixture-of-experts weights" if spec.moe is not None
+            else f"FP8 weights ({quantization})" if quantization else "")
+    if what:
+        raise StateConflict(f"UpdateWeights does not update {what} yet; it serves dense "
+                            "unquantized models", "UPDATE_UNSUPPORTED")

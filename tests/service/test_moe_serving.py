@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
@@ -55,6 +56,21 @@ def test_health_reports_the_experts(served: tuple[str, Path, ServerHarness]) -> 
     assert model.architecture == cfg.architectures[0]
     assert model.num_experts == (4 if kind == "qwen3_moe_raw" else 8)
     assert model.num_experts_per_token == 2
+
+
+def test_weight_update_is_refused_with_nothing_applied(
+        served: tuple[str, Path, ServerHarness]) -> None:
+    """UpdateWeights does not cover stacked experts yet: FAILED_PRECONDITION, naming why,
+    and the server keeps its version and serves on."""
+    _, path, harness = served
+    with pytest.raises(grpc.RpcError) as err:
+        harness.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v2", path=str(path)),
+                                   timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "mixture-of-experts" in (err.value.details() or "")
+    model = harness.stub.Health(pb.HealthRequest(), timeout=10).model
+    assert model.weight_version == "initial"
+    assert harness.stub.Health(pb.HealthRequest(), timeout=10).state == pb.SERVER_STATE_READY
 
 
 def test_dense_model_reports_no_experts() -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
-from executor.errors import ConfigError, ModelLoadError
+from executor.errors import ConfigError, ModelLoadError, StateConflict
 from executor.executor import Executor
 from executor.quant import Fp8Linear, info_of, read_scheme
 from executor.quant.fp8 import dequantize, quantize_rows
@@ -204,6 +204,10 @@ def test_quantization_flag_quantizes_at_load_and_health_says_so(tmp_path: Path) 
             q, s = quantize_rows(w)
             assert torch.equal(got, dequantize(q, s, None, torch.float32))
             assert not torch.equal(got, w)
+        # An in-place update does not cover FP8 weights yet: refused, nothing applied.
+        with pytest.raises(StateConflict, match=r"FP8 weights \(fp8_at_load\)"):
+            ex.weights.update_from_disk("v2", str(tiny))
+        assert ex.status().model.weight_version == "initial"
     finally:
         ex.close()
     ex = Executor(dataclasses.replace(cfg, model=ModelConfig(source=str(tiny))))
