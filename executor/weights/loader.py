@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+import executor.model.gemma  # registers the Gemma family
 import executor.model.llama  # noqa: F401 (registers the Llama family)
 from executor.config import LoadFormat
 from executor.distributed.group import TensorParallel
 from executor.errors import ModelLoadError
 from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
-from executor.weights.sharding import copy_shard
+from executor.weights.sharding import copy_fused_shard, copy_shard
 
 # HF names of the shards that we fuse into one parameter, with their shard index.
 _FUSED: dict[str, tuple[str, int]] = {
@@ -96,13 +97,19 @@ def _shard_rows(spec: ModelSpec, param_name: str) -> list[int]:
     return [0, spec.intermediate_size, 2 * spec.intermediate_size]
 
 
+def _is_fused(param_name: str) -> bool:
+    return ".qkv_proj." in param_name or ".gate_up_proj." in param_name
+
+
 def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, int | None]]:
     """Every (parameter, shard) the checkpoint must provide."""
     out: set[tuple[str, int | None]] = set()
     for name, _ in model.named_parameters():
         if spec.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if ".qkv_proj." in name:
+        if spec.features.fused_checkpoint:  # stored as we hold it: one tensor each
+            out.add((name, None))
+        elif ".qkv_proj." in name:
             out.update((name, i) for i in range(3))
         elif ".gate_up_proj." in name:
             out.update((name, i) for i in range(2))
@@ -162,7 +169,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
                 rows = _shard_rows(spec, name)
                 target = target[rows[shard] : rows[shard + 1]]
             with torch.no_grad():
-                copy_shard(f, hf_name, name, target, tp.rank, tp.size, where)
+                if shard is None and _is_fused(name):  # stored fused: cut per part
+                    copy_fused_shard(f, hf_name, target, _shard_rows(spec, name), tp.rank,
+                                     tp.size, where)
+                else:
+                    copy_shard(f, hf_name, name, target, tp.rank, tp.size, where)
             loaded.add((name, shard))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:

@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # one tiny checkpoint each (``write_model``)
+#: Families with sliding windows, soft-caps or fused checkpoints (``hf_config`` kinds):
+#: every window (8) is shorter than the parity prompts.
+WINDOWED_ARCHS = ("mistral_window", "qwen2_window", "gemma2", "gemma3", "phi3")
+WINDOW = 8
 
 COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -36,6 +40,30 @@ def hf_config(kind: str) -> Any:
     elif kind == "mistral":  # no sliding window
         cfg = tf.MistralConfig(**COMMON, sliding_window=None)
         arch = "MistralForCausalLM"
+    elif kind == "mistral_window":  # every layer windowed
+        cfg = tf.MistralConfig(**COMMON, sliding_window=WINDOW)
+        arch = "MistralForCausalLM"
+    elif kind == "qwen2_window":  # windowed from layer max_window_layers on
+        cfg = tf.Qwen2Config(**{**COMMON, "num_hidden_layers": 3}, use_sliding_window=True,
+                             sliding_window=WINDOW, max_window_layers=1)
+        arch = "Qwen2ForCausalLM"
+    elif kind == "gemma2":  # sliding/global alternating, both soft-caps
+        cfg = tf.Gemma2Config(**{**COMMON, "num_hidden_layers": 3}, head_dim=16,
+                              sliding_window=WINDOW, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=4.0)
+        arch = "Gemma2ForCausalLM"
+    elif kind == "gemma3":  # q/k norm, a local RoPE base, one global layer in three
+        cfg = tf.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=32,
+                                  sliding_window=WINDOW, sliding_window_pattern=3,
+                                  query_pre_attn_scalar=32, rope_theta=1000000.0,
+                                  rope_local_base_freq=10000.0,
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+        arch = "Gemma3ForCausalLM"
+    elif kind == "phi3":  # fused qkv / gate_up in the checkpoint, a window, partial RoPE
+        cfg = tf.Phi3Config(**COMMON, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2,
+                            partial_rotary_factor=0.5)
+        arch = "Phi3ForCausalLM"
     else:
         raise ValueError(kind)
     cfg.architectures = [arch]
