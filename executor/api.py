@@ -290,6 +290,10 @@ class ModelInfo:
     # what a tensor-parallel group's small all-reduces run as (``all_reduce_algorithm``);
     # "" for one process
     tp_all_reduce: str = ""
+    # the smallest sliding window any layer uses (tokens), 0 when none does
+    sliding_window: int = 0
+    # what the model adds to a plain Llama decoder (``ModelSpec.model_features``)
+    model_features: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

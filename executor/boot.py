@@ -194,7 +194,8 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
         attention_backend=w.backend_name, load_format=config.model.load_format,
         tensor_parallel_size=tp.size, rank_memory_bytes=cache.rank_memory_bytes,
         kernel_features=features,
-        tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "")
+        tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "",
+        sliding_window=w.spec.sliding_window or 0, model_features=w.spec.model_features)
     return Attention(attn, fuses, info)
 
 

@@ -390,7 +390,8 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         vocab_size=m.vocab_size, max_context=max_context,
         attention_backend=m.attention_backend, tensor_parallel_size=m.tensor_parallel_size,
         rank_memory_bytes=m.rank_memory_bytes, kernel_features=m.kernel_features,
-        load_format=m.load_format, tp_all_reduce=m.tp_all_reduce))
+        load_format=m.load_format, tp_all_reduce=m.tp_all_reduce,
+        sliding_window=m.sliding_window, model_features=m.model_features))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
         free_slots=kv.free_slots, active_sequences=kv.active_sequences,
