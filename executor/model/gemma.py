@@ -22,7 +22,7 @@ from torch import nn
 from executor.attention.base import AttentionBackend, AttentionMetadata
 from executor.distributed.group import TensorParallel
 from executor.model.base import register_model
-from executor.model.gemma_ops import GemmaNormOps, select_gemma_ops
+from executor.model.gemma_ops import GemmaNormOps, prepare_gemma_kernels, select_gemma_ops
 from executor.model.layers import (
     KernelChoice,
     LayerOps,
@@ -138,6 +138,7 @@ class GemmaCausalLM(nn.Module):
         super().__init__()
         tp = tp or TensorParallel.single()
         prepare_kernels(kernels)
+        prepare_gemma_kernels(kernels)
         self.spec = spec
         self.kernels: KernelChoice = kernels
         # Full-attention layers' RoPE; sliding layers share ``rotary_local`` where the

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from executor.model.layers import TRITON_OPS, LayerOps
+from executor.model.layers import TRITON_OPS, KernelChoice, LayerOps, triton_available
 
 
 class GemmaNormOps(Protocol):
@@ -75,6 +75,14 @@ class GemmaTritonOps:
 
 GEMMA_TORCH_OPS = GemmaTorchOps()
 GEMMA_TRITON_OPS = GemmaTritonOps()
+
+
+def prepare_gemma_kernels(choice: KernelChoice) -> None:
+    """Import (and so register) the Gemma kernels now where ``choice`` may pick them, so a
+    Dynamo trace never runs their first import (as ``layers.prepare_kernels``)."""
+    if choice == "triton" or (choice == "auto" and torch.cuda.is_available()
+                              and triton_available()):
+        import executor.kernels.gemma  # noqa: F401
 
 
 def select_gemma_ops(ops: LayerOps) -> GemmaNormOps:
