@@ -18,12 +18,11 @@ docs/kernels.md.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels import pdl
 from executor.kernels.pdl import pdl_enter
 
@@ -48,14 +47,6 @@ def split_stages(batch: int) -> int:
 # Programs wanted per SM: enough in flight to hide the gather latency of short splits
 # (more, with finer alignment, won only at long contexts; docs/kernels.md).
 PROGRAMS_PER_SM = 2
-
-
-def score_scales(sm_scale: float, softcap: float) -> tuple[float, float]:
-    """The kernels' ``(sm_scale_log2, cap_log2)``: ``scale * log2(e)`` and unused without
-    a cap; with one, ``scale / cap`` (the tanh's argument) and ``cap * log2(e)``."""
-    if softcap > 0:
-        return sm_scale / softcap, softcap * math.log2(math.e)
-    return sm_scale * math.log2(math.e), 0.0
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -236,17 +227,6 @@ def _window_start(cached, window, SLIDING: tl.constexpr):
     if SLIDING:
         return tl.maximum(cached - window + 1, 0)
     return cached * 0
-
-
-@triton.jit
-def scaled_scores(dot, sm_scale_log2, cap_log2, SOFTCAP: tl.constexpr):
-    """Base-2 scores of raw dot products: ``dot * scale * log2(e)``, or with SOFTCAP
-    ``cap * tanh(dot * scale / cap) * log2(e)`` (``sm_scale_log2`` is then scale / cap)."""
-    if SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow trouble.
-        e = tl.exp2((dot * sm_scale_log2) * (2.0 * 1.4426950408889634))
-        return (1.0 - 2.0 / (e + 1.0)) * cap_log2
-    return dot * sm_scale_log2
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.attention.triton_kernels.decode import scaled_scores, score_scales
+from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
