@@ -212,8 +212,13 @@ class GemmaCausalLM(nn.Module):
         """Logits ``(S, vocab)`` in the activation dtype, soft-capped as Hugging Face
         does (``cap * tanh(logits / cap)``) where the config sets a final cap; with
         ``out``, written into its rows ``:S`` and returned as that view."""
-        logits = self.lm_head(hidden)
         cap = self.spec.final_softcap
+        if out is not None and not cap and isinstance(self.lm_head, nn.Linear):
+            # The GEMM writes the buffer itself (no copy kernel after it), as Llama's.
+            dst = out[: hidden.shape[0]]
+            torch.mm(hidden, self.lm_head.weight.t(), out=dst)
+            return dst
+        logits = self.lm_head(hidden)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         if out is None:

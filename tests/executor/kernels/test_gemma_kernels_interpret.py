@@ -1,6 +1,6 @@
 """The Gemma kernels (``executor.kernels.gemma``) on CPU under Triton's interpreter, against
 the torch ops they replace (``GEMMA_TORCH_OPS``, Hugging Face's arithmetic), and whole tiny
-Gemma 2 / Gemma 3 models, fused path vs torch path, with a window and soft-caps. fp16 and
+Gemma 2 / Gemma 3 / Phi-3 models, fused path vs torch path, with a window and soft-caps. fp16 and
 fp32 (the interpreter's bf16 is unreliable). Skipped on CUDA machines, where
 ``test_gemma_kernels_gpu.py`` runs the compiled kernels.
 """
@@ -108,11 +108,12 @@ def test_custom_ops_trace_under_dynamo() -> None:
     torch.testing.assert_close(compiled(x, r, w), block(x, r, w), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_gemma_model_fused_matches_torch_path(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+def test_model_fused_matches_torch_path(kind: str, tmp_path: Path) -> None:
     """fp16 logits of a chunked prefill and decode steps past the window: the fused path
-    (these kernels and the Llama family's) against the torch path, both over torch_native
-    attention (the Triton attention's window and soft-cap: test_window_interpret.py)."""
+    (these kernels and the Llama family's; Phi-3's partial rotary through the RoPE kernel
+    on a slice of each head) against the torch path, both over torch_native attention
+    (the Triton attention's window and soft-cap: test_window_interpret.py)."""
     path = write_model(tmp_path, kind, seed=4)
     cfg = ExecutorConfig(model=ModelConfig(source=str(path), dtype="float16"), device="cpu",
                          cache=CacheConfig(kv_tokens=256, max_sequences=4, max_context=64))

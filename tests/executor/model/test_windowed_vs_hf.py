@@ -64,3 +64,21 @@ def test_chunked_prefill_and_decode_match_hf(pair: tuple[Executor, torch.nn.Modu
             last[sid] = logits[j]
     ex.release(list(seqs))
     ex.kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])  # final soft-cap, none
+@torch.inference_mode()
+def test_gemma_compute_logits_into_a_buffer(windowed_dirs: dict[str, Path], kind: str) -> None:
+    """``compute_logits`` with ``out`` (the decode graph's buffer): its rows ``:S`` hold
+    the same (soft-capped where the config caps) logits, returned as that view."""
+    from executor.weights.loader import load_model
+
+    model, spec = load_model(windowed_dirs[kind], torch.float32, torch.device("cpu"), 64)
+    hidden = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    want = model.compute_logits(hidden)
+    if spec.final_softcap:
+        assert want.abs().max() < spec.final_softcap
+    out = torch.full((5, spec.vocab_size), float("nan"))
+    got = model.compute_logits(hidden, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert out[3:].isnan().all()
