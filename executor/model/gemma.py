@@ -70,10 +70,10 @@ class GemmaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = norms.norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = norms.norm(k, self.k_norm.weight, self.k_norm.eps)
-        if not backend.fuses_rope(meta):  # else its decode kernel rotates q and k
+        if self.q_norm is not None and self.k_norm is not None:  # (never fused: start-up)
+            q, k = norms.norm_rope(positions, q, k, self.rotary.cos, self.rotary.sin,
+                                   self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        elif not backend.fuses_rope(meta):  # else its decode kernel rotates q and k
             q, k = self.rotary(positions, q, k, ops)
         out = backend.forward(q, k, v, self.layer_id, meta).reshape(t, self.q_size)
         return self.tp.linear_all_reduce(self.o_proj, out, lambda: ops.linear(self.o_proj, out),

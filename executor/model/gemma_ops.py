@@ -14,7 +14,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from executor.model.layers import TRITON_OPS, KernelChoice, LayerOps, triton_available
+from executor.model.layers import (
+    TORCH_OPS,
+    TRITON_OPS,
+    KernelChoice,
+    LayerOps,
+    triton_available,
+)
 
 
 class GemmaNormOps(Protocol):
@@ -35,6 +41,13 @@ class GemmaNormOps(Protocol):
         """``gelu_tanh(gate) * up`` for ``gate_up`` ``(T, 2 * I)`` -> ``(T, I)``."""
         ...
 
+    def norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head of q ``(T, heads, D)`` and k ``(T, kv_heads, D)`` normed (``norm``),
+        then rotated at ``positions`` (``LayerOps.rope``; Gemma 3's q/k norm)."""
+        ...
+
 
 class GemmaTorchOps:
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +63,12 @@ class GemmaTorchOps:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
+
+    def norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = self.norm(q, q_weight, eps), self.norm(k, k_weight, eps)
+        return TORCH_OPS.rope(positions, q, k, cos, sin, None, None, eps)
 
 
 class GemmaTritonOps:
@@ -71,6 +90,15 @@ class GemmaTritonOps:
         from executor.kernels import gemma
 
         return gemma.gelu_tanh_and_mul(gate_up)
+
+    def norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from executor import kernels
+
+        # One launch: the RoPE kernel's per-head norm in Gemma's arithmetic.
+        return kernels.rope_qk(q, k, positions, cos, sin, q_weight, k_weight, eps,
+                               offset_norm=True)
 
 
 GEMMA_TORCH_OPS = GemmaTorchOps()

@@ -88,6 +88,27 @@ def test_gelu_tanh_and_mul(dtype: torch.dtype, n: int) -> None:
     torch.testing.assert_close(got, GEMMA_TORCH_OPS.gelu_tanh_and_mul(x), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_in_one_launch(dtype: torch.dtype) -> None:
+    """Gemma 3's q/k norm inside the RoPE kernel (``offset_norm``) against the norm then
+    the rotation (q and k strided views of a fused QKV output)."""
+    from executor.model.layers import RotaryEmbedding
+    from executor.model.spec import RopeSpec
+
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), 32, 64)
+    qkv = _randn(5, (4 + 2 * 2) * 32, dtype=dtype, seed=11, scale=2.0)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    k = qkv[:, 4 * 32 : 6 * 32].view(5, 2, 32)
+    qw = _randn(32, dtype=torch.float32, seed=12, scale=0.3).to(dtype)
+    kw = _randn(32, dtype=torch.float32, seed=13, scale=0.3).to(dtype)
+    positions = torch.tensor([0, 3, 9, 40, 63])
+    got = GEMMA_TRITON_OPS.norm_rope(positions, q, k, rotary.cos, rotary.sin, qw, kw, EPS)
+    want = GEMMA_TORCH_OPS.norm_rope(positions, q, k, rotary.cos, rotary.sin, qw, kw, EPS)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
 def test_gemma_ops_follow_the_layer_ops() -> None:
     assert select_gemma_ops(TRITON_OPS) is GEMMA_TRITON_OPS
     assert select_gemma_ops(TORCH_OPS) is GEMMA_TORCH_OPS
