@@ -55,3 +55,23 @@ def test_gelu_tanh_and_mul(dtype: torch.dtype, rows: int) -> None:
     x = _randn(rows, 2 * 15360, dtype=dtype, scale=4.0)
     torch.testing.assert_close(gemma.gelu_tanh_and_mul(x),
                                GEMMA_TORCH_OPS.gelu_tanh_and_mul(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_in_one_launch(dtype: torch.dtype) -> None:
+    """Gemma 3 12B's heads (16 q, 8 kv, 256): the RoPE kernel with Gemma's q/k norm
+    against the norm then the rotation."""
+    from executor.model.gemma_ops import GEMMA_TRITON_OPS
+    from executor.model.layers import RotaryEmbedding
+    from executor.model.spec import RopeSpec
+
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), 256, 4096)
+    rotary.init_tables(torch.device("cuda"))
+    qkv = _randn(33, 32 * 256, dtype=dtype, scale=2.0)
+    q, k = qkv[:, : 16 * 256].view(33, 16, 256), qkv[:, 16 * 256 : 24 * 256].view(33, 8, 256)
+    qw, kw = _randn(256, dtype=dtype, scale=0.3), _randn(256, dtype=dtype, scale=0.3)
+    positions = torch.randint(0, 4096, (33,), device="cuda")
+    got = GEMMA_TRITON_OPS.norm_rope(positions, q, k, rotary.cos, rotary.sin, qw, kw, EPS)
+    want = GEMMA_TORCH_OPS.norm_rope(positions, q, k, rotary.cos, rotary.sin, qw, kw, EPS)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **_tol(dtype))
