@@ -171,3 +171,19 @@ def test_fixed_grid_extend_with_a_window_interpreted() -> None:
     tri.forward_into(q, k, v, out, LAYER, meta)
     assert out[n:].isnan().all()
     torch.testing.assert_close(out[:n].float(), eager.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_flashinfer_refuses_windows_and_softcaps_in_one_line() -> None:
+    """Its wrappers are not given per-layer windows or caps: refused at start-up (before
+    any probe or import), and ``auto`` passes it over."""
+    from executor.attention.flashinfer_backend import flashinfer_unusable
+
+    cuda = torch.device("cuda")
+    for shape, named in ((AttentionShape(8, 2, 256, 0.0625, windows=(4096, 0)),
+                          "sliding_window"),
+                         (AttentionShape(8, 2, 256, 0.0625, softcap=50.0), "attn_softcap")):
+        why = flashinfer_unusable(cuda, torch.bfloat16, shape,
+                                  lambda *_: pytest.fail("probed"))  # type: ignore[arg-type]
+        assert why is not None and named in why and "use triton" in why
+        assert "\n" not in why
+    assert AttentionShape(8, 2, 128, 0.1).features == ()
