@@ -31,6 +31,10 @@ BLOCK_M = 64  # new queries per program; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 3
+# Heads wider than this (Gemma's 256) launch with 8 warps and 2 stages: a 64 x 256 float32
+# accumulator and three stages of 64 x 256 K and V tiles would not fit 4 warps' registers
+# and shared memory. Untuned (no sweep yet at that width).
+WIDE_HEAD_DIM = 128
 
 
 @triton.jit
@@ -338,8 +342,9 @@ def extend_attention(
     # specialized) and the constexprs, which follow from head_dim and the flags.
     key = (tuple(t.dtype for t in pointers), strides, head_dim, store, sliding, capped)
     scale_log2, cap_log2 = score_scales(sm_scale, softcap)
-    _LAUNCHER.launch(grid, key, (*pointers, scale_log2, cap_log2, window, group, *strides),
-                     constexprs)
+    launcher = _WIDE_LAUNCHER if head_dim > WIDE_HEAD_DIM else _LAUNCHER
+    launcher.launch(grid, key, (*pointers, scale_log2, cap_log2, window, group, *strides),
+                    constexprs)
 
 
 def extend_attention_fixed_grid(
@@ -382,9 +387,10 @@ def extend_attention_fixed_grid(
                   "SLIDING": sliding, "SOFTCAP": capped}
     key = (tuple(t.dtype for t in pointers), strides, head_dim, block_s, sliding, capped)
     scale_log2, cap_log2 = score_scales(sm_scale, softcap)
-    _FIXED_LAUNCHER.launch((cdiv(num_tokens, BLOCK_M), num_heads, 1), key,
-                           (*pointers, scale_log2, cap_log2, window, group, num_seqs,
-                            *strides), constexprs)
+    launcher = _WIDE_FIXED_LAUNCHER if head_dim > WIDE_HEAD_DIM else _FIXED_LAUNCHER
+    launcher.launch((cdiv(num_tokens, BLOCK_M), num_heads, 1), key,
+                    (*pointers, scale_log2, cap_log2, window, group, num_seqs, *strides),
+                    constexprs)
 
 
 # One per process: the kernel is compiled per specialization, and every executor's
@@ -392,3 +398,6 @@ def extend_attention_fixed_grid(
 _LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 _FIXED_LAUNCHER = FastLauncher(_extend_fixed_grid_kernel, pdl=True, num_warps=NUM_WARPS,
                                num_stages=NUM_STAGES)
+_WIDE_LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=8, num_stages=2)
+_WIDE_FIXED_LAUNCHER = FastLauncher(_extend_fixed_grid_kernel, pdl=True, num_warps=8,
+                                    num_stages=2)
