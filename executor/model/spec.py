@@ -128,7 +128,10 @@ class ModelSpec:
 
     def num_params(self) -> int:
         h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        norms = (4 * h if self.features.gemma_norms else 2 * h) + \
+            (2 * self.head_dim if self.features.qk_norm else 0) + \
+            (self.q_size + 2 * self.kv_size if self.features.qkv_bias else 0)
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + norms
         return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
 
     def check_servable(self, max_context: int) -> None:

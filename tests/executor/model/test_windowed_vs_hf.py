@@ -82,3 +82,17 @@ def test_gemma_compute_logits_into_a_buffer(windowed_dirs: dict[str, Path], kind
     got = model.compute_logits(hidden, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
     assert out[3:].isnan().all()
+
+
+@pytest.mark.parametrize("kind", [*WINDOWED_ARCHS, "llama", "qwen3"])
+def test_num_params_counts_what_hf_holds(kind: str) -> None:
+    """``ModelSpec.num_params`` (the benchmarks' FLOPs floors) equals the parameter count
+    of HF's model: Gemma's extra norms, q/k norms and biases included."""
+    import transformers as tf
+
+    from executor.model.spec import spec_from_hf_config
+    from tests.helpers.models import hf_config
+
+    cfg = hf_config(kind)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    assert spec_from_hf_config(cfg).num_params() == sum(p.numel() for p in model.parameters())
