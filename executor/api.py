@@ -310,6 +310,10 @@ class ModelInfo:
     # the checkpoint's or --quantization's FP8 scheme ("fp8_block_128x128",
     # "fp8_per_channel_dynamic", "fp8_per_tensor", "fp8_at_load"); "" for none
     quantization: str = ""
+    # the smallest sliding window any layer uses (tokens), 0 when none does
+    sliding_window: int = 0
+    # what the model adds to a plain Llama decoder (``ModelSpec.model_features``)
+    model_features: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ def load_weights(config: ExecutorConfig, at: Placement, tp: TensorParallel) -> W
     spec = local_spec(load_hf_config(model_dir), tp.size)  # this rank's heads
     max_context = config.cache.max_context or spec.max_position
     # Settled before the weights load: a backend that cannot serve here fails fast.
-    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale)
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attn_scale,
+                           spec.layer_windows, spec.attn_softcap)
     started = time.perf_counter()
     backend_name, backend_why = resolve_backend(config.attention_backend, at.device, at.dtype,
                                                 shape)
@@ -184,7 +185,7 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
     attn = create_backend(w.backend_name, w.shape, cache.pool, cache.table)
     rotary = getattr(w.model, "rotary", None)
     can_fuse = attn.can_fuse_decode_rope and rotary is not None and \
-        not w.spec.features.qk_norm
+        not w.spec.features.qk_norm and rotary.fusable
     if config.fuse_decode_rope == "on" and not can_fuse:
         raise ConfigError(
             f"--fuse-decode-rope on needs the triton attention backend (this one is "
@@ -204,7 +205,8 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
         tp_all_reduce=group.all_reduce_algorithm(tp) if tp.distributed else "",
         num_experts=w.spec.moe.num_experts if w.spec.moe else 0,
         num_experts_per_token=w.spec.moe.top_k if w.spec.moe else 0,
-        weight_format=qi.weight_format, quantization=qi.quantization)
+        weight_format=qi.weight_format, quantization=qi.quantization,
+        sliding_window=w.spec.sliding_window or 0, model_features=w.spec.model_features)
     return Attention(attn, fuses, info)
 
 

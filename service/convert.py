@@ -394,7 +394,8 @@ def health_response(state: int, status: ExecutorStatus | None, version: str,
         num_experts=m.num_experts, num_experts_per_token=m.num_experts_per_token,
         weight_version=m.weight_version, sleeping=m.sleeping,
         weights_discarded=m.weights_discarded,
-        weight_format=m.weight_format, quantization=m.quantization))
+        weight_format=m.weight_format, quantization=m.quantization,
+        sliding_window=m.sliding_window, model_features=m.model_features))
     msg.kv.CopyFrom(pb.KVCacheStats(
         total_tokens=kv.total_tokens, free_tokens=kv.free_tokens, total_slots=kv.total_slots,
         free_slots=kv.free_slots, active_sequences=kv.active_sequences,

@@ -39,9 +39,17 @@ SMOLLM2_135M: dict[str, Any] = dict(
 )
 SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B,
           "llama-3.1-70b": LLAMA_3_1_70B, "smollm2-135m": SMOLLM2_135M}
+# Shapes of other families, from the executor's catalog of random shapes (served there by
+# name with ``--load-format random``): Gemma 3 12B (sliding and global layers, head_dim 256).
+for _name in ("gemma-3-12b",):
+    SHAPES[_name] = {}
 
 
 def hf_config(name: str) -> Any:
+    from executor.weights.catalog import RANDOM_SHAPES, shape_config
+
+    if name in RANDOM_SHAPES:
+        return shape_config(name)
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(**SHAPES[name])
@@ -136,11 +144,11 @@ def model(name: str, root: Path, load_format: str = "safetensors") -> tuple[Path
 def label(name: str) -> str:
     """Short name in tables: ``1B``, ``8B``, ``tiny``."""
     return {"llama-3.2-1b": "1B", "llama-3.1-8b": "8B", "llama-3.1-70b": "70B",
-            "smollm2-135m": "135M"}.get(name, name)
+            "smollm2-135m": "135M", "gemma-3-12b": "G3-12B"}.get(name, name)
 
 
 def title(name: str) -> str:
     return {"llama-3.2-1b": "Llama-3.2-1B shape", "llama-3.1-8b": "Llama-3.1-8B shape",
             "llama-3.1-70b": "Llama-3.1-70B shape",
-            "smollm2-135m": "SmolLM2-135M shape",
+            "smollm2-135m": "SmolLM2-135M shape", "gemma-3-12b": "Gemma-3-12B shape",
             "tiny": "embedded tiny model"}.get(name, name)

@@ -39,9 +39,9 @@ _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_")),
     ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_extend_fixed_grid",
                    "_store_kv", "batchdecode", "batchprefill", "flashinfer")),
-    ("norm", ("rms_norm",)),
+    ("norm", ("rms_norm",)),  # Gemma's too (_offset_rms_norm)
     ("rope", ("_rope",)),
-    ("silu", ("silu",)),
+    ("silu", ("silu", "gelu_tanh")),  # the gated MLP's activation, SiLU or GELU
     ("copy", ("memcpy", "memset")),
 )
 
@@ -120,35 +120,46 @@ def class_bytes(spec: Any, phase: str, tokens: int, context: int, sampled: int,
     a kernel fuses them (the table then shows the fused kernel under one class)."""
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     q, kv, layers, m = spec.q_size, spec.kv_size, spec.num_layers, tokens
+    read = kv_read_tokens(spec, context)  # cached tokens read per sequence, all layers
 
     def gemm(k: int, n: int, rows: int = m) -> int:
         return (k * n + rows * k + rows * n) * act_bytes
 
-    if phase == "decode":  # each sequence reads its context's K and V, writes one token's
-        attn = m * (2 * context * kv + q + 2 * kv + q) * act_bytes
+    if phase == "decode":  # each sequence reads its context's K and V (a sliding layer
+        # only its window's), writes one token's
+        attn = m * (2 * read * kv + layers * (q + 2 * kv + q)) * act_bytes
     else:  # K/V of the new tokens written once and read once, q read, out written
-        attn = m * (4 * kv + 2 * q) * act_bytes
+        attn = layers * m * (4 * kv + 2 * q) * act_bytes
     return {
         "qkv": layers * gemm(h, q + 2 * kv),
         "o": layers * gemm(q, h),
         "gate_up": layers * gemm(h, 2 * i),
         "down": layers * gemm(i, h),
         "lm_head": gemm(h, v, sampled),
-        "attention": layers * attn,
+        "attention": attn,
         "norm": (2 * layers + 1) * 4 * m * h * act_bytes,  # x, residual in; out, residual out
         "rope": layers * 2 * m * (q + kv) * act_bytes,
         "silu": layers * 3 * m * i * act_bytes,
     }
 
 
+def kv_read_tokens(spec: Any, context: int) -> int:
+    """Cached tokens one decoding sequence of ``context`` tokens reads, summed over the
+    layers: a sliding layer (``ModelSpec.layer_windows``) reads only its window."""
+    windows = getattr(spec, "layer_windows", ()) or (0,) * spec.num_layers
+    return sum(min(context, w) if w else context for w in windows)
+
+
 def floor_ms(spec: Any, phase: str, tokens: int, context: int, bandwidth_gbs: float,
              tflops: float, weight_bytes: int) -> tuple[float, str]:
     """The step's floor and what bounds it: decode reads the weights and every sequence's
-    KV once (``bandwidth``); prefill is the larger of reading the weights once and its
-    FLOPs (2 * params * tokens, as ``bench.e2e.run``) at the measured matmul rate."""
-    kv_bytes = 2 * spec.kv_size * 2 * spec.num_layers  # K and V, bf16, per token
+    KV once (a sliding layer's window of it; ``bandwidth``); prefill is the larger of
+    reading the weights once and its FLOPs (2 * params * tokens, as ``bench.e2e.run``) at
+    the measured matmul rate."""
+    kv_bytes = 2 * spec.kv_size * 2  # K and V, bf16, per token and layer
     if phase == "decode":
-        return (weight_bytes + tokens * context * kv_bytes) / (bandwidth_gbs * 1e9) * 1e3, "bytes"
+        read = tokens * kv_read_tokens(spec, context) * kv_bytes
+        return (weight_bytes + read) / (bandwidth_gbs * 1e9) * 1e3, "bytes"
     read_ms = weight_bytes / (bandwidth_gbs * 1e9) * 1e3
     # (a mixture of experts: the parameters one token uses, its top-k experts)
     params = spec.num_params(active=True) if getattr(spec, "moe", None) else spec.num_params()

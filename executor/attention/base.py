@@ -25,6 +25,20 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
+    #: Per layer, the sliding window (a query at position p sees keys at positions
+    #: > p - window, Hugging Face's definition), 0 for full attention; empty: none.
+    windows: tuple[int, ...] = ()
+    #: Attention logit soft-cap (scores become ``cap * tanh(score / cap)``), 0 for none.
+    softcap: float = 0.0
+
+    def window(self, layer_id: int) -> int:
+        """Layer ``layer_id``'s window, 0 for full attention."""
+        return self.windows[layer_id] if self.windows else 0
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """What a backend must implement beyond plain causal attention, by name."""
+        return ("sliding_window",) * any(self.windows) + ("attn_softcap",) * (self.softcap > 0)
 
 
 class AttentionMetadata:

@@ -289,6 +289,11 @@ def flashinfer_unusable(device: torch.device, dtype: torch.dtype, shape: Attenti
     if shape.head_dim not in FLASHINFER_HEAD_DIMS:
         return (f"FlashInfer supports head_dim {list(FLASHINFER_HEAD_DIMS)}, "
                 f"not {shape.head_dim}")
+    if shape.features:
+        # Its wrappers take a window and a soft-cap, but per wrapper, not per layer:
+        # not wired here; the triton backend serves these models.
+        return (f"this backend does not serve {' or '.join(shape.features)} models; "
+                "use triton (or auto)")
     if not flashinfer_installed():
         return f"the flashinfer package is not installed; {FLASHINFER_INSTALL}"
     return (probe_fn or probe)(device, dtype, shape)

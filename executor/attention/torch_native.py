@@ -1,7 +1,8 @@
 """Reference attention in plain PyTorch: one SDPA call per sequence.
 
 Correct on CPU and CUDA for any batch; it reads host-side lengths, so it is never captured.
-It is the reference the Triton and FlashInfer kernels are checked against.
+It is the reference the Triton and FlashInfer kernels are checked against, sliding windows
+and logit soft-capping (``AttentionShape``) included.
 """
 
 from __future__ import annotations
@@ -43,13 +44,33 @@ class TorchNativeBackend(AttentionBackend):
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         out = torch.empty_like(q)
         group = self.shape.num_heads // self.shape.num_kv_heads
+        window, cap = self.shape.window(layer_id), self.shape.softcap
         for (_, prefix, n, start), locs in zip(meta.seqs, meta.kv_locations, strict=True):
             # (heads, n, d) queries against (heads, prefix + n, d) keys.
             qi = q[start : start + n].transpose(0, 1)
             ki = k_pool[locs].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             vi = v_pool[locs].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            # Query j (absolute position prefix + j) sees keys 0 .. prefix + j.
+            # Query j (absolute position prefix + j) sees keys 0 .. prefix + j, and with a
+            # window only those after prefix + j - window.
             mask = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).tril(prefix)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.shape.scale)
+            if window:
+                mask = mask.triu(prefix - window + 1)
+            if cap:
+                oi = _softcapped_attention(qi, ki, vi, mask, self.shape.scale, cap)
+            else:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                    scale=self.shape.scale)
             out[start : start + n] = oi.transpose(0, 1)
         return out
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """Attention with scores ``cap * tanh(scale * q.k / cap)`` (SDPA has no soft-cap), op
+    for op as Hugging Face's eager Gemma 2 attention: scores in the input dtype, the
+    softmax in float32. ``q`` (heads, n, d), ``k``/``v`` (heads, keys, d), ``mask`` (n, keys)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -222,11 +222,12 @@ class TritonBackend(AttentionBackend):
         q, k, v = inner_contiguous(q), inner_contiguous(k), inner_contiguous(v)
         k_pool, v_pool = self.pool.k[layer_id], self.pool.v[layer_id]
         table = self.table.device_table
+        window, cap = self.shape.window(layer_id), self.shape.softcap
         if isinstance(meta, TritonFixedExtendMetadata):
             t = meta.out_cache_loc.shape[0]
             assert q.shape[0] == t, f"a {t}-token bucket's forward got {q.shape[0]} tokens"
             extend_attention_fixed_grid(q, k, v, out, k_pool, v_pool, table, meta.seq_rows,
-                                        meta.out_cache_loc, self.shape.scale)
+                                        meta.out_cache_loc, self.shape.scale, window, cap)
         elif isinstance(meta, TritonDecodeMetadata):
             b = meta.batch_size
             assert q.shape[0] >= b, f"decode takes one token per row: {q.shape[0]} rows < {b}"
@@ -234,12 +235,13 @@ class TritonBackend(AttentionBackend):
                 q, k, v, out = q[:b], k[:b], v[:b], out[:b]
             decode_attention(q, k, v, k_pool, v_pool, table, meta.slots,
                              meta.seq_lens, meta.out_cache_loc, out, meta.partial_out,
-                             meta.partial_lse, self.shape.scale, self.rope_tables)
+                             meta.partial_lse, self.shape.scale, self.rope_tables,
+                             window, cap)
         elif isinstance(meta, TritonExtendMetadata):
             extend_attention(q, k, v, out, k_pool, v_pool, table, meta.slots,
                              meta.prefix_lens, meta.extend_lens, meta.extend_start,
                              meta.max_extend_len, self.shape.scale,
-                             out_cache_loc=meta.out_cache_loc)
+                             out_cache_loc=meta.out_cache_loc, window=window, softcap=cap)
         else:
             raise TypeError(f"triton backend got {type(meta).__name__}")
 

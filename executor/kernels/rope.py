@@ -9,7 +9,8 @@ views of the fused QKV projection output; the results are new contiguous tensors
 Numerics follow Hugging Face's ``q * cos + rotate_half(q) * sin`` in the activation dtype
 exactly: cos and sin are read from the float32 tables and rounded to the activation
 dtype, and each product and the sum are rounded to it, as the torch ops do. The optional
-per-head norm has RMSNorm's semantics (float32, rounded before the weight multiply).
+per-head norm has RMSNorm's semantics (float32, rounded before the weight multiply), or
+with ``offset_norm`` Gemma's (times ``1 + weight`` in float32, rounded once).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _norm_rope_heads(
     HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    OFFSET_NORM: tl.constexpr = False,
 ):
     act_ty = out_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)[:, None]
@@ -52,8 +54,12 @@ def _norm_rope_heads(
         rstd = tl.math.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * rstd).to(act_ty).to(tl.float32) * w1).to(act_ty).to(tl.float32)
-        x2 = ((x2 * rstd).to(act_ty).to(tl.float32) * w2).to(act_ty).to(tl.float32)
+        if OFFSET_NORM:  # Gemma: normalize(x) * (1 + w) in float32, one rounding
+            x1 = (x1 * rstd * (1.0 + w1)).to(act_ty).to(tl.float32)
+            x2 = (x2 * rstd * (1.0 + w2)).to(act_ty).to(tl.float32)
+        else:
+            x1 = ((x1 * rstd).to(act_ty).to(tl.float32) * w1).to(act_ty).to(tl.float32)
+            x2 = ((x2 * rstd).to(act_ty).to(tl.float32) * w2).to(act_ty).to(tl.float32)
     # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); the casts between the
     # ops round like the torch ops do (and keep the compiler from contracting into FMAs).
     o1 = (x1 * c).to(act_ty).to(tl.float32) - (x2 * s).to(act_ty).to(tl.float32)
@@ -80,6 +86,7 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
+    OFFSET_NORM: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -93,15 +100,15 @@ def _rope_kernel(
     s = s.to(act_ty).to(tl.float32)
     _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, t, num_heads, stride_qt, stride_qh,
                      num_heads * 2 * HALF, 2 * HALF, c, s, eps,
-                     HALF, HAS_NORM, BLOCK_HQ, BLOCK_HALF)
+                     HALF, HAS_NORM, BLOCK_HQ, BLOCK_HALF, OFFSET_NORM)
     _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, t, num_kv_heads, stride_kt, stride_kh,
                      num_kv_heads * 2 * HALF, 2 * HALF, c, s, eps,
-                     HALF, HAS_NORM, BLOCK_HK, BLOCK_HALF)
+                     HALF, HAS_NORM, BLOCK_HK, BLOCK_HALF, OFFSET_NORM)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float, offset_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
@@ -133,6 +140,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
         BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
+        OFFSET_NORM=offset_norm and has_norm,
         num_warps=min(max(elems // 512, 1), 8),
         **LAUNCH_OPTIONS,
         **pdl.options(),
@@ -143,26 +151,27 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
 @torch.library.custom_op("model_executor::rope_qk", mutates_args=())
 def _rope_op(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, positions, cos, sin, q_weight, k_weight, eps)
+             eps: float, offset_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, positions, cos, sin, q_weight, k_weight, eps, offset_norm)
 
 
 @_rope_op.register_fake
 def _rope_fake(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+               eps: float, offset_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, q_weight: torch.Tensor | None = None,
-            k_weight: torch.Tensor | None = None, eps: float = 0.0
+            k_weight: torch.Tensor | None = None, eps: float = 0.0, offset_norm: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated ``(q, k)`` as new contiguous tensors ``(T, heads, head_dim)`` and
     ``(T, kv_heads, head_dim)``; with ``q_weight``/``k_weight``, each head is RMS-normed
-    (``eps``) first. ``positions`` must index rows of ``cos``/``sin`` (not checked)."""
+    (``eps``) first (``offset_norm``: Gemma's ``1 + weight`` norm). ``positions`` must
+    index rows of ``cos``/``sin`` (not checked)."""
     if torch.compiler.is_compiling():
         q_out, k_out = torch.ops.model_executor.rope_qk(q, k, positions, cos, sin, q_weight,
-                                                       k_weight, eps)
+                                                       k_weight, eps, offset_norm)
         return q_out, k_out
-    return _launch(q, k, positions, cos, sin, q_weight, k_weight, eps)
+    return _launch(q, k, positions, cos, sin, q_weight, k_weight, eps, offset_norm)

@@ -262,11 +262,14 @@ class RotaryEmbedding(nn.Module):
     The tables cover ``max_positions`` positions so a forward is one gather, which is
     also what makes it capturable in a CUDA graph (positions live in a static buffer).
     Both halves of each row are equal (``cat(freqs, freqs)``); the kernel reads the first.
+    With a partial rotary factor (Phi-3) only the leading ``rotary_dim`` of each head are
+    rotated (tables ``(P, rotary_dim)``) and the rest pass through, as Hugging Face does.
     """
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.rotary_dim = rope.rotary_dim(head_dim)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(0), persistent=False)
@@ -278,11 +281,16 @@ class RotaryEmbedding(nn.Module):
         a model built on the meta device."""
         if device.type == "meta":
             return
-        inv_freq = rope_inv_freq(self.rope, self.head_dim, device)
+        inv_freq = rope_inv_freq(self.rope, self.rotary_dim, device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # (positions, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
         self.cos, self.sin = emb.cos(), emb.sin()
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a decode kernel that rotates whole heads may apply these tables."""
+        return self.rotary_dim == self.head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 ops: LayerOps, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
@@ -292,7 +300,13 @@ class RotaryEmbedding(nn.Module):
         qw = q_norm.weight if q_norm is not None else None
         kw = k_norm.weight if k_norm is not None else None
         eps = q_norm.eps if q_norm is not None else 0.0
-        return ops.rope(positions, q, k, self.cos, self.sin, qw, kw, eps)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return ops.rope(positions, q, k, self.cos, self.sin, qw, kw, eps)
+        # Partial rotary (no q/k norm: the spec refuses both together).
+        q_rot, k_rot = ops.rope(positions, q[..., :r], k[..., :r], self.cos, self.sin,
+                                None, None, eps)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
 class GatedMLP(nn.Module):

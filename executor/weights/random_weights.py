@@ -32,25 +32,40 @@ class RandomTensor:
 
 
 def random_recipe(cfg: Any) -> dict[str, RandomTensor]:
-    """HF name -> how its random values are drawn, for a Llama-family ``PretrainedConfig``
+    """HF name -> how its random values are drawn, for a ``PretrainedConfig`` of a family
+    we serve (the Llama family, Phi-3's fused tensors, Gemma's extra norms)
     (in checkpoint order: ``random_state_dict`` draws them from one generator in it)."""
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or h // heads
+    from executor.model.spec import ARCHITECTURES, ArchFeatures
+
+    archs = list(getattr(cfg, "architectures", None) or [""])
+    features = ARCHITECTURES.get(archs[0], ArchFeatures())
     qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
-    qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+    qk_norm = cfg.model_type in ("qwen3", "qwen3_moe") or features.qk_norm
+    fused = features.fused_checkpoint  # q/k/v and gate/up stored as one tensor each
+    # Gemma's norms scale by 1 + weight: weights around 0, not 1.
+    norm_mean = 0.0 if features.gemma_norms else 1.0
+    layer_norms = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        if features.gemma_norms else ())
 
     def norm(n: int) -> RandomTensor:
-        return RandomTensor((n,), 0.1, 1.0)
+        return RandomTensor((n,), 0.1, norm_mean)
 
     out: dict[str, RandomTensor] = {"model.embed_tokens.weight": RandomTensor((vocab, h), 1.0)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = norm(h)
-        out[p + "post_attention_layernorm.weight"] = norm(h)
-        for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim),
-                           ("v", kv_heads * head_dim)):
+        for layer_norm in layer_norms:
+            out[p + f"{layer_norm}.weight"] = norm(h)
+        qkv_rows = (("q", heads * head_dim), ("k", kv_heads * head_dim),
+                    ("v", kv_heads * head_dim))
+        if fused:
+            out[p + "self_attn.qkv_proj.weight"] = RandomTensor(
+                (sum(rows for _, rows in qkv_rows), h), 1 / math.sqrt(h))
+        for name, rows in () if fused else qkv_rows:
             out[p + f"self_attn.{name}_proj.weight"] = RandomTensor((rows, h), 1 / math.sqrt(h))
             if qkv_bias:
                 out[p + f"self_attn.{name}_proj.bias"] = RandomTensor((rows,), 0.1)
@@ -63,8 +78,11 @@ def random_recipe(cfg: Any) -> dict[str, RandomTensor]:
         if sparse is not None:
             out.update({name: RandomTensor(shape, std) for name, (shape, std) in sparse.items()})
             continue
-        out[p + "mlp.gate_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
-        out[p + "mlp.up_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
+        if fused:
+            out[p + "mlp.gate_up_proj.weight"] = RandomTensor((2 * inter, h), 1 / math.sqrt(h))
+        else:
+            out[p + "mlp.gate_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
+            out[p + "mlp.up_proj.weight"] = RandomTensor((inter, h), 1 / math.sqrt(h))
         out[p + "mlp.down_proj.weight"] = RandomTensor((h, inter), 1 / math.sqrt(inter))
     out["model.norm.weight"] = norm(h)
     if not getattr(cfg, "tie_word_embeddings", False):

@@ -9,6 +9,9 @@ all-gather after them); norms and q_norm / k_norm replicated.
 Mixture-of-experts blocks: every expert is split like the dense MLP (its gate and up rows,
 its down columns: ``weights/experts.py``); the router is replicated.
 
+A checkpoint that stores q/k/v or gate/up fused (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+is cut per part (``copy_fused_shard``): each rank reads its rows of q, of k and of v.
+
 Query and KV heads must both divide by ``N`` (so must the MLP and expert widths): a model that does
 not is refused with one line listing the sizes that work. KV heads are never replicated
 (``N`` above the KV head count is refused, not served with copies). The vocabulary is cut
@@ -19,6 +22,7 @@ logits are dropped after the gather.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -132,3 +136,22 @@ def copy_shard(reader: Any, hf_name: str, name: str, target: torch.Tensor, rank:
     lo, hi = rank * local[dim], (rank + 1) * local[dim]
     part = piece[lo:hi] if dim == 0 else piece[:, lo:hi]
     target.copy_(part.to(target.dtype))
+
+
+def copy_fused_shard(reader: Any, hf_name: str, target: torch.Tensor, local_rows: list[int],
+                     rank: int, size: int, where: str) -> None:
+    """Copy this rank's rows of a checkpoint tensor that stores several column-parallel
+    parts stacked by rows (q, k, v or gate, up) into ``target``, whose parts start at
+    ``local_rows`` (one rank's sizes; the checkpoint's parts are ``size`` times larger)."""
+    piece = reader.get_slice(hf_name)
+    full = tuple(piece.get_shape())
+    local = tuple(target.shape)
+    expected = (local[0] * size, *local[1:])
+    if full != expected:
+        split = f" (split {size} ways into {local})" if size > 1 else ""
+        raise ModelLoadError(f"shape mismatch for {hf_name!r} in {where}: expected "
+                             f"{expected}{split}, got {full}")
+    for lo, hi in itertools.pairwise(local_rows):
+        n = hi - lo
+        first = lo * size + rank * n  # the part starts at lo * size in the checkpoint
+        target[lo:hi].copy_(piece[first : first + n].to(target.dtype))

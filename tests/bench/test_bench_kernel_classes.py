@@ -11,7 +11,9 @@ from bench.profile.kernel_classes import (
     class_bytes,
     classify,
     floor_ms,
+    kv_read_tokens,
     markdown_case,
+    name_class,
     step_table,
 )
 
@@ -109,6 +111,27 @@ def test_bytes_and_floor_of_the_1b_shape() -> None:
     assert bound == "bytes" and floor == pytest.approx(0.83, rel=0.02)
     floor, bound = floor_ms(spec, "prefill", 2048, 0, 3000.0, 750.0, weights)
     assert bound == "flops" and floor > 6.0
+
+
+def test_sliding_layers_read_only_their_window() -> None:
+    """Gemma 3 12B's shape: 40 sliding layers (window 1024) and 8 global ones; a decode at
+    4096 tokens reads 1024 cached tokens in a sliding layer, all 4096 in a global one."""
+    spec = shapes.spec("gemma-3-12b")
+    assert spec.num_layers == 48 and spec.layer_windows.count(1024) == 40
+    assert kv_read_tokens(spec, 4096) == 40 * 1024 + 8 * 4096
+    assert kv_read_tokens(spec, 100) == 48 * 100  # shorter than the window: all of it
+    weights = shapes.weight_bytes("gemma-3-12b")
+    assert weights == pytest.approx(23.5e9, rel=0.01)  # bf16, the tied head read once
+    kv_per_token = 2 * spec.kv_size * 2
+    floor, bound = floor_ms(spec, "decode", 1, 4096, 4000.0, 750.0, weights)
+    want = (weights + (40 * 1024 + 8 * 4096) * kv_per_token) / 4000e9 * 1e3
+    assert bound == "bytes" and floor == pytest.approx(want)
+    nbytes = class_bytes(spec, "decode", 1, 4096, 1)
+    assert nbytes["attention"] == (2 * (40 * 1024 + 8 * 4096) * spec.kv_size
+                                   + 48 * (2 * spec.q_size + 2 * spec.kv_size)) * 2
+    # (a kernel name with "gemm" in it would count as a projection)
+    assert name_class("_offset_rms_norm_kernel") == "norm"
+    assert name_class("_gelu_tanh_and_mul_kernel") == "silu"
 
 
 def test_markdown_lists_classes_with_bandwidth() -> None:

@@ -4,6 +4,7 @@
 * ``decode``: split-KV decode with a log-sum-exp reduction; its launch shape never
   depends on sequence lengths, so it can be captured in a CUDA graph.
 * ``extend``: packed variable-length prefill/extend over a cached prefix.
+* ``scores``: base-2 scores, soft-capped where the model caps them.
 """
 
 from executor.attention.triton_kernels.decode import decode_attention, num_kv_splits

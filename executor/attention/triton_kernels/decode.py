@@ -18,12 +18,11 @@ docs/kernels.md.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels import pdl
 from executor.kernels.pdl import pdl_enter
 
@@ -73,7 +72,8 @@ def _split_size(cached, num_splits, ALIGN: tl.constexpr):
 
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
-@triton.jit(do_not_specialize=["group", "num_splits", "stride_lse_b", "stride_lse_h"])
+@triton.jit(do_not_specialize=["window", "group", "num_splits", "stride_lse_b",
+                               "stride_lse_h"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim): one new query per sequence
     k_new_ptr, v_new_ptr,  # (B, kv_heads, head_dim): the new token's K/V
@@ -85,7 +85,9 @@ def _decode_split_kernel(
     out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
     cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
     stride_cos,
-    sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    sm_scale_log2,  # softmax scale * log2(e) (scale / cap with SOFTCAP): base 2 scores
+    cap_log2,  # SOFTCAP: the cap * log2(e) (unread otherwise)
+    window,  # SLIDING: keys at positions > p - window are visible to the query at p
     group,  # query heads per KV head
     num_splits,  # the grid's third axis
     stride_q_t, stride_q_h,
@@ -103,6 +105,8 @@ def _decode_split_kernel(
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
+    SLIDING: tl.constexpr,  # read only the last ``window`` positions (the new one included)
+    SOFTCAP: tl.constexpr,  # scores are cap * tanh(scale * q.k / cap)
     USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -114,8 +118,11 @@ def _decode_split_kernel(
     # rows (positions < seq_len - 1) were written by earlier steps. So the first block's
     # gather is in flight while the previous kernel (the qkv projection) finishes.
     cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1  # pool positions 0 .. cached - 1
-    chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
-    start = split * chunk
+    # The splits share the visible cached positions lo .. cached - 1 (lo = 0 without a
+    # window; the query at position ``cached`` sees keys > cached - window).
+    lo = _window_start(cached, window, SLIDING)
+    chunk = _split_size(cached - lo, num_splits, SPLIT_ALIGN)
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, cached)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < group
@@ -167,8 +174,9 @@ def _decode_split_kernel(
             tl.store(v_pool_ptr + dst, v_new, mask=mask_d)
 
         # Online-softmax state, seeded by the new token in split 0 and empty elsewhere.
-        qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)
-        m_i = tl.where(is_first, qk_new * sm_scale_log2, float("-inf"))  # (BLOCK_H,)
+        qk_new = scaled_scores(tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1),
+                         sm_scale_log2, cap_log2, SOFTCAP)
+        m_i = tl.where(is_first, qk_new, float("-inf"))  # (BLOCK_H,)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + tl.where(is_first, 1.0, 0.0)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + tl.where(
             is_first, v_new.to(tl.float32), 0.0)[None, :]  # (BLOCK_H, BLOCK_D)
@@ -176,13 +184,14 @@ def _decode_split_kernel(
         # Every block holds at least one valid token, so m_i is finite after it.
         if start < end:
             m_i, l_i, acc = _attend_block(q, k_first, v_first, first_mask, m_i, l_i, acc,
-                                          sm_scale_log2)
+                                          sm_scale_log2, cap_log2, SOFTCAP)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d,
                               head_off, stride_pool_n)
-            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
+                                          cap_log2, SOFTCAP)
 
         if WRITE_OUT:
             o_ptrs = out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
@@ -212,9 +221,20 @@ def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_o
 
 
 @triton.jit
-def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2):
+def _window_start(cached, window, SLIDING: tl.constexpr):
+    """The first cached position the query at position ``cached`` sees: 0, or with a
+    window the first of ``(cached - window, cached]``."""
+    if SLIDING:
+        return tl.maximum(cached - window + 1, 0)
+    return cached * 0
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, cap_log2,
+                  SOFTCAP: tl.constexpr):
     """One block of the online softmax: the state after attending to ``k``/``v``."""
-    qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+    qk = scaled_scores(tl.dot(q, tl.trans(k.to(q.dtype))), sm_scale_log2, cap_log2,
+                 SOFTCAP)  # (BLOCK_H, BLOCK_N)
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -236,12 +256,13 @@ def _rotate_half_rope(x, partner, c, s, sign):
     return (a + b).to(act)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_lse_b", "stride_lse_h"])
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_lse_b", "stride_lse_h"])
 def _decode_reduce_kernel(
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32
     mid_lse_ptr,  # (B, heads, num_splits) fp32, -inf for idle splits
     out_ptr,  # (B, heads, head_dim)
     seq_lens_ptr,  # (B,) int64, including the new token
+    window,  # SLIDING: as the split kernel's
     num_splits,
     stride_mid_b, stride_mid_h, stride_mid_s,
     stride_lse_b, stride_lse_h,
@@ -250,6 +271,7 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits
     SPLIT_ALIGN: tl.constexpr,
+    SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # One program per (sequence, query head): a log-sum-exp weighted mean of the splits.
@@ -259,6 +281,7 @@ def _decode_reduce_kernel(
     # splits that held tokens are read (the split kernel's rule: split 0, and those that
     # start before the end): at a short context most of the scratch is never loaded.
     cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1
+    cached -= _window_start(cached, window, SLIDING)  # the positions the splits share
     chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
     ran_splits = tl.minimum(tl.maximum((cached + chunk - 1) // chunk, 1), num_splits)
     pdl_enter(USE_PDL)
@@ -294,8 +317,13 @@ def decode_attention(
     mid_lse: torch.Tensor | None,  # (B, heads, num_splits) fp32 scratch
     sm_scale: float,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence.
+    """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence
+    (``window`` > 0: to its last ``window`` positions, its own included, as Hugging Face's
+    sliding window; older K/V are never read). ``softcap`` > 0 caps the scores at
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
 
     The split count is ``mid_o.shape[2]``; without scratch (``None``) it is 1. The launch
     shape depends on ``B`` and the split count only, so it may be captured in a CUDA
@@ -318,7 +346,7 @@ def decode_attention(
         assert mid_lse.shape[2] == num_splits
         assert mid_o.stride(-1) == 1 and mid_lse.stride(-1) == 1
     block_d = triton.next_power_of_2(head_dim)
-    scale_log2 = sm_scale * math.log2(math.e)
+    scale_log2, cap_log2 = score_scales(sm_scale, softcap)
     if rope is not None:
         cos, sin = rope
         assert cos.shape == sin.shape and cos.shape[1] == head_dim and head_dim % 2 == 0
@@ -330,7 +358,7 @@ def decode_attention(
         q, k_new, v_new, k_pool, v_pool, table, slots, seq_lens, out_cache_loc,
         mid_o, mid_lse, out,
         cos, sin, cos.stride(0),
-        scale_log2, group, num_splits,
+        scale_log2, cap_log2, window, group, num_splits,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
@@ -346,6 +374,8 @@ def decode_attention(
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
         ROPE=rope is not None,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=4,
         num_stages=split_stages(batch),
         **pdl.options(),
@@ -354,7 +384,7 @@ def decode_attention(
         return
     block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, seq_lens, num_splits,
+        mid_o, mid_lse, out, seq_lens, window, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -362,6 +392,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_S=block_s,
         SPLIT_ALIGN=SPLIT_ALIGN,
+        SLIDING=window > 0,
         # Few short splits reduce fastest with 2 warps, more or wider ones with 4.
         num_warps=2 if head_dim <= 64 and block_s <= 16 else 4,
         **pdl.options(),

@@ -16,12 +16,11 @@ which sequences its block belongs to, so a graph bucket's token count fixes the 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
 from executor.kernels.pdl import pdl_enter
 
@@ -32,17 +31,27 @@ BLOCK_M = 64  # new queries per program; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 3
-_LOG2E = math.log2(math.e)
+# Heads wider than this (Gemma's 256) launch with 8 warps and 2 stages: a 64 x 256 float32
+# accumulator and three stages of 64 x 256 K and V tiles would not fit 4 warps' registers
+# and shared memory. Untuned (no sweep yet at that width).
+WIDE_HEAD_DIM = 128
 
 
 @triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc):
+def _online_softmax_step(qk, v, m_i, l_i, acc, SAFE: tl.constexpr = False):
     # One block of scores (BLOCK_M, BLOCK_N), in base 2 and already masked with -inf,
     # folded into the running max ``m_i``, sum ``l_i`` and unnormalized output ``acc``.
-    # Each row must already have seen a finite score (m_i finite or one in this block).
+    # Each row must already have seen a finite score (m_i finite or one in this block),
+    # unless SAFE: a row with none so far keeps l_i = 0, acc = 0 (a sliding window's
+    # rows may see no key of a block that others in the tile see).
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    # SAFE: offset by 0 where the max is still -inf (the max itself stays -inf).
+    if SAFE:  # noqa: SIM108 (a compile-time branch)
+        m_off = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_off = m_new
+    alpha = tl.exp2(m_i - m_off)
+    p = tl.exp2(qk - m_off[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -50,8 +59,8 @@ def _online_softmax_step(qk, v, m_i, l_i, acc):
 
 # The per-batch metadata pointers are views at batch-dependent offsets of one packed
 # transfer: not specialized on alignment, so no batch shape ever compiles a new variant.
-@triton.jit(do_not_specialize=["group", "req_idx_ptr", "prefix_lens_ptr", "extend_lens_ptr",
-                               "extend_start_ptr", "loc_ptr"])
+@triton.jit(do_not_specialize=["window", "group", "req_idx_ptr", "prefix_lens_ptr",
+                               "extend_lens_ptr", "extend_start_ptr", "loc_ptr"])
 def _extend_kernel(
     q_ptr,  # (T, heads, head_dim) packed new queries
     k_ptr, v_ptr,  # (T, kv_heads, head_dim) packed new keys/values
@@ -60,7 +69,9 @@ def _extend_kernel(
     table_ptr,  # (max_sequences, max_context) int32 locations
     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (B,) int64 each
     loc_ptr,  # (T,) int64 pool location of each new token (read only when STORE_KV)
-    sm_scale_log2,  # softmax scale * log2(e)
+    sm_scale_log2,  # softmax scale * log2(e) (scale / cap with SOFTCAP)
+    cap_log2,  # SOFTCAP: the cap * log2(e)
+    window,  # SLIDING: the query at position p sees keys at positions > p - window
     group,  # query heads per KV head
     stride_q_t, stride_q_h,
     stride_k_t, stride_k_h,
@@ -73,6 +84,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_KV: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -87,18 +100,20 @@ def _extend_kernel(
         _extend_rows(h, m0, num_new, tl.load(prefix_lens_ptr + b).to(tl.int32),
                      tl.load(extend_start_ptr + b).to(tl.int64), tl.load(req_idx_ptr + b),
                      q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr, loc_ptr,
-                     sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                     stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
-                     stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                     STORE_KV)
+                     sm_scale_log2, cap_log2, window, group, stride_q_t, stride_q_h,
+                     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+                     stride_pool_n, stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M,
+                     BLOCK_N, STORE_KV, SLIDING, SOFTCAP)
 
 
-@triton.jit(do_not_specialize=["group", "num_seqs"])
+@triton.jit(do_not_specialize=["window", "group", "num_seqs"])
 def _extend_fixed_grid_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr,
     req_idx_ptr, prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,  # (num_seqs,) each
     loc_ptr,  # (T,) int64
     sm_scale_log2,
+    cap_log2,
+    window,
     group,
     num_seqs,  # sequence rows; rows past the batch's have extend_lens 0 (padding)
     stride_q_t, stride_q_h,
@@ -112,6 +127,8 @@ def _extend_fixed_grid_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_seqs
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid ``(ceil(T / BLOCK_M), heads)`` over the *packed* tokens, fixed by ``T`` alone: a
@@ -142,23 +159,27 @@ def _extend_fixed_grid_kernel(
                      tl.load(prefix_lens_ptr + b).to(tl.int32), start,
                      tl.load(req_idx_ptr + b),
                      q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr, v_pool_ptr, table_ptr, loc_ptr,
-                     sm_scale_log2, group, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                     stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_pool_n,
-                     stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
+                     sm_scale_log2, cap_log2, window, group, stride_q_t, stride_q_h,
+                     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+                     stride_pool_n, stride_pool_h, stride_table, HEAD_DIM, BLOCK_D, BLOCK_M,
+                     BLOCK_N, True, SLIDING, SOFTCAP)
 
 
 @triton.jit
 def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_ptr, k_pool_ptr,
-                 v_pool_ptr, table_ptr, loc_ptr, sm_scale_log2, group, stride_q_t, stride_q_h,
-                 stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
-                 stride_pool_n, stride_pool_h, stride_table, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 STORE_KV: tl.constexpr):
+                 v_pool_ptr, table_ptr, loc_ptr, sm_scale_log2, cap_log2, window, group,
+                 stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                 stride_o_t, stride_o_h, stride_pool_n, stride_pool_h, stride_table,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr, SLIDING: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """New queries ``m0 .. m0 + BLOCK_M - 1`` of the sequence in request slot ``slot``
     (those in ``[0, num_new)``; ``m0`` need not be a multiple of anything, nor >= 0),
     whose ``num_new`` tokens start at packed row ``start`` after ``prefix`` cached ones;
     head ``h``: attend, store the output rows and (``STORE_KV``, first head of a KV head)
-    the rows' new K/V."""
+    the rows' new K/V. SLIDING: query ``i`` sees only keys ``j`` with
+    ``j > i - window`` (new-token indices; the same for absolute positions), and blocks
+    wholly before the tile's first row's window are skipped."""
     start = start.to(tl.int64)
     kvh = h // group
     pool_dtype = k_pool_ptr.dtype.element_ty
@@ -177,7 +198,16 @@ def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_p
     # 1) The cached prefix, visible to every new query: no causal mask.
     table_row = table_ptr + slot.to(tl.int64) * stride_table
     head_off = kvh * stride_pool_h + offs_d[None, :]
-    for n0 in range(0, prefix, BLOCK_N):
+    # Absolute position of each query row: prefix + offs_m; with a window, the first
+    # visible position of row i is prefix + i - window + 1.
+    first_row = tl.maximum(m0, 0)
+    if SLIDING:
+        p_lo = tl.maximum(prefix + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+        row_lo = prefix + offs_m - window + 1  # (BLOCK_M,)
+    else:
+        p_lo = 0
+        row_lo = offs_m * 0
+    for n0 in range(p_lo, prefix, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix
         locs = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -186,28 +216,41 @@ def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_p
                     other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_pool_ptr + locs[:, None] * stride_pool_n + head_off, mask=mask_nd,
                     other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+        qk = scaled_scores(tl.dot(q, tl.trans(k.to(q.dtype))), sm_scale_log2, cap_log2,
+                     SOFTCAP)  # (BLOCK_M, BLOCK_N)
+        if SLIDING:
+            visible = mask_n[None, :] & (offs_n[None, :] >= row_lo[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        else:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc, SLIDING)
 
     # 2) The new tokens, from the packed K/V (rounded through the pool dtype so they
     # equal what a pool read returns). Key j is visible to query i iff j <= i. Keys of
     # whole blocks before the block's first query (j < lo <= m0) are visible to all its
     # rows: no mask.
-    lo = tl.maximum(m0, 0) // BLOCK_N * BLOCK_N
     k_rows = k_ptr + kvh * stride_k_h + offs_d[None, :]
     v_rows = v_ptr + kvh * stride_v_h + offs_d[None, :]
-    for n0 in range(0, lo, BLOCK_N):
+    if SLIDING:
+        # Every block is masked (the window's lower edge), from the block holding the
+        # tile's first row's first visible new key.
+        unmasked_end = 0
+        lo = tl.maximum(first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = first_row // BLOCK_N * BLOCK_N
+        unmasked_end = lo
+    for n0 in range(0, unmasked_end, BLOCK_N):
         offs_n = start + n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_rows + offs_n[:, None] * stride_k_t, mask=mask_d[None, :],
                     other=0.0).to(pool_dtype)
         v = tl.load(v_rows + offs_n[:, None] * stride_v_t, mask=mask_d[None, :],
                     other=0.0).to(pool_dtype)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
+        qk = scaled_scores(tl.dot(q, tl.trans(k.to(q.dtype))), sm_scale_log2, cap_log2, SOFTCAP)
         m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
     # The diagonal blocks, masked. Key 0 (or a block above) is visible to every row, so
     # every m_i is finite once its first block is folded in (rows outside the sequence
-    # see every key, so theirs are too; they are never stored).
+    # see every key, so theirs are too; they are never stored). Not so with a window:
+    # its softmax steps are SAFE.
     hi = tl.minimum(num_new, m0 + BLOCK_M)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -217,10 +260,12 @@ def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_p
                     other=0.0).to(pool_dtype)
         v = tl.load(v_rows + (start + offs_n[:, None]) * stride_v_t, mask=mask_nd,
                     other=0.0).to(pool_dtype)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2
+        qk = scaled_scores(tl.dot(q, tl.trans(k.to(q.dtype))), sm_scale_log2, cap_log2, SOFTCAP)
         visible = ((offs_n[None, :] <= offs_m[:, None]) | ~mask_m[:, None]) & mask_n[None, :]
+        if SLIDING:
+            visible &= offs_n[None, :] > offs_m[:, None] - window
         qk = tl.where(visible, qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(qk, v.to(q.dtype), m_i, l_i, acc, SLIDING)
 
     if STORE_KV:  # noqa: SIM102 (compile-time; the inner test is a runtime one)
         # The first query head of each KV head also writes that head's new K/V rows of
@@ -237,6 +282,8 @@ def _extend_rows(h, m0, num_new, prefix, start, slot, q_ptr, k_ptr, v_ptr, out_p
             tl.store(k_pool_ptr + dst, k_new.to(pool_dtype), mask=mask_md)
             tl.store(v_pool_ptr + dst, v_new.to(pool_dtype), mask=mask_md)
 
+    if SLIDING:  # rows outside the sequence may have seen no key: keep them finite
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + offs_m[:, None]) * stride_o_t + h * stride_o_h
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -258,8 +305,12 @@ def extend_attention(
     max_extend_len: int,  # host-side max of extend_lens: sizes the grid
     sm_scale: float,
     out_cache_loc: torch.Tensor | None = None,  # (T,) int64
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Causal attention of packed new tokens over their cached prefix and each other.
+    """Causal attention of packed new tokens over their cached prefix and each other
+    (``window`` > 0: each query over its last ``window`` positions, its own included;
+    ``softcap`` > 0: scores capped at ``softcap * tanh(score / softcap)``).
 
     Reads the prefix from the pool. With ``out_cache_loc``, the same launch also stores
     ``k``/``v`` at those locations (what ``store_kv`` does, without a second launch).
@@ -282,13 +333,18 @@ def extend_attention(
     pointers = (q, k, v, out, k_pool, v_pool, table, slots, prefix_lens,
                 extend_lens, extend_start, loc)
     store = out_cache_loc is not None
+    sliding, capped = window > 0, softcap > 0
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STORE_KV": store}
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STORE_KV": store,
+                  "SLIDING": sliding, "SOFTCAP": capped}
     # What the JIT specializes on besides pointer alignment (the launcher adds that):
-    # dtypes, the integer arguments (strides; ``group`` is not specialized) and the
-    # constexprs, which follow from head_dim and the store flag.
-    key = (tuple(t.dtype for t in pointers), strides, head_dim, store)
-    _LAUNCHER.launch(grid, key, (*pointers, sm_scale * _LOG2E, group, *strides), constexprs)
+    # dtypes, the integer arguments (strides; ``window`` and ``group`` are not
+    # specialized) and the constexprs, which follow from head_dim and the flags.
+    key = (tuple(t.dtype for t in pointers), strides, head_dim, store, sliding, capped)
+    scale_log2, cap_log2 = score_scales(sm_scale, softcap)
+    launcher = _WIDE_LAUNCHER if head_dim > WIDE_HEAD_DIM else _LAUNCHER
+    launcher.launch(grid, key, (*pointers, scale_log2, cap_log2, window, group, *strides),
+                    constexprs)
 
 
 def extend_attention_fixed_grid(
@@ -302,6 +358,8 @@ def extend_attention_fixed_grid(
     seq_rows: torch.Tensor,  # (5, S) int64: packing.SEQUENCE_FIELDS (seq_lens unread)
     out_cache_loc: torch.Tensor,  # (T,) int64
     sm_scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """``extend_attention`` (storing the new K/V too) with a launch that depends on ``T``
     and ``S`` only: the batch's sequences are rows of ``seq_rows`` in packed order, and
@@ -323,12 +381,16 @@ def extend_attention_fixed_grid(
     req, _, prefix, lens, start = seq_rows.unbind(0)  # packing.SEQUENCE_FIELDS
     pointers = (q, k, v, out, k_pool, v_pool, table, req, prefix, lens, start, out_cache_loc)
     block_s = max(16, next_power_of_2(num_seqs))
+    sliding, capped = window > 0, softcap > 0
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim),
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_S": block_s}
-    key = (tuple(t.dtype for t in pointers), strides, head_dim, block_s)
-    _FIXED_LAUNCHER.launch((cdiv(num_tokens, BLOCK_M), num_heads, 1), key,
-                           (*pointers, sm_scale * _LOG2E, group, num_seqs, *strides),
-                           constexprs)
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_S": block_s,
+                  "SLIDING": sliding, "SOFTCAP": capped}
+    key = (tuple(t.dtype for t in pointers), strides, head_dim, block_s, sliding, capped)
+    scale_log2, cap_log2 = score_scales(sm_scale, softcap)
+    launcher = _WIDE_FIXED_LAUNCHER if head_dim > WIDE_HEAD_DIM else _FIXED_LAUNCHER
+    launcher.launch((cdiv(num_tokens, BLOCK_M), num_heads, 1), key,
+                    (*pointers, scale_log2, cap_log2, window, group, num_seqs, *strides),
+                    constexprs)
 
 
 # One per process: the kernel is compiled per specialization, and every executor's
@@ -336,3 +398,6 @@ def extend_attention_fixed_grid(
 _LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 _FIXED_LAUNCHER = FastLauncher(_extend_fixed_grid_kernel, pdl=True, num_warps=NUM_WARPS,
                                num_stages=NUM_STAGES)
+_WIDE_LAUNCHER = FastLauncher(_extend_kernel, pdl=True, num_warps=8, num_stages=2)
+_WIDE_FIXED_LAUNCHER = FastLauncher(_extend_fixed_grid_kernel, pdl=True, num_warps=8,
+                                    num_stages=2)

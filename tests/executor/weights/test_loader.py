@@ -129,15 +129,50 @@ def test_missing_and_unexpected_tensors(tmp_path: Path, model_dirs: dict[str, Pa
         load(path)
 
 
-def test_sliding_window_refused_unless_context_fits(tmp_path: Path) -> None:
+def test_sliding_window_is_served_at_any_context(tmp_path: Path) -> None:
+    """A window shorter than the context is served (the attention kernels read only the
+    window), whatever max_context is."""
     cfg = hf_config("mistral")
     cfg.sliding_window = 64
     from executor.weights.random_weights import write_random_model
 
     path = write_random_model(tmp_path / "sw", cfg)
-    with pytest.raises(ModelLoadError, match="sliding-window attention"):
-        load(path, ctx=128)
-    load(path, ctx=64)  # the window covers the whole context: exact, allowed
+    _, spec = load(path, ctx=128)
+    assert spec.layer_windows == (64, 64) and spec.sliding_window == 64
+
+
+@pytest.mark.parametrize(("kind", "edit", "message"), [
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+                               "long_factor": [2.0] * 4},
+              "original_max_position_embeddings": 256},
+     r"Phi3ForCausalLM: unsupported RoPE type 'longrope'; supported: default, linear"),
+    ("gemma3", {"use_bidirectional_attention": True},
+     r"Gemma3ForCausalLM: use_bidirectional_attention=True is not supported"),
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"},
+     r"LlamaForCausalLM: unsupported hidden activation 'gelu_pytorch_tanh'; supported: silu"),
+    ("gemma2", {"hidden_activation": "relu"},
+     r"Gemma2ForCausalLM: unsupported hidden activation 'relu'; supported: silu, gelu"),
+    ("qwen2_window", {"layer_types": ["full_attention", "chunked_attention",
+                                      "sliding_attention"]},
+     r"Qwen2ForCausalLM: unsupported layer types chunked_attention; supported: "
+     r"full_attention, sliding_attention"),
+])
+def test_unservable_features_refused_in_one_line(tmp_path: Path, kind: str,
+                                                 edit: dict[str, object],
+                                                 message: str) -> None:
+    """What the loader cannot serve: the architecture, the feature and what is supported,
+    one line (a ModelLoadError), before any weight is read."""
+    from executor.weights.random_weights import write_random_model
+
+    path = write_random_model(tmp_path / kind, hf_config(kind))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(edit)
+    if "rope_scaling" in edit:
+        cfg.pop("rope_parameters", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message) as err:
+        load(path)
+    assert "\n" not in str(err.value)
 
 
 def test_unsupported_rope_type(tmp_path: Path, model_dirs: dict[str, Path]) -> None:

@@ -72,7 +72,7 @@ def test_qwen3_30b_a3b_shape() -> None:
     # the published sizes: 30.5B parameters, 3.3B active per token
     assert round(spec.num_params() / 1e9, 1) == 30.5
     assert round(spec.num_params(active=True) / 1e9, 1) == 3.4
-    assert RANDOM_SHAPES["qwen3-30b-a3b"]["max_position_embeddings"] == spec.max_position
+    assert RANDOM_SHAPES["qwen3-30b-a3b"][2]["max_position_embeddings"] == spec.max_position
     with pytest.raises(ModelLoadError, match=r"^qwen3-30b-a3b: a published config without "
                                              r"weights; serve it with --load-format random$"):
         load_model(path, torch.float32, torch.device("meta"), 64)

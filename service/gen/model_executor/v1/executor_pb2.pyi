@@ -328,7 +328,7 @@ class HealthResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[ServerState, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv: _Optional[_Union[KVCacheStats, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[GraphStatus, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pending_calls: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context", "attention_backend", "tensor_parallel_size", "rank_memory_bytes", "kernel_features", "load_format", "tp_all_reduce", "num_experts", "num_experts_per_token", "weight_version", "sleeping", "weights_discarded", "weight_format", "quantization")
+    __slots__ = ("name", "architecture", "dtype", "device", "vocab_size", "max_context", "attention_backend", "tensor_parallel_size", "rank_memory_bytes", "kernel_features", "load_format", "tp_all_reduce", "num_experts", "num_experts_per_token", "weight_version", "sleeping", "weights_discarded", "weight_format", "quantization", "sliding_window", "model_features")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,8 @@ class ModelInfo(_message.Message):
     WEIGHTS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     dtype: str
@@ -367,7 +369,9 @@ class ModelInfo(_message.Message):
     weights_discarded: bool
     weight_format: str
     quantization: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ..., kernel_features: _Optional[_Iterable[str]] = ..., load_format: _Optional[str] = ..., tp_all_reduce: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., weight_version: _Optional[str] = ..., sleeping: _Optional[_Iterable[str]] = ..., weights_discarded: bool = ..., weight_format: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    model_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ..., kernel_features: _Optional[_Iterable[str]] = ..., load_format: _Optional[str] = ..., tp_all_reduce: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., weight_version: _Optional[str] = ..., sleeping: _Optional[_Iterable[str]] = ..., weights_discarded: bool = ..., weight_format: _Optional[str] = ..., quantization: _Optional[str] = ..., sliding_window: _Optional[int] = ..., model_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
     __slots__ = ("total_tokens", "free_tokens", "total_slots", "free_slots", "active_sequences", "shared_tokens", "forked_sequences")
