@@ -16,8 +16,8 @@ def test_active_weight_bytes_of_qwen3_30b_a3b() -> None:
     spec = load_hf_config(resolve_model_source("qwen3-30b-a3b"))
     assert spec.moe is not None
     h, v, i = 2048, 151936, 768
-    # (``num_params`` leaves out the per-head q/k norms: 256 values a layer)
-    attention = 48 * (h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h + 2 * h)
+    # projections, the two RMSNorms and the per-head q/k norms (2 x head_dim) of each layer
+    attention = 48 * (h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h + 2 * h + 2 * 128)
     routers = 48 * 128 * h
     expert = 3 * h * i
     batch1 = moe_step_weight_bytes(spec, [8] * 48)

@@ -38,8 +38,9 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
     pool = descriptor_pool.DescriptorPool(database)
     # grpcurl describe model_executor.v1.Executor / model_executor.v1.PrefillItem
     executor = pool.FindServiceByName("model_executor.v1.Executor")
-    assert [m.name for m in executor.methods] == ["Prefill", "Decode", "Release", "Capture",
-                                                  "Health", "Session", "Truncate", "Fork"]
+    assert [m.name for m in executor.methods] == [
+        "Prefill", "Decode", "Release", "Capture", "Health", "Session", "Truncate", "Fork",
+        "UpdateWeights", "InitWeightTransfer", "DestroyWeightTransfer", "Sleep", "WakeUp"]
     assert executor.FindMethodByName("Decode").output_type.full_name == \
         "model_executor.v1.DecodeResponse"
     item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")
