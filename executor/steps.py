@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from executor.api import (
 )
 from executor.kv.manager import Allocation
 from executor.sampling import DeviceSample, PinnedPool, SampleOutput
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -86,19 +89,22 @@ class PendingStep:
         if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
             s = sampled[0]
             if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and not any(
-                    p.logprobs or p.top_logprobs
+                    p.logprobs or p.top_logprobs or p.wants_extras
                     for p in dict(zip(map(id, self.params), self.params, strict=True)).values()):
                 # Every item sampled row i, no log-probabilities (a plain decode step): the
                 # outputs made column-wise, without a conditional per item.
                 n = len(self.rows)
                 return tuple(named_rows(ItemOutput, self.seq_ids, s.token_ids, repeat(None, n),
                                         repeat((), n), self.seq_lens, repeat((), n),
-                                        repeat(False, n), repeat((), n)))
+                                        repeat(False, n), repeat((), n), repeat((), n),
+                                        repeat((), n), repeat(False, n)))
             return tuple(
                 ItemOutput(seq_id, None, None, (), seq_len) if row is None else
                 ItemOutput(seq_id, s.token_ids[row],
                            s.logprobs[row] if self.params[row].logprobs else None,
-                           s.top_logprobs[row], seq_len)
+                           s.top_logprobs[row], seq_len,
+                           candidate_logprobs=_at(s.candidate_logprobs, row),
+                           hidden_state=_at(s.hidden_states, row))
                 for seq_id, seq_len, row in zip(self.seq_ids, self.seq_lens, self.rows,
                                                 strict=True))
         multi = len(sampled) > 1
@@ -113,13 +119,17 @@ class PendingStep:
             for s in sampled:
                 tok = s.token_ids[row]
                 tokens.append(SampledToken(tok, s.logprobs[row] if want_logprob else None,
-                                           s.top_logprobs[row]))
+                                           s.top_logprobs[row], None,
+                                           _at(s.candidate_logprobs, row),
+                                           _at(s.hidden_states, row)))
                 if tok in self.stops[row]:
                     stopped = True
                     break
             last = tokens[-1]
             out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,
-                                  seq_len, tuple(tokens) if multi else (), stopped))
+                                  seq_len, tuple(tokens) if multi else (), stopped,
+                                  candidate_logprobs=last.candidate_logprobs,
+                                  hidden_state=last.hidden_state))
         return tuple(out)
 
     def _position_outputs(self, s: SampleOutput) -> tuple[ItemOutput, ...]:
@@ -133,12 +143,20 @@ class PendingStep:
             want_logprob = self.params[row].logprobs
             positions = () if span is None else tuple(
                 SampledToken(s.token_ids[r], s.logprobs[r] if want_logprob else None,
-                             s.top_logprobs[r], s.target_logprobs[r])
+                             s.top_logprobs[r], s.target_logprobs[r],
+                             _at(s.candidate_logprobs, r), _at(s.hidden_states, r))
                 for r in range(span[0], span[0] + span[1]))
             out.append(ItemOutput(seq_id, s.token_ids[row],
                                   s.logprobs[row] if want_logprob else None,
-                                  s.top_logprobs[row], seq_len, positions=positions))
+                                  s.top_logprobs[row], seq_len, positions=positions,
+                                  candidate_logprobs=_at(s.candidate_logprobs, row),
+                                  hidden_state=_at(s.hidden_states, row)))
         return tuple(out)
+
+
+def _at(per_row: list[_T], row: int) -> _T | tuple[()]:
+    """``per_row[row]``, or () when no row asked (an empty list)."""
+    return per_row[row] if per_row else ()
 
 
 #: Spare step events kept for reuse (more than the deepest pipeline needs).
