@@ -86,6 +86,11 @@ class GraphsUnavailable(ExecutorError):
     """CUDA graphs cannot be captured in this process. Maps to FAILED_PRECONDITION."""
 
 
+class GrammarUnavailable(ExecutorError):
+    """Grammars cannot be compiled: the served model has no tokenizer. Maps to
+    FAILED_PRECONDITION."""
+
+
 class ModelLoadError(ExecutorError):
     """The model directory or its config cannot be served (start-up error)."""
 

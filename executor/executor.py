@@ -39,6 +39,8 @@ from executor.distributed.group import TensorParallel
 from executor.distributed.protocol import CaptureHeader, ForkHeader, ShutdownHeader
 from executor.errors import GraphsUnavailable
 from executor.forward_batch import BeforeTransfer, ForwardBatch
+from executor.grammar import GrammarBook
+from executor.grammar_flow import GrammarFlow, tokenizer_dir
 from executor.kv import Allocation
 from executor.step_plan import DecodeMemo, SamplePlan, decode_columns
 from executor.steps import PendingStep
@@ -70,6 +72,8 @@ class Executor:
         self._graph_modes = parts.graphs.modes
         # The last decode launch, for the next one if it continues the same items.
         self._decode_memo: DecodeMemo | None = None
+        self.grammars = GrammarFlow(GrammarBook(tokenizer_dir(config.model.source),
+                                                self.limits.vocab_size))
 
     # -- steps --------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
@@ -86,6 +90,7 @@ class Executor:
         (see ``executor/steps.py``); ``complete`` gives its result."""
         started = time.perf_counter()
         validate_prefill(items, self.kv.length, self.limits)
+        self.grammars.validate(items)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = self.last.had(it.seq_id for it in items)
         try:
@@ -93,16 +98,21 @@ class Executor:
             tokens = [t for it in items for t in it.token_ids]
             every = frozenset(i for i in rows if items[i].every_position)
             plan = SamplePlan.of(items, alloc, rows, every)
-            sample, info = self.forward.prefill(tokens, alloc, rows, every, plan)
+            masks = self.grammars.prefill_masks(items, rows,
+                                                [e.seq_len for e in alloc.extensions])
+            sample, info = self.forward.prefill(tokens, alloc, rows, every, plan, masks)
         except BaseException:
             self.kv.rollback(alloc)
             raise
         self.last.after_prefill(items)
-        return self.pools.pend(PendingStep(
+        step = self.pools.pend(PendingStep(
             "prefill", tuple(it.seq_id for it in items), alloc,
             tuple(e.seq_len for e in alloc.extensions), plan.item_rows, tuple(plan.params),
             tuple(frozenset() for _ in plan.params), [] if sample is None else [sample],
             info, started=started, had_last=had_last, position_rows=plan.position_rows))
+        if masks is not None:
+            self.grammars.track(step, 0)
+        return step
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
@@ -122,13 +132,18 @@ class Executor:
             columns = memo.columns
         else:
             validate_decode(items, self.kv.length, self.limits, num_steps, self.last.has)
+            self.grammars.validate(items)
             columns = decode_columns(items, self.last.has)
         seq_ids, tokens, sampling, stops, had_last = columns
         self._decode_memo = None
+        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length)
+        done: dict[int, int] = {}
+        step_masks = None if masks is None or num_steps == 1 else \
+            self.grammars.step_masks(seq_ids, sampling, done)
         alloc = self.kv.extend(seq_ids, num_steps)
         try:
             samples, seq_lens, info = self.forward.decode(alloc, tokens, list(sampling),
-                                                          num_steps)
+                                                          num_steps, masks, step_masks)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -138,9 +153,13 @@ class Executor:
         else:
             memo = DecodeMemo.after(items, num_steps, self.kv.version, max(seq_lens), columns)
         self._decode_memo = memo
-        return self.pools.pend(PendingStep(
+        step = self.pools.pend(PendingStep(
             "decode", seq_ids, alloc, seq_lens, tuple(range(len(seq_ids))), sampling, stops,
             samples, info, started=started, had_last=had_last))
+        if masks is not None:
+            step.grammar_done = done
+            self.grammars.track(step, num_steps - 1)
+        return step
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""
@@ -156,6 +175,7 @@ class Executor:
         if step.done is not None:
             step.done.synchronize()  # its device work must not outlive its allocation
         step.recycled()
+        self.grammars.forget(step)
         self.kv.rollback(step.alloc)
         step.finished = True
         sampled = {sid for sid, row in zip(step.seq_ids, step.rows, strict=True)
@@ -182,6 +202,7 @@ class Executor:
                 released += 1
                 freed += n
                 self.last.forget(sid)
+                self.grammars.book.release(sid)
         return ReleaseResult(released, tuple(unknown), freed)
 
     def fork(self, parent_id: str, child_id: str, prefix_len: int | None = None) -> ForkResult:
@@ -199,6 +220,8 @@ class Executor:
         child = self.kv.fork(parent_id, child_id, length)
         inherits = length == parent.length and \
             self.last.inherit(parent_id, parent.slot, child_id, child.slot)
+        self.grammars.catch_up()  # the parent's matcher has every sampled token
+        self.grammars.book.fork(parent_id, child_id, length, inherits)
         if self.channel is not None:  # the other ranks' tables and last tokens too
             self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
         return ForkResult(length, length, inherits)
@@ -213,6 +236,8 @@ class Executor:
         freed = self.kv.truncate(seq_id, length)
         if freed:
             self.last.forget(seq_id)
+        self.grammars.catch_up()
+        self.grammars.book.truncate(seq_id, length)
         return TruncateResult(length, freed)
 
     # -- graphs, status, tests' access ----------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -117,9 +117,12 @@ class Forward:
 
     # -- steps ----------------------------------------------------------------------
     def prefill(self, tokens: list[int], alloc: Allocation, rows: list[int],
-                every: frozenset[int], plan: SamplePlan) -> tuple[DeviceSample | None, StepInfo]:
+                every: frozenset[int], plan: SamplePlan,
+                masks: list[bytes | None] | None = None
+                ) -> tuple[DeviceSample | None, StepInfo]:
         """A prefill's forward and samples; the samples of each sampling item's last row
-        become its sequence's last sampled token."""
+        become its sequence's last sampled token. ``masks``: per sampled row, a grammar's
+        token mask (replacing the row's own) or None."""
         decision = self.decide("prefill", len(tokens))
         batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
                                  self.announcer("prefill", decision, plan.params,
@@ -128,7 +131,7 @@ class Forward:
         row_slots = [alloc.extensions[i].slot for i in rows] if not every else [
             alloc.extensions[i].slot for i in rows
             for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
-        controlled = self.stage_controls(row_slots, plan.params)
+        controlled = self.stage_controls(row_slots, plan.params, masks)
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled)
         if sample is not None:
@@ -141,13 +144,17 @@ class Forward:
         return sample, info
 
     def decode(self, alloc: Allocation, tokens: Sequence[int | None],
-               params: list[SamplingParams], num_steps: int
+               params: list[SamplingParams], num_steps: int,
+               masks: list[bytes | None] | None = None,
+               step_masks: Callable[[int, DeviceSample], list[bytes | None]] | None = None
                ) -> tuple[list[DeviceSample], tuple[int, ...], StepInfo]:
         """``num_steps`` decode steps over ``alloc`` (``num_steps`` tokens per sequence),
         each reading the previous one's samples on the device (one graph replay per step,
         no host round trip). A None token continues from its sequence's last sample.
         Returns the samples per step, the sequences' lengths after the last step and its
-        info (over all the steps)."""
+        info (over all the steps). ``masks``: the first step's grammar masks per row (as
+        ``prefill``'s); ``step_masks(k, samples of step k - 1)``: step k's (it waits for
+        those samples on the host: grammar rows only)."""
         n = len(tokens)
         rows = list(range(n))
         samples: list[DeviceSample] = []
@@ -156,8 +163,11 @@ class Forward:
         first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
             [USE_LAST_SAMPLED if t is None else t for t in tokens]
         announce = self.announcer("decode", decision, params, None)
-        controlled = self.stage_controls(alloc.columns.slots, params)
+        slots = alloc.columns.slots
+        controlled = self.stage_controls(slots, params, masks)
         for step in range(num_steps):
+            if step and step_masks is not None:
+                controlled = self.stage_controls(slots, params, step_masks(step, samples[-1]))
             sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
             batch = self.build_batch("decode", first if step == 0 else
                                      [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
@@ -177,11 +187,11 @@ class Forward:
                                        num_steps=num_steps, ranks=ranks)
         return samples, batch.seq_lens_host, info
 
-    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams]
-                       ) -> torch.Tensor | None:
+    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams],
+                       masks: Sequence[bytes | None] | None = None) -> torch.Tensor | None:
         """Put the rows' token masks and logit biases in their slots' tables; the rows'
         slots on the device when any row has one (the step applies them), else None."""
-        if not self.controls.stage(slots, params):
+        if not self.controls.stage(slots, params, masks):
             return None
         return device_tensor(list(slots), torch.int64, self.device)
 

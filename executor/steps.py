@@ -58,6 +58,13 @@ class PendingStep:
     #: ``finish`` builds the outputs, or after an abort): the launcher takes back the
     #: step's event and staging buffers for later steps.
     recycle: Callable[[PendingStep], None] | None = field(default=None, repr=False)
+    #: Grammar rows (``grammar_flow.py``): called with the host samples before the
+    #: outputs are built; device steps of it applied so far; per row, the device step
+    #: whose token completed its grammar.
+    on_sampled: Callable[[PendingStep, list[SampleOutput]], None] | None = field(
+        default=None, repr=False)
+    grammar_applied: int = 0
+    grammar_done: dict[int, int] = field(default_factory=dict)
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -65,6 +72,8 @@ class PendingStep:
         if self.finished:
             raise ValueError("the step was completed or aborted already")
         sampled = self.wait()
+        if self.on_sampled is not None:
+            self.on_sampled(self, sampled)
         self.finished = True
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
         self.recycled()
@@ -86,7 +95,8 @@ class PendingStep:
     def outputs(self, sampled: list[SampleOutput]) -> tuple[ItemOutput, ...]:
         if self.position_rows:
             return self._position_outputs(sampled[0])
-        if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
+        done = self.grammar_done
+        if len(sampled) == 1 and not any(self.stops) and not done:  # no per-token lists
             s = sampled[0]
             if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and not any(
                     p.logprobs or p.top_logprobs or p.wants_extras
@@ -125,11 +135,14 @@ class PendingStep:
                 if tok in self.stops[row]:
                     stopped = True
                     break
+                if done.get(row) == len(tokens) - 1:
+                    break
             last = tokens[-1]
             out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,
                                   seq_len, tuple(tokens) if multi else (), stopped,
                                   candidate_logprobs=last.candidate_logprobs,
-                                  hidden_state=last.hidden_state))
+                                  hidden_state=last.hidden_state,
+                                  grammar_completed=done.get(row) == len(tokens) - 1))
         return tuple(out)
 
     def _position_outputs(self, s: SampleOutput) -> tuple[ItemOutput, ...]:

@@ -15,6 +15,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from executor.errors import (
     FieldViolation,
+    GrammarUnavailable,
     GraphsUnavailable,
     InvalidRequest,
     OutOfResources,
@@ -201,6 +202,14 @@ def _graphs_unavailable(exc: GraphsUnavailable) -> status_pb2.Status:
                              details=_pack(failure))
 
 
+def _grammar_unavailable(exc: GrammarUnavailable) -> status_pb2.Status:
+    failure = error_details_pb2.PreconditionFailure(violations=[
+        error_details_pb2.PreconditionFailure.Violation(
+            type="TOKENIZER", subject="model", description=str(exc))])
+    return status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(exc),
+                             details=_pack(failure))
+
+
 def _unavailable(exc: Unavailable) -> status_pb2.Status:
     details = _pack(_retry(exc.retry_after_s)) if exc.retry_after_s is not None else []
     return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(exc), details=details)
@@ -252,6 +261,7 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (OutOfResources, _exhausted),
     (Overloaded, _overloaded),
     (GraphsUnavailable, _graphs_unavailable),
+    (GrammarUnavailable, _grammar_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
     (SessionIdle, _session_idle),

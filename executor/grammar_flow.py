@@ -1,0 +1,149 @@
+"""``GrammarFlow``: grammar items through the executor's calls (``grammar.py`` holds the
+matchers).
+
+Validation compiles every grammar of a call (INVALID_ARGUMENT naming the item) before
+anything is allocated. A launch computes its grammar rows' masks from matchers that have
+accepted every earlier token: ``catch_up`` applies launched steps' tokens first (a host
+wait on those steps), and a multi-step decode applies each device step's tokens before the
+next (``step_masks``). Each launched step's tokens are applied exactly once, by the next
+launch that needs them or by the step's completion, under one lock (completion may run on
+another thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from executor.api import DecodeItem, PrefillItem, SamplingParams
+from executor.errors import FieldViolation, InvalidRequest
+from executor.grammar import GrammarBook, GrammarError
+from executor.sampling import DeviceSample, SampleOutput
+from executor.steps import PendingStep
+
+
+def tokenizer_dir(source: str) -> Callable[[], str | None]:
+    """Where the served model's tokenizer is, looked up at the first grammar."""
+    def find() -> str | None:
+        from executor.weights.catalog import resolve_model_source
+
+        directory = Path(resolve_model_source(source))
+        return str(directory) if (directory / "tokenizer.json").is_file() else None
+    return find
+
+
+class GrammarFlow:
+    def __init__(self, book: GrammarBook) -> None:
+        self.book = book
+        self._lock = threading.Lock()
+        self._pending: deque[PendingStep] = deque()
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self, items: Sequence[PrefillItem | DecodeItem]) -> None:
+        """Compile the items' grammars (cached); ``InvalidRequest`` naming each that does
+        not compile, ``GrammarUnavailable`` without a tokenizer."""
+        out = []
+        for i, it in enumerate(items):
+            g = it.sampling.grammar
+            if g is None:
+                continue
+            if isinstance(it, PrefillItem) and it.every_position:
+                out.append(FieldViolation(f"items[{i}].sampling.grammar",
+                                          "a grammar cannot be used with every_position"))
+                continue
+            try:
+                self.book.compile(g)
+            except GrammarError as exc:
+                out.append(FieldViolation(f"items[{i}].sampling.grammar.{g.kind}", str(exc)))
+        if out:
+            raise InvalidRequest(out)
+
+    # -- launches --------------------------------------------------------------------------
+    def prefill_masks(self, items: Sequence[PrefillItem], rows: list[int],
+                      seq_lens: Sequence[int]) -> list[bytes | None] | None:
+        """Start (or continue) the grammar items' matchers; each sampled row's mask."""
+        if not any(items[i].sampling.grammar is not None for i in rows):
+            return None
+        self.catch_up()
+        masks: list[bytes | None] = []
+        for i in rows:
+            it = items[i]
+            if it.sampling.grammar is None:
+                masks.append(None)
+                continue
+            with self._lock:
+                self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
+                                list(it.token_ids))
+                masks.append(self.book.mask(it.seq_id, it.sampling.allowed_token_bitmask))
+        return masks
+
+    def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
+                     params: Sequence[SamplingParams], length: Callable[[str], int | None]
+                     ) -> list[bytes | None] | None:
+        """The first step's masks of a decode (None without grammar items); a given
+        token is accepted first (unless it is the sampled one the matcher has)."""
+        if not any(p.grammar is not None for p in dict(zip(map(id, params), params,
+                                                             strict=True)).values()):
+            return None
+        self.catch_up()
+        masks: list[bytes | None] = []
+        with self._lock:
+            for seq_id, tok, p in zip(seq_ids, tokens, params, strict=True):
+                if p.grammar is None:
+                    masks.append(None)
+                    continue
+                if tok is not None:
+                    self.book.give(seq_id, tok, length(seq_id) or 0)
+                masks.append(self.book.mask(seq_id, p.allowed_token_bitmask))
+        return masks
+
+    def step_masks(self, seq_ids: Sequence[str], params: Sequence[SamplingParams],
+                   done: dict[int, int]) -> Callable[[int, DeviceSample], list[bytes | None]]:
+        """For a multi-step decode: the masks of step ``k`` after applying step ``k - 1``'s
+        samples (a host wait for them); completions go to ``done`` (row: step)."""
+        def masks(step: int, previous: DeviceSample) -> list[bytes | None]:
+            tokens = previous.tokens.tolist()
+            out: list[bytes | None] = []
+            with self._lock:
+                for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
+                    if p.grammar is None:
+                        out.append(None)
+                        continue
+                    if self.book.advance(seq_id, tokens[row]) and row not in done:
+                        done[row] = step - 1
+                    out.append(self.book.mask(seq_id, p.allowed_token_bitmask))
+            return out
+        return masks
+
+    def track(self, step: PendingStep, applied: int) -> None:
+        """A launched step with grammar rows whose first ``applied`` device steps were
+        applied already: the rest is applied by ``catch_up`` or at its completion."""
+        step.grammar_applied = applied
+        step.on_sampled = self.apply
+        self._pending.append(step)
+
+    def catch_up(self) -> None:
+        """Apply every launched step's remaining tokens (waits for their copies)."""
+        while self._pending:
+            step = self._pending.popleft()
+            if not step.finished:
+                self.apply(step, step.wait())
+
+    def apply(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
+        """Advance the matchers of ``step``'s grammar rows by its samples (once)."""
+        with self._lock:
+            start = step.grammar_applied
+            step.grammar_applied = len(sampled)
+            for k in range(start, len(sampled)):
+                for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
+                    if row is None or step.params[row].grammar is None:
+                        continue
+                    if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
+                            row not in step.grammar_done:
+                        step.grammar_done[row] = k
+
+    def forget(self, step: PendingStep) -> None:
+        """An aborted step: nothing of it is applied later."""
+        step.grammar_applied = len(step.samples)
