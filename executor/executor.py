@@ -136,14 +136,12 @@ class Executor:
             columns = decode_columns(items, self.last.has)
         seq_ids, tokens, sampling, stops, had_last = columns
         self._decode_memo = None
-        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length)
         done: dict[int, int] = {}
-        step_masks = None if masks is None or num_steps == 1 else \
-            self.grammars.step_masks(seq_ids, sampling, done)
+        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length, done)
         alloc = self.kv.extend(seq_ids, num_steps)
         try:
             samples, seq_lens, info = self.forward.decode(alloc, tokens, list(sampling),
-                                                          num_steps, masks, step_masks)
+                                                          num_steps, masks)
         except BaseException:
             self.kv.rollback(alloc)
             raise

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from executor.api import Path, Phase, RankTiming, SamplingParams, StepInfo
+from executor.api import GREEDY, Path, Phase, RankTiming, SamplingParams, StepInfo
 from executor.attention.base import AttentionBackend
 from executor.distributed.channel import StepChannel
 from executor.distributed.protocol import Mode, StepHeader
@@ -31,6 +31,10 @@ from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
 from executor.step_plan import SamplePlan, decode_step
 
+#: Grammar masks of a step's rows: ``(device step, the previous device step's samples or
+#: None) -> a mask or None per row`` (``GrammarFlow``).
+LateMasks = Callable[[int, DeviceSample | None], Sequence[bytes | None]]
+
 
 class Forward:
     def __init__(self, model: CausalModel, attn: AttentionBackend,
@@ -42,6 +46,9 @@ class Forward:
         self.table, self.device, self.staging = table, device, staging
         self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
         self.controls = controls  # each slot's token mask and logit bias
+        # Grammar masks: staged after the forward is launched (``LateMasks``), applied
+        # eagerly before sampling, on top of ``controls``.
+        self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device)
 
     # -- decisions ------------------------------------------------------------------
     def decide(self, phase: Phase, size: int) -> Decision:
@@ -118,11 +125,10 @@ class Forward:
     # -- steps ----------------------------------------------------------------------
     def prefill(self, tokens: list[int], alloc: Allocation, rows: list[int],
                 every: frozenset[int], plan: SamplePlan,
-                masks: list[bytes | None] | None = None
-                ) -> tuple[DeviceSample | None, StepInfo]:
+                late: LateMasks | None = None) -> tuple[DeviceSample | None, StepInfo]:
         """A prefill's forward and samples; the samples of each sampling item's last row
-        become its sequence's last sampled token. ``masks``: per sampled row, a grammar's
-        token mask (replacing the row's own) or None."""
+        become its sequence's last sampled token. ``late(0, None)``: per sampled row, a
+        grammar's token mask or None, asked once the forward is launched."""
         decision = self.decide("prefill", len(tokens))
         batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
                                  self.announcer("prefill", decision, plan.params,
@@ -131,9 +137,11 @@ class Forward:
         row_slots = [alloc.extensions[i].slot for i in rows] if not every else [
             alloc.extensions[i].slot for i in rows
             for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
-        controlled = self.stage_controls(row_slots, plan.params, masks)
+        controlled = self.stage_controls(row_slots, plan.params)
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
-                                 controlled=controlled)
+                                 controlled=controlled,
+                                 late=None if late is None else (lambda: late(0, None)),
+                                 row_slots=row_slots)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
@@ -145,16 +153,15 @@ class Forward:
 
     def decode(self, alloc: Allocation, tokens: Sequence[int | None],
                params: list[SamplingParams], num_steps: int,
-               masks: list[bytes | None] | None = None,
-               step_masks: Callable[[int, DeviceSample], list[bytes | None]] | None = None
+               late: LateMasks | None = None
                ) -> tuple[list[DeviceSample], tuple[int, ...], StepInfo]:
         """``num_steps`` decode steps over ``alloc`` (``num_steps`` tokens per sequence),
         each reading the previous one's samples on the device (one graph replay per step,
         no host round trip). A None token continues from its sequence's last sample.
         Returns the samples per step, the sequences' lengths after the last step and its
-        info (over all the steps). ``masks``: the first step's grammar masks per row (as
-        ``prefill``'s); ``step_masks(k, samples of step k - 1)``: step k's (it waits for
-        those samples on the host: grammar rows only)."""
+        info (over all the steps). ``late(k, samples of step k - 1)``: step k's grammar
+        masks per row (as ``prefill``'s), asked once step k's forward is launched (it may
+        wait for step k - 1's samples on the host while the device runs that forward)."""
         n = len(tokens)
         rows = list(range(n))
         samples: list[DeviceSample] = []
@@ -164,10 +171,9 @@ class Forward:
             [USE_LAST_SAMPLED if t is None else t for t in tokens]
         announce = self.announcer("decode", decision, params, None)
         slots = alloc.columns.slots
-        controlled = self.stage_controls(slots, params, masks)
+        controlled = self.stage_controls(slots, params)
         for step in range(num_steps):
-            if step and step_masks is not None:
-                controlled = self.stage_controls(slots, params, step_masks(step, samples[-1]))
+            previous = samples[-1] if samples else None
             sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
             batch = self.build_batch("decode", first if step == 0 else
                                      [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
@@ -175,7 +181,10 @@ class Forward:
             # each sequence's length after this step: the index of its new token + 1
             sample, info = self.step(batch, decision, params, batch.seq_lens_host,
                                      remember=batch.slots,
-                                     controlled=batch.slots if controlled is not None else None)
+                                     controlled=batch.slots if controlled is not None else None,
+                                     late=None if late is None else (
+                                         lambda: late(step, previous)),  # noqa: B023
+                                     row_slots=slots)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -187,24 +196,27 @@ class Forward:
                                        num_steps=num_steps, ranks=ranks)
         return samples, batch.seq_lens_host, info
 
-    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams],
-                       masks: Sequence[bytes | None] | None = None) -> torch.Tensor | None:
+    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams]
+                       ) -> torch.Tensor | None:
         """Put the rows' token masks and logit biases in their slots' tables; the rows'
         slots on the device when any row has one (the step applies them), else None."""
-        if not self.controls.stage(slots, params, masks):
+        if not self.controls.stage(slots, params):
             return None
         return device_tensor(list(slots), torch.int64, self.device)
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
              positions: Sequence[int], targets: list[int] | None = None,
-             remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None
-             ) -> tuple[DeviceSample | None, StepInfo]:
+             remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
+             late: Callable[[], Sequence[bytes | None]] | None = None,
+             row_slots: Sequence[int] = ()) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
         to those slots' last sampled tokens (``LastSampled.sampler_target``). With
         ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
-        are applied first (a decode graph applies them itself)."""
+        are applied first (a decode graph applies them itself). ``late``: grammar masks
+        per row (slots ``row_slots``), asked after the forward is launched and applied
+        on top before sampling."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -221,6 +233,11 @@ class Forward:
             if controlled is not None and logits is not None and not (
                     mode is Mode.GRAPH and self.runners[batch.phase].controls_in_graph):
                 self.controls.apply(logits, controlled)
+            if late is not None and logits is not None:
+                masks = late()  # the device runs the forward meanwhile
+                if self.late_controls.stage(row_slots, [GREEDY] * len(row_slots), masks):
+                    self.late_controls.apply(
+                        logits, device_tensor(list(row_slots), torch.int64, self.device))
             sample = self.sampler.sample(
                 logits, params, positions, targets,
                 None if remember is None else self.last.sampler_target(remember), hidden) \

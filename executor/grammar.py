@@ -82,7 +82,9 @@ class GrammarBook:
         compiler = self.compiler()
         try:
             if grammar.kind == "json_schema":
-                compiled = compiler.compile_json_schema(grammar.text)
+                # Compact JSON (fixed separators, no free whitespace): small models
+                # otherwise loop on whitespace the grammar allows.
+                compiled = compiler.compile_json_schema(grammar.text, any_whitespace=False)
             elif grammar.kind == "regex":
                 compiled = compiler.compile_regex(grammar.text)
             else:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.errors import FieldViolation, InvalidRequest
+from executor.forward import LateMasks
 from executor.grammar import GrammarBook, GrammarError
 from executor.sampling import DeviceSample, SampleOutput
 from executor.steps import PendingStep
@@ -62,58 +63,58 @@ class GrammarFlow:
 
     # -- launches --------------------------------------------------------------------------
     def prefill_masks(self, items: Sequence[PrefillItem], rows: list[int],
-                      seq_lens: Sequence[int]) -> list[bytes | None] | None:
-        """Start (or continue) the grammar items' matchers; each sampled row's mask."""
+                      seq_lens: Sequence[int]) -> LateMasks | None:
+        """The grammar masks of a prefill's sampled rows, as ``Forward.prefill`` asks for
+        them (once its forward is launched): the items' matchers start, or go on, first."""
         if not any(items[i].sampling.grammar is not None for i in rows):
             return None
-        self.catch_up()
-        masks: list[bytes | None] = []
-        for i in rows:
-            it = items[i]
-            if it.sampling.grammar is None:
-                masks.append(None)
-                continue
+
+        def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
+            self.catch_up()
+            out: list[bytes | None] = []
             with self._lock:
-                self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
-                                list(it.token_ids))
-                masks.append(self.book.mask(it.seq_id, it.sampling.allowed_token_bitmask))
+                for i in rows:
+                    it = items[i]
+                    if it.sampling.grammar is None:
+                        out.append(None)
+                        continue
+                    self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
+                                    list(it.token_ids))
+                    out.append(self.book.mask(it.seq_id, None))
+            return out
         return masks
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
-                     params: Sequence[SamplingParams], length: Callable[[str], int | None]
-                     ) -> list[bytes | None] | None:
-        """The first step's masks of a decode (None without grammar items); a given
-        token is accepted first (unless it is the sampled one the matcher has)."""
+                     params: Sequence[SamplingParams], length: Callable[[str], int | None],
+                     done: dict[int, int]) -> LateMasks | None:
+        """The grammar masks of a decode's device steps, as ``Forward.decode`` asks for
+        them (None without grammar items). Step 0 first applies every launched step
+        (``catch_up``) and a given token (unless it is the sampled one the matcher has);
+        step k first applies step k - 1's samples (a host wait for them: the device runs
+        step k's forward meanwhile). Completions go to ``done`` (row: device step).
+        Call it before the decode's allocation (the given tokens' positions)."""
         if not any(p.grammar is not None for p in dict(zip(map(id, params), params,
                                                              strict=True)).values()):
             return None
-        self.catch_up()
-        masks: list[bytes | None] = []
-        with self._lock:
-            for seq_id, tok, p in zip(seq_ids, tokens, params, strict=True):
-                if p.grammar is None:
-                    masks.append(None)
-                    continue
-                if tok is not None:
-                    self.book.give(seq_id, tok, length(seq_id) or 0)
-                masks.append(self.book.mask(seq_id, p.allowed_token_bitmask))
-        return masks
+        positions = [length(s) or 0 for s in seq_ids]
 
-    def step_masks(self, seq_ids: Sequence[str], params: Sequence[SamplingParams],
-                   done: dict[int, int]) -> Callable[[int, DeviceSample], list[bytes | None]]:
-        """For a multi-step decode: the masks of step ``k`` after applying step ``k - 1``'s
-        samples (a host wait for them); completions go to ``done`` (row: step)."""
-        def masks(step: int, previous: DeviceSample) -> list[bytes | None]:
-            tokens = previous.tokens.tolist()
+        def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
+            if step == 0:
+                self.catch_up()
+            sampled = previous.tokens.tolist() if step and previous is not None else None
             out: list[bytes | None] = []
             with self._lock:
                 for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
                     if p.grammar is None:
                         out.append(None)
                         continue
-                    if self.book.advance(seq_id, tokens[row]) and row not in done:
-                        done[row] = step - 1
-                    out.append(self.book.mask(seq_id, p.allowed_token_bitmask))
+                    tok = tokens[row]
+                    if sampled is not None:
+                        if self.book.advance(seq_id, sampled[row]) and row not in done:
+                            done[row] = step - 1
+                    elif tok is not None:
+                        self.book.give(seq_id, tok, positions[row])
+                    out.append(self.book.mask(seq_id, None))
             return out
         return masks
 
