@@ -257,3 +257,13 @@ def test_packed_outputs_refuse_extra_outputs(harness: ServerHarness) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items[0].return_hidden_state" in (err.value.details() or "")
     release(harness, "pk")
+
+
+def test_grammar_without_a_tokenizer_is_failed_precondition(harness: ServerHarness) -> None:
+    """The random-weight checkpoint has no tokenizer.json: nothing to compile against."""
+    before = harness.kv().free_tokens
+    with pytest.raises(grpc.RpcError) as err:
+        prefill(harness, "gr", [1, 2], pb.SamplingParams(grammar=pb.Grammar(regex="[ab]+")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tokenizer" in (err.value.details() or "")
+    assert harness.kv().free_tokens == before
