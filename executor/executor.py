@@ -40,7 +40,7 @@ from executor.distributed.protocol import CaptureHeader, ForkHeader, ShutdownHea
 from executor.errors import GraphsUnavailable
 from executor.forward_batch import BeforeTransfer, ForwardBatch
 from executor.grammar import GrammarBook
-from executor.grammar_flow import GrammarFlow, tokenizer_dir
+from executor.grammar_flow import GrammarFlow, served_tokenizer
 from executor.kv import Allocation
 from executor.step_plan import DecodeMemo, SamplePlan, decode_columns
 from executor.steps import PendingStep
@@ -72,8 +72,9 @@ class Executor:
         self._graph_modes = parts.graphs.modes
         # The last decode launch, for the next one if it continues the same items.
         self._decode_memo: DecodeMemo | None = None
-        self.grammars = GrammarFlow(GrammarBook(tokenizer_dir(config.model.source),
-                                                self.limits.vocab_size))
+        vocab = self.limits.vocab_size
+        self.grammars = GrammarFlow(GrammarBook(served_tokenizer(config.model.source, vocab),
+                                                vocab))
 
     # -- steps --------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:

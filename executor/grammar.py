@@ -46,8 +46,10 @@ class SeqGrammar:
 class GrammarBook:
     """The compiler, its cache and every sequence's matcher (host state, rank 0)."""
 
-    def __init__(self, tokenizer_dir: Callable[[], str | None], vocab: int) -> None:
-        self._tokenizer_dir, self.vocab = tokenizer_dir, vocab
+    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int) -> None:
+        """``tokenizer_info``: makes the ``xgrammar.TokenizerInfo`` (vocabulary ``vocab``)
+        at the first grammar, or raises ``GrammarUnavailable``."""
+        self._tokenizer_info, self.vocab = tokenizer_info, vocab
         self._compiler: Any = None
         self._why_not = ""
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -57,16 +59,13 @@ class GrammarBook:
     def compiler(self) -> Any:
         """The xgrammar compiler (made at first use); raises ``GrammarUnavailable``."""
         if self._compiler is None and not self._why_not:
-            directory = self._tokenizer_dir()
-            if directory is None:
-                self._why_not = ("the served model has no tokenizer (tokenizer.json) to "
-                                 "compile grammars against")
-            else:
-                import xgrammar as xgr
-                from transformers import AutoTokenizer
+            import xgrammar as xgr
 
-                tok = AutoTokenizer.from_pretrained(directory)
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab)
+            try:
+                info = self._tokenizer_info()
+            except GrammarUnavailable as exc:
+                self._why_not = str(exc)
+            else:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         if self._compiler is None:
             raise GrammarUnavailable(self._why_not)

@@ -16,23 +16,35 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
-from executor.errors import FieldViolation, InvalidRequest
+from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
 from executor.forward import LateMasks
 from executor.grammar import GrammarBook, GrammarError
 from executor.sampling import DeviceSample, SampleOutput
 from executor.steps import PendingStep
 
 
-def tokenizer_dir(source: str) -> Callable[[], str | None]:
-    """Where the served model's tokenizer is, looked up at the first grammar."""
-    def find() -> str | None:
+def served_tokenizer(source: str, vocab: int) -> Callable[[], Any]:
+    """The served model's tokenizer as xgrammar's ``TokenizerInfo``, found next to its
+    weights at the first grammar (a directory with ``tokenizer.json``: HF checkpoints and
+    the named models' conversions); ``GrammarUnavailable`` without one."""
+    def make() -> Any:
+        import xgrammar as xgr
+
         from executor.weights.catalog import resolve_model_source
 
         directory = Path(resolve_model_source(source))
-        return str(directory) if (directory / "tokenizer.json").is_file() else None
-    return find
+        if not (directory / "tokenizer.json").is_file():
+            raise GrammarUnavailable(
+                f"the served model ({source}) has no tokenizer (tokenizer.json next to its "
+                "weights) to compile grammars against")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    return make
 
 
 class GrammarFlow:
