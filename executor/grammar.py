@@ -6,7 +6,8 @@ with a grammar holds a matcher and ``origin``, the position its first output tok
 the matcher has accepted the sequence's tokens from ``origin`` on, including the last
 sampled one, which enters the cache only with the next decode.
 
-A step's mask is the matcher's next-token bitmask (ANDed with the item's own mask). The
+A step's mask is the matcher's next-token bitmask (the item's own mask and bias apply
+too, from their own tables: ``logit_controls.py``), filled for a batch at once. The
 matcher must have accepted the previous step's token first: ``catch_up`` reads a launched
 step's tokens (waiting for its copy to the host) when a later launch needs its grammar
 rows, else ``PendingStep.finish`` does; each step is applied once. So a grammar item in a
@@ -17,7 +18,7 @@ device steps (``Forward.decode``'s ``step_masks``). See ``docs/sampling.md``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class GrammarBook:
         self._why_not = ""
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.seqs: dict[str, SeqGrammar] = {}
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made at first use
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -133,26 +135,34 @@ class GrammarBook:
             state.accepted += 1
             state.completed = bool(state.matcher.is_terminated())
 
-    def mask(self, seq_id: str, own: bytes | None) -> bytes | None:
-        """The next token's mask for ``seq_id`` (``own``: the item's mask, ANDed in), or
-        None without a grammar. A completed grammar allows only its stop tokens."""
-        state = self.seqs.get(seq_id)
-        if state is None:
-            return None
-        words = (self.vocab + 31) // 32
-        if state.completed:
-            bits = np.zeros(words * 32, dtype=np.uint8)
-            bits[[t for t in state.matcher.stop_token_ids if t < self.vocab]] = 1
-            out = np.packbits(bits, bitorder="little").view("<i4")
-        else:
-            import xgrammar as xgr
+    def masks(self, seq_ids: Sequence[str | None]) -> list[bytes | None]:
+        """The next token's mask per sequence (None for a None entry or a sequence
+        without a grammar), filled in one batch over xgrammar's threads. A completed
+        grammar allows only its stop tokens."""
+        import xgrammar as xgr
 
-            buf = xgr.allocate_token_bitmask(1, self.vocab)
-            state.matcher.fill_next_token_bitmask(buf)
-            out = buf[0].numpy()[:words].astype("<i4")
-        if own is not None:
-            out = out & np.frombuffer(own, dtype="<i4")
-        return out.tobytes()
+        words = (self.vocab + 31) // 32
+        states = [None if s is None else self.seqs.get(s) for s in seq_ids]
+        live = [st for st in states if st is not None and not st.completed]
+        filled: dict[int, np.ndarray] = {}
+        if live:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            buf = xgr.allocate_token_bitmask(len(live), self.vocab)
+            self._batch.batch_fill_next_token_bitmask([st.matcher for st in live], buf)
+            rows = buf.numpy()[:, :words].astype("<i4")
+            filled = {id(st): rows[r] for r, st in enumerate(live)}
+        out: list[bytes | None] = []
+        for st in states:
+            if st is None:
+                out.append(None)
+            elif st.completed:
+                bits = np.zeros(words * 32, dtype=np.uint8)
+                bits[[t for t in st.matcher.stop_token_ids if t < self.vocab]] = 1
+                out.append(np.packbits(bits, bitorder="little").tobytes())
+            else:
+                out.append(filled[id(st)].tobytes())
+        return out
 
     def fork(self, parent: str, child: str, length: int, inherits: bool) -> None:
         """The child shares the parent's first ``length`` tokens (and its last sample when

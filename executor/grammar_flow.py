@@ -82,18 +82,15 @@ class GrammarFlow:
             return None
 
         def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
-            self.catch_up()
-            out: list[bytes | None] = []
+            self.catch_up()  # (a prefill's own rows have no launched steps pending)
             with self._lock:
                 for i in rows:
                     it = items[i]
-                    if it.sampling.grammar is None:
-                        out.append(None)
-                        continue
-                    self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
-                                    list(it.token_ids))
-                    out.append(self.book.mask(it.seq_id, None))
-            return out
+                    if it.sampling.grammar is not None:
+                        self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
+                                        list(it.token_ids))
+                return self.book.masks([items[i].seq_id if items[i].sampling.grammar
+                                        is not None else None for i in rows])
         return masks
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
@@ -109,16 +106,16 @@ class GrammarFlow:
                                                              strict=True)).values()):
             return None
         positions = [length(s) or 0 for s in seq_ids]
+        grammar_rows = [s if p.grammar is not None else None
+                        for s, p in zip(seq_ids, params, strict=True)]
 
         def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
             if step == 0:
                 self.catch_up()
             sampled = previous.tokens.tolist() if step and previous is not None else None
-            out: list[bytes | None] = []
             with self._lock:
                 for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
                     if p.grammar is None:
-                        out.append(None)
                         continue
                     tok = tokens[row]
                     if sampled is not None:
@@ -126,8 +123,7 @@ class GrammarFlow:
                             done[row] = step - 1
                     elif tok is not None:
                         self.book.give(seq_id, tok, positions[row])
-                    out.append(self.book.mask(seq_id, None))
-            return out
+                return self.book.masks(grammar_rows)
         return masks
 
     def track(self, step: PendingStep, applied: int) -> None:
