@@ -123,6 +123,14 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def distinct_params(params: Sequence[SamplingParams]) -> Iterable[SamplingParams]:
+    """The distinct parameter objects of a batch (by identity: its rows usually share a
+    few), for checks asked once per object; a small batch as it is."""
+    if len(params) < 16:
+        return params
+    return dict(zip(map(id, params), params, strict=True)).values()
+
+
 @dataclass(frozen=True)
 class PrefillItem:
     """Admit a new sequence (unknown ``seq_id``) or extend a known one with ``token_ids``.

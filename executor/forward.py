@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from executor.api import GREEDY, Path, Phase, RankTiming, SamplingParams, StepInfo
+from executor.api import (
+    GREEDY,
+    Path,
+    Phase,
+    RankTiming,
+    SamplingParams,
+    StepInfo,
+    distinct_params,
+)
 from executor.attention.base import AttentionBackend
 from executor.distributed.channel import StepChannel
 from executor.distributed.protocol import Mode, StepHeader
@@ -31,9 +39,28 @@ from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
 from executor.step_plan import SamplePlan, decode_step
 
-#: Grammar masks of a step's rows: ``(device step, the previous device step's samples or
+#: The host values of a device step's tokens (waits for their copy, started right after
+#: that step's sampling: not for anything queued later).
+HostTokens = Callable[[], list[int]]
+#: Grammar masks of a step's rows: ``(device step, the previous device step's tokens or
 #: None) -> a mask or None per row`` (``GrammarFlow``).
-LateMasks = Callable[[int, DeviceSample | None], Sequence[bytes | None]]
+LateMasks = Callable[[int, HostTokens | None], Sequence[bytes | None]]
+
+
+def host_tokens(sample: DeviceSample) -> HostTokens:
+    """Start copying ``sample``'s tokens to pinned host memory now (on CUDA, with an event
+    after the copy); the returned function waits for that copy only."""
+    if not sample.tokens.is_cuda:
+        return sample.tokens.tolist
+    host = torch.empty(sample.tokens.shape, dtype=sample.tokens.dtype, pin_memory=True)
+    host.copy_(sample.tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+    return read
 
 
 class Forward:
@@ -159,7 +186,7 @@ class Forward:
         each reading the previous one's samples on the device (one graph replay per step,
         no host round trip). A None token continues from its sequence's last sample.
         Returns the samples per step, the sequences' lengths after the last step and its
-        info (over all the steps). ``late(k, samples of step k - 1)``: step k's grammar
+        info (over all the steps). ``late(k, tokens of step k - 1)``: step k's grammar
         masks per row (as ``prefill``'s), asked once step k's forward is launched (it may
         wait for step k - 1's samples on the host while the device runs that forward)."""
         n = len(tokens)
@@ -173,7 +200,7 @@ class Forward:
         slots = alloc.columns.slots
         controlled = self.stage_controls(slots, params)
         for step in range(num_steps):
-            previous = samples[-1] if samples else None
+            previous = None if late is None or not samples else host_tokens(samples[-1])
             sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
             batch = self.build_batch("decode", first if step == 0 else
                                      [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
@@ -225,7 +252,7 @@ class Forward:
         # forward's do (with PDL, the first overlaps the graph's tail).
         with self.switches:
             # (the other ranks got the step from ``announcer`` while it was packed)
-            want_hidden = any(p.return_hidden_state for p in params)
+            want_hidden = any(p.return_hidden_state for p in distinct_params(params))
             logits, hidden = self.run(batch, mode, decision.bucket, want_hidden)
             ranks = None
             if self.channel is not None:  # every rank launched the step (after our launch)
@@ -264,8 +291,10 @@ class Forward:
                 # Compiled pieces without graphs: still faster than the plain eager model.
                 return self.runners[batch.phase].run_compiled(batch, want_hidden)
             if mode is Mode.LOGITS:
+                if not want_hidden:  # (``forward_logits``: what a stand-in device replaces)
+                    return self.forward_logits(batch), None
                 hidden, logits = self.forward_rows(batch)
-                return logits, hidden if want_hidden else None
+                return logits, hidden
             self.forward_only(batch)  # fills the KV cache; no logits wanted
             return None, None
 

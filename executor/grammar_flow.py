@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from executor.api import DecodeItem, PrefillItem, SamplingParams
+from executor.api import DecodeItem, PrefillItem, SamplingParams, distinct_params
 from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
-from executor.forward import LateMasks
+from executor.forward import HostTokens, LateMasks
 from executor.grammar import GrammarBook, GrammarError
-from executor.sampling import DeviceSample, SampleOutput
+from executor.sampling import SampleOutput
 from executor.steps import PendingStep
 
 
@@ -81,7 +81,7 @@ class GrammarFlow:
         if not any(items[i].sampling.grammar is not None for i in rows):
             return None
 
-        def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
+        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
             self.catch_up()  # (a prefill's own rows have no launched steps pending)
             with self._lock:
                 for i in rows:
@@ -102,17 +102,16 @@ class GrammarFlow:
         step k first applies step k - 1's samples (a host wait for them: the device runs
         step k's forward meanwhile). Completions go to ``done`` (row: device step).
         Call it before the decode's allocation (the given tokens' positions)."""
-        if not any(p.grammar is not None for p in dict(zip(map(id, params), params,
-                                                             strict=True)).values()):
+        if not any(p.grammar is not None for p in distinct_params(params)):
             return None
         positions = [length(s) or 0 for s in seq_ids]
         grammar_rows = [s if p.grammar is not None else None
                         for s, p in zip(seq_ids, params, strict=True)]
 
-        def masks(step: int, previous: DeviceSample | None) -> list[bytes | None]:
+        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
             if step == 0:
                 self.catch_up()
-            sampled = previous.tokens.tolist() if step and previous is not None else None
+            sampled = previous() if step and previous is not None else None
             with self._lock:
                 for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
                     if p.grammar is None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from executor.api import MAX_LOGIT_BIAS, SamplingParams
+from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
 from executor.model.layers import triton_available
 
 _HAS_TRITON = triton_available()
@@ -69,7 +69,8 @@ class SlotControls:
         controls and whose row has none goes back to the default. Writes only what
         changed (queued on the current stream: no host sync). Returns whether any row
         has controls (the caller applies them)."""
-        if not self._held and masks is None and not any(p.has_controls for p in params):
+        if not self._held and masks is None and not any(
+                p.has_controls for p in distinct_params(params)):
             return False
         changed: dict[int, _SlotState] = {}
         any_active = False

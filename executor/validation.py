@@ -253,7 +253,8 @@ def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], 
     if not 1 <= n <= limits.max_decode_batch or not 1 <= num_steps <= MAX_DECODE_STEPS:
         return False
     seq_ids, tokens, samplings, stops = zip(*items, strict=True)
-    if any(map(uses_controls, dict(zip(map(id, samplings), samplings, strict=True)).values())):
+    distinct = dict(zip(map(id, samplings), samplings, strict=True)).values()
+    if any(map(uses_controls, distinct)):
         return False
     if not all(seq_ids) or len(set(seq_ids)) != n:  # empty or repeated ids
         return False
@@ -274,8 +275,7 @@ def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], 
     if any(stops) and not all(not s or (min(s) >= 0 and max(s) < vocab) for s in stops):
         return False
     # Each distinct parameter object once (by identity, as the full pass).
-    return not any(sampling_violations(p, "")
-                   for p in dict(zip(map(id, samplings), samplings, strict=True)).values())
+    return not any(sampling_violations(p, "") for p in distinct)
 
 
 def validate_fork(parent_id: str, child_id: str, prefix_len: int | None,
