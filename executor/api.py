@@ -108,10 +108,9 @@ class SamplingParams:
 
     @property
     def has_controls(self) -> bool:
-        """Whether the logits need a mask or a bias before sampling (a grammar's mask
-        comes from its matcher, step by step)."""
-        return (self.allowed_token_bitmask is not None or bool(self.logit_bias)
-                or self.grammar is not None)
+        """Whether the logits need the item's own mask or bias before sampling (a
+        grammar's masks come from its matcher, step by step)."""
+        return self.allowed_token_bitmask is not None or bool(self.logit_bias)
 
     @property
     def wants_extras(self) -> bool:
@@ -121,6 +120,27 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class BatchNeeds:
+    """What a step's rows ask beyond plain sampling, found once per batch."""
+
+    controls: bool = False  # a row has its own mask or bias
+    grammar: bool = False  # a row has a grammar
+    hidden: bool = False  # a row returns its hidden state
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> BatchNeeds:
+        distinct = list(distinct_params(params))
+        if all(p is GREEDY for p in distinct):
+            return NO_NEEDS
+        return BatchNeeds(any(p.has_controls for p in distinct),
+                          any(p.grammar is not None for p in distinct),
+                          any(p.return_hidden_state for p in distinct))
+
+
+NO_NEEDS = BatchNeeds()
 
 
 def distinct_params(params: Sequence[SamplingParams]) -> Iterable[SamplingParams]:

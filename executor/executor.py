@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from executor.api import (
+    BatchNeeds,
     DecodeItem,
     ExecutorStatus,
     ForkResult,
@@ -30,6 +31,7 @@ from executor.api import (
     PhaseCapture,
     PrefillItem,
     ReleaseResult,
+    SamplingParams,
     StepResult,
     TruncateResult,
 )
@@ -72,6 +74,7 @@ class Executor:
         self._graph_modes = parts.graphs.modes
         # The last decode launch, for the next one if it continues the same items.
         self._decode_memo: DecodeMemo | None = None
+        self._last_needs: tuple[tuple[SamplingParams, ...], BatchNeeds] | None = None
         vocab = self.limits.vocab_size
         self.grammars = GrammarFlow(GrammarBook(served_tokenizer(config.model.source, vocab),
                                                 vocab))
@@ -133,16 +136,19 @@ class Executor:
             columns = memo.columns
         else:
             validate_decode(items, self.kv.length, self.limits, num_steps, self.last.has)
-            self.grammars.validate(items)
             columns = decode_columns(items, self.last.has)
         seq_ids, tokens, sampling, stops, had_last = columns
+        needs = self._needs(sampling)
+        if memo is None and needs.grammar:
+            self.grammars.validate(items)  # compiles them (cached)
         self._decode_memo = None
         done: dict[int, int] = {}
-        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length, done)
+        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length, done,
+                                           needs)
         alloc = self.kv.extend(seq_ids, num_steps)
         try:
             samples, seq_lens, info = self.forward.decode(alloc, tokens, list(sampling),
-                                                          num_steps, masks)
+                                                          num_steps, masks, needs)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -159,6 +165,14 @@ class Executor:
             step.grammar_done = done
             self.grammars.track(step, num_steps - 1)
         return step
+
+    def _needs(self, sampling: tuple[SamplingParams, ...]) -> BatchNeeds:
+        """``BatchNeeds`` of a decode's parameters, kept for the next launch with the same
+        columns (a pipelined scheduler's repeats pass the same tuple)."""
+        last = self._last_needs
+        if last is None or last[0] is not sampling:
+            last = self._last_needs = (sampling, BatchNeeds.of(sampling))
+        return last[1]
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""

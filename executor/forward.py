@@ -17,12 +17,12 @@ import torch
 
 from executor.api import (
     GREEDY,
+    BatchNeeds,
     Path,
     Phase,
     RankTiming,
     SamplingParams,
     StepInfo,
-    distinct_params,
 )
 from executor.attention.base import AttentionBackend
 from executor.distributed.channel import StepChannel
@@ -164,11 +164,12 @@ class Forward:
         row_slots = [alloc.extensions[i].slot for i in rows] if not every else [
             alloc.extensions[i].slot for i in rows
             for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
-        controlled = self.stage_controls(row_slots, plan.params)
+        needs = BatchNeeds.of(plan.params)
+        controlled = self.stage_controls(row_slots, plan.params, needs)
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled,
                                  late=None if late is None else (lambda: late(0, None)),
-                                 row_slots=row_slots)
+                                 row_slots=row_slots, want_hidden=needs.hidden)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
@@ -180,7 +181,7 @@ class Forward:
 
     def decode(self, alloc: Allocation, tokens: Sequence[int | None],
                params: list[SamplingParams], num_steps: int,
-               late: LateMasks | None = None
+               late: LateMasks | None = None, needs: BatchNeeds | None = None
                ) -> tuple[list[DeviceSample], tuple[int, ...], StepInfo]:
         """``num_steps`` decode steps over ``alloc`` (``num_steps`` tokens per sequence),
         each reading the previous one's samples on the device (one graph replay per step,
@@ -198,7 +199,8 @@ class Forward:
             [USE_LAST_SAMPLED if t is None else t for t in tokens]
         announce = self.announcer("decode", decision, params, None)
         slots = alloc.columns.slots
-        controlled = self.stage_controls(slots, params)
+        needs = needs or BatchNeeds.of(params)
+        controlled = self.stage_controls(slots, params, needs)
         for step in range(num_steps):
             previous = None if late is None or not samples else host_tokens(samples[-1])
             sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
@@ -211,7 +213,7 @@ class Forward:
                                      controlled=batch.slots if controlled is not None else None,
                                      late=None if late is None else (
                                          lambda: late(step, previous)),  # noqa: B023
-                                     row_slots=slots)
+                                     row_slots=slots, want_hidden=needs.hidden)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -223,11 +225,11 @@ class Forward:
                                        num_steps=num_steps, ranks=ranks)
         return samples, batch.seq_lens_host, info
 
-    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams]
-                       ) -> torch.Tensor | None:
+    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams],
+                       needs: BatchNeeds) -> torch.Tensor | None:
         """Put the rows' token masks and logit biases in their slots' tables; the rows'
         slots on the device when any row has one (the step applies them), else None."""
-        if not self.controls.stage(slots, params):
+        if not self.controls.stage(slots, params, any_controls=needs.controls):
             return None
         return device_tensor(list(slots), torch.int64, self.device)
 
@@ -236,14 +238,15 @@ class Forward:
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
              late: Callable[[], Sequence[bytes | None]] | None = None,
-             row_slots: Sequence[int] = ()) -> tuple[DeviceSample | None, StepInfo]:
+             row_slots: Sequence[int] = (), want_hidden: bool = False
+             ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
         to those slots' last sampled tokens (``LastSampled.sampler_target``). With
         ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
         are applied first (a decode graph applies them itself). ``late``: grammar masks
         per row (slots ``row_slots``), asked after the forward is launched and applied
-        on top before sampling."""
+        on top before sampling. ``want_hidden``: a row returns its hidden state."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -252,7 +255,6 @@ class Forward:
         # forward's do (with PDL, the first overlaps the graph's tail).
         with self.switches:
             # (the other ranks got the step from ``announcer`` while it was packed)
-            want_hidden = any(p.return_hidden_state for p in distinct_params(params))
             logits, hidden = self.run(batch, mode, decision.bucket, want_hidden)
             ranks = None
             if self.channel is not None:  # every rank launched the step (after our launch)

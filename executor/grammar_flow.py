@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from executor.api import DecodeItem, PrefillItem, SamplingParams, distinct_params
+from executor.api import BatchNeeds, DecodeItem, PrefillItem, SamplingParams
 from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
 from executor.forward import HostTokens, LateMasks
 from executor.grammar import GrammarBook, GrammarError
@@ -95,14 +95,14 @@ class GrammarFlow:
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
                      params: Sequence[SamplingParams], length: Callable[[str], int | None],
-                     done: dict[int, int]) -> LateMasks | None:
+                     done: dict[int, int], needs: BatchNeeds) -> LateMasks | None:
         """The grammar masks of a decode's device steps, as ``Forward.decode`` asks for
         them (None without grammar items). Step 0 first applies every launched step
         (``catch_up``) and a given token (unless it is the sampled one the matcher has);
         step k first applies step k - 1's samples (a host wait for them: the device runs
         step k's forward meanwhile). Completions go to ``done`` (row: device step).
         Call it before the decode's allocation (the given tokens' positions)."""
-        if not any(p.grammar is not None for p in distinct_params(params)):
+        if not needs.grammar:
             return None
         positions = [length(s) or 0 for s in seq_ids]
         grammar_rows = [s if p.grammar is not None else None

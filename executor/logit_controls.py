@@ -63,14 +63,16 @@ class SlotControls:
         self._held: dict[int, _SlotState] = {}  # slots whose row is not the default
 
     def stage(self, slots: Sequence[int], params: Sequence[SamplingParams],
-              masks: Sequence[bytes | None] | None = None) -> bool:
+              masks: Sequence[bytes | None] | None = None, any_controls: bool = True
+              ) -> bool:
         """Make each row's slot hold that row's controls: its params' mask (or ``masks``'
         entry, a grammar's mask for this step, when not None) and bias; a slot that held
         controls and whose row has none goes back to the default. Writes only what
         changed (queued on the current stream: no host sync). Returns whether any row
-        has controls (the caller applies them)."""
-        if not self._held and masks is None and not any(
-                p.has_controls for p in distinct_params(params)):
+        has controls (the caller applies them). ``any_controls=False``: the caller knows
+        no row has its own mask or bias (no scan then)."""
+        if not self._held and masks is None and not (any_controls and any(
+                p.has_controls for p in distinct_params(params))):
             return False
         changed: dict[int, _SlotState] = {}
         any_active = False
