@@ -19,6 +19,10 @@ SleepTag = Literal["weights", "kv_cache"]
 SLEEP_TAGS: tuple[SleepTag, ...] = ("weights", "kv_cache")
 
 MAX_TOP_LOGPROBS = 20
+#: Most ``candidate_token_ids`` one item may ask for.
+MAX_CANDIDATE_TOKENS = 256
+#: Most ``logit_bias`` entries one item may give (OpenAI's limit).
+MAX_LOGIT_BIAS = 300
 # Temperatures below this are greedy (see executor/sampling.py for why).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -34,6 +38,17 @@ def named_rows(cls: type[_Row], *columns: Iterable[Any]) -> list[_Row]:
     if len(columns) != len(fields):
         raise TypeError(f"{cls.__name__} has {len(fields)} fields, got {len(columns)} columns")
     return list(map(partial(tuple.__new__, cls), zip(*columns, strict=True)))
+
+
+LogprobsMode = Literal["raw", "processed"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar the sampled tokens must follow (``executor/grammar.py`` compiles it)."""
+
+    kind: Literal["json_schema", "regex", "ebnf"]
+    text: str
 
 
 class FallbackReason(str, Enum):
@@ -62,7 +77,18 @@ class SamplingParams:
     logprobs: return the sampled token's log-probability.
     top_logprobs: also return the ``n`` most likely tokens with their log-probabilities
         (0..20). Log-probabilities are of the model's raw distribution (before temperature
-        and filtering), as vLLM and OpenAI report them.
+        and filtering), as vLLM and OpenAI report them, unless ``logprobs_mode`` says
+        ``processed``.
+    allowed_token_bitmask: xgrammar's layout, little-endian int32 words (ceil(vocab / 32)),
+        bit j of word i allows token 32 i + j; None = every token.
+    logit_bias: (token id, bias) pairs added to the logits (OpenAI semantics).
+    grammar: the sampled tokens must follow it (a mask per step, from its matcher).
+    logprobs_mode: ``raw`` (the logits after mask and bias only) or ``processed`` (the
+        distribution the token is drawn from: after temperature and the filters too).
+    candidate_token_ids, return_hidden_state: outputs asked for by the item (on the wire
+        they are the item's fields; the executor carries them with its sampling).
+
+    See ``docs/sampling.md``.
     """
 
     temperature: float = 0.0
@@ -72,13 +98,60 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    allowed_token_bitmask: bytes | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
+    logprobs_mode: LogprobsMode = "raw"
+    candidate_token_ids: tuple[int, ...] = ()
+    return_hidden_state: bool = False
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def has_controls(self) -> bool:
+        """Whether the logits need the item's own mask or bias before sampling (a
+        grammar's masks come from its matcher, step by step)."""
+        return self.allowed_token_bitmask is not None or bool(self.logit_bias)
+
+    @property
+    def wants_extras(self) -> bool:
+        """Whether the sampler computes more than the token and raw log-probabilities."""
+        return (self.logprobs_mode == "processed" or bool(self.candidate_token_ids)
+                or self.return_hidden_state)
+
 
 GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class BatchNeeds:
+    """What a step's rows ask beyond plain sampling, found once per batch."""
+
+    controls: bool = False  # a row has its own mask or bias
+    grammar: bool = False  # a row has a grammar
+    hidden: bool = False  # a row returns its hidden state
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> BatchNeeds:
+        distinct = list(distinct_params(params))
+        if all(p is GREEDY for p in distinct):
+            return NO_NEEDS
+        return BatchNeeds(any(p.has_controls for p in distinct),
+                          any(p.grammar is not None for p in distinct),
+                          any(p.return_hidden_state for p in distinct))
+
+
+NO_NEEDS = BatchNeeds()
+
+
+def distinct_params(params: Sequence[SamplingParams]) -> Iterable[SamplingParams]:
+    """The distinct parameter objects of a batch (by identity: its rows usually share a
+    few), for checks asked once per object; a small batch as it is."""
+    if len(params) < 16:
+        return params
+    return dict(zip(map(id, params), params, strict=True)).values()
 
 
 @dataclass(frozen=True)
@@ -123,6 +196,10 @@ class SampledToken:
     #: At a prefill position (``every_position``): the raw log-probability of the item's
     #: next given token there; None at its last position.
     next_token_logprob: float | None = None
+    #: (token id, log-probability) of each ``candidate_token_ids`` entry, in its order.
+    candidate_logprobs: tuple[tuple[int, float], ...] = ()
+    #: The final-norm hidden state at this position (``return_hidden_state``), float32.
+    hidden_state: tuple[float, ...] = ()
 
 
 class ItemOutput(NamedTuple):
@@ -144,6 +221,11 @@ class ItemOutput(NamedTuple):
     #: ``every_position`` prefill: one entry per new token, in order; the last one is
     #: what ``token_id``, ``logprob`` and ``top_logprobs`` report.
     positions: tuple[SampledToken, ...] = ()
+    #: As ``SampledToken``'s, of the last sampled token.
+    candidate_logprobs: tuple[tuple[int, float], ...] = ()
+    hidden_state: tuple[float, ...] = ()
+    #: The item's grammar reached its end with the last token (``steps`` end there).
+    grammar_completed: bool = False
 
 
 @dataclass(frozen=True)

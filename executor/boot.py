@@ -49,6 +49,7 @@ from executor.graphs.registry import (
 from executor.kernels.switches import KernelSwitches
 from executor.kv import KVCacheManager, KVPool, ReqToTokenTable
 from executor.last_sampled import LastSampled
+from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.model.spec import ModelSpec
 from executor.sampling import Sampler
@@ -218,12 +219,15 @@ class Pools:
     #: Every batch's metadata goes to the device through one reused pinned buffer.
     staging: PinnedStaging | None
     steps: StepPools
+    #: Each request slot's token mask and logit bias (``logit_controls.py``).
+    controls: SlotControls
 
 
 def make_pools(config: ExecutorConfig, at: Placement, cache: Cache) -> Pools:
     staging = PinnedStaging(at.device) if at.device.type == "cuda" else None
     return Pools(Sampler(), LastSampled(config.cache.max_sequences, at.device, cache.channel),
-                 staging, StepPools(at.device))
+                 staging, StepPools(at.device),
+                 SlotControls(config.cache.max_sequences, cache.limits.vocab_size, at.device))
 
 
 # -- 6. graph runners and the forward ----------------------------------------------------
@@ -289,12 +293,13 @@ def make_graphs(config: ExecutorConfig, at: Placement, w: Weights, cache: Cache,
                 config.max_prefill_tokens)
         runner = GraphRunner(phase, w.model, att.attn, backend, normalize_buckets(buckets),
                              cache.limits.max_context, cache.table, at.device,
-                             pools.last.tokens)
+                             pools.last.tokens, pools.controls)
         if cache.channel is not None:  # a bucket failing on any rank fails on all
             runner.agree = cache.channel.agree
         runners[phase] = runner
     forward = Forward(w.model, att.attn, runners, modes, cache.table, at.device,
-                      pools.staging, pools.sampler, pools.last, at.switches, cache.channel)
+                      pools.staging, pools.sampler, pools.last, at.switches, cache.channel,
+                      pools.controls)
     return Graphs(modes, runners, forward)
 
 

@@ -109,6 +109,9 @@ class TransferUnavailable(ExecutorError):
 class WeightUpdateFailed(ExecutorError):
     """A weight update failed while copying: the model holds a mix of versions and must
     not serve. Maps to DATA_LOSS, and the server turns UNHEALTHY."""
+class GrammarUnavailable(ExecutorError):
+    """Grammars cannot be compiled: the served model has no tokenizer. Maps to
+    FAILED_PRECONDITION."""
 
 
 class ModelLoadError(ExecutorError):

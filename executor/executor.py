@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from executor.api import (
+    BatchNeeds,
     DecodeItem,
     ExecutorStatus,
     ForkResult,
@@ -31,6 +32,7 @@ from executor.api import (
     PhaseCapture,
     PrefillItem,
     ReleaseResult,
+    SamplingParams,
     StepResult,
     TruncateResult,
 )
@@ -40,6 +42,8 @@ from executor.distributed.group import TensorParallel
 from executor.distributed.protocol import CaptureHeader, ForkHeader, ShutdownHeader
 from executor.errors import GraphsUnavailable
 from executor.forward_batch import BeforeTransfer, ForwardBatch
+from executor.grammar import GrammarBook
+from executor.grammar_flow import GrammarFlow, served_tokenizer
 from executor.kv import Allocation
 from executor.step_plan import DecodeMemo, SamplePlan, decode_columns
 from executor.steps import PendingStep
@@ -74,6 +78,10 @@ class Executor:
         self._decode_memo: DecodeMemo | None = None
         # The weight version, in-place updates, the trainer's group, sleep and wake-up.
         self.weights = WeightControl(self, config.model.weight_version)
+        self._last_needs: tuple[tuple[SamplingParams, ...], BatchNeeds] | None = None
+        vocab = self.limits.vocab_size
+        self.grammars = GrammarFlow(GrammarBook(served_tokenizer(config.model.source, vocab),
+                                                vocab))
 
     # -- steps --------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
@@ -91,6 +99,7 @@ class Executor:
         started = time.perf_counter()
         self.weights.check_steps()
         validate_prefill(items, self.kv.length, self.limits)
+        self.grammars.validate(items)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = self.last.had(it.seq_id for it in items)
         try:
@@ -98,17 +107,22 @@ class Executor:
             tokens = [t for it in items for t in it.token_ids]
             every = frozenset(i for i in rows if items[i].every_position)
             plan = SamplePlan.of(items, alloc, rows, every)
-            sample, info = self.forward.prefill(tokens, alloc, rows, every, plan)
+            masks = self.grammars.prefill_masks(items, rows,
+                                                [e.seq_len for e in alloc.extensions])
+            sample, info = self.forward.prefill(tokens, alloc, rows, every, plan, masks)
         except BaseException:
             self.kv.rollback(alloc)
             raise
         self.last.after_prefill(items)
-        return self.pools.pend(PendingStep(
+        step = self.pools.pend(PendingStep(
             "prefill", tuple(it.seq_id for it in items), alloc,
             tuple(e.seq_len for e in alloc.extensions), plan.item_rows, tuple(plan.params),
             tuple(frozenset() for _ in plan.params), [] if sample is None else [sample],
             info, started=started, had_last=had_last, position_rows=plan.position_rows,
             weight_version=self.weights.version))
+        if masks is not None:
+            self.grammars.track(step, 0)
+        return step
 
     def launch_decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> PendingStep:
         """Validate, allocate ``num_steps`` tokens per sequence up front, then run that
@@ -131,11 +145,17 @@ class Executor:
             validate_decode(items, self.kv.length, self.limits, num_steps, self.last.has)
             columns = decode_columns(items, self.last.has)
         seq_ids, tokens, sampling, stops, had_last = columns
+        needs = self._needs(sampling)
+        if memo is None and needs.grammar:
+            self.grammars.validate(items)  # compiles them (cached)
         self._decode_memo = None
+        done: dict[int, int] = {}
+        masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length, done,
+                                           needs)
         alloc = self.kv.extend(seq_ids, num_steps)
         try:
             samples, seq_lens, info = self.forward.decode(alloc, tokens, list(sampling),
-                                                          num_steps)
+                                                          num_steps, masks, needs)
         except BaseException:
             self.kv.rollback(alloc)
             raise
@@ -145,10 +165,22 @@ class Executor:
         else:
             memo = DecodeMemo.after(items, num_steps, self.kv.version, max(seq_lens), columns)
         self._decode_memo = memo
-        return self.pools.pend(PendingStep(
+        step = self.pools.pend(PendingStep(
             "decode", seq_ids, alloc, seq_lens, tuple(range(len(seq_ids))), sampling, stops,
             samples, info, started=started, had_last=had_last,
             weight_version=self.weights.version))
+        if masks is not None:
+            step.grammar_done = done
+            self.grammars.track(step, num_steps - 1)
+        return step
+
+    def _needs(self, sampling: tuple[SamplingParams, ...]) -> BatchNeeds:
+        """``BatchNeeds`` of a decode's parameters, kept for the next launch with the same
+        columns (a pipelined scheduler's repeats pass the same tuple)."""
+        last = self._last_needs
+        if last is None or last[0] is not sampling:
+            last = self._last_needs = (sampling, BatchNeeds.of(sampling))
+        return last[1]
 
     def complete(self, step: PendingStep) -> StepResult:
         """Wait for a launched step's device work and build its result."""
@@ -164,6 +196,7 @@ class Executor:
         if step.done is not None:
             step.done.synchronize()  # its device work must not outlive its allocation
         step.recycled()
+        self.grammars.forget(step)
         self.kv.rollback(step.alloc)
         step.finished = True
         sampled = {sid for sid, row in zip(step.seq_ids, step.rows, strict=True)
@@ -190,6 +223,7 @@ class Executor:
                 released += 1
                 freed += n
                 self.last.forget(sid)
+                self.grammars.book.release(sid)
         return ReleaseResult(released, tuple(unknown), freed)
 
     def fork(self, parent_id: str, child_id: str, prefix_len: int | None = None) -> ForkResult:
@@ -207,6 +241,8 @@ class Executor:
         child = self.kv.fork(parent_id, child_id, length)
         inherits = length == parent.length and \
             self.last.inherit(parent_id, parent.slot, child_id, child.slot)
+        self.grammars.catch_up()  # the parent's matcher has every sampled token
+        self.grammars.book.fork(parent_id, child_id, length, inherits)
         if self.channel is not None:  # the other ranks' tables and last tokens too
             self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
         return ForkResult(length, length, inherits)
@@ -221,6 +257,8 @@ class Executor:
         freed = self.kv.truncate(seq_id, length)
         if freed:
             self.last.forget(seq_id)
+        self.grammars.catch_up()
+        self.grammars.book.truncate(seq_id, length)
         return TruncateResult(length, freed)
 
     # -- graphs, status, tests' access ----------------------------------------------------

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from executor.api import Path, Phase, RankTiming, SamplingParams, StepInfo
+from executor.api import (
+    GREEDY,
+    BatchNeeds,
+    Path,
+    Phase,
+    RankTiming,
+    SamplingParams,
+    StepInfo,
+)
 from executor.attention.base import AttentionBackend
 from executor.distributed.channel import StepChannel
 from executor.distributed.protocol import Mode, StepHeader
@@ -25,10 +33,34 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, ReqToTokenTable
 from executor.last_sampled import LastSampled
+from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
 from executor.step_plan import SamplePlan, decode_step
+
+#: The host values of a device step's tokens (waits for their copy, started right after
+#: that step's sampling: not for anything queued later).
+HostTokens = Callable[[], list[int]]
+#: Grammar masks of a step's rows: ``(device step, the previous device step's tokens or
+#: None) -> a mask or None per row`` (``GrammarFlow``).
+LateMasks = Callable[[int, HostTokens | None], Sequence[bytes | None]]
+
+
+def host_tokens(sample: DeviceSample) -> HostTokens:
+    """Start copying ``sample``'s tokens to pinned host memory now (on CUDA, with an event
+    after the copy); the returned function waits for that copy only."""
+    if not sample.tokens.is_cuda:
+        return sample.tokens.tolist
+    host = torch.empty(sample.tokens.shape, dtype=sample.tokens.dtype, pin_memory=True)
+    host.copy_(sample.tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+    return read
 
 
 class Forward:
@@ -36,10 +68,14 @@ class Forward:
                  runners: dict[Phase, GraphRunner], graph_modes: dict[Phase, str],
                  table: ReqToTokenTable, device: torch.device, staging: PinnedStaging | None,
                  sampler: Sampler, last: LastSampled, switches: KernelSwitches,
-                 channel: StepChannel | None) -> None:
+                 channel: StepChannel | None, controls: SlotControls) -> None:
         self.model, self.attn, self.runners, self.graph_modes = model, attn, runners, graph_modes
         self.table, self.device, self.staging = table, device, staging
         self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
+        self.controls = controls  # each slot's token mask and logit bias
+        # Grammar masks: staged after the forward is launched (``LateMasks``), applied
+        # eagerly before sampling, on top of ``controls``.
+        self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device)
 
     # -- decisions ------------------------------------------------------------------
     def decide(self, phase: Phase, size: int) -> Decision:
@@ -115,14 +151,25 @@ class Forward:
 
     # -- steps ----------------------------------------------------------------------
     def prefill(self, tokens: list[int], alloc: Allocation, rows: list[int],
-                every: frozenset[int], plan: SamplePlan) -> tuple[DeviceSample | None, StepInfo]:
+                every: frozenset[int], plan: SamplePlan,
+                late: LateMasks | None = None) -> tuple[DeviceSample | None, StepInfo]:
         """A prefill's forward and samples; the samples of each sampling item's last row
-        become its sequence's last sampled token."""
+        become its sequence's last sampled token. ``late(0, None)``: per sampled row, a
+        grammar's token mask or None, asked once the forward is launched."""
         decision = self.decide("prefill", len(tokens))
         batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
                                  self.announcer("prefill", decision, plan.params,
                                                 plan.targets))
-        sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets)
+        # Each sampled row's slot (an every_position item's rows all take its own).
+        row_slots = [alloc.extensions[i].slot for i in rows] if not every else [
+            alloc.extensions[i].slot for i in rows
+            for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
+        needs = BatchNeeds.of(plan.params)
+        controlled = self.stage_controls(row_slots, plan.params, needs)
+        sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
+                                 controlled=controlled,
+                                 late=None if late is None else (lambda: late(0, None)),
+                                 row_slots=row_slots, want_hidden=needs.hidden)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
@@ -133,13 +180,16 @@ class Forward:
         return sample, info
 
     def decode(self, alloc: Allocation, tokens: Sequence[int | None],
-               params: list[SamplingParams], num_steps: int
+               params: list[SamplingParams], num_steps: int,
+               late: LateMasks | None = None, needs: BatchNeeds | None = None
                ) -> tuple[list[DeviceSample], tuple[int, ...], StepInfo]:
         """``num_steps`` decode steps over ``alloc`` (``num_steps`` tokens per sequence),
         each reading the previous one's samples on the device (one graph replay per step,
         no host round trip). A None token continues from its sequence's last sample.
         Returns the samples per step, the sequences' lengths after the last step and its
-        info (over all the steps)."""
+        info (over all the steps). ``late(k, tokens of step k - 1)``: step k's grammar
+        masks per row (as ``prefill``'s), asked once step k's forward is launched (it may
+        wait for step k - 1's samples on the host while the device runs that forward)."""
         n = len(tokens)
         rows = list(range(n))
         samples: list[DeviceSample] = []
@@ -148,14 +198,22 @@ class Forward:
         first = [USE_LAST_SAMPLED] * n if tokens.count(None) == n else \
             [USE_LAST_SAMPLED if t is None else t for t in tokens]
         announce = self.announcer("decode", decision, params, None)
+        slots = alloc.columns.slots
+        needs = needs or BatchNeeds.of(params)
+        controlled = self.stage_controls(slots, params, needs)
         for step in range(num_steps):
+            previous = None if late is None or not samples else host_tokens(samples[-1])
             sub = alloc if num_steps == 1 else decode_step(alloc, num_steps, step)
             batch = self.build_batch("decode", first if step == 0 else
                                      [USE_LAST_SAMPLED] * n, sub, rows, decision.bucket,
                                      before_transfer=announce)
             # each sequence's length after this step: the index of its new token + 1
             sample, info = self.step(batch, decision, params, batch.seq_lens_host,
-                                     remember=batch.slots)
+                                     remember=batch.slots,
+                                     controlled=batch.slots if controlled is not None else None,
+                                     late=None if late is None else (
+                                         lambda: late(step, previous)),  # noqa: B023
+                                     row_slots=slots, want_hidden=needs.hidden)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -167,13 +225,28 @@ class Forward:
                                        num_steps=num_steps, ranks=ranks)
         return samples, batch.seq_lens_host, info
 
+    def stage_controls(self, slots: Sequence[int], params: Sequence[SamplingParams],
+                       needs: BatchNeeds) -> torch.Tensor | None:
+        """Put the rows' token masks and logit biases in their slots' tables; the rows'
+        slots on the device when any row has one (the step applies them), else None."""
+        if not self.controls.stage(slots, params, any_controls=needs.controls):
+            return None
+        return device_tensor(list(slots), torch.int64, self.device)
+
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
              positions: Sequence[int], targets: list[int] | None = None,
-             remember: torch.Tensor | None = None) -> tuple[DeviceSample | None, StepInfo]:
+             remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
+             late: Callable[[], Sequence[bytes | None]] | None = None,
+             row_slots: Sequence[int] = (), want_hidden: bool = False
+             ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
-        to those slots' last sampled tokens (``LastSampled.sampler_target``)."""
+        to those slots' last sampled tokens (``LastSampled.sampler_target``). With
+        ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
+        are applied first (a decode graph applies them itself). ``late``: grammar masks
+        per row (slots ``row_slots``), asked after the forward is launched and applied
+        on top before sampling. ``want_hidden``: a row returns its hidden state."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -182,13 +255,21 @@ class Forward:
         # forward's do (with PDL, the first overlaps the graph's tail).
         with self.switches:
             # (the other ranks got the step from ``announcer`` while it was packed)
-            logits = self.run(batch, mode, decision.bucket)
+            logits, hidden = self.run(batch, mode, decision.bucket, want_hidden)
             ranks = None
             if self.channel is not None:  # every rank launched the step (after our launch)
                 ranks = self.channel.confirm(time.monotonic_ns())
+            if controlled is not None and logits is not None and not (
+                    mode is Mode.GRAPH and self.runners[batch.phase].controls_in_graph):
+                self.controls.apply(logits, controlled)
+            if late is not None and logits is not None:
+                masks = late()  # the device runs the forward meanwhile
+                if self.late_controls.stage(row_slots, [GREEDY] * len(row_slots), masks):
+                    self.late_controls.apply(
+                        logits, device_tensor(list(row_slots), torch.int64, self.device))
             sample = self.sampler.sample(
                 logits, params, positions, targets,
-                None if remember is None else self.last.sampler_target(remember)) \
+                None if remember is None else self.last.sampler_target(remember), hidden) \
                 if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""
@@ -197,22 +278,27 @@ class Forward:
                                 ranks=ranks)
 
     # -- forwards -------------------------------------------------------------------
-    def run(self, batch: ForwardBatch, mode: Mode, bucket: int | None) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, mode: Mode, bucket: int | None,
+            want_hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward as ``mode`` says, with the kernel switches held; logits of the
         sampled rows in the activation dtype (the sampler widens what it computes in
-        float32), or None."""
+        float32), or None; with ``want_hidden`` also those rows' final-norm hidden
+        states (else None)."""
         with self.switches:
             if mode is Mode.GRAPH:
                 assert bucket is not None
                 # Graph logits are valid until the next replay: sampled right after.
-                return self.runners[batch.phase].replay(batch, bucket)
+                return self.runners[batch.phase].replay(batch, bucket, want_hidden)
             if mode is Mode.COMPILED:
                 # Compiled pieces without graphs: still faster than the plain eager model.
-                return self.runners[batch.phase].run_compiled(batch)
+                return self.runners[batch.phase].run_compiled(batch, want_hidden)
             if mode is Mode.LOGITS:
-                return self.forward_logits(batch)
+                if not want_hidden:  # (``forward_logits``: what a stand-in device replaces)
+                    return self.forward_logits(batch), None
+                hidden, logits = self.forward_rows(batch)
+                return logits, hidden
             self.forward_only(batch)  # fills the KV cache; no logits wanted
-            return None
+            return None, None
 
     def forward_only(self, batch: ForwardBatch) -> None:
         """Fill the KV cache without computing logits (a prefill chunk that samples nothing)."""
@@ -232,7 +318,14 @@ class Forward:
         """Eager forward returning logits of ``batch.logits_indices`` in the activation
         dtype, as ``compute_logits`` gives them (for tests and benchmarks; it does not
         sample)."""
+        return self.forward_rows(batch)[1]
+
+    @torch.inference_mode()
+    def forward_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager forward: the final-norm hidden states and the logits of
+        ``batch.logits_indices``."""
         batch = self.resolve_last_sampled(batch)
         meta = self.attn.build_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn, meta)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        rows = hidden[batch.logits_indices]
+        return rows, self.model.compute_logits(rows)

@@ -6,7 +6,9 @@ the raw logits. NOTE: float32 logits divided by a temperature under about 3e-38 
 inf, the softmax turns them into NaN and the draw returned token 0; long before that the
 scaled distribution is one-hot anyway (at 1e-5 a logit gap of 1e-3 is a factor e^100), so
 tiny temperatures are greedy by definition rather than by accident. Log-probabilities returned
-to the caller are those of the raw distribution.
+to the caller are those of the raw distribution (the logits after any token mask and logit
+bias, ``logit_controls.py``), or with ``logprobs_mode`` processed those of the distribution
+the token is drawn from (``docs/sampling.md``).
 
 The draw is an exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` picks ``i``
 with probability ``p_i``. The ``E_i`` come from a counter-based hash of (seed, position,
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,11 @@ class SampleOutput:
     #: Per row, the raw log-probability of the row's target token (``Sampler.sample``'s
     #: ``targets``), None where it has none; empty when no targets were given.
     target_logprobs: list[float | None] = field(default_factory=list)
+    #: Per row, (id, log-probability) of each of its candidate tokens; empty when no row
+    #: asked.
+    candidate_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    #: Per row, its final-norm hidden state (float32) if it asked; empty when none did.
+    hidden_states: list[tuple[float, ...]] = field(default_factory=list)
 
 
 def _row_key(seed: int, position: int) -> int:
@@ -128,7 +135,15 @@ class DeviceSample:
     top_values: torch.Tensor | None = None
     #: (B,) float32 log-probabilities of given target tokens (NaN where a row has none).
     target_logprobs: torch.Tensor | None = None
+    #: (B, C) float32 log-probabilities of the rows' candidate tokens (padded columns).
+    candidates: torch.Tensor | None = None
+    #: (B, hidden) float32 final-norm hidden states, when a row asked.
+    hidden: torch.Tensor | None = None
     _pool: PinnedPool | None = field(default=None, repr=False)
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.logprobs, self.top_ids, self.top_values, self.target_logprobs,
+                self.candidates, self.hidden)
 
     def stage(self, pool: PinnedPool) -> None:
         """Start the device-to-host copies (pinned, asynchronous) into buffers of
@@ -137,9 +152,8 @@ class DeviceSample:
             return
         self._pool = pool
         self.tokens = _pinned_copy(self.tokens, pool)
-        self.logprobs, self.top_ids, self.top_values, self.target_logprobs = (
-            None if t is None else _pinned_copy(t, pool)
-            for t in (self.logprobs, self.top_ids, self.top_values, self.target_logprobs))
+        (self.logprobs, self.top_ids, self.top_values, self.target_logprobs, self.candidates,
+         self.hidden) = (None if t is None else _pinned_copy(t, pool) for t in self._tensors())
 
     def release(self) -> None:
         """Give the staged buffers back to their pool: the copies into them have finished
@@ -147,8 +161,7 @@ class DeviceSample:
         aborted after its device work). The sample is not used after this."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            for t in (self.tokens, self.logprobs, self.top_ids, self.top_values,
-                      self.target_logprobs):
+            for t in (self.tokens, *self._tensors()):
                 if t is not None:
                     pool.give(t)
 
@@ -158,15 +171,16 @@ class DeviceSample:
         tokens = self.tokens.tolist()
         targets: list[float | None] = [] if self.target_logprobs is None else [
             None if math.isnan(x) else x for x in self.target_logprobs.tolist()]
+        cands, hidden = host_extras(self.candidates, self.hidden, params)
         if self.logprobs is None:
-            return SampleOutput(tokens, [0.0] * n, [()] * n, targets)
+            return SampleOutput(tokens, [0.0] * n, [()] * n, targets, cands, hidden)
         top_ids: list[list[int]] = [[] for _ in params]
         top_vals: list[list[float]] = [[] for _ in params]
         if self.top_ids is not None and self.top_values is not None:
             top_ids, top_vals = self.top_ids.tolist(), self.top_values.tolist()
         tops = [tuple(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs],
                           strict=True)) for i, p in enumerate(params)]
-        return SampleOutput(tokens, self.logprobs.tolist(), tops, targets)
+        return SampleOutput(tokens, self.logprobs.tolist(), tops, targets, cands, hidden)
 
 
 class PinnedPool:
@@ -225,7 +239,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int], targets: Sequence[int] | None = None,
-               remember: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeviceSample:
+               remember: tuple[torch.Tensor, torch.Tensor] | None = None,
+               hidden: torch.Tensor | None = None) -> DeviceSample:
         """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
         ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
         have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
@@ -240,13 +255,18 @@ class Sampler:
         With ``remember = (table, slots)`` (int64, a slot per row), the tokens are also
         written to ``table[slots]`` on the device: a step's samples become its sequences'
         last sampled tokens. An all-greedy step does it inside the argmax's launch (one
-        ``index_copy_`` launch fewer per decode step)."""
+        ``index_copy_`` launch fewer per decode step).
+
+        ``hidden`` (B, hidden): the rows' final-norm hidden states, for rows that ask for
+        them (``return_hidden_state``). The logits carry any token mask and bias already
+        (``SlotControls.apply``)."""
         # Rows usually share a few parameter objects: each is asked once (by identity).
         distinct = dict(zip(map(id, params), params, strict=True)).values() \
             if len(params) >= 16 else params
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
             if not all(p.is_greedy for p in distinct) else []
         want_logprobs = any(p.logprobs or p.top_logprobs for p in distinct)
+        extras = any(p.wants_extras for p in distinct)
         tokens = argmax_rows(logits, store=None if sampled_rows else remember)
         if sampled_rows:
             device = logits.device
@@ -262,7 +282,7 @@ class Sampler:
             tokens = tokens.index_copy(0, rows, drawn)
             if remember is not None:
                 remember[0].index_copy_(0, remember[1], tokens)
-        if not want_logprobs and targets is None:
+        if not want_logprobs and targets is None and not extras:
             return DeviceSample(tokens)
         # NOTE: .float(), not log_softmax(dtype=float32): with fp16 on CUDA that runs ATen's
         # fused half-to-float kernel instead of the float32 one that computed these so far
@@ -273,11 +293,65 @@ class Sampler:
             ids = device_tensor(list(targets), torch.int64, logits.device)
             picked = raw_logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
             target_logprobs = torch.where(ids >= 0, picked, torch.nan)
+        logprobs = raw_logprobs if not extras else \
+            processed_logprobs(logits, params, distinct, raw_logprobs)
+        out = DeviceSample(tokens, target_logprobs=target_logprobs)
+        if extras:
+            out.candidates = candidate_logprobs(logprobs, params)
+            if hidden is not None and any(p.return_hidden_state for p in distinct):
+                out.hidden = hidden.float()
         if not want_logprobs:
-            return DeviceSample(tokens, target_logprobs=target_logprobs)
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            return out
+        out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
         k = max(p.top_logprobs for p in params)
-        if k == 0:
-            return DeviceSample(tokens, chosen, target_logprobs=target_logprobs)
-        top = torch.topk(raw_logprobs, k, dim=-1)
-        return DeviceSample(tokens, chosen, top.indices, top.values, target_logprobs)
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            out.top_ids, out.top_values = top.indices, top.values
+        return out
+
+
+def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                       distinct: Iterable[SamplingParams], raw: torch.Tensor) -> torch.Tensor:
+    """(B, V) float32: per row, the log-probabilities its ``logprobs_mode`` reports. A
+    processed row's are those of the distribution its token is drawn from: the masked
+    and biased logits over its temperature, then top-k, top-p and min-p (filtered-out
+    tokens -inf). A greedy row reads them at temperature 1 with its filters (vLLM's
+    processed logprobs do the same); its token is the most likely one there."""
+    if all(p.logprobs_mode == "raw" for p in distinct):
+        return raw
+    processed = torch.log_softmax(apply_filters(logits.float(), params), dim=-1)
+    if all(p.logprobs_mode == "processed" for p in distinct):
+        return processed
+    rows = device_tensor([int(p.logprobs_mode == "processed") for p in params], torch.bool,
+                         logits.device)
+    return torch.where(rows[:, None], processed, raw)
+
+
+def candidate_logprobs(logprobs: torch.Tensor, params: Sequence[SamplingParams]
+                       ) -> torch.Tensor | None:
+    """(B, C) float32: each row's candidate tokens' log-probabilities, in order (C the
+    most any row asks for; a shorter row's extra columns are padding), or None."""
+    width = max(len(p.candidate_token_ids) for p in params)
+    if width == 0:
+        return None
+    ids = [list(p.candidate_token_ids) + [0] * (width - len(p.candidate_token_ids))
+           for p in params]
+    index = device_tensor([t for row in ids for t in row], torch.int64, logprobs.device)
+    return logprobs.gather(1, index.view(len(params), width))
+
+
+def host_extras(candidates: torch.Tensor | None, hidden: torch.Tensor | None,
+                params: Sequence[SamplingParams]
+                ) -> tuple[list[tuple[tuple[int, float], ...]], list[tuple[float, ...]]]:
+    """The candidates' and hidden states' host values per row (empty lists if none)."""
+    cands: list[tuple[tuple[int, float], ...]] = []
+    if candidates is not None:
+        values = candidates.tolist()
+        cands = [tuple(zip(p.candidate_token_ids, values[i][: len(p.candidate_token_ids)],
+                           strict=True)) for i, p in enumerate(params)]
+    states: list[tuple[float, ...]] = []
+    if hidden is not None:
+        rows = hidden.tolist()
+        states = [tuple(rows[i]) if p.return_hidden_state else () for i, p in
+                  enumerate(params)]
+    return cands, states

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from executor.api import (
 )
 from executor.kv.manager import Allocation
 from executor.sampling import DeviceSample, PinnedPool, SampleOutput
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -57,6 +60,13 @@ class PendingStep:
     recycle: Callable[[PendingStep], None] | None = field(default=None, repr=False)
     #: The weight version its forward ran with.
     weight_version: str = ""
+    #: Grammar rows (``grammar_flow.py``): called with the host samples before the
+    #: outputs are built; device steps of it applied so far; per row, the device step
+    #: whose token completed its grammar.
+    on_sampled: Callable[[PendingStep, list[SampleOutput]], None] | None = field(
+        default=None, repr=False)
+    grammar_applied: int = 0
+    grammar_done: dict[int, int] = field(default_factory=dict)
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -64,6 +74,8 @@ class PendingStep:
         if self.finished:
             raise ValueError("the step was completed or aborted already")
         sampled = self.wait()
+        if self.on_sampled is not None:
+            self.on_sampled(self, sampled)
         self.finished = True
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
         self.recycled()
@@ -86,22 +98,26 @@ class PendingStep:
     def outputs(self, sampled: list[SampleOutput]) -> tuple[ItemOutput, ...]:
         if self.position_rows:
             return self._position_outputs(sampled[0])
-        if len(sampled) == 1 and not any(self.stops):  # one step: no per-token lists
+        done = self.grammar_done
+        if len(sampled) == 1 and not any(self.stops) and not done:  # no per-token lists
             s = sampled[0]
             if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and not any(
-                    p.logprobs or p.top_logprobs
+                    p.logprobs or p.top_logprobs or p.wants_extras
                     for p in dict(zip(map(id, self.params), self.params, strict=True)).values()):
                 # Every item sampled row i, no log-probabilities (a plain decode step): the
                 # outputs made column-wise, without a conditional per item.
                 n = len(self.rows)
                 return tuple(named_rows(ItemOutput, self.seq_ids, s.token_ids, repeat(None, n),
                                         repeat((), n), self.seq_lens, repeat((), n),
-                                        repeat(False, n), repeat((), n)))
+                                        repeat(False, n), repeat((), n), repeat((), n),
+                                        repeat((), n), repeat(False, n)))
             return tuple(
                 ItemOutput(seq_id, None, None, (), seq_len) if row is None else
                 ItemOutput(seq_id, s.token_ids[row],
                            s.logprobs[row] if self.params[row].logprobs else None,
-                           s.top_logprobs[row], seq_len)
+                           s.top_logprobs[row], seq_len,
+                           candidate_logprobs=_at(s.candidate_logprobs, row),
+                           hidden_state=_at(s.hidden_states, row))
                 for seq_id, seq_len, row in zip(self.seq_ids, self.seq_lens, self.rows,
                                                 strict=True))
         multi = len(sampled) > 1
@@ -116,13 +132,20 @@ class PendingStep:
             for s in sampled:
                 tok = s.token_ids[row]
                 tokens.append(SampledToken(tok, s.logprobs[row] if want_logprob else None,
-                                           s.top_logprobs[row]))
+                                           s.top_logprobs[row], None,
+                                           _at(s.candidate_logprobs, row),
+                                           _at(s.hidden_states, row)))
                 if tok in self.stops[row]:
                     stopped = True
                     break
+                if done.get(row) == len(tokens) - 1:
+                    break
             last = tokens[-1]
             out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,
-                                  seq_len, tuple(tokens) if multi else (), stopped))
+                                  seq_len, tuple(tokens) if multi else (), stopped,
+                                  candidate_logprobs=last.candidate_logprobs,
+                                  hidden_state=last.hidden_state,
+                                  grammar_completed=done.get(row) == len(tokens) - 1))
         return tuple(out)
 
     def _position_outputs(self, s: SampleOutput) -> tuple[ItemOutput, ...]:
@@ -136,12 +159,20 @@ class PendingStep:
             want_logprob = self.params[row].logprobs
             positions = () if span is None else tuple(
                 SampledToken(s.token_ids[r], s.logprobs[r] if want_logprob else None,
-                             s.top_logprobs[r], s.target_logprobs[r])
+                             s.top_logprobs[r], s.target_logprobs[r],
+                             _at(s.candidate_logprobs, r), _at(s.hidden_states, r))
                 for r in range(span[0], span[0] + span[1]))
             out.append(ItemOutput(seq_id, s.token_ids[row],
                                   s.logprobs[row] if want_logprob else None,
-                                  s.top_logprobs[row], seq_len, positions=positions))
+                                  s.top_logprobs[row], seq_len, positions=positions,
+                                  candidate_logprobs=_at(s.candidate_logprobs, row),
+                                  hidden_state=_at(s.hidden_states, row)))
         return tuple(out)
+
+
+def _at(per_row: list[_T], row: int) -> _T | tuple[()]:
+    """``per_row[row]``, or () when no row asked (an empty list)."""
+    return per_row[row] if per_row else ()
 
 
 #: Spare step events kept for reuse (more than the deepest pipeline needs).

@@ -18,6 +18,7 @@ from executor.api import (
     PrefillItem,
     SamplingParams,
 )
+from executor.control_validation import control_violations, uses_controls
 from executor.errors import ContextLengthExceeded, FieldViolation, InvalidRequest, SequenceNotFound
 
 #: From this many items, decode validation first tries one pass over the batch's columns
@@ -128,6 +129,8 @@ def validate_prefill(items: Sequence[PrefillItem], seq_len: Callable[[str], int 
                     out.append(v)
                     break  # one per item is enough to act on
         out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
+        if uses_controls(it.sampling):
+            out.extend(control_violations(it.sampling, f"items[{i}]", limits.vocab_size))
         cached = seq_len(it.seq_id) or 0
         if cached + n > limits.servable_context:
             too_long.append(FieldViolation(
@@ -216,6 +219,8 @@ def validate_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], int | 
             ok = sampling_ok[id(it.sampling)] = not sampling_violations(it.sampling, "")
         if not ok:
             out.extend(sampling_violations(it.sampling, f"items[{i}].sampling"))
+        if uses_controls(it.sampling):
+            out.extend(control_violations(it.sampling, f"items[{i}]", vocab))
         if cached is None:
             if it.seq_id:
                 unknown.append((it.seq_id, f"items[{i}].seq_id"))
@@ -248,6 +253,9 @@ def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], 
     if not 1 <= n <= limits.max_decode_batch or not 1 <= num_steps <= MAX_DECODE_STEPS:
         return False
     seq_ids, tokens, samplings, stops = zip(*items, strict=True)
+    distinct = dict(zip(map(id, samplings), samplings, strict=True)).values()
+    if any(map(uses_controls, distinct)):
+        return False
     if not all(seq_ids) or len(set(seq_ids)) != n:  # empty or repeated ids
         return False
     lengths = list(map(seq_len, seq_ids))
@@ -267,8 +275,7 @@ def _plainly_valid_decode(items: Sequence[DecodeItem], seq_len: Callable[[str], 
     if any(stops) and not all(not s or (min(s) >= 0 and max(s) < vocab) for s in stops):
         return False
     # Each distinct parameter object once (by identity, as the full pass).
-    return not any(sampling_violations(p, "")
-                   for p in dict(zip(map(id, samplings), samplings, strict=True)).values())
+    return not any(sampling_violations(p, "") for p in distinct)
 
 
 def validate_fork(parent_id: str, child_id: str, prefix_len: int | None,

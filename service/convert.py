@@ -13,7 +13,6 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
-from executor import sampling_violations
 from executor.api import (
     GREEDY,
     DecodeItem,
@@ -31,6 +30,7 @@ from executor.api import (
 )
 from executor.errors import FieldViolation, InvalidRequest
 from service.config import RequestLimits
+from service.convert_sampling import has_sampling, sampling_of
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
 PHASE_TO_PB: dict[Phase, pb.Phase] = {"prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
@@ -75,27 +75,6 @@ def _check_count(n: int, limit: int, what: str, field: str, out: _Violations) ->
     return True
 
 
-def sampling_params(msg: pb.SamplingParams | None, field: str, out: _Violations
-                    ) -> SamplingParams:
-    """``msg`` as executor params (unset fields mean off); range errors go to ``out``."""
-    if msg is None:
-        return GREEDY
-    params = SamplingParams(
-        temperature=msg.temperature, top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0, min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs)
-    # The ranges are the executor's: one definition, the same messages for every client.
-    out.items.extend(sampling_violations(params, field))
-    return params
-
-
-def _sampling_of(item: pb.PrefillItem | pb.DecodeItem, field: str, out: _Violations
-                 ) -> SamplingParams:
-    msg = item.sampling if item.HasField("sampling") else None
-    return sampling_params(msg, f"{field}.sampling", out)
-
-
 def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[PrefillItem]:
     out = _Violations()
     _check_request_id(request.request_id, limits, out)
@@ -108,7 +87,7 @@ def prefill_items(request: pb.PrefillRequest, limits: RequestLimits) -> list[Pre
     items = []
     for i, item in enumerate(request.items):
         _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
-        sampling = _sampling_of(item, f"items[{i}]", out)
+        sampling = sampling_of(item, f"items[{i}]", out)
         items.append(PrefillItem(item.seq_id, list(item.token_ids), item.sample, sampling,
                                  item.every_position))
     out.raise_any()
@@ -122,6 +101,8 @@ _SEQ_ID = attrgetter("seq_id")
 _STOP_TOKEN_IDS = attrgetter("stop_token_ids")
 _USE_LAST_SAMPLED = attrgetter("use_last_sampled")
 _HAS_FIELD = pb.DecodeItem.HasField
+_CANDIDATES = attrgetter("candidate_token_ids")
+_RETURN_HIDDEN = attrgetter("return_hidden_state")
 
 
 def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[DecodeItem]:
@@ -131,6 +112,10 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
             if item.sampling.top_logprobs:
                 out.add(f"items[{i}].sampling.top_logprobs", "packed_outputs carries no top "
                         "log-probabilities: unset one of them")
+            for name in ("candidate_token_ids", "return_hidden_state"):
+                if getattr(item, name):
+                    out.add(f"items[{i}].{name}", f"packed_outputs carries no {name}: unset "
+                            "one of them")
     _check_request_id(request.request_id, limits, out)
     if not _check_count(len(request.items), limits.max_decode_items, "items", "items", out):
         out.raise_any()
@@ -149,15 +134,16 @@ def decode_items(request: pb.DecodeRequest, limits: RequestLimits) -> list[Decod
                 _check_seq_id(item.seq_id, f"items[{i}].seq_id", limits, out)
             stop = item.stop_token_ids
             items.append(DecodeItem(item.seq_id, None if item.use_last_sampled else
-                                    item.token_id, _sampling_of(item, f"items[{i}]", out)
-                                    if item.HasField("sampling") else GREEDY,
+                                    item.token_id, sampling_of(item, f"items[{i}]", out)
+                                    if has_sampling(item) else GREEDY,
                                     tuple(stop) if stop else ()))
         out.raise_any()
         return items
     n = len(seq_ids)
     sampling: Iterable[SamplingParams] = repeat(GREEDY, n)
-    if any(map(_HAS_FIELD, msgs, repeat("sampling", n))):
-        sampling = [_sampling_of(item, f"items[{i}]", out) if item.HasField("sampling")
+    if any(map(_HAS_FIELD, msgs, repeat("sampling", n))) or any(
+            map(_CANDIDATES, msgs)) or any(map(_RETURN_HIDDEN, msgs)):
+        sampling = [sampling_of(item, f"items[{i}]", out) if has_sampling(item)
                     else GREEDY for i, item in enumerate(msgs)]
     stop_lists = list(map(_STOP_TOKEN_IDS, msgs))
     stops: Iterable[tuple[int, ...]] = repeat((), n)
@@ -264,16 +250,19 @@ def _add_outputs(outputs: Any, items: Sequence[ItemOutput]) -> None:
     at batch 64)."""
     add = outputs.add
     if len(items) >= _COLUMNS_MIN_ITEMS:
-        ids, tokens, logprobs, tops, lens, steps, stopped, positions = zip(*items, strict=True)
+        ids, tokens, logprobs, tops, lens, steps, stopped, positions, cands, hidden, done = \
+            zip(*items, strict=True)
         if None not in tokens and logprobs.count(None) == len(items) and not (
-                any(tops) or any(steps) or any(stopped) or any(positions)):
+                any(tops) or any(steps) or any(stopped) or any(positions) or any(cands)
+                or any(hidden) or any(done)):
             # Each item one sampled token, no log-probabilities (a plain decode step):
             # every message made by the same call, no test per item.
             for seq_id, seq_len, token_id in zip(ids, lens, tokens, strict=True):
                 add(seq_id=seq_id, seq_len=seq_len, token_id=token_id)
             return
     for item in items:
-        if not (item.top_logprobs or item.steps or item.positions or item.stopped):
+        if not (item.top_logprobs or item.steps or item.positions or item.stopped
+                or item.candidate_logprobs or item.hidden_state or item.grammar_completed):
             # One sampled token (or none): the common decode answer, in one call with only
             # the fields it sets.
             if item.token_id is None:
@@ -285,17 +274,23 @@ def _add_outputs(outputs: Any, items: Sequence[ItemOutput]) -> None:
                     logprob=item.logprob)
             continue
         msg = add(seq_id=item.seq_id, seq_len=item.seq_len,
-                  top_logprobs=_top(item.top_logprobs), stopped=item.stopped)
+                  top_logprobs=_top(item.top_logprobs), stopped=item.stopped,
+                  candidate_logprobs=_top(item.candidate_logprobs),
+                  hidden_state=item.hidden_state, grammar_completed=item.grammar_completed)
         if item.token_id is not None:
             msg.token_id = item.token_id
         if item.logprob is not None:
             msg.logprob = item.logprob
         for s in item.steps:
-            token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+            token = msg.steps.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs),
+                                  candidate_logprobs=_top(s.candidate_logprobs),
+                                  hidden_state=s.hidden_state)
             if s.logprob is not None:
                 token.logprob = s.logprob
         for s in item.positions:
-            token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs))
+            token = msg.positions.add(token_id=s.token_id, top_logprobs=_top(s.top_logprobs),
+                                      candidate_logprobs=_top(s.candidate_logprobs),
+                                      hidden_state=s.hidden_state)
             if s.logprob is not None:
                 token.logprob = s.logprob
             if s.next_token_logprob is not None:
@@ -328,7 +323,8 @@ def _packed(outputs: Sequence[ItemOutput]) -> pb.PackedOutputs:
             counts.append(1)
     return pb.PackedOutputs(token_ids=tokens, num_tokens=counts,
                             seq_lens=[o.seq_len for o in outputs], logprobs=logprobs,
-                            stopped_items=[i for i, o in enumerate(outputs) if o.stopped])
+                            stopped_items=[i for i, o in enumerate(outputs)
+                                           if o.stopped or o.grammar_completed])
 
 
 def step_response(result: StepResult, queue_ms: float, execute_ms: float,

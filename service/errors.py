@@ -15,6 +15,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from executor.errors import (
     FieldViolation,
+    GrammarUnavailable,
     GraphsUnavailable,
     InvalidRequest,
     OutOfResources,
@@ -221,6 +222,12 @@ def _transfer_unavailable(exc: TransferUnavailable) -> status_pb2.Status:
 def _weights_corrupted(exc: WeightUpdateFailed) -> status_pb2.Status:
     info = error_details_pb2.ErrorInfo(reason="WEIGHT_UPDATE_FAILED", domain=DOMAIN)
     return status_pb2.Status(code=code_pb2.DATA_LOSS, message=str(exc), details=_pack(info))
+def _grammar_unavailable(exc: GrammarUnavailable) -> status_pb2.Status:
+    failure = error_details_pb2.PreconditionFailure(violations=[
+        error_details_pb2.PreconditionFailure.Violation(
+            type="TOKENIZER", subject="model", description=str(exc))])
+    return status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(exc),
+                             details=_pack(failure))
 
 
 def _unavailable(exc: Unavailable) -> status_pb2.Status:
@@ -277,6 +284,7 @@ _TABLE: list[tuple[type[BaseException], Callable[..., status_pb2.Status]]] = [
     (StateConflict, _state_conflict),
     (TransferUnavailable, _transfer_unavailable),
     (WeightUpdateFailed, _weights_corrupted),
+    (GrammarUnavailable, _grammar_unavailable),
     (Unavailable, _unavailable),
     (DeadlineExpired, _deadline),
     (SessionIdle, _session_idle),

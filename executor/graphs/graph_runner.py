@@ -23,6 +23,7 @@ from executor.graphs.backends import BatchScope, CaptureBackend, FullGraphBacken
 from executor.graphs.dispatch import RunnerState
 from executor.graphs.prologue import GraphInputs, Prologue
 from executor.kv.pool import ReqToTokenTable
+from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.packing import GraphLayout
 
@@ -56,7 +57,8 @@ class GraphRunner:
     def __init__(self, phase: Phase, model: CausalModel, attn: AttentionBackend,
                  backend: CaptureBackend, buckets: tuple[int, ...], max_context: int,
                  table: ReqToTokenTable, device: torch.device,
-                 last_tokens: torch.Tensor | None = None) -> None:
+                 last_tokens: torch.Tensor | None = None,
+                 controls: SlotControls | None = None) -> None:
         self.phase, self.model, self.attn, self.backend = phase, model, attn, backend
         self.buckets, self.max_context, self.device = buckets, max_context, device
         self.logits_in_graph = phase == "decode"
@@ -81,6 +83,15 @@ class GraphRunner:
         # 1.5 GiB). Allocated at the first capture, for backends whose captured callable
         # is the runner's forward.
         self._out: torch.Tensor | None = None
+        # Decode graphs: the final-norm hidden states of every row (activation dtype),
+        # copied there by the graph, for rows that ask for them.
+        self._hidden: torch.Tensor | None = None
+        # Decode graphs capturing the runner's forward apply each row's token mask and
+        # logit bias inside the graph, by its slot (``SlotControls``): the slots are
+        # the prologue's, the tables static.
+        self.controls = controls if self.logits_in_graph and \
+            backend.captures_runner_forward else None
+        self.controls_in_graph = self.controls is not None
         self.failed: dict[int, str] = {}
         self._state: RunnerState | None = None
         self.memory = CaptureMemory(device)
@@ -239,12 +250,21 @@ class GraphRunner:
             # bytes of float32, and no cast kernel in every decode step.
             self._out = torch.empty(largest, width, dtype=self.model.hidden_dtype,
                                     device=self.device)
+            if self.logits_in_graph:
+                self._hidden = torch.empty(largest, self.model.spec.hidden_size,
+                                           dtype=self.model.hidden_dtype, device=self.device)
 
     def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(ids, pos, self.model_attn, meta)  # (T, hidden)
         if self.logits_in_graph:
-            return self.model.compute_logits(hidden, out=self._out)
+            logits = self.model.compute_logits(hidden, out=self._out)
+            if self._hidden is not None:
+                self._hidden[: hidden.shape[0]].copy_(hidden)
+            if self.controls is not None:  # the rows' slots, where the prologue reads them
+                slots = self.prologue.layouts[ids.shape[0]].field("slots")
+                self.controls.apply(logits, slots)
+            return logits
         if self._out is None:
             return hidden
         dst = self._out[: hidden.shape[0]]
@@ -257,10 +277,12 @@ class GraphRunner:
         replay finds it in place; such a batch publishes its table entries itself."""
         return self.prologue.layouts[bucket]
 
-    def replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch, bucket: int, want_hidden: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``batch``, packed for ``bucket`` (``layout``); logits of
-        ``batch.logits_indices`` in the activation dtype (``compute_logits``), valid until
-        the next replay of this runner."""
+        ``batch.logits_indices`` in the activation dtype (``compute_logits``), and with
+        ``want_hidden`` those rows' final-norm hidden states (else None), valid until the
+        next replay of this runner."""
         with self.timer.time():
             rows_refreshed = self.prologue.replay(batch, bucket)
             if not self.attention_in_graph:
@@ -271,8 +293,11 @@ class GraphRunner:
                     self.attn.refresh_metadata(self._meta[bucket], batch)
                 out = self._graphs_for(batch, bucket).replay(bucket)
         if self.logits_in_graph:  # decode: logits_indices are rows 0..B-1
-            return out[: batch.batch_size]
-        return self.model.compute_logits(out[batch.logits_indices])
+            hidden = self._hidden[: batch.batch_size] if want_hidden and \
+                self._hidden is not None else None
+            return out[: batch.batch_size], hidden
+        rows = out[batch.logits_indices]
+        return self.model.compute_logits(rows), rows if want_hidden else None
 
     def _graphs_for(self, batch: ForwardBatch, bucket: int) -> CaptureBackend:
         """The twin of the smallest context tier that holds ``batch``'s longest sequence,
@@ -290,12 +315,14 @@ class GraphRunner:
         """Whether ``run_compiled`` beats the plain eager model (compiled pieces)."""
         return self.backend.serves_compiled_shapes
 
-    def run_compiled(self, batch: ForwardBatch) -> torch.Tensor:
-        """A batch that fits no captured bucket, without graphs: logits as ``replay``
-        gives them (a new tensor)."""
+    def run_compiled(self, batch: ForwardBatch, want_hidden: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A batch that fits no captured bucket, without graphs: logits (and hidden
+        states) as ``replay`` gives them (new tensors)."""
         with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
             hidden = self._forward(batch.input_ids, batch.positions, SCOPED)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        rows = hidden[batch.logits_indices]
+        return self.model.compute_logits(rows), rows if want_hidden else None
 
     def captured_sizes(self) -> tuple[int, ...]:
         return self.backend.captured()

@@ -46,7 +46,7 @@ def test_batch_pass_agrees_with_the_full_pass(items: list[DecodeItem], steps: in
 
 def test_named_rows_are_the_named_tuples() -> None:
     rows = named_rows(ItemOutput, ["s", "t"], [1, None], [None, -0.5], [(), ()], [4, 5],
-                      [(), ()], [False, True], [(), ()])
+                      [(), ()], [False, True], [(), ()], [(), ()], [(), ()], [False, False])
     assert rows == [ItemOutput("s", 1, None, (), 4), ItemOutput("t", None, -0.5, (), 5,
                                                                 stopped=True)]
     assert all(type(r) is ItemOutput for r in rows) and rows[1].stopped

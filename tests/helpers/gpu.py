@@ -78,7 +78,7 @@ def graph_and_eager(ex: Executor, runner: GraphRunner, phase: Phase, tokens: lis
     if all_rows:
         staged = dataclasses.replace(
             staged, logits_indices=torch.arange(staged.num_tokens, device=ex.device))
-    graph = runner.replay(staged, bucket).clone()
+    graph = runner.replay(staged, bucket)[0].clone()
     assert torch.equal(table[~new_cells], before[~new_cells]), "wrote outside the new cells"
     for e in alloc.extensions:
         assert torch.equal(table[e.slot, : e.seq_len], ex.table.host_table[e.slot, : e.seq_len]

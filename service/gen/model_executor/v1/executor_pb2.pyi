@@ -27,6 +27,12 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_DRAINING: _ClassVar[ServerState]
     SERVER_STATE_UNHEALTHY: _ClassVar[ServerState]
     SERVER_STATE_SLEEPING: _ClassVar[ServerState]
+
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_UNSPECIFIED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
 PHASE_UNSPECIFIED: Phase
 PHASE_PREFILL: Phase
 PHASE_DECODE: Phase
@@ -40,9 +46,19 @@ SERVER_STATE_READY: ServerState
 SERVER_STATE_DRAINING: ServerState
 SERVER_STATE_UNHEALTHY: ServerState
 SERVER_STATE_SLEEPING: ServerState
+LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
+LOGPROBS_MODE_RAW: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "top_logprobs", "allowed_token_bitmask", "logit_bias", "grammar", "logprobs_mode")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +66,10 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -57,7 +77,21 @@ class SamplingParams(_message.Message):
     seed: int
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    allowed_token_bitmask: bytes
+    logit_bias: _containers.ScalarMap[int, float]
+    grammar: Grammar
+    logprobs_mode: LogprobsMode
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "regex", "ebnf")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    ebnf: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "items")
@@ -68,18 +102,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample", "sampling", "every_position")
+    __slots__ = ("seq_id", "token_ids", "sample", "sampling", "every_position", "candidate_token_ids", "return_hidden_state")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EVERY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     sampling: SamplingParams
     every_position: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., every_position: bool = ...) -> None: ...
+    candidate_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    return_hidden_state: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., every_position: bool = ..., candidate_token_ids: _Optional[_Iterable[int]] = ..., return_hidden_state: bool = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "items", "num_steps", "packed_outputs")
@@ -94,18 +132,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., packed_outputs: bool = ...) -> None: ...
 
 class DecodeItem(_message.Message):
-    __slots__ = ("seq_id", "token_id", "sampling", "use_last_sampled", "stop_token_ids")
+    __slots__ = ("seq_id", "token_id", "sampling", "use_last_sampled", "stop_token_ids", "candidate_token_ids", "return_hidden_state")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     USE_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     sampling: SamplingParams
     use_last_sampled: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_last_sampled: bool = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    candidate_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    return_hidden_state: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_last_sampled: bool = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., candidate_token_ids: _Optional[_Iterable[int]] = ..., return_hidden_state: bool = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -116,7 +158,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ItemOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped", "positions")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "seq_len", "steps", "stopped", "positions", "candidate_logprobs", "hidden_state", "grammar_completed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +167,9 @@ class ItemOutput(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
@@ -133,19 +178,26 @@ class ItemOutput(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[SampledToken]
     stopped: bool
     positions: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ..., positions: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+    candidate_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    hidden_state: _containers.RepeatedScalarFieldContainer[float]
+    grammar_completed: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seq_len: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stopped: bool = ..., positions: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., candidate_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden_state: _Optional[_Iterable[float]] = ..., grammar_completed: bool = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "next_token_logprob")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "next_token_logprob", "candidate_logprobs", "hidden_state")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     next_token_logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., next_token_logprob: _Optional[float] = ...) -> None: ...
+    candidate_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    hidden_state: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., next_token_logprob: _Optional[float] = ..., candidate_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden_state: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("phase", "path", "fallback_reason", "num_tokens", "padded_tokens", "forward_ms", "num_steps", "weight_version")

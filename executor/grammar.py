@@ -1,0 +1,201 @@
+"""Grammars (JSON schema, regex, EBNF) enforced with xgrammar: ``GrammarBook``.
+
+Compiled against the served model's tokenizer (found next to its weights: a
+``tokenizer.json`` directory), cached by (kind, text) in a bounded LRU. Each sequence
+with a grammar holds a matcher and ``origin``, the position its first output token takes:
+the matcher has accepted the sequence's tokens from ``origin`` on, including the last
+sampled one, which enters the cache only with the next decode.
+
+A step's mask is the matcher's next-token bitmask (the item's own mask and bias apply
+too, from their own tables: ``logit_controls.py``), filled for a batch at once. The
+matcher must have accepted the previous step's token first: ``catch_up`` reads a launched
+step's tokens (waiting for its copy to the host) when a later launch needs its grammar
+rows, else ``PendingStep.finish`` does; each step is applied once. So a grammar item in a
+pipelined Session costs one host wait per step; a multi-step decode waits between its
+device steps (``Forward.decode``'s ``step_masks``). See ``docs/sampling.md``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from executor.api import Grammar
+from executor.errors import GrammarUnavailable
+
+#: Compiled grammars kept (by kind and text).
+CACHE_SIZE = 64
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile (its message names xgrammar's error)."""
+
+
+@dataclass
+class SeqGrammar:
+    grammar: Grammar
+    matcher: Any  # xgrammar.GrammarMatcher
+    origin: int  # the position of the first output token
+    accepted: int = 0  # output tokens the matcher has accepted
+    completed: bool = False
+
+
+class GrammarBook:
+    """The compiler, its cache and every sequence's matcher (host state, rank 0)."""
+
+    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int) -> None:
+        """``tokenizer_info``: makes the ``xgrammar.TokenizerInfo`` (vocabulary ``vocab``)
+        at the first grammar, or raises ``GrammarUnavailable``."""
+        self._tokenizer_info, self.vocab = tokenizer_info, vocab
+        self._compiler: Any = None
+        self._why_not = ""
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.seqs: dict[str, SeqGrammar] = {}
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made at first use
+
+    # -- compiling ---------------------------------------------------------------------
+    def compiler(self) -> Any:
+        """The xgrammar compiler (made at first use); raises ``GrammarUnavailable``."""
+        if self._compiler is None and not self._why_not:
+            import xgrammar as xgr
+
+            try:
+                info = self._tokenizer_info()
+            except GrammarUnavailable as exc:
+                self._why_not = str(exc)
+            else:
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        if self._compiler is None:
+            raise GrammarUnavailable(self._why_not)
+        return self._compiler
+
+    def compile(self, grammar: Grammar) -> Any:
+        """The compiled grammar (cached); ``GrammarError`` if it does not compile."""
+        key = (grammar.kind, grammar.text)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        compiler = self.compiler()
+        try:
+            if grammar.kind == "json_schema":
+                # Compact JSON (fixed separators, no free whitespace): small models
+                # otherwise loop on whitespace the grammar allows.
+                compiled = compiler.compile_json_schema(grammar.text, any_whitespace=False)
+            elif grammar.kind == "regex":
+                compiled = compiler.compile_regex(grammar.text)
+            else:
+                compiled = compiler.compile_grammar(grammar.text)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
+            raise GrammarError(f"{grammar.kind} does not compile: {exc}") from exc
+        self._cache[key] = compiled
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    # -- sequences -----------------------------------------------------------------------
+    def start(self, seq_id: str, grammar: Grammar, origin: int,
+              prompt: list[int] | None = None) -> None:
+        """A prefill with ``grammar`` for ``seq_id`` whose output begins at ``origin``.
+        The same grammar already running on the sequence goes on, accepting ``prompt``
+        (tokens the scheduler put in the output); another grammar starts fresh."""
+        import xgrammar as xgr
+
+        state = self.seqs.get(seq_id)
+        if state is not None and state.grammar == grammar:
+            for tok in prompt or ():
+                self._accept(state, tok)
+            return
+        self.seqs[seq_id] = SeqGrammar(grammar, xgr.GrammarMatcher(self.compile(grammar)),
+                                       origin)
+
+    def give(self, seq_id: str, token: int, position: int) -> None:
+        """A decode gives ``token`` at ``position``: accepted unless it is the last
+        sampled token, which the matcher has already."""
+        state = self.seqs.get(seq_id)
+        if state is not None and state.origin + state.accepted == position:
+            self._accept(state, token)
+
+    def advance(self, seq_id: str, token: int) -> bool:
+        """The sequence sampled ``token``; returns whether that completed its grammar."""
+        state = self.seqs.get(seq_id)
+        if state is None or state.completed:
+            return False
+        self._accept(state, token)
+        return state.completed
+
+    def _accept(self, state: SeqGrammar, token: int) -> None:
+        if state.completed:
+            return
+        if state.matcher.accept_token(token):
+            state.accepted += 1
+            state.completed = bool(state.matcher.is_terminated())
+
+    def masks(self, seq_ids: Sequence[str | None]) -> list[bytes | None]:
+        """The next token's mask per sequence (None for a None entry or a sequence
+        without a grammar), filled in one batch over xgrammar's threads. A completed
+        grammar allows only its stop tokens."""
+        import xgrammar as xgr
+
+        words = (self.vocab + 31) // 32
+        states = [None if s is None else self.seqs.get(s) for s in seq_ids]
+        live = [st for st in states if st is not None and not st.completed]
+        filled: dict[int, np.ndarray] = {}
+        if live:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            buf = xgr.allocate_token_bitmask(len(live), self.vocab)
+            self._batch.batch_fill_next_token_bitmask([st.matcher for st in live], buf)
+            rows = buf.numpy()[:, :words].astype("<i4")
+            filled = {id(st): rows[r] for r, st in enumerate(live)}
+        out: list[bytes | None] = []
+        for st in states:
+            if st is None:
+                out.append(None)
+            elif st.completed:
+                bits = np.zeros(words * 32, dtype=np.uint8)
+                bits[[t for t in st.matcher.stop_token_ids if t < self.vocab]] = 1
+                out.append(np.packbits(bits, bitorder="little").tobytes())
+            else:
+                out.append(filled[id(st)].tobytes())
+        return out
+
+    def fork(self, parent: str, child: str, length: int, inherits: bool) -> None:
+        """The child shares the parent's first ``length`` tokens (and its last sample when
+        ``inherits``): its matcher is the parent's, rolled back past them."""
+        state = self.seqs.get(parent)
+        if state is None:
+            return
+        keep = max(0, length - state.origin + (1 if inherits else 0))
+        if keep == 0 and length < state.origin:
+            return
+        matcher = state.matcher.fork()
+        copy = SeqGrammar(state.grammar, matcher, state.origin, state.accepted,
+                          state.completed)
+        self._rollback(copy, keep)
+        self.seqs[child] = copy
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """The sequence keeps ``length`` tokens: its matcher forgets the outputs past
+        them (all of its grammar when ``length`` is before its output began)."""
+        state = self.seqs.get(seq_id)
+        if state is None:
+            return
+        if length < state.origin:
+            del self.seqs[seq_id]
+            return
+        self._rollback(state, length - state.origin)
+
+    def _rollback(self, state: SeqGrammar, keep: int) -> None:
+        drop = state.accepted - keep
+        if drop > 0:
+            state.matcher.rollback(drop)
+            state.accepted = keep
+            state.completed = bool(state.matcher.is_terminated())
+
+    def release(self, seq_id: str) -> None:
+        self.seqs.pop(seq_id, None)

@@ -1,0 +1,157 @@
+"""``GrammarFlow``: grammar items through the executor's calls (``grammar.py`` holds the
+matchers).
+
+Validation compiles every grammar of a call (INVALID_ARGUMENT naming the item) before
+anything is allocated. A launch computes its grammar rows' masks from matchers that have
+accepted every earlier token: ``catch_up`` applies launched steps' tokens first (a host
+wait on those steps), and a multi-step decode applies each device step's tokens before the
+next (``step_masks``). Each launched step's tokens are applied exactly once, by the next
+launch that needs them or by the step's completion, under one lock (completion may run on
+another thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from executor.api import BatchNeeds, DecodeItem, PrefillItem, SamplingParams
+from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
+from executor.forward import HostTokens, LateMasks
+from executor.grammar import GrammarBook, GrammarError
+from executor.sampling import SampleOutput
+from executor.steps import PendingStep
+
+
+def served_tokenizer(source: str, vocab: int) -> Callable[[], Any]:
+    """The served model's tokenizer as xgrammar's ``TokenizerInfo``, found next to its
+    weights at the first grammar (a directory with ``tokenizer.json``: HF checkpoints and
+    the named models' conversions); ``GrammarUnavailable`` without one."""
+    def make() -> Any:
+        import xgrammar as xgr
+
+        from executor.weights.catalog import resolve_model_source
+
+        directory = Path(resolve_model_source(source))
+        if not (directory / "tokenizer.json").is_file():
+            raise GrammarUnavailable(
+                f"the served model ({source}) has no tokenizer (tokenizer.json next to its "
+                "weights) to compile grammars against")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    return make
+
+
+class GrammarFlow:
+    def __init__(self, book: GrammarBook) -> None:
+        self.book = book
+        self._lock = threading.Lock()
+        self._pending: deque[PendingStep] = deque()
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self, items: Sequence[PrefillItem | DecodeItem]) -> None:
+        """Compile the items' grammars (cached); ``InvalidRequest`` naming each that does
+        not compile, ``GrammarUnavailable`` without a tokenizer."""
+        out = []
+        for i, it in enumerate(items):
+            g = it.sampling.grammar
+            if g is None:
+                continue
+            if isinstance(it, PrefillItem) and it.every_position:
+                out.append(FieldViolation(f"items[{i}].sampling.grammar",
+                                          "a grammar cannot be used with every_position"))
+                continue
+            try:
+                self.book.compile(g)
+            except GrammarError as exc:
+                out.append(FieldViolation(f"items[{i}].sampling.grammar.{g.kind}", str(exc)))
+        if out:
+            raise InvalidRequest(out)
+
+    # -- launches --------------------------------------------------------------------------
+    def prefill_masks(self, items: Sequence[PrefillItem], rows: list[int],
+                      seq_lens: Sequence[int]) -> LateMasks | None:
+        """The grammar masks of a prefill's sampled rows, as ``Forward.prefill`` asks for
+        them (once its forward is launched): the items' matchers start, or go on, first."""
+        if not any(items[i].sampling.grammar is not None for i in rows):
+            return None
+
+        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
+            self.catch_up()  # (a prefill's own rows have no launched steps pending)
+            with self._lock:
+                for i in rows:
+                    it = items[i]
+                    if it.sampling.grammar is not None:
+                        self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
+                                        list(it.token_ids))
+                return self.book.masks([items[i].seq_id if items[i].sampling.grammar
+                                        is not None else None for i in rows])
+        return masks
+
+    def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
+                     params: Sequence[SamplingParams], length: Callable[[str], int | None],
+                     done: dict[int, int], needs: BatchNeeds) -> LateMasks | None:
+        """The grammar masks of a decode's device steps, as ``Forward.decode`` asks for
+        them (None without grammar items). Step 0 first applies every launched step
+        (``catch_up``) and a given token (unless it is the sampled one the matcher has);
+        step k first applies step k - 1's samples (a host wait for them: the device runs
+        step k's forward meanwhile). Completions go to ``done`` (row: device step).
+        Call it before the decode's allocation (the given tokens' positions)."""
+        if not needs.grammar:
+            return None
+        positions = [length(s) or 0 for s in seq_ids]
+        grammar_rows = [s if p.grammar is not None else None
+                        for s, p in zip(seq_ids, params, strict=True)]
+
+        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
+            if step == 0:
+                self.catch_up()
+            sampled = previous() if step and previous is not None else None
+            with self._lock:
+                for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
+                    if p.grammar is None:
+                        continue
+                    tok = tokens[row]
+                    if sampled is not None:
+                        if self.book.advance(seq_id, sampled[row]) and row not in done:
+                            done[row] = step - 1
+                    elif tok is not None:
+                        self.book.give(seq_id, tok, positions[row])
+                return self.book.masks(grammar_rows)
+        return masks
+
+    def track(self, step: PendingStep, applied: int) -> None:
+        """A launched step with grammar rows whose first ``applied`` device steps were
+        applied already: the rest is applied by ``catch_up`` or at its completion."""
+        step.grammar_applied = applied
+        step.on_sampled = self.apply
+        self._pending.append(step)
+
+    def catch_up(self) -> None:
+        """Apply every launched step's remaining tokens (waits for their copies)."""
+        while self._pending:
+            step = self._pending.popleft()
+            if not step.finished:
+                self.apply(step, step.wait())
+
+    def apply(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
+        """Advance the matchers of ``step``'s grammar rows by its samples (once)."""
+        with self._lock:
+            start = step.grammar_applied
+            step.grammar_applied = len(sampled)
+            for k in range(start, len(sampled)):
+                for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
+                    if row is None or step.params[row].grammar is None:
+                        continue
+                    if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
+                            row not in step.grammar_done:
+                        step.grammar_done[row] = k
+
+    def forget(self, step: PendingStep) -> None:
+        """An aborted step: nothing of it is applied later."""
+        step.grammar_applied = len(step.samples)

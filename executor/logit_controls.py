@@ -1,0 +1,139 @@
+"""``SlotControls``: each request slot's token mask and logit bias, on the device.
+
+Static tables, one row per request slot (fixed addresses, so a captured decode graph
+reads them as it reads ``LastSampled.tokens``):
+
+* ``allowed`` (slots, words) int32: xgrammar's bitmask layout, bit j of word i allows token
+  32 i + j; all ones for a slot without a mask;
+* ``bias_ids`` / ``bias_vals`` (slots, MAX_LOGIT_BIAS): sparse logit bias (zeros: a no-op);
+* ``active`` (slots,) int32: 1 where a slot has a mask or a bias. The CUDA kernel returns
+  at once for an inactive row, so an unmasked batch costs one tiny launch.
+
+The host writes a slot's row only when what it holds changes (``stage``); ``apply`` masks
+(disallowed tokens become -inf) and biases logits rows in place, each row by its slot.
+Only the real vocabulary is covered: the logits are ``compute_logits``'s, already trimmed
+of any vocabulary-parallel padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
+from executor.model.layers import triton_available
+
+_HAS_TRITON = triton_available()
+#: A slot's state as the host last wrote it: (mask bytes or None, bias pairs).
+_SlotState = tuple[bytes | None, tuple[tuple[int, float], ...]]
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a bitmask over ``vocab`` tokens."""
+    return (vocab + 31) // 32
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, words) int32 -> (rows, vocab) bool, True where the token is allowed."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = (words[:, :, None] >> shifts) & 1  # (rows, words, 32)
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
+def bitmask_allows(mask: bytes, vocab: int) -> np.ndarray:
+    """The tokens a mask allows, on the host (validation and tests): (vocab,) bool."""
+    words = np.frombuffer(mask, dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+class SlotControls:
+    def __init__(self, max_sequences: int, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.words = mask_words(vocab)
+        self.active = torch.zeros(max_sequences, dtype=torch.int32, device=device)
+        self.allowed = torch.full((max_sequences, self.words), -1, dtype=torch.int32,
+                                  device=device)
+        self.bias_ids = torch.zeros(max_sequences, MAX_LOGIT_BIAS, dtype=torch.int64,
+                                    device=device)
+        self.bias_vals = torch.zeros(max_sequences, MAX_LOGIT_BIAS, dtype=torch.float32,
+                                     device=device)
+        self._held: dict[int, _SlotState] = {}  # slots whose row is not the default
+
+    def stage(self, slots: Sequence[int], params: Sequence[SamplingParams],
+              masks: Sequence[bytes | None] | None = None, any_controls: bool = True
+              ) -> bool:
+        """Make each row's slot hold that row's controls: its params' mask (or ``masks``'
+        entry, a grammar's mask for this step, when not None) and bias; a slot that held
+        controls and whose row has none goes back to the default. Writes only what
+        changed (queued on the current stream: no host sync). Returns whether any row
+        has controls (the caller applies them). ``any_controls=False``: the caller knows
+        no row has its own mask or bias (no scan then)."""
+        if not self._held and masks is None and not (any_controls and any(
+                p.has_controls for p in distinct_params(params))):
+            return False
+        changed: dict[int, _SlotState] = {}
+        any_active = False
+        for i, (slot, p) in enumerate(zip(slots, params, strict=True)):
+            mask = masks[i] if masks is not None and masks[i] is not None \
+                else p.allowed_token_bitmask
+            state: _SlotState = (mask, p.logit_bias)
+            any_active |= mask is not None or bool(p.logit_bias)
+            if self._held.get(slot, (None, ())) != state:
+                changed[slot] = state
+        if changed:
+            self._write(changed)
+        return any_active
+
+    def _write(self, changed: dict[int, _SlotState]) -> None:
+        n = len(changed)
+        allowed = np.full((n, self.words), -1, dtype=np.int32)
+        ids = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.int64)
+        vals = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.float32)
+        active = np.zeros(n, dtype=np.int32)
+        for r, (slot, (mask, bias)) in enumerate(changed.items()):
+            if mask is not None:
+                allowed[r] = np.frombuffer(mask, dtype="<i4")
+            for k, (tok, b) in enumerate(bias):
+                ids[r, k], vals[r, k] = tok, b
+            active[r] = mask is not None or bool(bias)
+            if active[r]:
+                self._held[slot] = (mask, bias)
+            else:
+                self._held.pop(slot, None)
+        index = _to_device(torch.tensor(list(changed), dtype=torch.int64), self.device)
+        for table, host in ((self.allowed, allowed), (self.bias_ids, ids),
+                            (self.bias_vals, vals), (self.active, active)):
+            table.index_copy_(0, index, _to_device(torch.from_numpy(host), self.device))
+
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """Mask and bias ``logits`` (rows, vocab) in place, row r by ``slots[r]``'s
+        controls (a slot past the tables' rows must not occur)."""
+        if logits.is_cuda and _HAS_TRITON and logits.stride(-1) == 1:
+            from executor.kernels.logit_controls import apply_controls
+
+            apply_controls(logits, slots, self.active, self.allowed, self.bias_ids,
+                           self.bias_vals)
+            return
+        apply_controls_torch(logits, slots, self.active, self.allowed, self.bias_ids,
+                             self.bias_vals)
+
+
+def apply_controls_torch(logits: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,
+                         allowed: torch.Tensor, bias_ids: torch.Tensor,
+                         bias_vals: torch.Tensor) -> None:
+    """``SlotControls.apply`` in torch ops (the reference; CPU). Inactive rows hold
+    all-ones masks and zero biases, so applying them changes nothing."""
+    vocab = logits.shape[-1]
+    keep = unpack_bitmask(allowed.index_select(0, slots), vocab)
+    logits.masked_fill_(~keep, float("-inf"))
+    vals = bias_vals.index_select(0, slots).to(logits.dtype)
+    logits.scatter_add_(1, bias_ids.index_select(0, slots), vals)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,272 @@
+"""Grammars on the real SmolLM2-135M-Instruct (CPU, float32) over gRPC: JSON schemas,
+regexes and EBNF grammars, greedy and T = 1, through unary Prefill/Decode, a pipelined
+Session continuing from the device's last samples, and ``num_steps`` 8; every output
+parses and validates (``jsonschema``). Forked children continue valid output; a truncated
+sequence resumes a valid parse. Each path runs a third of the cases (every case greedy and
+at T = 1) as one batch: the CPU model's attention loops over sequences, so the cases x
+paths product would take minutes. Also: a grammar that does not compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+
+from executor.config import CacheConfig, ExecutorConfig, ModelConfig
+from executor.weights.catalog import converted_dir, ensure_named_model
+from service.gen.model_executor.v1 import executor_pb2 as pb
+from tests.service.harness import ServerHarness
+
+NAME = "smollm2-135m"
+MAX_NEW = 40  # every case completes well within this (bounded strings, small objects)
+
+_INT = {"type": "integer", "minimum": 0, "maximum": 99}
+_NAME = {"type": "string", "maxLength": 6}
+_COLOR = {"enum": ["red", "green", "blue"]}
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required or list(props),
+            "additionalProperties": False}
+
+
+SCHEMAS: list[dict[str, Any]] = [
+    _obj({"name": _NAME, "age": _INT}),
+    _obj({"color": _COLOR}),
+    _obj({"ok": {"type": "boolean"}}),
+    _obj({"n": {"type": "integer", "minimum": -5, "maximum": 5}}),
+    _obj({"tags": {"type": "array", "items": _COLOR, "minItems": 1, "maxItems": 2}}),
+    _obj({"point": _obj({"x": _INT, "y": _INT})}),
+    _obj({"user": _obj({"name": _NAME, "color": _COLOR})}),
+    _obj({"id": _INT, "active": {"type": "boolean"}}, ["id"]),
+    {"type": "array", "items": _INT, "minItems": 1, "maxItems": 3},
+    {"enum": ["yes", "no", "maybe"]},
+    _obj({"level": {"enum": [1, 2, 3]}}),
+    _obj({"a": _obj({"b": _obj({"c": _INT})})}),
+    _obj({"size": {"enum": ["S", "M", "L"]}, "count": _INT}),
+    _obj({"pair": {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}}),
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    _obj({"name": _NAME, "tags": {"type": "array", "items": _NAME, "maxItems": 1}}),
+    _obj({"flag": {"type": "boolean"}, "color": _COLOR}),
+    _obj({"r": _obj({"ok": {"type": "boolean"}})}),
+    {"type": "boolean"},
+    _obj({"k": {"type": "null"}}),
+]
+REGEXES = [r"[a-c]{2,4}", r"(cat|dog|bird)-[0-9]"]
+EBNFS = ['root ::= "yes" | "no"', 'root ::= "(" [0-9] ("+" [0-9])? ")"']
+
+
+def _cases() -> list[tuple[str, pb.Grammar, Any]]:
+    """(label, grammar, check(text) -> None)."""
+    out: list[tuple[str, pb.Grammar, Any]] = []
+    for k, schema in enumerate(SCHEMAS):
+        out.append((f"j{k}", pb.Grammar(json_schema=json.dumps(schema)),
+                    lambda text, s=schema: jsonschema.validate(json.loads(text), s)))
+    for k, rx in enumerate(REGEXES):
+        out.append((f"r{k}", pb.Grammar(regex=rx),
+                    lambda text, rx=rx: _assert(re.fullmatch(rx, text), text)))
+    out.append(("e0", pb.Grammar(ebnf=EBNFS[0]), lambda text: _assert(text in ("yes", "no"),
+                                                                       text)))
+    out.append(("e1", pb.Grammar(ebnf=EBNFS[1]),
+                lambda text: _assert(re.fullmatch(r"\(\d(\+\d)?\)", text), text)))
+    return out
+
+
+def _assert(ok: object, text: str) -> None:
+    assert ok, text
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = Path(os.environ.get("MODEL_EXECUTOR_TEST_CACHE") or tmp_path_factory.mktemp("smol"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODEL_EXECUTOR_CACHE", str(root))
+        ensure_named_model(NAME, cache_dir=root)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(converted_dir(NAME, cache)))
+
+
+@pytest.fixture(scope="module")
+def server(cache: Path) -> Iterator[ServerHarness]:
+    n = 2 * len(CASES) + 4
+    config = ExecutorConfig(model=ModelConfig(source=NAME, dtype="float32"), device="cpu",
+                            cache=CacheConfig(kv_tokens=8192, max_sequences=n,
+                                              max_context=256),
+                            max_prefill_tokens=8192, max_decode_batch=n)
+    harness = ServerHarness(config)
+    try:
+        harness.wait_ready(timeout=300)
+        yield harness
+    finally:
+        harness.close()
+
+
+def _prompt(tokenizer: Any, label: str) -> list[int]:
+    kind = {"j": "a JSON value", "r": "a short code", "e": "an answer"}[label[0]]
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Reply with {kind} only."}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def _sampling(grammar: pb.Grammar, temperature: float, seed: int) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=temperature, seed=seed, grammar=grammar)
+
+
+PATHS = ("unary", "session", "num_steps")
+
+
+def _items(path: str) -> list[tuple[str, pb.SamplingParams, Any]]:
+    """(seq_id, sampling, check) per case of ``path``'s third x {greedy, T=1}."""
+    share = PATHS.index(path)
+    return [(f"{path[0]}{label}-{t}", _sampling(g, t, 7 + i), check)
+            for i, (label, g, check) in enumerate(CASES) if i % len(PATHS) == share
+            for t in (0.0, 1.0)]
+
+
+def _text(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _prefill(server: ServerHarness, tokenizer: Any,
+             items: list[tuple[str, pb.SamplingParams, Any]]) -> dict[str, list[int]]:
+    req = pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id=s, token_ids=_prompt(tokenizer, s.split("-")[0][1:]), sample=True, sampling=p)
+        for s, p, _ in items])
+    return {o.seq_id: [o.token_id] for o in server.stub.Prefill(req, timeout=120).outputs}
+
+
+def _collect(outputs: Any, tokens: dict[str, list[int]], done: set[str]) -> None:
+    for o in outputs:
+        if o.seq_id in done:
+            continue
+        steps = [s.token_id for s in o.steps] or [o.token_id]
+        tokens[o.seq_id] += steps
+        if o.grammar_completed:
+            done.add(o.seq_id)
+
+
+def _check_all(tokenizer: Any, items: list[tuple[str, pb.SamplingParams, Any]],
+               tokens: dict[str, list[int]], done: set[str]) -> None:
+    missing = [s for s, _, _ in items if s not in done]
+    assert not missing, {s: _text(tokenizer, tokens[s]) for s in missing}
+    for s, _, check in items:
+        check(_text(tokenizer, tokens[s]).strip() if s[1] == "j" else
+              _text(tokenizer, tokens[s]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grammar_outputs_always_parse(server: ServerHarness, tokenizer: Any,
+                                      path: str) -> None:
+    items = _items(path)
+    tokens = _prefill(server, tokenizer, items)
+    done: set[str] = set()
+    ids = [s for s, _, _ in items]
+    by_id = {s: p for s, p, _ in items}
+
+    def decode(seq_ids: list[str], num_steps: int = 1) -> pb.DecodeRequest:
+        return pb.DecodeRequest(num_steps=num_steps, items=[pb.DecodeItem(
+            seq_id=s, use_last_sampled=True, sampling=by_id[s]) for s in seq_ids])
+
+    if path == "unary":
+        for _ in range(MAX_NEW):
+            live = [s for s in ids if s not in done]
+            if not live:
+                break
+            _collect(server.stub.Decode(decode(live), timeout=120).outputs, tokens, done)
+    elif path == "num_steps":
+        for _ in range(MAX_NEW // 8):
+            live = [s for s in ids if s not in done]
+            if not live:
+                break
+            _collect(server.stub.Decode(decode(live, 8), timeout=120).outputs, tokens, done)
+    else:  # two steps in flight, each continuing from the device's last samples
+        in_flight = threading.Semaphore(2)
+        finished = threading.Event()
+
+        def requests() -> Iterator[pb.SessionRequest]:
+            for k in range(MAX_NEW):
+                in_flight.acquire()
+                if finished.is_set():
+                    return
+                yield pb.SessionRequest(step=k + 1, decode=decode(ids))
+
+        for answer in server.stub.Session(requests(), timeout=300):
+            _collect(answer.decode.outputs, tokens, done)
+            if len(done) == len(ids):
+                finished.set()
+            in_flight.release()
+    _check_all(tokenizer, items, tokens, done)
+    server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+
+
+def test_fork_and_truncate_keep_the_parse(server: ServerHarness, tokenizer: Any) -> None:
+    """A JSON item decodes 3 tokens, forks (T = 1, other seeds) and both finish valid;
+    another is truncated back 2 tokens and resumes, giving its token, to a valid parse."""
+    schema = SCHEMAS[0]
+    g = pb.Grammar(json_schema=json.dumps(schema))
+    prompt = _prompt(tokenizer, "j0")
+    stub = server.stub
+    first = stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id="par", token_ids=prompt, sample=True,
+                       sampling=_sampling(g, 1.0, 1)),
+        pb.PrefillItem(seq_id="tr", token_ids=prompt, sample=True,
+                       sampling=_sampling(g, 0.0, 0))]), timeout=60).outputs
+    toks = {o.seq_id: [o.token_id] for o in first}
+    out = stub.Decode(pb.DecodeRequest(num_steps=3, items=[
+        pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=_sampling(g, t, 1))
+        for s, t in (("par", 1.0), ("tr", 0.0))]), timeout=60).outputs
+    for o in out:
+        toks[o.seq_id] += [s.token_id for s in o.steps]
+    stub.Fork(pb.ForkRequest(parent_seq_id="par", child_seq_id="kid"), timeout=60)
+    toks["kid"] = list(toks["par"])
+    # Truncate "tr" to keep 2 of its output tokens in the cache; resume from the third.
+    keep = len(prompt) + 2
+    stub.Truncate(pb.TruncateRequest(seq_id="tr", length=keep), timeout=60)
+    resume = toks["tr"][2]
+    toks["tr"] = toks["tr"][:3]
+    done: set[str] = set()
+    items = [pb.DecodeItem(seq_id="par", use_last_sampled=True, sampling=_sampling(g, 1.0, 2)),
+             pb.DecodeItem(seq_id="kid", use_last_sampled=True, sampling=_sampling(g, 1.0, 3)),
+             pb.DecodeItem(seq_id="tr", token_id=resume, sampling=_sampling(g, 0.0, 0))]
+    _collect(stub.Decode(pb.DecodeRequest(num_steps=8, items=items), timeout=60).outputs,
+             toks, done)
+    for _ in range(4):
+        live = [pb.DecodeItem(seq_id=i.seq_id, use_last_sampled=True, sampling=i.sampling)
+                for i in items if i.seq_id not in done]
+        if not live:
+            break
+        _collect(stub.Decode(pb.DecodeRequest(num_steps=8, items=live), timeout=60).outputs,
+                 toks, done)
+    assert done == {"par", "kid", "tr"}, {s: _text(tokenizer, t) for s, t in toks.items()}
+    for s in ("par", "kid", "tr"):
+        jsonschema.validate(json.loads(_text(tokenizer, toks[s])), schema)
+    stub.Release(pb.ReleaseRequest(seq_ids=["par", "kid", "tr"]), timeout=60)
+
+
+def test_grammar_that_does_not_compile_is_invalid_argument(server: ServerHarness) -> None:
+    before = server.kv().free_tokens
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="bad", token_ids=[1, 2], sample=True,
+            sampling=pb.SamplingParams(grammar=pb.Grammar(regex="(unclosed")))]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].sampling.grammar.regex" in (err.value.details() or "")
+    assert server.kv().free_tokens == before
