@@ -45,7 +45,8 @@ def test_grpcurl_style_list_describe_and_call(server: ServerHarness) -> None:
         "model_executor.v1.DecodeResponse"
     item = pool.FindMessageTypeByName("model_executor.v1.PrefillItem")
     assert [f.name for f in item.fields] == ["seq_id", "token_ids", "sample", "sampling",
-                                              "every_position"]
+                                              "every_position", "candidate_token_ids",
+                                              "return_hidden_state"]
 
     # grpcurl -d '{...}' ... model_executor.v1.Executor/Prefill, then Decode and Release
     step = call_json(server, pool, "model_executor.v1.Executor", "Prefill", {
