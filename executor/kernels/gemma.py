@@ -25,7 +25,7 @@ from executor.kernels.pdl import pdl_enter
 
 MAX_ROW = 65536  # a row is held in registers whole
 GELU_BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # compiled kernels read only constexpr globals
 
 
 @triton.jit

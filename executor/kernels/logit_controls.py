@@ -20,12 +20,15 @@ BLOCK = 1024  # columns per program (32 mask words)
 
 @triton.jit
 def _controls_kernel(x_ptr, slots_ptr, active_ptr, allowed_ptr, bias_ids_ptr, bias_vals_ptr,
-                     n_cols, stride_x, n_words, n_bias,
+                     n_cols, stride_x, n_words, n_bias, n_slots,
                      BLOCK_N: tl.constexpr, BIAS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    if tl.load(active_ptr + slot) != 0:
+    # A slot outside the tables (a graph warmed up before its inputs were written) has no
+    # controls: never read past the tables.
+    inside_tables = (slot >= 0) & (slot < n_slots)
+    if tl.load(active_ptr + slot, mask=inside_tables, other=0) != 0:
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
         words = tl.load(allowed_ptr + slot * n_words + cols // 32, mask=inside, other=-1)
@@ -56,5 +59,6 @@ def apply_controls(logits: torch.Tensor, slots: torch.Tensor, active: torch.Tens
     n_bias = bias_ids.shape[1]
     grid = (rows, triton.cdiv(vocab, block))
     _controls_kernel[grid](logits, slots, active, allowed, bias_ids, bias_vals, vocab,
-                           logits.stride(0), allowed.shape[1], n_bias, BLOCK_N=block,
+                           logits.stride(0), allowed.shape[1], n_bias, active.shape[0],
+                           BLOCK_N=block,
                            BIAS_P2=triton.next_power_of_2(n_bias))

@@ -131,3 +131,21 @@ def test_kernel_matches_torch_path(dtype: torch.dtype) -> None:
                    controls.bias_ids, controls.bias_vals, block=1024)
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-2)
     assert torch.equal(got[1], logits[1]) and torch.equal(got[4], logits[4])
+
+
+@pytest.mark.skipif(not _interpreted_triton(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+def test_kernel_leaves_rows_of_slots_outside_the_tables_alone() -> None:
+    """A graph warmed up before its inputs are written may hand the kernel any slot value:
+    a slot outside the tables has no controls, and nothing past the tables is read."""
+    from executor.kernels.logit_controls import apply_controls
+
+    controls = staged([0, 1, 2, 3], ROWS)
+    n_slots = controls.active.shape[0]
+    slots = torch.tensor([0, -7, n_slots, n_slots + 1000])
+    logits = torch.randn(4, VOCAB) * 4
+    got = logits.clone()
+    apply_controls(got, slots, controls.active, controls.allowed, controls.bias_ids,
+                   controls.bias_vals, block=1024)
+    assert not torch.equal(got[0], logits[0])  # slot 0 is staged: controls applied
+    assert torch.equal(got[1:], logits[1:])
