@@ -22,7 +22,7 @@ class Budget:
     call_timeout_s: float  # no call may take longer: a hang fails the test
 
 
-CI = Budget("ci", clients=32, calls_per_client=200, fuzz_examples=80, fuzz_steps=25,
+CI = Budget("ci", clients=32, calls_per_client=100, fuzz_examples=80, fuzz_steps=25,
             malformed_per_method=40, soak_seconds=0.0, call_timeout_s=30.0)
 SOAK = Budget("soak", clients=64, calls_per_client=1000, fuzz_examples=500, fuzz_steps=60,
               malformed_per_method=1000, soak_seconds=float(os.environ.get(
