@@ -381,10 +381,9 @@ class WeightControl:
 
 def _check_updatable(spec: ModelSpec, quantization: str, tp_size: int) -> None:
     """Refuse (FAILED_PRECONDITION, nothing applied) an update of weights that the copy
-    into existing parameters does not cover yet: stacked experts, FP8 projections, and
-    checkpoints storing q/k/v and gate/up fused (Phi-3) split over tensor-parallel ranks."""
-    what = ("mixture-of-experts weights" if spec.moe is not None
-            else f"FP8 weights ({quantization})" if quantization
+    into existing parameters does not cover yet: FP8 projections, and checkpoints storing
+    q/k/v and gate/up fused (Phi-3) split over tensor-parallel ranks."""
+    what = (f"FP8 weights ({quantization})" if quantization
             else f"{spec.architecture}'s fused qkv_proj / gate_up_proj under tensor "
             "parallelism" if spec.features.fused_checkpoint and tp_size > 1 else "")
     if what:

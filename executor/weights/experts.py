@@ -137,3 +137,30 @@ def moe_layer_recipe(cfg: Any, layer: int) -> dict[str, tuple[tuple[int, ...], f
         out[p + f"experts.{e}.{names[1]}.weight"] = ((i, h), 1 / math.sqrt(h))
         out[p + f"experts.{e}.{names[2]}.weight"] = ((h, i), 1 / math.sqrt(i))
     return out
+
+
+# -- in-place updates (``weights/update.py``) ---------------------------------------------
+def is_stacked(name: str) -> bool:
+    """Whether our parameter ``name`` is a layer's stacked experts."""
+    return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+
+def full_shape(src: ExpertSource, param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The unsharded shape of the checkpoint tensor ``src`` names, for a stacked parameter
+    ``param`` holding this rank's ``(E, 2I, H)`` or ``(E, H, I)``."""
+    experts, rows, cols = param.shape
+    if src.param.endswith("down_proj"):
+        one: tuple[int, ...] = (rows, cols * tp_size)
+        whole = (experts, rows, cols * tp_size)
+    else:
+        one, whole = (rows // 2 * tp_size, cols), (experts, rows * tp_size, cols)
+    return one if src.expert is not None else whole
+
+
+def hf_name(param: str, shard: int) -> str:
+    """The published per-expert name of our (stacked parameter, shard), for messages."""
+    layer = param.split(".")[1]
+    if param.endswith("down_proj"):
+        return f"model.layers.{layer}.mlp.experts.{shard}.down_proj.weight"
+    part = "gate_proj" if shard % 2 == 0 else "up_proj"
+    return f"model.layers.{layer}.mlp.experts.{shard // 2}.{part}.weight"

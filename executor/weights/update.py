@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from executor.errors import FieldViolation, InvalidRequest
 from executor.model.spec import ModelSpec
+from executor.weights import experts
 from executor.weights.loader import (
     _IGNORED_RE,
     _expected_sources,
@@ -83,6 +84,14 @@ class WeightLayout:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self._slots: dict[tuple[str, int | None], _Slot] = {}
         for name, shard in _expected_sources(model, spec):  # type: ignore[arg-type]
+            if experts.is_stacked(name):  # one expert's gate, up or down each
+                assert shard is not None
+                src = experts.ExpertSource(name, shard if name.endswith("down_proj")
+                                           else shard // 2, 0)
+                dtype = (reference or {}).get(_key(name, None), self.params[name].dtype)
+                self._slots[(name, shard)] = _Slot(
+                    name, shard, experts.full_shape(src, self.params[name], tp_size), dtype)
+                continue
             target = self.target(name, shard)
             dtype = (reference or {}).get(_key(name, shard), target.dtype)
             self._slots[(name, shard)] = _Slot(name, shard, self._full(name, target), dtype)
@@ -110,7 +119,7 @@ class WeightLayout:
         not in the layout."""
         if _IGNORED_RE.search(hf_name):
             return None
-        name, shard = _internal_name(hf_name)
+        name, shard = _internal_name(experts.canonical(hf_name))
         if self.spec.tie_word_embeddings and name == "lm_head.weight":
             return None
         return name, shard
@@ -121,23 +130,24 @@ class WeightLayout:
         shape or dtype, or a tensor missing."""
         seen: set[tuple[str, int | None]] = set()
         for i, meta in enumerate(manifest):
-            key = self.resolve(meta.name)
-            if key is None:
+            keys, shape = self._entry(meta.name)
+            if not keys:
                 continue
-            slot = self._slots.get(key)
+            slots = [self._slots.get(key) for key in keys]
             field = f"{where}[{i}]" if where.endswith("tensors") else where
-            if slot is None:
+            slot = slots[0]
+            if slot is None or None in slots:
                 _refuse(field, f"unknown tensor {meta.name!r}: the served "
                         f"{self.spec.architecture} has no such weight")
-            if key in seen:
+            if seen.intersection(keys):
                 _refuse(field, f"tensor {meta.name!r} is given twice")
-            if meta.shape != slot.shape:
+            if meta.shape != (shape or slot.shape):
                 _refuse(field, f"tensor {meta.name!r} has shape {list(meta.shape)}; the "
-                        f"served model's is {list(slot.shape)}")
+                        f"served model's is {list(shape or slot.shape)}")
             if meta.dtype != slot.dtype:
                 _refuse(field, f"tensor {meta.name!r} is {dtype_name(meta.dtype)}; the "
                         f"served checkpoint's is {dtype_name(slot.dtype)}")
-            seen.add(key)
+            seen.update(keys)
         missing = sorted(set(self._slots) - seen)
         if missing:
             names = [_hf_name(n, s) for n, s in missing]
@@ -145,9 +155,29 @@ class WeightLayout:
             _refuse(where, f"tensor {names[0]!r} is missing{more}: an update must "
                     "provide every weight of the served model")
 
+    def _entry(self, hf_name: str) -> tuple[list[tuple[str, int | None]], tuple[int, ...]]:
+        """The (parameter, shard) keys a checkpoint tensor fills (none: skipped on purpose)
+        and, for experts (one, or a layer's stacked ones), the full shape it must have."""
+        src = experts.match(experts.canonical(hf_name))
+        if src is None:
+            key = self.resolve(hf_name)
+            return ([] if key is None else [key]), ()
+        param = self.params.get(src.param)
+        if param is None or (src.expert is not None and src.expert >= param.shape[0]):
+            return [(hf_name, None)], ()  # not in the layout: refused as unknown
+        keys: list[tuple[str, int | None]] = sorted(src.keys(param.shape[0]))
+        return keys, experts.full_shape(src, param, self.tp_size)
+
     def copy_tensor(self, reader: Any, hf_name: str, rank: int, where: str) -> int:
         """Copy this rank's slice of ``hf_name`` (checked) from ``reader`` (a safetensors
         reader, or ``TensorReader``) into its parameter; bytes the source held."""
+        src = experts.match(experts.canonical(hf_name))
+        if src is not None:  # one expert's projection, or a layer's stacked experts
+            keys, shape = self._entry(hf_name)
+            with torch.no_grad():
+                experts.copy_expert(reader, hf_name, src, self.params[src.param], rank,
+                                    self.tp_size, where)
+            return TensorMeta(hf_name, shape, self._slots[keys[0]].dtype).nbytes
         key = self.resolve(hf_name)
         if key is None:
             return 0
@@ -169,6 +199,8 @@ _FUSED_BACK = {("qkv_proj", 0): "q_proj", ("qkv_proj", 1): "k_proj", ("qkv_proj"
 
 def _hf_name(name: str, shard: int | None) -> str:
     """The Hugging Face name of our (parameter, shard), for messages."""
+    if shard is not None and experts.is_stacked(name):
+        return experts.hf_name(name, shard)
     if shard is not None:
         for (fused, i), part in _FUSED_BACK.items():
             if i == shard and f".{fused}." in name:
@@ -253,6 +285,10 @@ def reference_dtypes(files: Sequence[Path] | None) -> dict[str, torch.dtype] | N
         dtype = _ST_DTYPES.get(f.get_slice(name).get_dtype())
         if dtype is None or _IGNORED_RE.search(name):
             continue
-        param, shard = _internal_name(name)
+        src = experts.match(experts.canonical(name))
+        if src is not None:  # one dtype per stacked experts parameter
+            out[_key(src.param, None)] = dtype
+            continue
+        param, shard = _internal_name(experts.canonical(name))
         out[_key(param, shard)] = dtype
     return out

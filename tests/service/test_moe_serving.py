@@ -6,11 +6,13 @@ within 1e-4 of HF's last-position logits; Health reports the experts."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from safetensors.torch import load_file, save_file
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
 from service.gen.model_executor.v1 import executor_pb2 as pb
@@ -58,19 +60,35 @@ def test_health_reports_the_experts(served: tuple[str, Path, ServerHarness]) -> 
     assert model.num_experts_per_token == 2
 
 
-def test_weight_update_is_refused_with_nothing_applied(
-        served: tuple[str, Path, ServerHarness]) -> None:
-    """UpdateWeights does not cover stacked experts yet: FAILED_PRECONDITION, naming why,
-    and the server keeps its version and serves on."""
-    _, path, harness = served
+def test_weights_update_in_place_from_a_directory(
+        served: tuple[str, Path, ServerHarness], tmp_path: Path) -> None:
+    """UpdateWeights with other random experts, routers and attention (the published
+    per-expert names): greedy tokens then equal HF on the new weights; an expert of the
+    wrong shape is refused naming it and changes nothing; the original weights restore."""
+    kind, path, harness = served
+    new = write_moe_model(tmp_path, kind, seed=11)
+    bad = tmp_path / "bad"
+    shutil.copytree(new, bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(n for n in sorted(tensors) if ".experts.1." in n)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(grpc.RpcError) as err:
-        harness.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v2", path=str(path)),
-                                   timeout=30)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "mixture-of-experts" in (err.value.details() or "")
-    model = harness.stub.Health(pb.HealthRequest(), timeout=10).model
-    assert model.weight_version == "initial"
-    assert harness.stub.Health(pb.HealthRequest(), timeout=10).state == pb.SERVER_STATE_READY
+        harness.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="bad", path=str(bad)),
+                                   timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in (err.value.details() or "")
+    done = harness.stub.UpdateWeights(
+        pb.UpdateWeightsRequest(weight_version="v2", path=str(new)), timeout=60)
+    assert done.weight_version == "v2" and done.tensors_updated > 0
+    try:
+        got = served_greedy(harness.stub, PROMPTS, STEPS, tag=f"{kind}-v2")
+        assert_matches_hf(got, hf_greedy(new, PROMPTS, STEPS))
+    finally:
+        harness.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v1", path=str(path)),
+                                   timeout=60)
+    assert harness.stub.Health(pb.HealthRequest(), timeout=10).model.weight_version == "v1"
 
 
 def test_dense_model_reports_no_experts() -> None:

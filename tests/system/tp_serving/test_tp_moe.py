@@ -2,7 +2,8 @@
 per rank), through ``serve`` and gRPC: each rank holds half of every expert's width, the
 router runs replicated, the experts' partial sums are all-reduced. Qwen3-MoE (with a dense
 layer) and Mixtral: greedy tokens identical to HF ``generate`` over chunked prefill and 32
-decode steps, log-probabilities within 1e-4 of HF's."""
+decode steps, log-probabilities within 1e-4 of HF's; then the same after UpdateWeights to
+other random weights (each rank keeping its slice of every expert)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def test_tp2_greedy_equals_hf(kind: str, tmp_path: Path) -> None:
         assert model.tensor_parallel_size == 2 and model.num_experts == 8
         assert model.num_experts_per_token == 2
         got = served_greedy(server.stub, PROMPTS, STEPS, tag=kind)
+        # UpdateWeights in place: each rank copies its half of every expert's width
+        new = write_moe_model(tmp_path / "new", kind, seed=6)
+        server.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v2", path=str(new)),
+                                  timeout=60)
+        updated = served_greedy(server.stub, PROMPTS, STEPS, tag=f"{kind}-v2")
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]
     assert_matches_hf(got, hf_greedy(path, PROMPTS, STEPS))
+    assert_matches_hf(updated, hf_greedy(new, PROMPTS, STEPS))
