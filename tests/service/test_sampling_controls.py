@@ -94,7 +94,7 @@ def test_one_token_mask_every_step(harness: ServerHarness, temperature: float) -
 
 
 def test_mask_set_never_violated(harness: ServerHarness) -> None:
-    """1,000 seeded T=1 draws (a batch of 16 sequences, a mask each, 8 steps, 8 calls)
+    """Over 1,000 seeded T=1 draws (15 masked sequences and a free one, 8 steps, 9 calls)
     stay inside each row's allowed set; an unmasked row in the batch is unaffected."""
     rng = np.random.default_rng(0)
     allowed = [sorted(rng.choice(V, size=int(rng.integers(2, 40)), replace=False).tolist())
@@ -108,7 +108,7 @@ def test_mask_set_never_violated(harness: ServerHarness) -> None:
     harness.stub.Prefill(pb.PrefillRequest(items=items), timeout=60)
     seen: list[set[int]] = [set() for _ in allowed]
     draws = 0
-    for _ in range(8):
+    for _ in range(9):
         req = pb.DecodeRequest(num_steps=8, items=[
             pb.DecodeItem(seq_id=it.seq_id, use_last_sampled=True, sampling=it.sampling)
             for it in items])
@@ -119,7 +119,7 @@ def test_mask_set_never_violated(harness: ServerHarness) -> None:
             seen[i].update(toks)
             draws += len(toks)
         assert len(outs[-1].steps) == 8
-    assert draws >= 960
+    assert draws >= 1000
     assert sum(len(s) > 1 for s in seen) >= 10  # the draws do vary inside the sets
     release(harness, *[it.seq_id for it in items])
 
