@@ -195,8 +195,10 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
     if fuses:
         attn.fuse_decode_rope(rotary.cos, rotary.sin)  # type: ignore[union-attr]
     qi = quant.info_of(w.model, at.dtype)
-    features = ("fused_decode_rope",) * fuses + at.switches.features + \
-        group.projection_features(tp)
+    # FP8 projections never store into the all-reduce's buffers (only the bf16 skinny GEMM
+    # does), so under FP8 the send is not in effect whatever the group planned.
+    sends = group.projection_features(tp) if qi.weight_format != "fp8_e4m3" else ()
+    features = ("fused_decode_rope",) * fuses + at.switches.features + sends
     info = ModelInfo(
         name=w.name, architecture=w.spec.architecture, dtype=at.dtype_name,
         device=str(at.device), vocab_size=w.spec.vocab_size, max_context=w.max_context,
