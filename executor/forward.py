@@ -161,9 +161,8 @@ class Forward:
                                  self.announcer("prefill", decision, plan.params,
                                                 plan.targets))
         # Each sampled row's slot (an every_position item's rows all take its own).
-        row_slots = [alloc.extensions[i].slot for i in rows] if not every else [
-            alloc.extensions[i].slot for i in rows
-            for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
+        row_slots = [alloc.extensions[i].slot for i in rows
+                     for _ in range(plan.position_rows[i][1] if i in every else 1)]  # type: ignore[index]
         needs = BatchNeeds.of(plan.params)
         controlled = self.stage_controls(row_slots, plan.params, needs)
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
