@@ -15,17 +15,25 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12
 
 
+def _over_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / FP8_MAX``, correctly rounded on every device. (CUDA torch divides by a
+    Python scalar as a multiply by its reciprocal, one ulp off at times; a one-ulp scale
+    moves values across e4m3 rounding boundaries, so the Triton activation kernel, which
+    divides exactly, would not be reproducible from this reference.)"""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel: ``w`` (N, K) -> (fp8 (N, K), float32 scales (N, 1))."""
     w32 = w.float()
-    scale = (w32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = _over_max(w32.abs().amax(dim=1, keepdim=True)).clamp_min(MIN_SCALE)
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor: ``w`` -> (fp8, float32 scalar scale ())."""
     w32 = w.float()
-    scale = (w32.abs().amax() / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = _over_max(w32.abs().amax()).clamp_min(MIN_SCALE)
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -34,8 +42,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)
     """Block-wise: ``w`` (N, K) -> (fp8 (N, K), float32 scales (ceil(N/bn), ceil(K/bk)));
     partial blocks at the edges get their own scale."""
     n, k = w.shape
-    scale = block_amax(w.float(), block) / FP8_MAX
-    scale = scale.clamp_min(MIN_SCALE)
+    scale = _over_max(block_amax(w.float(), block)).clamp_min(MIN_SCALE)
     full = expand_blocks(scale, block, n, k)
     return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -75,7 +82,7 @@ def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None = No
     (dynamic), or with one ``static_scale`` for every token."""
     x32 = x.float()
     if static_scale is None:
-        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+        scale = _over_max(x32.abs().amax(dim=1, keepdim=True)).clamp_min(MIN_SCALE)
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
