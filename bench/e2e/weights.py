@@ -84,6 +84,9 @@ def measure_broadcast(server: str, trainer: str, nbytes: int) -> float:
     outs = [p.communicate(timeout=300)[0] for p in procs]
     rates = [json.loads(line)["gbps"] for out in outs for line in out.splitlines()
              if line.startswith("{")]
+    if len(rates) != len(procs):
+        raise RuntimeError(f"the broadcast probe failed (exit codes "
+                           f"{[p.returncode for p in procs]}; its stderr is above)")
     return min(rates)
 
 
@@ -142,7 +145,10 @@ def trainer(target: str, weights: Path, device: str, bucket_bytes: int, repeats:
 
 # -- the served side ---------------------------------------------------------------------------
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    """The children's environment: the repository first on the path, the parent's path kept
+    (packages installed with ``--target`` live there)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def start_server(model: Path, device: str, random: bool, log: Path

@@ -153,8 +153,10 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
     return run
 
 
-def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
-    """The fastest valid tile per projection, scales and row count (see the docstring)."""
+def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks")
+          ) -> list[dict[str, Any]]:
+    """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
+    128x128) and row count (see the docstring)."""
     from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import (
         ADD_RMS_NORM,
@@ -174,7 +176,7 @@ def sweep(spec: Any, tokens: list[int]) -> list[dict[str, Any]]:
             continue
         fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
                for _ in range(weight_copies(k, n, 1))]
-        for blocks in (False, True):
+        for blocks in [kind == "blocks" for kind in scales]:
             scale = torch.rand((-(-n // 128), -(-k // 128)) if blocks else (n,),
                                device=dev) / 448 + 1e-3
             block = (128, 128) if blocks else None
@@ -237,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true", help="tune the w8a16 tiles")
     ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
+    ap.add_argument("--scales", choices=("rows", "blocks", "both"), default="both",
+                    help="with --sweep: per-channel scales, 128x128 block scales, or both")
     args = ap.parse_args(argv)
     if args.sweep:
-        tuned = sweep(shapes.spec(args.shape), args.tokens or [1])
+        kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds)
         if args.tiles_out:
             merge_tiles(args.tiles_out, tuned)
         return 0
