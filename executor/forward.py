@@ -33,7 +33,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, ReqToTokenTable
 from executor.last_sampled import LastSampled
-from executor.logit_controls import SlotControls
+from executor.logit_controls import Mask, SlotControls
 from executor.model.base import CausalModel
 from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
@@ -44,7 +44,7 @@ from executor.step_plan import SamplePlan, decode_step
 HostTokens = Callable[[], list[int]]
 #: Grammar masks of a step's rows: ``(device step, the previous device step's tokens or
 #: None) -> a mask or None per row`` (``GrammarFlow``).
-LateMasks = Callable[[int, HostTokens | None], Sequence[bytes | None]]
+LateMasks = Callable[[int, HostTokens | None], Sequence[Mask | None]]
 
 
 def host_tokens(sample: DeviceSample) -> HostTokens:
@@ -236,7 +236,7 @@ class Forward:
     def step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
-             late: Callable[[], Sequence[bytes | None]] | None = None,
+             late: Callable[[], Sequence[Mask | None]] | None = None,
              row_slots: Sequence[int] = (), want_hidden: bool = False
              ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;

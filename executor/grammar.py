@@ -56,6 +56,8 @@ class GrammarBook:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.seqs: dict[str, SeqGrammar] = {}
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made at first use
+        self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
+        self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -135,10 +137,11 @@ class GrammarBook:
             state.accepted += 1
             state.completed = bool(state.matcher.is_terminated())
 
-    def masks(self, seq_ids: Sequence[str | None]) -> list[bytes | None]:
-        """The next token's mask per sequence (None for a None entry or a sequence
-        without a grammar), filled in one batch over xgrammar's threads. A completed
-        grammar allows only its stop tokens."""
+    def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:
+        """The next token's mask per sequence, (words,) int32 in the bitmask layout (None
+        for a None entry or a sequence without a grammar), filled in one batch over
+        xgrammar's threads; valid until the next call (views of one reused buffer). A
+        completed grammar allows only its stop tokens."""
         import xgrammar as xgr
 
         words = (self.vocab + 31) // 32
@@ -148,21 +151,32 @@ class GrammarBook:
         if live:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-            buf = xgr.allocate_token_bitmask(len(live), self.vocab)
+            if self._fill is None or self._fill.shape[0] < len(live):
+                # (allocating it per step costs more than filling it)
+                self._fill = xgr.allocate_token_bitmask(max(len(live), 8), self.vocab)
+            buf = self._fill[: len(live)]
             self._batch.batch_fill_next_token_bitmask([st.matcher for st in live], buf)
-            rows = buf.numpy()[:, :words].astype("<i4")
+            rows = buf.numpy()[:, :words]  # (int32, the bitmask layout)
             filled = {id(st): rows[r] for r, st in enumerate(live)}
-        out: list[bytes | None] = []
+        out: list[np.ndarray | None] = []
         for st in states:
             if st is None:
                 out.append(None)
             elif st.completed:
-                bits = np.zeros(words * 32, dtype=np.uint8)
-                bits[[t for t in st.matcher.stop_token_ids if t < self.vocab]] = 1
-                out.append(np.packbits(bits, bitorder="little").tobytes())
+                out.append(self._stop_mask(tuple(st.matcher.stop_token_ids), words))
             else:
-                out.append(filled[id(st)].tobytes())
+                out.append(filled[id(st)])
         return out
+
+    def _stop_mask(self, stop_ids: tuple[int, ...], words: int) -> np.ndarray:
+        mask = self._stop_masks.get(stop_ids)
+        if mask is None:
+            bits = np.zeros(words * 32, dtype=np.uint8)
+            bits[[t for t in stop_ids if t < self.vocab]] = 1
+            mask = np.packbits(bits, bitorder="little").view("<i4")
+            mask.flags.writeable = False
+            self._stop_masks[stop_ids] = mask
+        return mask
 
     def fork(self, parent: str, child: str, length: int, inherits: bool) -> None:
         """The child shares the parent's first ``length`` tokens (and its last sample when

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from executor.api import BatchNeeds, DecodeItem, PrefillItem, SamplingParams
 from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
 from executor.forward import HostTokens, LateMasks
@@ -81,7 +83,7 @@ class GrammarFlow:
         if not any(items[i].sampling.grammar is not None for i in rows):
             return None
 
-        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
+        def masks(step: int, previous: HostTokens | None) -> list[np.ndarray | None]:
             self.catch_up()  # (a prefill's own rows have no launched steps pending)
             with self._lock:
                 for i in rows:
@@ -108,7 +110,7 @@ class GrammarFlow:
         grammar_rows = [s if p.grammar is not None else None
                         for s, p in zip(seq_ids, params, strict=True)]
 
-        def masks(step: int, previous: HostTokens | None) -> list[bytes | None]:
+        def masks(step: int, previous: HostTokens | None) -> list[np.ndarray | None]:
             if step == 0:
                 self.catch_up()
             sampled = previous() if step and previous is not None else None

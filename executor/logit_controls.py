@@ -26,8 +26,13 @@ from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
 from executor.model.layers import triton_available
 
 _HAS_TRITON = triton_available()
+#: A token mask: the API's bytes, or a grammar's (words,) int32 row for one step.
+Mask = bytes | np.ndarray
 #: A slot's state as the host last wrote it: (mask bytes or None, bias pairs).
 _SlotState = tuple[bytes | None, tuple[tuple[int, float], ...]]
+#: The held state of a slot given a grammar's mask: never equal to a new state, so the
+#: next step writes its own mask (grammar masks change every step).
+_GRAMMAR_MASK = b"grammar"
 
 
 def mask_words(vocab: int) -> int:
@@ -61,9 +66,12 @@ class SlotControls:
         self.bias_vals = torch.zeros(max_sequences, MAX_LOGIT_BIAS, dtype=torch.float32,
                                      device=device)
         self._held: dict[int, _SlotState] = {}  # slots whose row is not the default
+        # Host staging of the mask rows a write changes, kept: a fresh (rows, words) array
+        # per step would cost more in page faults than the copy itself.
+        self._staging: np.ndarray | None = None
 
     def stage(self, slots: Sequence[int], params: Sequence[SamplingParams],
-              masks: Sequence[bytes | None] | None = None, any_controls: bool = True
+              masks: Sequence[Mask | None] | None = None, any_controls: bool = True
               ) -> bool:
         """Make each row's slot hold that row's controls: its params' mask (or ``masks``'
         entry, a grammar's mask for this step, when not None) and bias; a slot that held
@@ -74,11 +82,15 @@ class SlotControls:
         if not self._held and masks is None and not (any_controls and any(
                 p.has_controls for p in distinct_params(params))):
             return False
-        changed: dict[int, _SlotState] = {}
+        changed: dict[int, tuple[Mask | None, tuple[tuple[int, float], ...]]] = {}
         any_active = False
         for i, (slot, p) in enumerate(zip(slots, params, strict=True)):
-            mask = masks[i] if masks is not None and masks[i] is not None \
-                else p.allowed_token_bitmask
+            given = masks[i] if masks is not None else None
+            if isinstance(given, np.ndarray):  # a grammar's mask for this step
+                changed[slot] = (given, p.logit_bias)
+                any_active = True
+                continue
+            mask = given if given is not None else p.allowed_token_bitmask
             state: _SlotState = (mask, p.logit_bias)
             any_active |= mask is not None or bool(p.logit_bias)
             if self._held.get(slot, (None, ())) != state:
@@ -87,20 +99,28 @@ class SlotControls:
             self._write(changed)
         return any_active
 
-    def _write(self, changed: dict[int, _SlotState]) -> None:
+    def _write(self, changed: dict[int, tuple[Mask | None, tuple[tuple[int, float], ...]]]
+               ) -> None:
         n = len(changed)
-        allowed = np.full((n, self.words), -1, dtype=np.int32)
+        if self._staging is None:
+            self._staging = np.empty((self.active.shape[0], self.words), dtype=np.int32)
+        allowed = self._staging[:n]
         ids = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.int64)
         vals = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.float32)
         active = np.zeros(n, dtype=np.int32)
         for r, (slot, (mask, bias)) in enumerate(changed.items()):
-            if mask is not None:
+            if isinstance(mask, np.ndarray):
+                allowed[r] = mask
+            elif mask is not None:
                 allowed[r] = np.frombuffer(mask, dtype="<i4")
+            else:
+                allowed[r] = -1
             for k, (tok, b) in enumerate(bias):
                 ids[r, k], vals[r, k] = tok, b
             active[r] = mask is not None or bool(bias)
             if active[r]:
-                self._held[slot] = (mask, bias)
+                self._held[slot] = (_GRAMMAR_MASK if isinstance(mask, np.ndarray) else mask,
+                                    bias)
             else:
                 self._held.pop(slot, None)
         index = _to_device(torch.tensor(list(changed), dtype=torch.int64), self.device)
