@@ -66,9 +66,8 @@ class SlotControls:
         self.bias_vals = torch.zeros(max_sequences, MAX_LOGIT_BIAS, dtype=torch.float32,
                                      device=device)
         self._held: dict[int, _SlotState] = {}  # slots whose row is not the default
-        # Host staging of the mask rows a write changes, kept: a fresh (rows, words) array
-        # per step would cost more in page faults than the copy itself.
-        self._staging: np.ndarray | None = None
+        self._stages: list[_Staging] = []  # made at the first write
+        self._turn = 0
 
     def stage(self, slots: Sequence[int], params: Sequence[SamplingParams],
               masks: Sequence[Mask | None] | None = None, any_controls: bool = True
@@ -102,12 +101,17 @@ class SlotControls:
     def _write(self, changed: dict[int, tuple[Mask | None, tuple[tuple[int, float], ...]]]
                ) -> None:
         n = len(changed)
-        if self._staging is None:
-            self._staging = np.empty((self.active.shape[0], self.words), dtype=np.int32)
-        allowed = self._staging[:n]
-        ids = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.int64)
-        vals = np.zeros((n, MAX_LOGIT_BIAS), dtype=np.float32)
-        active = np.zeros(n, dtype=np.int32)
+        if not self._stages:
+            self._stages = [_Staging(self.active.shape[0], self.words, self.device)
+                            for _ in range(2)]
+        stage = self._stages[self._turn]
+        self._turn ^= 1
+        stage.wait()
+        allowed, ids = stage.allowed[:n].numpy(), stage.ids[:n].numpy()
+        vals, active = stage.vals[:n].numpy(), stage.active[:n].numpy()
+        ids.fill(0)
+        vals.fill(0)
+        stage.index[:n].numpy()[:] = list(changed)
         for r, (slot, (mask, bias)) in enumerate(changed.items()):
             if isinstance(mask, np.ndarray):
                 allowed[r] = mask
@@ -123,10 +127,11 @@ class SlotControls:
                                     bias)
             else:
                 self._held.pop(slot, None)
-        index = _to_device(torch.tensor(list(changed), dtype=torch.int64), self.device)
-        for table, host in ((self.allowed, allowed), (self.bias_ids, ids),
-                            (self.bias_vals, vals), (self.active, active)):
-            table.index_copy_(0, index, _to_device(torch.from_numpy(host), self.device))
+        index = stage.index[:n].to(self.device, non_blocking=True)
+        for table, host in ((self.allowed, stage.allowed), (self.bias_ids, stage.ids),
+                            (self.bias_vals, stage.vals), (self.active, stage.active)):
+            table.index_copy_(0, index, host[:n].to(self.device, non_blocking=True))
+        stage.written()
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         """Mask and bias ``logits`` (rows, vocab) in place, row r by ``slots[r]``'s
@@ -153,7 +158,29 @@ def apply_controls_torch(logits: torch.Tensor, slots: torch.Tensor, active: torc
     logits.scatter_add_(1, bias_ids.index_select(0, slots), vals)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+class _Staging:
+    """The host side of one write: the changed rows, pinned on CUDA (copies from them are
+    asynchronous) and kept: a fresh array per step costs more, in page faults and in
+    pinning, than the copy itself. Two alternate; one is refilled only once the device has
+    read it (its event, long past in practice)."""
+
+    def __init__(self, rows: int, words: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.index = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.allowed = torch.empty((rows, words), dtype=torch.int32, pin_memory=pin)
+        self.ids = torch.empty((rows, MAX_LOGIT_BIAS), dtype=torch.int64, pin_memory=pin)
+        self.vals = torch.empty((rows, MAX_LOGIT_BIAS), dtype=torch.float32, pin_memory=pin)
+        self.active = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
+        self._read = torch.cuda.Event() if pin else None
+        self._pending = False
+
+    def wait(self) -> None:
+        if self._read is not None and self._pending:
+            self._read.synchronize()
+            self._pending = False
+
+    def written(self) -> None:
+        """The copies from this staging are queued (on the current stream)."""
+        if self._read is not None:
+            self._read.record()
+            self._pending = True
