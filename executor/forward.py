@@ -13,10 +13,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from executor.api import (
-    GREEDY,
     BatchNeeds,
     Path,
     Phase,
@@ -33,7 +33,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, ReqToTokenTable
 from executor.last_sampled import LastSampled
-from executor.logit_controls import Mask, SlotControls
+from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
@@ -43,8 +43,9 @@ from executor.step_plan import SamplePlan, decode_step
 #: that step's sampling: not for anything queued later).
 HostTokens = Callable[[], list[int]]
 #: Grammar masks of a step's rows: ``(device step, the previous device step's tokens or
-#: None) -> a mask or None per row`` (``GrammarFlow``).
-LateMasks = Callable[[int, HostTokens | None], Sequence[Mask | None]]
+#: None, host rows to fill) -> which rows have a mask`` (``GrammarFlow``; row r of the
+#: (rows, words) int32 tensor gets row r's mask, all ones without one).
+LateMasks = Callable[[int, HostTokens | None, torch.Tensor], np.ndarray]
 
 
 def host_tokens(sample: DeviceSample) -> HostTokens:
@@ -74,7 +75,7 @@ class Forward:
         self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
         self.controls = controls  # each slot's token mask and logit bias
         # Grammar masks: staged after the forward is launched (``LateMasks``), applied
-        # eagerly before sampling, on top of ``controls``.
+        # eagerly before sampling, on top of ``controls``; every row written each step.
         self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device)
 
     # -- decisions ------------------------------------------------------------------
@@ -154,8 +155,8 @@ class Forward:
                 every: frozenset[int], plan: SamplePlan,
                 late: LateMasks | None = None) -> tuple[DeviceSample | None, StepInfo]:
         """A prefill's forward and samples; the samples of each sampling item's last row
-        become its sequence's last sampled token. ``late(0, None)``: per sampled row, a
-        grammar's token mask or None, asked once the forward is launched."""
+        become its sequence's last sampled token. ``late(0, None, rows)``: the sampled
+        rows' grammar masks, asked once the forward is launched."""
         decision = self.decide("prefill", len(tokens))
         batch = self.build_batch("prefill", tokens, alloc, rows, decision.bucket, every,
                                  self.announcer("prefill", decision, plan.params,
@@ -167,7 +168,7 @@ class Forward:
         controlled = self.stage_controls(row_slots, plan.params, needs)
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled,
-                                 late=None if late is None else (lambda: late(0, None)),
+                                 late=None if late is None else (lambda out: late(0, None, out)),
                                  row_slots=row_slots, want_hidden=needs.hidden)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
@@ -211,7 +212,7 @@ class Forward:
                                      remember=batch.slots,
                                      controlled=batch.slots if controlled is not None else None,
                                      late=None if late is None else (
-                                         lambda: late(step, previous)),  # noqa: B023
+                                         lambda out: late(step, previous, out)),  # noqa: B023
                                      row_slots=slots, want_hidden=needs.hidden)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
@@ -236,7 +237,7 @@ class Forward:
     def step(self, batch: ForwardBatch, decision: Decision, params: list[SamplingParams],
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
-             late: Callable[[], Sequence[Mask | None]] | None = None,
+             late: Callable[[torch.Tensor], np.ndarray] | None = None,
              row_slots: Sequence[int] = (), want_hidden: bool = False
              ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
@@ -261,11 +262,11 @@ class Forward:
             if controlled is not None and logits is not None and not (
                     mode is Mode.GRAPH and self.runners[batch.phase].controls_in_graph):
                 self.controls.apply(logits, controlled)
-            if late is not None and logits is not None:
-                masks = late()  # the device runs the forward meanwhile
-                if self.late_controls.stage(row_slots, [GREEDY] * len(row_slots), masks):
-                    self.late_controls.apply(
-                        logits, device_tensor(list(row_slots), torch.int64, self.device))
+            # (grammar masks: the device runs the forward meanwhile)
+            if late is not None and logits is not None and \
+                    self.late_controls.stage_filled(row_slots, late):
+                self.late_controls.apply(
+                    logits, device_tensor(list(row_slots), torch.int64, self.device))
             sample = self.sampler.sample(
                 logits, params, positions, targets,
                 None if remember is None else self.last.sampler_target(remember), hidden) \

@@ -137,36 +137,45 @@ class GrammarBook:
             state.accepted += 1
             state.completed = bool(state.matcher.is_terminated())
 
-    def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:
-        """The next token's mask per sequence, (words,) int32 in the bitmask layout (None
-        for a None entry or a sequence without a grammar), filled in one batch over
-        xgrammar's threads; valid until the next call (views of one reused buffer). A
-        completed grammar allows only its stop tokens."""
+    def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
+        """The next token's mask of each sequence into row r of ``out`` (a host int32
+        tensor (rows, words), the bitmask layout), the live matchers' in one batch over
+        xgrammar's threads; a completed grammar allows only its stop tokens, and a None
+        entry or a sequence without a grammar gets all ones. Returns which rows have a
+        mask (bool per row)."""
         import xgrammar as xgr
 
         words = (self.vocab + 31) // 32
-        states = [None if s is None else self.seqs.get(s) for s in seq_ids]
-        live = [st for st in states if st is not None and not st.completed]
-        filled: dict[int, np.ndarray] = {}
+        rows = out.numpy()
+        has = np.zeros(len(seq_ids), dtype=bool)
+        live, live_rows = [], []
+        for r, seq_id in enumerate(seq_ids):
+            st = None if seq_id is None else self.seqs.get(seq_id)
+            if st is None:
+                rows[r] = -1
+            elif st.completed:
+                rows[r] = self._stop_mask(tuple(st.matcher.stop_token_ids), words)
+                has[r] = True
+            else:
+                live.append(st.matcher)
+                live_rows.append(r)
+                has[r] = True
         if live:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-            if self._fill is None or self._fill.shape[0] < len(live):
-                # (allocating it per step costs more than filling it)
-                self._fill = xgr.allocate_token_bitmask(max(len(live), 8), self.vocab)
-            buf = self._fill[: len(live)]
-            self._batch.batch_fill_next_token_bitmask([st.matcher for st in live], buf)
-            rows = buf.numpy()[:, :words]  # (int32, the bitmask layout)
-            filled = {id(st): rows[r] for r, st in enumerate(live)}
-        out: list[np.ndarray | None] = []
-        for st in states:
-            if st is None:
-                out.append(None)
-            elif st.completed:
-                out.append(self._stop_mask(tuple(st.matcher.stop_token_ids), words))
-            else:
-                out.append(filled[id(st)])
-        return out
+            self._batch.batch_fill_next_token_bitmask(live, out, live_rows)
+        return has
+
+    def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:
+        """``fill``'s masks as (words,) int32 rows (None where a row has none), views of
+        one buffer reused by the next call."""
+        import xgrammar as xgr
+
+        if self._fill is None or self._fill.shape[0] < len(seq_ids):
+            self._fill = xgr.allocate_token_bitmask(max(len(seq_ids), 8), self.vocab)
+        has = self.fill(seq_ids, self._fill[: len(seq_ids)])
+        rows = self._fill.numpy()
+        return [rows[r] if has[r] else None for r in range(len(seq_ids))]
 
     def _stop_mask(self, stop_ids: tuple[int, ...], words: int) -> np.ndarray:
         mask = self._stop_masks.get(stop_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from executor.api import BatchNeeds, DecodeItem, PrefillItem, SamplingParams
 from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
@@ -83,7 +84,7 @@ class GrammarFlow:
         if not any(items[i].sampling.grammar is not None for i in rows):
             return None
 
-        def masks(step: int, previous: HostTokens | None) -> list[np.ndarray | None]:
+        def masks(step: int, previous: HostTokens | None, out: torch.Tensor) -> np.ndarray:
             self.catch_up()  # (a prefill's own rows have no launched steps pending)
             with self._lock:
                 for i in rows:
@@ -91,8 +92,8 @@ class GrammarFlow:
                     if it.sampling.grammar is not None:
                         self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
                                         list(it.token_ids))
-                return self.book.masks([items[i].seq_id if items[i].sampling.grammar
-                                        is not None else None for i in rows])
+                return self.book.fill([items[i].seq_id if items[i].sampling.grammar
+                                       is not None else None for i in rows], out)
         return masks
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
@@ -110,7 +111,7 @@ class GrammarFlow:
         grammar_rows = [s if p.grammar is not None else None
                         for s, p in zip(seq_ids, params, strict=True)]
 
-        def masks(step: int, previous: HostTokens | None) -> list[np.ndarray | None]:
+        def masks(step: int, previous: HostTokens | None, out: torch.Tensor) -> np.ndarray:
             if step == 0:
                 self.catch_up()
             sampled = previous() if step and previous is not None else None
@@ -124,7 +125,7 @@ class GrammarFlow:
                             done[row] = step - 1
                     elif tok is not None:
                         self.book.give(seq_id, tok, positions[row])
-                return self.book.masks(grammar_rows)
+                return self.book.fill(grammar_rows, out)
         return masks
 
     def track(self, step: PendingStep, applied: int) -> None:

@@ -17,7 +17,7 @@ of any vocabulary-parallel padding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,13 +26,8 @@ from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
 from executor.model.layers import triton_available
 
 _HAS_TRITON = triton_available()
-#: A token mask: the API's bytes, or a grammar's (words,) int32 row for one step.
-Mask = bytes | np.ndarray
 #: A slot's state as the host last wrote it: (mask bytes or None, bias pairs).
 _SlotState = tuple[bytes | None, tuple[tuple[int, float], ...]]
-#: The held state of a slot given a grammar's mask: never equal to a new state, so the
-#: next step writes its own mask (grammar masks change every step).
-_GRAMMAR_MASK = b"grammar"
 
 
 def mask_words(vocab: int) -> int:
@@ -70,7 +65,7 @@ class SlotControls:
         self._turn = 0
 
     def stage(self, slots: Sequence[int], params: Sequence[SamplingParams],
-              masks: Sequence[Mask | None] | None = None, any_controls: bool = True
+              masks: Sequence[bytes | None] | None = None, any_controls: bool = True
               ) -> bool:
         """Make each row's slot hold that row's controls: its params' mask (or ``masks``'
         entry, a grammar's mask for this step, when not None) and bias; a slot that held
@@ -81,15 +76,11 @@ class SlotControls:
         if not self._held and masks is None and not (any_controls and any(
                 p.has_controls for p in distinct_params(params))):
             return False
-        changed: dict[int, tuple[Mask | None, tuple[tuple[int, float], ...]]] = {}
+        changed: dict[int, _SlotState] = {}
         any_active = False
         for i, (slot, p) in enumerate(zip(slots, params, strict=True)):
-            given = masks[i] if masks is not None else None
-            if isinstance(given, np.ndarray):  # a grammar's mask for this step
-                changed[slot] = (given, p.logit_bias)
-                any_active = True
-                continue
-            mask = given if given is not None else p.allowed_token_bitmask
+            mask = masks[i] if masks is not None and masks[i] is not None \
+                else p.allowed_token_bitmask
             state: _SlotState = (mask, p.logit_bias)
             any_active |= mask is not None or bool(p.logit_bias)
             if self._held.get(slot, (None, ())) != state:
@@ -98,24 +89,43 @@ class SlotControls:
             self._write(changed)
         return any_active
 
-    def _write(self, changed: dict[int, tuple[Mask | None, tuple[tuple[int, float], ...]]]
-               ) -> None:
-        n = len(changed)
+    def stage_filled(self, slots: Sequence[int],
+                     fill: Callable[[torch.Tensor], np.ndarray]) -> bool:
+        """Grammar masks, filled straight into the host staging: ``fill(rows)`` writes
+        (len(slots), words) int32 rows in place and returns which rows have a mask (the
+        others hold all ones). Every row's slot is written (such masks change every
+        step), with no bias: an instance used this way serves only these masks. Returns
+        whether any row has a mask."""
+        n = len(slots)
+        stage = self._next_stage()
+        has = fill(stage.allowed[:n])
+        stage.active[:n].numpy()[:] = has
+        stage.index[:n].numpy()[:] = slots
+        index = stage.index[:n].to(self.device, non_blocking=True)
+        for table, host in ((self.allowed, stage.allowed), (self.active, stage.active)):
+            table.index_copy_(0, index, host[:n].to(self.device, non_blocking=True))
+        stage.written()
+        return bool(has.any())
+
+    def _next_stage(self) -> _Staging:
         if not self._stages:
             self._stages = [_Staging(self.active.shape[0], self.words, self.device)
                             for _ in range(2)]
         stage = self._stages[self._turn]
         self._turn ^= 1
         stage.wait()
+        return stage
+
+    def _write(self, changed: dict[int, _SlotState]) -> None:
+        n = len(changed)
+        stage = self._next_stage()
         allowed, ids = stage.allowed[:n].numpy(), stage.ids[:n].numpy()
         vals, active = stage.vals[:n].numpy(), stage.active[:n].numpy()
         ids.fill(0)
         vals.fill(0)
         stage.index[:n].numpy()[:] = list(changed)
         for r, (slot, (mask, bias)) in enumerate(changed.items()):
-            if isinstance(mask, np.ndarray):
-                allowed[r] = mask
-            elif mask is not None:
+            if mask is not None:
                 allowed[r] = np.frombuffer(mask, dtype="<i4")
             else:
                 allowed[r] = -1
@@ -123,8 +133,7 @@ class SlotControls:
                 ids[r, k], vals[r, k] = tok, b
             active[r] = mask is not None or bool(bias)
             if active[r]:
-                self._held[slot] = (_GRAMMAR_MASK if isinstance(mask, np.ndarray) else mask,
-                                    bias)
+                self._held[slot] = (mask, bias)
             else:
                 self._held.pop(slot, None)
         index = stage.index[:n].to(self.device, non_blocking=True)

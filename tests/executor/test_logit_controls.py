@@ -79,6 +79,33 @@ def test_stage_writes_changes_only_and_resets_reused_slots() -> None:
     assert not fresh.stage([0, 1], [SamplingParams()] * 2)
 
 
+def test_stage_filled_writes_every_row_each_step() -> None:
+    """Grammar masks filled in place: rows with a mask apply it, rows without one allow
+    everything, and a slot's mask from an earlier step never outlives the next write
+    (the staging buffers alternate and are reused)."""
+    controls = SlotControls(8, VOCAB, torch.device("cpu"))
+    steps = [{5: [7, 8], 2: None, 0: [VOCAB - 1]}, {5: None, 2: [3], 0: [4]},
+             {5: [9], 2: [10], 0: None}]
+    logits = torch.randn(3, VOCAB)
+    for masks in steps:
+        slots = list(masks)
+
+        def fill(rows: torch.Tensor, masks: dict[int, list[int] | None] = masks) -> np.ndarray:
+            for r, ids in enumerate(masks.values()):
+                rows[r] = torch.from_numpy(np.frombuffer(
+                    bitmask(ids, VOCAB) if ids is not None else b"\xff" * 4 * rows.shape[1],
+                    dtype="<i4").copy())
+            return np.array([ids is not None for ids in masks.values()])
+
+        assert controls.stage_filled(slots, fill)
+        got = logits.clone()
+        controls.apply(got, torch.tensor(slots))
+        for r, ids in enumerate(masks.values()):
+            finite = torch.isfinite(got[r]).nonzero().flatten().tolist()
+            assert finite == (ids if ids is not None else list(range(VOCAB)))
+    assert not controls.stage_filled([1], lambda rows: np.zeros(1, dtype=bool))
+
+
 def test_unpack_bitmask_ignores_bits_past_the_vocabulary() -> None:
     words = torch.tensor([[-1] * mask_words(40)], dtype=torch.int32)
     assert unpack_bitmask(words, 40).shape == (1, 40)
