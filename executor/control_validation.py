@@ -10,7 +10,7 @@ import math
 
 from executor.api import MAX_CANDIDATE_TOKENS, MAX_LOGIT_BIAS, SamplingParams
 from executor.errors import FieldViolation
-from executor.logit_controls import bitmask_allows, mask_words
+from executor.logit_controls import bitmask_allows_any, mask_words
 
 
 def control_violations(p: SamplingParams, item: str, vocab: int) -> list[FieldViolation]:
@@ -27,7 +27,7 @@ def control_violations(p: SamplingParams, item: str, vocab: int) -> list[FieldVi
                 f"{field}.allowed_token_bitmask",
                 f"must be {want} bytes (ceil({vocab} / 32) = {want // 4} little-endian int32 "
                 f"words, bit j of word i allows token 32 i + j), got {len(mask)}"))
-        elif not bitmask_allows(mask, vocab).any():
+        elif not bitmask_allows_any(mask, vocab):
             out.append(FieldViolation(
                 f"{field}.allowed_token_bitmask",
                 f"allows no token of the vocabulary [0, {vocab}) (bits past token "

@@ -49,6 +49,15 @@ def bitmask_allows(mask: bytes, vocab: int) -> np.ndarray:
     return bits[:vocab].astype(bool)
 
 
+def bitmask_allows_any(mask: bytes, vocab: int) -> bool:
+    """Whether a mask of the right length allows any token of the vocabulary: whole words
+    tested at once, the partial last word under its vocabulary bits (no unpacking)."""
+    words = np.frombuffer(mask, dtype="<i4")
+    full, rest = divmod(vocab, 32)
+    return bool(words[:full].any()) or (
+        rest > 0 and int(words[full]) & ((1 << rest) - 1) != 0)
+
+
 class SlotControls:
     def __init__(self, max_sequences: int, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device

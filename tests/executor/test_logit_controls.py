@@ -19,6 +19,7 @@ from executor.logit_controls import (
     SlotControls,
     apply_controls_torch,
     bitmask_allows,
+    bitmask_allows_any,
     mask_words,
     unpack_bitmask,
 )
@@ -104,6 +105,21 @@ def test_stage_filled_writes_every_row_each_step() -> None:
             finite = torch.isfinite(got[r]).nonzero().flatten().tolist()
             assert finite == (ids if ids is not None else list(range(VOCAB)))
     assert not controls.stage_filled([1], lambda rows: np.zeros(1, dtype=bool))
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 33, 64, 2100])
+def test_allows_any_equals_the_unpacked_mask(vocab: int) -> None:
+    words = mask_words(vocab)
+    cases = [bitmask([], vocab), bitmask([0], vocab), bitmask([vocab - 1], vocab),
+             b"\xff" * 4 * words]
+    if vocab % 32:  # only bits past the vocabulary set
+        cases.append(bitmask([], vocab)[:-4] + (-1 << (vocab % 32)).to_bytes(4, "little",
+                                                                            signed=True))
+    rng = np.random.default_rng(vocab)
+    cases += [np.packbits((rng.random(words * 32) < q).astype(np.uint8),
+                          bitorder="little").tobytes() for q in (0.001, 0.01, 0.5)]
+    for mask in cases:
+        assert bitmask_allows_any(mask, vocab) == bool(bitmask_allows(mask, vocab).any())
 
 
 def test_unpack_bitmask_ignores_bits_past_the_vocabulary() -> None:
