@@ -1,10 +1,12 @@
 """Grammars on the real SmolLM2-135M-Instruct (CPU, float32) over gRPC: JSON schemas,
 regexes and EBNF grammars, greedy and T = 1, through unary Prefill/Decode, a pipelined
 Session continuing from the device's last samples, and ``num_steps`` 8; every output
-parses and validates (``jsonschema``). Forked children continue valid output; a truncated
-sequence resumes a valid parse. Each path runs a third of the cases (every case greedy and
-at T = 1) as one batch: the CPU model's attention loops over sequences, so the cases x
-paths product would take minutes. Also: a grammar that does not compile."""
+parses and validates (``jsonschema``). Every case runs through every path: a path's cases
+are one batch (a decode step's cost grows slowly with its batch), forked from three
+prompts prefilled once, each decoded until its grammar completes. Forked
+children continue valid output; a truncated sequence resumes a valid parse. Also: a
+grammar that does not compile, and a grammar whose first mask the item's own mask empties.
+"""
 
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def tokenizer(cache: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(cache: Path) -> Iterator[ServerHarness]:
-    n = 2 * len(CASES) + 4
+    n = 2 * len(CASES) + 8  # a path's items, the prompts, the fork test's sequences
     config = ExecutorConfig(model=ModelConfig(source=NAME, dtype="float32"), device="cpu",
                             cache=CacheConfig(kv_tokens=8192, max_sequences=n,
                                               max_context=256),
@@ -118,12 +120,24 @@ def server(cache: Path) -> Iterator[ServerHarness]:
         harness.close()
 
 
-def _prompt(tokenizer: Any, label: str) -> list[int]:
-    kind = {"j": "a JSON value", "r": "a short code", "e": "an answer"}[label[0]]
+def _prompt(tokenizer: Any, kind: str) -> list[int]:
+    what = {"j": "a JSON value", "r": "a short code", "e": "an answer"}[kind]
     encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Reply with {kind} only."}], add_generation_prompt=True,
+        [{"role": "user", "content": f"Reply with {what} only."}], add_generation_prompt=True,
         tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompts(server: ServerHarness, tokenizer: Any) -> Iterator[dict[str, list[int]]]:
+    """The three prompts (by case kind), all but their last token prefilled once as
+    sequences ``p<kind>`` that every path's items fork from (a shared system prompt)."""
+    out = {kind: _prompt(tokenizer, kind) for kind in "jre"}
+    server.stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=f"p{kind}", token_ids=ids[:-1], sample=False)
+        for kind, ids in out.items()]), timeout=120)
+    yield out
+    server.stub.Release(pb.ReleaseRequest(seq_ids=[f"p{kind}" for kind in out]), timeout=60)
 
 
 def _sampling(grammar: pb.Grammar, temperature: float, seed: int) -> pb.SamplingParams:
@@ -134,21 +148,28 @@ PATHS = ("unary", "session", "num_steps")
 
 
 def _items(path: str) -> list[tuple[str, pb.SamplingParams, Any]]:
-    """(seq_id, sampling, check) per case of ``path``'s third x {greedy, T=1}."""
-    share = PATHS.index(path)
+    """(seq_id, sampling, check): every case, greedy and at T = 1."""
     return [(f"{path[0]}{label}-{t}", _sampling(g, t, 7 + i), check)
-            for i, (label, g, check) in enumerate(CASES) if i % len(PATHS) == share
-            for t in (0.0, 1.0)]
+            for i, (label, g, check) in enumerate(CASES) for t in (0.0, 1.0)]
+
+
+def _kind(seq_id: str) -> str:
+    return seq_id[1]
 
 
 def _text(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _prefill(server: ServerHarness, tokenizer: Any,
+def _prefill(server: ServerHarness, prompts: dict[str, list[int]],
              items: list[tuple[str, pb.SamplingParams, Any]]) -> dict[str, list[int]]:
+    """Fork each item from its prompt, then one Prefill of every item's last prompt token
+    (its grammar starts there) samples each one's first token."""
+    for s, _, _ in items:
+        server.stub.Fork(pb.ForkRequest(parent_seq_id=f"p{_kind(s)}", child_seq_id=s),
+                         timeout=60)
     req = pb.PrefillRequest(items=[pb.PrefillItem(
-        seq_id=s, token_ids=_prompt(tokenizer, s.split("-")[0][1:]), sample=True, sampling=p)
+        seq_id=s, token_ids=prompts[_kind(s)][-1:], sample=True, sampling=p)
         for s, p, _ in items])
     return {o.seq_id: [o.token_id] for o in server.stub.Prefill(req, timeout=120).outputs}
 
@@ -168,51 +189,46 @@ def _check_all(tokenizer: Any, items: list[tuple[str, pb.SamplingParams, Any]],
     missing = [s for s, _, _ in items if s not in done]
     assert not missing, {s: _text(tokenizer, tokens[s]) for s in missing}
     for s, _, check in items:
-        check(_text(tokenizer, tokens[s]).strip() if s[1] == "j" else
+        check(_text(tokenizer, tokens[s]).strip() if _kind(s) == "j" else
               _text(tokenizer, tokens[s]))
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_grammar_outputs_always_parse(server: ServerHarness, tokenizer: Any,
-                                      path: str) -> None:
+                                      prompts: dict[str, list[int]], path: str) -> None:
+    """Every case, greedy and T = 1, in one batch through ``path``; a completed item
+    leaves the batch (in the Session, from the first request sent after its answer)."""
     items = _items(path)
-    tokens = _prefill(server, tokenizer, items)
+    tokens = _prefill(server, prompts, items)
     done: set[str] = set()
     ids = [s for s, _, _ in items]
     by_id = {s: p for s, p, _ in items}
 
-    def decode(seq_ids: list[str], num_steps: int = 1) -> pb.DecodeRequest:
+    def decode(num_steps: int = 1) -> pb.DecodeRequest:
         return pb.DecodeRequest(num_steps=num_steps, items=[pb.DecodeItem(
-            seq_id=s, use_last_sampled=True, sampling=by_id[s]) for s in seq_ids])
+            seq_id=s, use_last_sampled=True, sampling=by_id[s])
+            for s in ids if s not in done])
 
-    if path == "unary":
-        for _ in range(MAX_NEW):
-            live = [s for s in ids if s not in done]
-            if not live:
-                break
-            _collect(server.stub.Decode(decode(live), timeout=120).outputs, tokens, done)
-    elif path == "num_steps":
-        for _ in range(MAX_NEW // 8):
-            live = [s for s in ids if s not in done]
-            if not live:
-                break
-            _collect(server.stub.Decode(decode(live, 8), timeout=120).outputs, tokens, done)
-    else:  # two steps in flight, each continuing from the device's last samples
+    if path == "session":  # two steps in flight, each continuing from the device's samples
         in_flight = threading.Semaphore(2)
-        finished = threading.Event()
 
         def requests() -> Iterator[pb.SessionRequest]:
             for k in range(MAX_NEW):
                 in_flight.acquire()
-                if finished.is_set():
+                if len(done) == len(ids):
                     return
-                yield pb.SessionRequest(step=k + 1, decode=decode(ids))
+                yield pb.SessionRequest(step=k + 1, decode=decode())
 
         for answer in server.stub.Session(requests(), timeout=300):
             _collect(answer.decode.outputs, tokens, done)
-            if len(done) == len(ids):
-                finished.set()
             in_flight.release()
+    else:
+        num_steps = 8 if path == "num_steps" else 1
+        for _ in range(MAX_NEW // num_steps):
+            if len(done) == len(ids):
+                break
+            _collect(server.stub.Decode(decode(num_steps), timeout=120).outputs, tokens,
+                     done)
     _check_all(tokenizer, items, tokens, done)
     server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
 
@@ -222,7 +238,7 @@ def test_fork_and_truncate_keep_the_parse(server: ServerHarness, tokenizer: Any)
     another is truncated back 2 tokens and resumes, giving its token, to a valid parse."""
     schema = SCHEMAS[0]
     g = pb.Grammar(json_schema=json.dumps(schema))
-    prompt = _prompt(tokenizer, "j0")
+    prompt = _prompt(tokenizer, "j")
     stub = server.stub
     first = stub.Prefill(pb.PrefillRequest(items=[
         pb.PrefillItem(seq_id="par", token_ids=prompt, sample=True,
