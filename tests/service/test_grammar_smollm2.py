@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import jsonschema
+import numpy as np
 import pytest
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
@@ -286,3 +287,58 @@ def test_grammar_that_does_not_compile_is_invalid_argument(server: ServerHarness
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items[0].sampling.grammar.regex" in (err.value.details() or "")
     assert server.kv().free_tokens == before
+
+
+def _bitmask(ids: list[int], vocab: int) -> bytes:
+    bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+    bits[ids] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_an_own_mask_that_leaves_no_grammar_token(server: ServerHarness, tokenizer: Any,
+                                                  prompts: dict[str, list[int]]) -> None:
+    """The item's allowed_token_bitmask and its grammar's mask intersected: empty at a
+    call's first sampled position is INVALID_ARGUMENT before anything is allocated (a
+    prefill's start, a decode after its sequence's tokens); empty at a later device step
+    of a multi-step decode ends the item's steps before it (neither stopped nor complete),
+    and the next decode is refused."""
+    vocab = len(tokenizer)
+    cat, dog, dash, one = (tokenizer.encode(w, add_special_tokens=False)[0]
+                           for w in ("cat", "dog", "-", "1"))
+    g = pb.Grammar(regex=r"(cat|dog)-[0-9]")
+
+    def params(ids: list[int]) -> pb.SamplingParams:
+        return pb.SamplingParams(grammar=g, allowed_token_bitmask=_bitmask(ids, vocab))
+
+    stub, free = server.stub, server.kv().free_tokens
+    stub.Fork(pb.ForkRequest(parent_seq_id="pr", child_seq_id="own"), timeout=60)
+    last = prompts["r"][-1:]
+    with pytest.raises(grpc.RpcError) as err:  # the grammar starts with cat or dog only
+        stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="own", token_ids=last, sample=True, sampling=params([dash, one]))]),
+            timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].sampling.allowed_token_bitmask" in (err.value.details() or "")
+    assert server.kv().free_tokens == free
+    out = stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id="own", token_ids=last, sample=True, sampling=params([cat, dog, dash]))]),
+        timeout=60).outputs[0]
+    assert out.token_id in (cat, dog)
+    free = server.kv().free_tokens
+    with pytest.raises(grpc.RpcError) as err:  # the grammar wants "-" now
+        stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+            seq_id="own", use_last_sampled=True, sampling=params([cat, dog]))]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].sampling.allowed_token_bitmask" in (err.value.details() or "")
+    assert server.kv().free_tokens == free
+    # "-" is allowed at step 0, and no digit at step 1: the steps end after "-".
+    out = stub.Decode(pb.DecodeRequest(num_steps=4, items=[pb.DecodeItem(
+        seq_id="own", use_last_sampled=True, sampling=params([cat, dog, dash]))]),
+        timeout=60).outputs[0]
+    assert [s.token_id for s in out.steps] == [dash]
+    assert not out.stopped and not out.grammar_completed
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+            seq_id="own", token_id=one, sampling=params([cat, dog, dash]))]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Release(pb.ReleaseRequest(seq_ids=["own"]), timeout=60)
