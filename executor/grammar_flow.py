@@ -170,6 +170,8 @@ class GrammarFlow:
                         continue
                     tok = tokens[row]
                     if sampled is not None:
+                        if dead_ends.get(row, step) < step - 1:
+                            continue  # (past its output's end: the matcher stays there)
                         if self.book.advance(seq_id, sampled[row]) and row not in done:
                             done[row] = step - 1
                     elif tok is not None:
@@ -203,9 +205,11 @@ class GrammarFlow:
         with self._lock:
             start = step.grammar_applied
             step.grammar_applied = len(sampled)
+            ends = step.grammar_dead_ends
             for k in range(start, len(sampled)):
                 for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
-                    if row is None or step.params[row].grammar is None:
+                    if row is None or step.params[row].grammar is None or \
+                            ends.get(row, k) < k:
                         continue
                     if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
                             row not in step.grammar_done:

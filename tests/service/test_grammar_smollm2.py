@@ -341,4 +341,6 @@ def test_an_own_mask_that_leaves_no_grammar_token(server: ServerHarness, tokeniz
         stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
             seq_id="own", token_id=one, sampling=params([cat, dog, dash]))]), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The matcher stayed after "-" (it took none of the dropped steps): the digits next.
+    assert "none of the 10 tokens" in (err.value.details() or "")
     stub.Release(pb.ReleaseRequest(seq_ids=["own"]), timeout=60)

@@ -11,10 +11,33 @@ import torch
 
 from executor.attention.base import AttentionShape
 from executor.attention.torch_native import TorchNativeBackend
-from tests.executor.attention.test_window_interpret import _dense_reference, _qkv
 from tests.helpers.attention_cases import paged_case
 
 LAYER = 1  # of 2; layer 0 keeps full attention
+
+
+def _qkv(n: int, heads: int, kv_heads: int, dim: int, seed: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, heads, dim, generator=gen),
+            torch.randn(n, kv_heads, dim, generator=gen),
+            torch.randn(n, kv_heads, dim, generator=gen))
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               window: int, cap: float) -> torch.Tensor:
+    """float64 attention of one query (heads, d) at the last of ``keys`` (L, kv_heads, d):
+    it sees keys at positions > L - 1 - window (Hugging Face's sliding window)."""
+    group = q.shape[0] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, L, d)
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    s = torch.einsum("hd,hld->hl", q.double(), k) * scale
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    pos = torch.arange(keys.shape[0])
+    if window:
+        s = s.masked_fill(pos <= keys.shape[0] - 1 - window, float("-inf"))
+    return torch.einsum("hl,hld->hd", torch.softmax(s, dim=-1), v)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "window", "cap"), [
@@ -27,16 +50,17 @@ def test_decode_batch_matches_a_dense_reference(heads: int, kv_heads: int, windo
     pool, table, batch = paged_case(prefix_lens, [1] * len(prefix_lens), heads, kv_heads,
                                     dim, seed=5, dtype=torch.float32)
     shape = AttentionShape(heads, kv_heads, dim, dim**-0.5, windows=(0, window), softcap=cap)
-    q, k, v = _qkv(len(prefix_lens), heads, kv_heads, dim, torch.float32, seed=6)
+    q, k, v = _qkv(len(prefix_lens), heads, kv_heads, dim, seed=6)
     backend = TorchNativeBackend(shape, pool, table)
     meta = backend.build_metadata(batch)
     assert meta.decode_locations is not None  # (the batched path)
     out = backend.forward(q, k, v, LAYER, meta)
     for i, (slot, prefix) in enumerate(zip(batch.slots_host, prefix_lens, strict=True)):
         locs = table.device_table[slot, : prefix + 1].long()
-        want = _dense_reference(q[i : i + 1], pool.k[LAYER][locs], pool.v[LAYER][locs],
-                                torch.tensor([prefix]), dim**-0.5, window, cap)
-        torch.testing.assert_close(out[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
+        # (the new token's K/V were stored at its location by the forward)
+        want = _reference(q[i], pool.k[LAYER][locs], pool.v[LAYER][locs], dim**-0.5, window,
+                          cap)
+        torch.testing.assert_close(out[i].double(), want, atol=1e-5, rtol=1e-5)
 
 
 
