@@ -88,8 +88,12 @@ class TorchNativeBackend(AttentionBackend):
         b, heads, d = q.shape
         kv_heads = self.shape.num_kv_heads
         qg = q.reshape(b, kv_heads, heads // kv_heads, d)  # (B, kv_heads, group, d)
-        ki = k_pool[locs].to(q.dtype).transpose(1, 2)  # (B, kv_heads, L, d)
-        vi = v_pool[locs].to(q.dtype).transpose(1, 2)
+        flat, keys = locs.reshape(-1), locs.shape[1]
+        # (index_select on the flat locations: a fraction of advanced indexing's time)
+        ki = k_pool.index_select(0, flat).view(b, keys, kv_heads, d)
+        vi = v_pool.index_select(0, flat).view(b, keys, kv_heads, d)
+        ki = ki.to(q.dtype).transpose(1, 2)  # (B, kv_heads, L, d)
+        vi = vi.to(q.dtype).transpose(1, 2)
         mask = key_pos >= 0  # (B, L); the query sits at the last valid position
         if window:
             last = key_pos.amax(dim=1, keepdim=True)
