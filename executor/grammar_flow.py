@@ -101,12 +101,11 @@ class GrammarFlow:
                                                      it.token_ids, fresh)
                 elif state is None:
                     continue  # (no matcher: the grammar masks nothing)
-                else:
-                    given = it.token_id is not None and \
-                        state.origin + state.accepted == length(it.seq_id)
-                    allowed = self.book.allowed_next(
-                        it.seq_id, g, (it.token_id,) if given and it.token_id is not None
-                        else ())
+                else:  # a given token the matcher lacks goes first (as ``give`` does)
+                    tok = it.token_id
+                    ahead = () if tok is None or \
+                        state.origin + state.accepted != length(it.seq_id) else (tok,)
+                    allowed = self.book.allowed_next(it.seq_id, g, ahead)
                 if not (allowed & bitmask_allows(own, self.book.vocab)).any():
                     ids = [int(t) for t in allowed.nonzero()[0][:5]]
                     out.append(FieldViolation(
