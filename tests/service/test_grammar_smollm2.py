@@ -3,9 +3,9 @@ regexes and EBNF grammars, greedy and T = 1, through unary Prefill/Decode, a pip
 Session continuing from the device's last samples, and ``num_steps`` 8; every output
 parses and validates (``jsonschema``). Every case runs through every path: a path's cases
 are one batch (a decode step's cost grows slowly with its batch), forked from three
-prompts prefilled once, each decoded until its grammar completes. Forked
-children continue valid output; a truncated sequence resumes a valid parse. Also: a
-grammar that does not compile, and a grammar whose first mask the item's own mask empties.
+prompts prefilled once, each decoded until its grammar completes. Forked children continue
+valid output; a truncated sequence resumes a valid parse. Also: a grammar that does not
+compile, and an item's own mask that leaves none of its grammar's tokens.
 """
 
 from __future__ import annotations
