@@ -301,7 +301,8 @@ def test_an_own_mask_that_leaves_no_grammar_token(server: ServerHarness, tokeniz
     call's first sampled position is INVALID_ARGUMENT before anything is allocated (a
     prefill's start, a decode after its sequence's tokens); empty at a later device step
     of a multi-step decode ends the item's steps before it (neither stopped nor complete),
-    and the next decode is refused."""
+    and the next decode is refused; so is a pipelined Session step whose mask depends on
+    the step still in flight."""
     vocab = len(tokenizer)
     cat, dog, dash, one = (tokenizer.encode(w, add_special_tokens=False)[0]
                            for w in ("cat", "dog", "-", "1"))
@@ -343,4 +344,17 @@ def test_an_own_mask_that_leaves_no_grammar_token(server: ServerHarness, tokeniz
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The matcher stayed after "-" (it took none of the dropped steps): the digits next.
     assert "none of the 10 tokens" in (err.value.details() or "")
-    stub.Release(pb.ReleaseRequest(seq_ids=["own"]), timeout=60)
+    # Pipelined: step 2 is sent before step 1's "-" reaches the host; its admission waits
+    # for it and refuses the step (the Session goes on).
+    stub.Fork(pb.ForkRequest(parent_seq_id="pr", child_seq_id="own2"), timeout=60)
+    stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id="own2", token_ids=last, sample=True, sampling=params([cat, dog, dash]))]),
+        timeout=60)
+    step = pb.DecodeRequest(items=[pb.DecodeItem(
+        seq_id="own2", use_last_sampled=True, sampling=params([cat, dog, dash]))])
+    answers = list(stub.Session(iter([pb.SessionRequest(step=k, decode=step)
+                                      for k in (1, 2)]), timeout=120))
+    assert answers[0].decode.outputs[0].token_id == dash
+    assert answers[1].error.code_name == "INVALID_ARGUMENT"
+    assert "items[0].sampling.allowed_token_bitmask" in answers[1].error.message
+    stub.Release(pb.ReleaseRequest(seq_ids=["own", "own2"]), timeout=60)
