@@ -200,7 +200,19 @@ def test_grammar_outputs_always_parse(server: ServerHarness, tokenizer: Any,
     """Every case, greedy and T = 1, in one batch through ``path``; a completed item
     leaves the batch (in the Session, from the first request sent after its answer)."""
     items = _items(path)
-    tokens = _prefill(server, prompts, items)
+    ids = [s for s, _, _ in items]
+    try:
+        tokens = _prefill(server, prompts, items)
+        done = _decode(server, path, items, tokens)
+        _check_all(tokenizer, items, tokens, done)
+    finally:  # (a failed path leaves the slots to the next one)
+        server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+
+
+def _decode(server: ServerHarness, path: str, items: list[tuple[str, pb.SamplingParams, Any]],
+            tokens: dict[str, list[int]]) -> set[str]:
+    """Decode ``items`` through ``path`` until every grammar completes (or MAX_NEW tokens),
+    appending to ``tokens``; returns the completed ids."""
     done: set[str] = set()
     ids = [s for s, _, _ in items]
     by_id = {s: p for s, p, _ in items}
@@ -221,17 +233,16 @@ def test_grammar_outputs_always_parse(server: ServerHarness, tokenizer: Any,
                 yield pb.SessionRequest(step=k + 1, decode=decode())
 
         for answer in server.stub.Session(requests(), timeout=300):
+            assert answer.WhichOneof("result") == "decode", answer.error.message
             _collect(answer.decode.outputs, tokens, done)
             in_flight.release()
-    else:
-        num_steps = 8 if path == "num_steps" else 1
-        for _ in range(MAX_NEW // num_steps):
-            if len(done) == len(ids):
-                break
-            _collect(server.stub.Decode(decode(num_steps), timeout=120).outputs, tokens,
-                     done)
-    _check_all(tokenizer, items, tokens, done)
-    server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+        return done
+    num_steps = 8 if path == "num_steps" else 1
+    for _ in range(MAX_NEW // num_steps):
+        if len(done) == len(ids):
+            break
+        _collect(server.stub.Decode(decode(num_steps), timeout=120).outputs, tokens, done)
+    return done
 
 
 def test_fork_and_truncate_keep_the_parse(server: ServerHarness, tokenizer: Any) -> None:
