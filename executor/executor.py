@@ -100,6 +100,7 @@ class Executor:
         self.weights.check_steps()
         validate_prefill(items, self.kv.length, self.limits)
         self.grammars.validate(items)
+        self.grammars.check_own_masks(items, self.kv.length)
         alloc = self.kv.allocate([(it.seq_id, len(it.token_ids)) for it in items])
         had_last = self.last.had(it.seq_id for it in items)
         try:
@@ -148,10 +149,13 @@ class Executor:
         needs = self._needs(sampling)
         if memo is None and needs.grammar:
             self.grammars.validate(items)  # compiles them (cached)
+        if needs.grammar and needs.controls:  # (every launch: it depends on the matchers)
+            self.grammars.check_own_masks(items, self.kv.length)
         self._decode_memo = None
         done: dict[int, int] = {}
+        dead_ends: dict[int, int] = {}
         masks = self.grammars.decode_masks(seq_ids, tokens, sampling, self.kv.length, done,
-                                           needs)
+                                           dead_ends, needs)
         alloc = self.kv.extend(seq_ids, num_steps)
         try:
             samples, seq_lens, info = self.forward.decode(alloc, tokens, list(sampling),
@@ -170,7 +174,7 @@ class Executor:
             samples, info, started=started, had_last=had_last,
             weight_version=self.weights.version))
         if masks is not None:
-            step.grammar_done = done
+            step.grammar_done, step.grammar_dead_ends = done, dead_ends
             self.grammars.track(step, num_steps - 1)
         return step
 

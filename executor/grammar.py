@@ -187,6 +187,31 @@ class GrammarBook:
             self._stop_masks[stop_ids] = mask
         return mask
 
+    def allowed_next(self, seq_id: str, grammar: Grammar, tokens: Sequence[int] = (),
+                     fresh: bool = False) -> np.ndarray:
+        """(vocab,) bool: what ``seq_id``'s matcher allows after accepting ``tokens``, or
+        with ``fresh``, or without a matcher, ``grammar``'s start allows (only stop tokens
+        once complete). Changes nothing: a matcher that would accept tokens is forked."""
+        import xgrammar as xgr
+
+        state = None if fresh else self.seqs.get(seq_id)
+        if state is None:
+            matcher, completed = xgr.GrammarMatcher(self.compile(grammar)), False
+        else:
+            matcher = state.matcher.fork() if tokens else state.matcher
+            completed = state.completed
+        for tok in tokens:
+            if not completed and matcher.accept_token(tok):
+                completed = bool(matcher.is_terminated())
+        allowed = np.zeros(self.vocab, dtype=bool)
+        if completed:
+            allowed[[t for t in matcher.stop_token_ids if t < self.vocab]] = True
+            return allowed
+        buf = xgr.allocate_token_bitmask(1, self.vocab)
+        matcher.fill_next_token_bitmask(buf)
+        bits = np.unpackbits(buf.numpy()[0].astype("<i4").view(np.uint8), bitorder="little")
+        return bits[: self.vocab].astype(bool)
+
     def fork(self, parent: str, child: str, length: int, inherits: bool) -> None:
         """The child shares the parent's first ``length`` tokens (and its last sample when
         ``inherits``): its matcher is the parent's, rolled back past them."""

@@ -7,7 +7,9 @@ accepted every earlier token: ``catch_up`` applies launched steps' tokens first 
 wait on those steps), and a multi-step decode applies each device step's tokens before the
 next (``step_masks``). Each launched step's tokens are applied exactly once, by the next
 launch that needs them or by the step's completion, under one lock (completion may run on
-another thread).
+another thread). An item's own mask must leave a token its grammar allows: checked at
+admission for each call's first sampled step (``check_own_masks``), and for a multi-step
+decode's later steps as their masks are made (the item's output ends before such a step).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from executor.api import BatchNeeds, DecodeItem, PrefillItem, SamplingParams
 from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
 from executor.forward import HostTokens, LateMasks
 from executor.grammar import GrammarBook, GrammarError
+from executor.logit_controls import bitmask_allows
 from executor.sampling import SampleOutput
 from executor.steps import PendingStep
 
@@ -76,6 +79,46 @@ class GrammarFlow:
         if out:
             raise InvalidRequest(out)
 
+    def check_own_masks(self, items: Sequence[PrefillItem | DecodeItem],
+                        length: Callable[[str], int | None]) -> None:
+        """``InvalidRequest`` naming each sampled item whose own ``allowed_token_bitmask``
+        allows none of the tokens its grammar allows at its first sampled position: a
+        prefill's after its tokens (its grammar's start unless the same grammar runs on
+        the sequence), a decode's after its given token. Applies launched steps' tokens
+        first (a host wait) when such an item continues a matcher."""
+        both = [(i, it) for i, it in enumerate(items) if it.sampling.grammar is not None
+                and it.sampling.allowed_token_bitmask is not None
+                and (not isinstance(it, PrefillItem) or it.sample)]
+        if not both:
+            return
+        self.catch_up()
+        out = []
+        with self._lock:
+            for i, it in both:
+                g, own = it.sampling.grammar, it.sampling.allowed_token_bitmask
+                assert g is not None and own is not None
+                state = self.book.seqs.get(it.seq_id)
+                if isinstance(it, PrefillItem):
+                    fresh = state is None or state.grammar != g
+                    allowed = self.book.allowed_next(it.seq_id, g, () if fresh else
+                                                     it.token_ids, fresh)
+                elif state is None:
+                    continue  # (no matcher: the grammar masks nothing)
+                else:  # a given token the matcher lacks goes first (as ``give`` does)
+                    tok = it.token_id
+                    ahead = () if tok is None or \
+                        state.origin + state.accepted != length(it.seq_id) else (tok,)
+                    allowed = self.book.allowed_next(it.seq_id, g, ahead)
+                if not (allowed & bitmask_allows(own, self.book.vocab)).any():
+                    ids = [int(t) for t in allowed.nonzero()[0][:5]]
+                    out.append(FieldViolation(
+                        f"items[{i}].sampling.allowed_token_bitmask",
+                        f"allows none of the {int(allowed.sum())} tokens its grammar "
+                        f"({g.kind}) allows next (token ids {ids}"
+                        f"{', ...' if allowed.sum() > len(ids) else ''})"))
+        if out:
+            raise InvalidRequest(out)
+
     # -- launches --------------------------------------------------------------------------
     def prefill_masks(self, items: Sequence[PrefillItem], rows: list[int],
                       seq_lens: Sequence[int]) -> LateMasks | None:
@@ -98,18 +141,26 @@ class GrammarFlow:
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
                      params: Sequence[SamplingParams], length: Callable[[str], int | None],
-                     done: dict[int, int], needs: BatchNeeds) -> LateMasks | None:
+                     done: dict[int, int], dead_ends: dict[int, int], needs: BatchNeeds
+                     ) -> LateMasks | None:
         """The grammar masks of a decode's device steps, as ``Forward.decode`` asks for
         them (None without grammar items). Step 0 first applies every launched step
         (``catch_up``) and a given token (unless it is the sampled one the matcher has);
         step k first applies step k - 1's samples (a host wait for them: the device runs
-        step k's forward meanwhile). Completions go to ``done`` (row: device step).
-        Call it before the decode's allocation (the given tokens' positions)."""
+        step k's forward meanwhile). Completions go to ``done`` (row: device step); a row
+        whose own mask leaves none of the tokens its grammar allows at step k (k > 0: step
+        0 is checked at admission) goes to ``dead_ends`` (row: k - 1, its last valid
+        step). Call it before the decode's allocation (the given tokens' positions)."""
         if not needs.grammar:
             return None
         positions = [length(s) or 0 for s in seq_ids]
         grammar_rows = [s if p.grammar is not None else None
                         for s, p in zip(seq_ids, params, strict=True)]
+        vocab = self.book.vocab
+        # Rows with both a grammar and their own mask: (row, the tokens the mask allows).
+        own = [(row, bitmask_allows(p.allowed_token_bitmask, vocab))
+               for row, p in enumerate(params) if p.grammar is not None
+               and p.allowed_token_bitmask is not None] if needs.controls else []
 
         def masks(step: int, previous: HostTokens | None, out: torch.Tensor) -> np.ndarray:
             if step == 0:
@@ -121,11 +172,20 @@ class GrammarFlow:
                         continue
                     tok = tokens[row]
                     if sampled is not None:
+                        if dead_ends.get(row, step) < step - 1:
+                            continue  # (past its output's end: the matcher stays there)
                         if self.book.advance(seq_id, sampled[row]) and row not in done:
                             done[row] = step - 1
                     elif tok is not None:
                         self.book.give(seq_id, tok, positions[row])
-                return self.book.fill(grammar_rows, out)
+                has = self.book.fill(grammar_rows, out)
+            rows = out.numpy()
+            for row, allows in own if step else ():
+                if row in done or row in dead_ends or not has[row]:
+                    continue
+                if not (bitmask_allows(rows[row], vocab) & allows).any():
+                    dead_ends[row] = step - 1
+            return has
         return masks
 
     def track(self, step: PendingStep, applied: int) -> None:
@@ -147,9 +207,11 @@ class GrammarFlow:
         with self._lock:
             start = step.grammar_applied
             step.grammar_applied = len(sampled)
+            ends = step.grammar_dead_ends
             for k in range(start, len(sampled)):
                 for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
-                    if row is None or step.params[row].grammar is None:
+                    if row is None or step.params[row].grammar is None or \
+                            ends.get(row, k) < k:
                         continue
                     if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
                             row not in step.grammar_done:

@@ -42,7 +42,7 @@ def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
 
 
-def bitmask_allows(mask: bytes, vocab: int) -> np.ndarray:
+def bitmask_allows(mask: bytes | np.ndarray, vocab: int) -> np.ndarray:
     """The tokens a mask allows, on the host (validation and tests): (vocab,) bool."""
     words = np.frombuffer(mask, dtype="<i4")
     bits = np.unpackbits(words.view(np.uint8), bitorder="little")

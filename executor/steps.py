@@ -62,11 +62,13 @@ class PendingStep:
     weight_version: str = ""
     #: Grammar rows (``grammar_flow.py``): called with the host samples before the
     #: outputs are built; device steps of it applied so far; per row, the device step
-    #: whose token completed its grammar.
+    #: whose token completed its grammar, and the last device step before one whose mask
+    #: the row's own mask emptied (its output ends there).
     on_sampled: Callable[[PendingStep, list[SampleOutput]], None] | None = field(
         default=None, repr=False)
     grammar_applied: int = 0
     grammar_done: dict[int, int] = field(default_factory=dict)
+    grammar_dead_ends: dict[int, int] = field(default_factory=dict)
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -138,7 +140,8 @@ class PendingStep:
                 if tok in self.stops[row]:
                     stopped = True
                     break
-                if done.get(row) == len(tokens) - 1:
+                if done.get(row) == len(tokens) - 1 or \
+                        self.grammar_dead_ends.get(row) == len(tokens) - 1:
                     break
             last = tokens[-1]
             out.append(ItemOutput(seq_id, last.token_id, last.logprob, last.top_logprobs,

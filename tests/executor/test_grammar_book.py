@@ -1,7 +1,8 @@
 """``GrammarBook`` on a synthetic vocabulary: masks follow the matcher, completion at the
 stop token, a completed grammar allows only stop tokens, Fork copies and Truncate rolls
-back by positions, a given token is accepted once, the compile cache is bounded, and a
-bad grammar names xgrammar's error."""
+back by positions, a given token is accepted once, ``allowed_next`` looks ahead without
+changing a matcher, the compile cache is bounded, and a bad grammar names xgrammar's
+error."""
 
 from __future__ import annotations
 
@@ -78,6 +79,23 @@ def test_prefill_continues_the_same_grammar_and_restarts_another() -> None:
     assert allowed(b, "s") == {"b"}
     b.start("s", Grammar("regex", "z+"), origin=9)
     assert allowed(b, "s") == {"z"} | {p for p in VOCAB if set(p) == {"z"}}
+
+
+def test_allowed_next_looks_ahead_without_moving_the_matcher() -> None:
+    b = book()
+
+    def names(allowed: np.ndarray) -> set[str]:
+        return {VOCAB[t] for t in np.flatnonzero(allowed)}
+
+    assert {"a", "c"} <= names(b.allowed_next("new", G))  # no matcher: the start
+    b.start("s", G, origin=0)
+    b.advance("s", tok("a"))
+    assert names(b.allowed_next("s", G)) == {"b"}
+    assert names(b.allowed_next("s", G, [tok("b")])) == {"x"}
+    assert names(b.allowed_next("s", G, [tok("b"), tok("x"), STOP])) == {"</s>"}
+    assert {"a", "c"} <= names(b.allowed_next("s", G, fresh=True))
+    assert allowed(b, "s") == {"b"}  # the matcher did not move
+    assert b.seqs["s"].accepted == 1
 
 
 def test_compile_errors_cache_and_no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,12 @@
 """Grammars on the real SmolLM2-135M-Instruct (CPU, float32) over gRPC: JSON schemas,
 regexes and EBNF grammars, greedy and T = 1, through unary Prefill/Decode, a pipelined
 Session continuing from the device's last samples, and ``num_steps`` 8; every output
-parses and validates (``jsonschema``). Forked children continue valid output; a truncated
-sequence resumes a valid parse. Each path runs a third of the cases (every case greedy and
-at T = 1) as one batch: the CPU model's attention loops over sequences, so the cases x
-paths product would take minutes. Also: a grammar that does not compile."""
+parses and validates (``jsonschema``). Every case runs through every path: a path's cases
+are one batch (a decode step's cost grows slowly with its batch), forked from three
+prompts prefilled once, each decoded until its grammar completes. Forked children continue
+valid output; a truncated sequence resumes a valid parse. Also: a grammar that does not
+compile, and an item's own mask that leaves none of its grammar's tokens.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import grpc
 import jsonschema
+import numpy as np
 import pytest
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
@@ -105,7 +108,7 @@ def tokenizer(cache: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(cache: Path) -> Iterator[ServerHarness]:
-    n = 2 * len(CASES) + 4
+    n = 2 * len(CASES) + 8  # a path's items, the prompts, the fork test's sequences
     config = ExecutorConfig(model=ModelConfig(source=NAME, dtype="float32"), device="cpu",
                             cache=CacheConfig(kv_tokens=8192, max_sequences=n,
                                               max_context=256),
@@ -118,12 +121,24 @@ def server(cache: Path) -> Iterator[ServerHarness]:
         harness.close()
 
 
-def _prompt(tokenizer: Any, label: str) -> list[int]:
-    kind = {"j": "a JSON value", "r": "a short code", "e": "an answer"}[label[0]]
+def _prompt(tokenizer: Any, kind: str) -> list[int]:
+    what = {"j": "a JSON value", "r": "a short code", "e": "an answer"}[kind]
     encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Reply with {kind} only."}], add_generation_prompt=True,
+        [{"role": "user", "content": f"Reply with {what} only."}], add_generation_prompt=True,
         tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompts(server: ServerHarness, tokenizer: Any) -> Iterator[dict[str, list[int]]]:
+    """The three prompts (by case kind), all but their last token prefilled once as
+    sequences ``p<kind>`` that every path's items fork from (a shared system prompt)."""
+    out = {kind: _prompt(tokenizer, kind) for kind in "jre"}
+    server.stub.Prefill(pb.PrefillRequest(items=[
+        pb.PrefillItem(seq_id=f"p{kind}", token_ids=ids[:-1], sample=False)
+        for kind, ids in out.items()]), timeout=120)
+    yield out
+    server.stub.Release(pb.ReleaseRequest(seq_ids=[f"p{kind}" for kind in out]), timeout=60)
 
 
 def _sampling(grammar: pb.Grammar, temperature: float, seed: int) -> pb.SamplingParams:
@@ -134,21 +149,28 @@ PATHS = ("unary", "session", "num_steps")
 
 
 def _items(path: str) -> list[tuple[str, pb.SamplingParams, Any]]:
-    """(seq_id, sampling, check) per case of ``path``'s third x {greedy, T=1}."""
-    share = PATHS.index(path)
+    """(seq_id, sampling, check): every case, greedy and at T = 1."""
     return [(f"{path[0]}{label}-{t}", _sampling(g, t, 7 + i), check)
-            for i, (label, g, check) in enumerate(CASES) if i % len(PATHS) == share
-            for t in (0.0, 1.0)]
+            for i, (label, g, check) in enumerate(CASES) for t in (0.0, 1.0)]
+
+
+def _kind(seq_id: str) -> str:
+    return seq_id[1]
 
 
 def _text(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _prefill(server: ServerHarness, tokenizer: Any,
+def _prefill(server: ServerHarness, prompts: dict[str, list[int]],
              items: list[tuple[str, pb.SamplingParams, Any]]) -> dict[str, list[int]]:
+    """Fork each item from its prompt, then one Prefill of every item's last prompt token
+    (its grammar starts there) samples each one's first token."""
+    for s, _, _ in items:
+        server.stub.Fork(pb.ForkRequest(parent_seq_id=f"p{_kind(s)}", child_seq_id=s),
+                         timeout=60)
     req = pb.PrefillRequest(items=[pb.PrefillItem(
-        seq_id=s, token_ids=_prompt(tokenizer, s.split("-")[0][1:]), sample=True, sampling=p)
+        seq_id=s, token_ids=prompts[_kind(s)][-1:], sample=True, sampling=p)
         for s, p, _ in items])
     return {o.seq_id: [o.token_id] for o in server.stub.Prefill(req, timeout=120).outputs}
 
@@ -168,53 +190,59 @@ def _check_all(tokenizer: Any, items: list[tuple[str, pb.SamplingParams, Any]],
     missing = [s for s, _, _ in items if s not in done]
     assert not missing, {s: _text(tokenizer, tokens[s]) for s in missing}
     for s, _, check in items:
-        check(_text(tokenizer, tokens[s]).strip() if s[1] == "j" else
+        check(_text(tokenizer, tokens[s]).strip() if _kind(s) == "j" else
               _text(tokenizer, tokens[s]))
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_grammar_outputs_always_parse(server: ServerHarness, tokenizer: Any,
-                                      path: str) -> None:
+                                      prompts: dict[str, list[int]], path: str) -> None:
+    """Every case, greedy and T = 1, in one batch through ``path``; a completed item
+    leaves the batch (in the Session, from the first request sent after its answer)."""
     items = _items(path)
-    tokens = _prefill(server, tokenizer, items)
+    ids = [s for s, _, _ in items]
+    try:
+        tokens = _prefill(server, prompts, items)
+        done = _decode(server, path, items, tokens)
+        _check_all(tokenizer, items, tokens, done)
+    finally:  # (a failed path leaves the slots to the next one)
+        server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+
+
+def _decode(server: ServerHarness, path: str, items: list[tuple[str, pb.SamplingParams, Any]],
+            tokens: dict[str, list[int]]) -> set[str]:
+    """Decode ``items`` through ``path`` until every grammar completes (or MAX_NEW tokens),
+    appending to ``tokens``; returns the completed ids."""
     done: set[str] = set()
     ids = [s for s, _, _ in items]
     by_id = {s: p for s, p, _ in items}
 
-    def decode(seq_ids: list[str], num_steps: int = 1) -> pb.DecodeRequest:
+    def decode(num_steps: int = 1) -> pb.DecodeRequest:
         return pb.DecodeRequest(num_steps=num_steps, items=[pb.DecodeItem(
-            seq_id=s, use_last_sampled=True, sampling=by_id[s]) for s in seq_ids])
+            seq_id=s, use_last_sampled=True, sampling=by_id[s])
+            for s in ids if s not in done])
 
-    if path == "unary":
-        for _ in range(MAX_NEW):
-            live = [s for s in ids if s not in done]
-            if not live:
-                break
-            _collect(server.stub.Decode(decode(live), timeout=120).outputs, tokens, done)
-    elif path == "num_steps":
-        for _ in range(MAX_NEW // 8):
-            live = [s for s in ids if s not in done]
-            if not live:
-                break
-            _collect(server.stub.Decode(decode(live, 8), timeout=120).outputs, tokens, done)
-    else:  # two steps in flight, each continuing from the device's last samples
+    if path == "session":  # two steps in flight, each continuing from the device's samples
         in_flight = threading.Semaphore(2)
-        finished = threading.Event()
 
         def requests() -> Iterator[pb.SessionRequest]:
             for k in range(MAX_NEW):
                 in_flight.acquire()
-                if finished.is_set():
+                if len(done) == len(ids):
                     return
-                yield pb.SessionRequest(step=k + 1, decode=decode(ids))
+                yield pb.SessionRequest(step=k + 1, decode=decode())
 
         for answer in server.stub.Session(requests(), timeout=300):
+            assert answer.WhichOneof("result") == "decode", answer.error.message
             _collect(answer.decode.outputs, tokens, done)
-            if len(done) == len(ids):
-                finished.set()
             in_flight.release()
-    _check_all(tokenizer, items, tokens, done)
-    server.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+        return done
+    num_steps = 8 if path == "num_steps" else 1
+    for _ in range(MAX_NEW // num_steps):
+        if len(done) == len(ids):
+            break
+        _collect(server.stub.Decode(decode(num_steps), timeout=120).outputs, tokens, done)
+    return done
 
 
 def test_fork_and_truncate_keep_the_parse(server: ServerHarness, tokenizer: Any) -> None:
@@ -222,7 +250,7 @@ def test_fork_and_truncate_keep_the_parse(server: ServerHarness, tokenizer: Any)
     another is truncated back 2 tokens and resumes, giving its token, to a valid parse."""
     schema = SCHEMAS[0]
     g = pb.Grammar(json_schema=json.dumps(schema))
-    prompt = _prompt(tokenizer, "j0")
+    prompt = _prompt(tokenizer, "j")
     stub = server.stub
     first = stub.Prefill(pb.PrefillRequest(items=[
         pb.PrefillItem(seq_id="par", token_ids=prompt, sample=True,
@@ -270,3 +298,74 @@ def test_grammar_that_does_not_compile_is_invalid_argument(server: ServerHarness
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items[0].sampling.grammar.regex" in (err.value.details() or "")
     assert server.kv().free_tokens == before
+
+
+def _bitmask(ids: list[int], vocab: int) -> bytes:
+    bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+    bits[ids] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_an_own_mask_that_leaves_no_grammar_token(server: ServerHarness, tokenizer: Any,
+                                                  prompts: dict[str, list[int]]) -> None:
+    """The item's allowed_token_bitmask and its grammar's mask intersected: empty at a
+    call's first sampled position is INVALID_ARGUMENT before anything is allocated (a
+    prefill's start, a decode after its sequence's tokens); empty at a later device step
+    of a multi-step decode ends the item's steps before it (neither stopped nor complete),
+    and the next decode is refused; so is a pipelined Session step whose mask depends on
+    the step still in flight."""
+    vocab = len(tokenizer)
+    cat, dog, dash, one = (tokenizer.encode(w, add_special_tokens=False)[0]
+                           for w in ("cat", "dog", "-", "1"))
+    g = pb.Grammar(regex=r"(cat|dog)-[0-9]")
+
+    def params(ids: list[int]) -> pb.SamplingParams:
+        return pb.SamplingParams(grammar=g, allowed_token_bitmask=_bitmask(ids, vocab))
+
+    stub, free = server.stub, server.kv().free_tokens
+    stub.Fork(pb.ForkRequest(parent_seq_id="pr", child_seq_id="own"), timeout=60)
+    last = prompts["r"][-1:]
+    with pytest.raises(grpc.RpcError) as err:  # the grammar starts with cat or dog only
+        stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+            seq_id="own", token_ids=last, sample=True, sampling=params([dash, one]))]),
+            timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].sampling.allowed_token_bitmask" in (err.value.details() or "")
+    assert server.kv().free_tokens == free
+    out = stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id="own", token_ids=last, sample=True, sampling=params([cat, dog, dash]))]),
+        timeout=60).outputs[0]
+    assert out.token_id in (cat, dog)
+    free = server.kv().free_tokens
+    with pytest.raises(grpc.RpcError) as err:  # the grammar wants "-" now
+        stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+            seq_id="own", use_last_sampled=True, sampling=params([cat, dog]))]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].sampling.allowed_token_bitmask" in (err.value.details() or "")
+    assert server.kv().free_tokens == free
+    # "-" is allowed at step 0, and no digit at step 1: the steps end after "-".
+    out = stub.Decode(pb.DecodeRequest(num_steps=4, items=[pb.DecodeItem(
+        seq_id="own", use_last_sampled=True, sampling=params([cat, dog, dash]))]),
+        timeout=60).outputs[0]
+    assert [s.token_id for s in out.steps] == [dash]
+    assert not out.stopped and not out.grammar_completed
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+            seq_id="own", token_id=one, sampling=params([cat, dog, dash]))]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The matcher stayed after "-" (it took none of the dropped steps): the digits next.
+    assert "none of the 10 tokens" in (err.value.details() or "")
+    # Pipelined: step 2 is sent before step 1's "-" reaches the host; its admission waits
+    # for it and refuses the step (the Session goes on).
+    stub.Fork(pb.ForkRequest(parent_seq_id="pr", child_seq_id="own2"), timeout=60)
+    stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(
+        seq_id="own2", token_ids=last, sample=True, sampling=params([cat, dog, dash]))]),
+        timeout=60)
+    step = pb.DecodeRequest(items=[pb.DecodeItem(
+        seq_id="own2", use_last_sampled=True, sampling=params([cat, dog, dash]))])
+    answers = list(stub.Session(iter([pb.SessionRequest(step=k, decode=step)
+                                      for k in (1, 2)]), timeout=120))
+    assert answers[0].decode.outputs[0].token_id == dash
+    assert answers[1].error.code_name == "INVALID_ARGUMENT"
+    assert "items[0].sampling.allowed_token_bitmask" in answers[1].error.message
+    stub.Release(pb.ReleaseRequest(seq_ids=["own", "own2"]), timeout=60)
