@@ -168,7 +168,8 @@ class Forward:
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled,
                                  late=None if late is None else (lambda: late(0, None)),
-                                 row_slots=row_slots, want_hidden=needs.hidden)
+                                 row_slots=row_slots, want_hidden=needs.hidden,
+                                 needs=needs)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
@@ -212,7 +213,8 @@ class Forward:
                                      controlled=batch.slots if controlled is not None else None,
                                      late=None if late is None else (
                                          lambda: late(step, previous)),  # noqa: B023
-                                     row_slots=slots, want_hidden=needs.hidden)
+                                     row_slots=slots, want_hidden=needs.hidden,
+                                     needs=needs)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -237,15 +239,16 @@ class Forward:
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
              late: Callable[[], Sequence[bytes | None]] | None = None,
-             row_slots: Sequence[int] = (), want_hidden: bool = False
-             ) -> tuple[DeviceSample | None, StepInfo]:
+             row_slots: Sequence[int] = (), want_hidden: bool = False,
+             needs: BatchNeeds | None = None) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
         to those slots' last sampled tokens (``LastSampled.sampler_target``). With
         ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
         are applied first (a decode graph applies them itself). ``late``: grammar masks
         per row (slots ``row_slots``), asked after the forward is launched and applied
-        on top before sampling. ``want_hidden``: a row returns its hidden state."""
+        on top before sampling. ``want_hidden``: a row returns its hidden state.
+        ``needs``: ``BatchNeeds.of(params)``, if the caller has it."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -268,7 +271,8 @@ class Forward:
                         logits, device_tensor(list(row_slots), torch.int64, self.device))
             sample = self.sampler.sample(
                 logits, params, positions, targets,
-                None if remember is None else self.last.sampler_target(remember), hidden) \
+                None if remember is None else self.last.sampler_target(remember), hidden,
+                needs) \
                 if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""

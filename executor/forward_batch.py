@@ -190,10 +190,10 @@ class ForwardBatch:
 
         flat: torch.Tensor
         if one_each and not every_position and b >= _NUMPY_MIN_ROWS:  # a decode step
-            packed, seq_lens_a = pack_one_each(token_ids, slots, prefix,
+            framed, seq_lens_a = pack_one_each(token_ids, slots, prefix,
                                                alloc.out_cache_loc.numpy(), logits_rows,
                                                sizes, scratch, table_width)
-            return ForwardBatch._transfer(phase, torch.from_numpy(packed), sizes,
+            return ForwardBatch._transfer(phase, torch.from_numpy(framed), sizes,
                                           (slots, seq_lens_a.tolist(), prefix, ext_lens),
                                           device, staging, layout, before_transfer)
         if one_each:

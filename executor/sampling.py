@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.api import SamplingParams
+from executor.api import BatchNeeds, SamplingParams, distinct_params
 from executor.model.layers import triton_available
 
 _MASK31 = 0x7FFFFFFF
@@ -240,7 +240,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int], targets: Sequence[int] | None = None,
                remember: tuple[torch.Tensor, torch.Tensor] | None = None,
-               hidden: torch.Tensor | None = None) -> DeviceSample:
+               hidden: torch.Tensor | None = None,
+               needs: BatchNeeds | None = None) -> DeviceSample:
         """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
         ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
         have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
@@ -259,14 +260,15 @@ class Sampler:
 
         ``hidden`` (B, hidden): the rows' final-norm hidden states, for rows that ask for
         them (``return_hidden_state``). The logits carry any token mask and bias already
-        (``SlotControls.apply``)."""
-        # Rows usually share a few parameter objects: each is asked once (by identity).
-        distinct = dict(zip(map(id, params), params, strict=True)).values() \
-            if len(params) >= 16 else params
+        (``SlotControls.apply``). ``needs``: ``BatchNeeds.of(params)`` if the caller has
+        it (a decode step keeps it from launch to launch), else found here."""
+        if needs is None:
+            needs = BatchNeeds.of(params)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
-            if not all(p.is_greedy for p in distinct) else []
-        want_logprobs = any(p.logprobs or p.top_logprobs for p in distinct)
-        extras = any(p.wants_extras for p in distinct)
+            if needs.drawn else []
+        want_logprobs, extras = needs.logprobs, needs.extras
+        # Rows usually share a few parameter objects: each is asked once (by identity).
+        distinct = distinct_params(params) if extras else params
         tokens = argmax_rows(logits, store=None if sampled_rows else remember)
         if sampled_rows:
             device = logits.device
