@@ -214,7 +214,7 @@ class Forward:
                                      late=None if late is None else (
                                          lambda: late(step, previous)),  # noqa: B023
                                      row_slots=slots, want_hidden=needs.hidden,
-                                     needs=needs)
+                                     needs=needs, fresh_tokens=num_steps > 1)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -240,7 +240,8 @@ class Forward:
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
              late: Callable[[], Sequence[bytes | None]] | None = None,
              row_slots: Sequence[int] = (), want_hidden: bool = False,
-             needs: BatchNeeds | None = None) -> tuple[DeviceSample | None, StepInfo]:
+             needs: BatchNeeds | None = None, fresh_tokens: bool = False
+             ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
         to those slots' last sampled tokens (``LastSampled.sampler_target``). With
@@ -248,7 +249,10 @@ class Forward:
         are applied first (a decode graph applies them itself). ``late``: grammar masks
         per row (slots ``row_slots``), asked after the forward is launched and applied
         on top before sampling. ``want_hidden``: a row returns its hidden state.
-        ``needs``: ``BatchNeeds.of(params)``, if the caller has it."""
+        ``needs``: ``BatchNeeds.of(params)``, if the caller has it. A decode graph's own
+        argmax of the rows (``GraphRunner.greedy``) stands for the sampler's where the
+        logits are the graph's as they are (no late masks); ``fresh_tokens``: the tokens
+        must outlive the next replay (a multi-step decode stages them after its last)."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -269,10 +273,17 @@ class Forward:
                 if self.late_controls.stage(row_slots, [GREEDY] * len(row_slots), masks):
                     self.late_controls.apply(
                         logits, device_tensor(list(row_slots), torch.int64, self.device))
+            greedy = None
+            if mode is Mode.GRAPH and late is None and batch.phase == "decode":
+                runner = self.runners[batch.phase]
+                if controlled is None or runner.controls_in_graph:
+                    greedy = runner.greedy(batch.batch_size)
+                    if greedy is not None and fresh_tokens:
+                        greedy = greedy.clone()
             sample = self.sampler.sample(
                 logits, params, positions, targets,
                 None if remember is None else self.last.sampler_target(remember), hidden,
-                needs) \
+                needs, greedy) \
                 if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""

@@ -63,7 +63,8 @@ class StandInGraphs:
     """A decode graph runner on the host: every bucket counts as captured, a batch is
     packed for its bucket into a fixed buffer (``GraphLayout``, host memory), and a replay
     returns zero logits from a fixed output, as a captured graph leaves them (the token
-    masks and the table write happen "inside the graph": not on the host)."""
+    masks, the table write and the rows' argmax happen "inside the graph": not on the
+    host)."""
 
     controls_in_graph = True
     runs_compiled = False
@@ -73,6 +74,7 @@ class StandInGraphs:
         transfer = torch.zeros(GraphLayout.max_packed_size(max(buckets)), dtype=torch.int64)
         self.layouts = {b: GraphLayout(b, table_scratch, transfer, "decode") for b in buckets}
         self._out = torch.zeros(max(buckets), vocab)
+        self._greedy = torch.zeros(max(buckets), dtype=torch.int64)  # the argmax of zeros
         self._state = RunnerState(cuda=True, enabled=True, buckets=buckets,
                                   captured=frozenset(buckets), failed=frozenset())
 
@@ -85,6 +87,9 @@ class StandInGraphs:
     def replay(self, batch: ForwardBatch, bucket: int, want_hidden: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._out[: batch.batch_size], None
+
+    def greedy(self, batch_size: int) -> torch.Tensor:
+        return self._greedy[:batch_size]
 
     def drain_replay_seconds(self) -> list[float]:
         return []
