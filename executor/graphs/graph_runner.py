@@ -291,15 +291,16 @@ class GraphRunner:
         ``batch.logits_indices`` in the activation dtype (``compute_logits``), and with
         ``want_hidden`` those rows' final-norm hidden states (else None), valid until the
         next replay of this runner."""
-        with self.timer.time():
-            rows_refreshed = self.prologue.replay(batch, bucket)
-            if not self.attention_in_graph:
-                with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
-                    out = self.backend.replay(bucket)
-            else:
-                if not rows_refreshed:
-                    self.attn.refresh_metadata(self._meta[bucket], batch)
-                out = self._graphs_for(batch, bucket).replay(bucket)
+        timed = self.timer.start()  # (no context manager: it costs host time per step)
+        rows_refreshed = self.prologue.replay(batch, bucket)
+        if not self.attention_in_graph:
+            with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
+                out = self.backend.replay(bucket)
+        else:
+            if not rows_refreshed:
+                self.attn.refresh_metadata(self._meta[bucket], batch)
+            out = self._graphs_for(batch, bucket).replay(bucket)
+        self.timer.stop(timed)
         if self.logits_in_graph:  # decode: logits_indices are rows 0..B-1
             hidden = self._hidden[: batch.batch_size] if want_hidden and \
                 self._hidden is not None else None

@@ -218,3 +218,31 @@ def test_a_greedy_step_samples_the_graph_argmax(ex: Executor,
         [list(col) for col in zip(*singles, strict=True)]
     ex.release([*a, *b])
     ex.kv.check_invariants()
+
+
+def test_replay_timer_records_drained_events_again(ex: Executor) -> None:
+    """Each replay is timed by a pair of CUDA events; once drained, a pair is recorded
+    again by a later replay (no event made per step), and every replay is still timed."""
+    timer = ex.runners["decode"].timer
+    toks = _prefill(ex, 2, "rt")
+    ex.drain_replay_seconds()
+    seen: list[int] = []
+    real = timer.start
+
+    def start() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        pair = real()
+        seen.append(id(pair[0]))
+        return pair
+
+    timer.start = start  # type: ignore[method-assign]
+    try:
+        for _ in range(12):
+            out = ex.decode([DecodeItem(s, t) for s, t in toks.items()])
+            toks = {o.seq_id: int(o.token_id) for o in out.outputs}  # type: ignore[arg-type]
+            torch.cuda.synchronize()
+            spans = ex.drain_replay_seconds()["decode"]
+            assert len(spans) == 1 and spans[0] > 0
+    finally:
+        del timer.start
+    assert len(seen) == 12 and len(set(seen)) <= 2, seen
+    ex.release(list(toks))
