@@ -92,7 +92,10 @@ class PinnedStaging:
         return dev
 
 
-@dataclass(frozen=True)
+# NOTE: not frozen, though nothing mutates one (``dataclasses.replace`` makes variants): a
+# frozen dataclass sets each of its twenty fields through ``object.__setattr__``, which
+# took most of the time of making one, and a decode step makes one per step.
+@dataclass(eq=False)
 class ForwardBatch:
     """A packed batch: ``T`` new tokens over ``B`` sequences, no padding.
 
