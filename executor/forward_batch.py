@@ -11,7 +11,6 @@ import torch
 from executor.api import Phase
 from executor.kv.manager import Allocation
 from executor.packing import (
-    FIELDS,
     GraphLayout,
     PackedSizes,
     pack_lists,
@@ -21,9 +20,9 @@ from executor.packing import (
 )
 
 # From this many sequences, a one-token-per-sequence batch is packed with numpy into a
-# copy of its fixed frame (``packing.pack_one_each``: a few fixed-cost calls, cheaper than
-# the lists below from one row on); the list path stays for tests to compare against.
-_NUMPY_MIN_ROWS = 1
+# copy of its fixed frame (``packing.pack_one_each``: a few fixed-cost calls); below it,
+# Python lists are cheaper.
+_NUMPY_MIN_ROWS = 12
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
 # decode step); above it, tensor ops (cheaper for long prompts).
 _LIST_BUILD_MAX_TOKENS = 256
@@ -296,16 +295,15 @@ class ForwardBatch:
             on_device.copy_(flat, non_blocking=True)
         else:
             on_device = flat.to(device, non_blocking=True)
+        # (the fields' views, and ``decode_rows`` or ``sequence_rows``: field names all)
         views = split_packed(on_device, sizes) if layout is None else layout.views(sizes)
         return ForwardBatch(
             phase=phase,
-            **{name: views[name] for name in FIELDS},
+            **views,
             slots_host=tuple(slots),
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
-            decode_rows=views.get("decode_rows"),
-            sequence_rows=views.get("sequence_rows"),
             bucket=None if layout is None else layout.bucket,
             packed=host,
             sizes=sizes,

@@ -125,7 +125,9 @@ class PackedSizes:
         return out
 
 
-def _pads(table_scratch: int) -> dict[str, int]:
+@lru_cache(maxsize=16)
+def _pads(table_scratch: int) -> Mapping[str, int]:
+    """What padding holds per field (one mapping per scratch cell, made once: read only)."""
     return {"table_index": table_scratch, **PAD}
 
 
@@ -134,27 +136,31 @@ def pack_lists(fields: Mapping[str, Sequence[int]], sizes: PackedSizes,
     """The packed host buffer from per-field Python lists (cheapest for small batches)."""
     pads = _pads(table_scratch)
     out = array("q")
-    for name in FIELDS:
-        out.extend(fields[name])
-        if n := sizes.padding(name):
-            out.extend(repeat(pads[name], n))
+    # (``FIELDS`` order: the token fields, the sequence fields, then logits_indices)
+    for names, n in ((TOKEN_FIELDS, sizes.token_pad), (SEQUENCE_FIELDS, sizes.seq_pad)):
+        for name in names:
+            out.extend(fields[name])
+            if n:
+                out.extend(repeat(pads[name], n))
+    out.extend(fields["logits_indices"])
     return out
 
 
 @lru_cache(maxsize=256)
 def _one_each_frame(sizes: PackedSizes, table_scratch: int
-                    ) -> tuple[np.ndarray, dict[str, int]]:
+                    ) -> tuple[np.ndarray, dict[str, slice]]:
     """The packed buffer of a batch of one new token per sequence, less what changes from
     step to step (read-only; the real entries of those fields are 0), and each field's
-    offset: padding, ``extend_lens`` 1 and ``extend_start`` 0..B-1 (token i is row i)."""
+    real entries as a slice: padding, ``extend_lens`` 1 and ``extend_start`` 0..B-1
+    (token i is row i)."""
     pads = _pads(table_scratch)
     out = np.zeros(sizes.total, dtype=np.int64)
-    offsets: dict[str, int] = {}
+    real: dict[str, slice] = {}
     chunks = iter(sizes.chunks())  # each field's real entries, then (not logits) padding
     at = 0
     for name in FIELDS:
         n = next(chunks)
-        offsets[name] = at
+        real[name] = slice(at, at + n)
         if name == "extend_lens":
             out[at : at + n] = 1
         elif name == "extend_start":
@@ -164,7 +170,7 @@ def _one_each_frame(sizes: PackedSizes, table_scratch: int
             out[at : at + pad] = pads[name]
             at += pad
     out.flags.writeable = False
-    return out, offsets
+    return out, real
 
 
 def pack_one_each(token_ids: Sequence[int], slots: Sequence[int], prefix: Sequence[int],
@@ -174,25 +180,21 @@ def pack_one_each(token_ids: Sequence[int], slots: Sequence[int], prefix: Sequen
     sequence i's token is row i, at position ``prefix[i]``. A copy of the batch's fixed
     frame (``_one_each_frame``, made once per sizes) with the per-step fields written by
     a few numpy calls, whatever the batch size. Returns it and its ``seq_lens`` (a view)."""
-    frame, at = _one_each_frame(sizes, table_scratch)
+    frame, real = _one_each_frame(sizes, table_scratch)
     out = frame.copy()
-    b = sizes.seqs
-
-    def part(name: str, n: int = b) -> np.ndarray:
-        return out[at[name] : at[name] + n]
-
-    part("input_ids")[:] = token_ids
-    part("slots")[:] = slots
-    prefix_a = part("prefix_lens")
+    out[real["input_ids"]] = token_ids
+    slots_a = out[real["slots"]]
+    slots_a[:] = slots
+    prefix_a = out[real["prefix_lens"]]
     prefix_a[:] = prefix
-    part("positions")[:] = prefix_a
-    seq_lens = part("seq_lens")
+    out[real["positions"]] = prefix_a
+    seq_lens = out[real["seq_lens"]]
     np.add(prefix_a, 1, out=seq_lens)
-    table_index = part("table_index")
-    np.multiply(part("slots"), table_width, out=table_index)
+    table_index = out[real["table_index"]]
+    np.multiply(slots_a, table_width, out=table_index)
     table_index += prefix_a
-    part("out_cache_loc")[:] = locations
-    part("logits_indices", sizes.logits)[:] = logits_rows
+    out[real["out_cache_loc"]] = locations
+    out[real["logits_indices"]] = logits_rows
     return out, seq_lens
 
 
