@@ -4,7 +4,7 @@ A Decode of ``--batch`` items on the ``tiny`` model with the forward replaced by
 the logits' shape (``bench.serving.stand_in``), so only the Python and torch-CPU work
 around it is timed: request conversion (``convert.decode_items``), the executor's step
 (validate, allocate, pack, sample, complete) and the response (``convert.step_response``,
-item messages and packed). Medians of rounds, microseconds per step, printed as JSON. This
+item messages and packed). Medians over calls, microseconds per step, printed as JSON. This
 is the part of a step that a GPU cannot hide at large batches; compare figures within one
 run on one machine. ``--graphs``: decode steps take a graph replay's host path, as on a
 GPU (``StandInGraphs``).
@@ -27,13 +27,15 @@ from service.gen.model_executor.v1 import executor_pb2 as pb
 
 
 def _median_us(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:
+    """The median of every call's own time (on a shared host, a call that lost its CPU
+    moves only itself, not a round's mean)."""
     out = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(out)
+    clock = time.perf_counter
+    for _ in range(rounds * calls):
+        start = clock()
+        fn()
+        out.append(clock() - start)
+    return statistics.median(out) * 1e6
 
 
 def measure(batch: int, calls: int, graphs: bool = False) -> dict[str, float]:
