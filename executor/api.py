@@ -132,6 +132,9 @@ class BatchNeeds:
     controls: bool = False  # a row has its own mask or bias
     grammar: bool = False  # a row has a grammar
     hidden: bool = False  # a row returns its hidden state
+    drawn: bool = False  # a row is not greedy (the sampler draws it)
+    logprobs: bool = False  # a row asks for its token's or the top log-probabilities
+    extras: bool = False  # a row asks for more (``SamplingParams.wants_extras``)
 
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> BatchNeeds:
@@ -140,7 +143,15 @@ class BatchNeeds:
             return NO_NEEDS
         return BatchNeeds(any(p.has_controls for p in distinct),
                           any(p.grammar is not None for p in distinct),
-                          any(p.return_hidden_state for p in distinct))
+                          any(p.return_hidden_state for p in distinct),
+                          not all(p.is_greedy for p in distinct),
+                          any(p.logprobs or p.top_logprobs for p in distinct),
+                          any(p.wants_extras for p in distinct))
+
+    @property
+    def plain(self) -> bool:
+        """Every row gets its token only: no log-probabilities, no extras."""
+        return not (self.logprobs or self.extras)
 
 
 NO_NEEDS = BatchNeeds()

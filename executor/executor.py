@@ -172,7 +172,7 @@ class Executor:
         step = self.pools.pend(PendingStep(
             "decode", seq_ids, alloc, seq_lens, tuple(range(len(seq_ids))), sampling, stops,
             samples, info, started=started, had_last=had_last,
-            weight_version=self.weights.version))
+            weight_version=self.weights.version, needs=needs))
         if masks is not None:
             step.grammar_done, step.grammar_dead_ends = done, dead_ends
             self.grammars.track(step, num_steps - 1)

@@ -169,7 +169,8 @@ class Forward:
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled,
                                  late=None if late is None else (lambda out: late(0, None, out)),
-                                 row_slots=row_slots, want_hidden=needs.hidden)
+                                 row_slots=row_slots, want_hidden=needs.hidden,
+                                 needs=needs)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
                                   self.device)
@@ -213,7 +214,8 @@ class Forward:
                                      controlled=batch.slots if controlled is not None else None,
                                      late=None if late is None else (
                                          lambda out: late(step, previous, out)),  # noqa: B023
-                                     row_slots=slots, want_hidden=needs.hidden)
+                                     row_slots=slots, want_hidden=needs.hidden,
+                                     needs=needs, fresh_tokens=num_steps > 1)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
             samples.append(sample)
@@ -238,7 +240,8 @@ class Forward:
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
              late: Callable[[torch.Tensor], np.ndarray] | None = None,
-             row_slots: Sequence[int] = (), want_hidden: bool = False
+             row_slots: Sequence[int] = (), want_hidden: bool = False,
+             needs: BatchNeeds | None = None, fresh_tokens: bool = False
              ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
@@ -246,7 +249,11 @@ class Forward:
         ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
         are applied first (a decode graph applies them itself). ``late``: grammar masks
         per row (slots ``row_slots``), asked after the forward is launched and applied
-        on top before sampling. ``want_hidden``: a row returns its hidden state."""
+        on top before sampling. ``want_hidden``: a row returns its hidden state.
+        ``needs``: ``BatchNeeds.of(params)``, if the caller has it. A decode graph's own
+        argmax of the rows (``GraphRunner.greedy``) stands for the sampler's where the
+        logits are the graph's as they are (no late masks); ``fresh_tokens``: the tokens
+        must outlive the next replay (a multi-step decode stages them after its last)."""
         start = time.perf_counter()
         padded = 0 if decision.bucket is None else decision.bucket - (
             batch.batch_size if batch.phase == "decode" else batch.num_tokens)
@@ -267,9 +274,17 @@ class Forward:
                     self.late_controls.stage_filled(row_slots, late):
                 self.late_controls.apply(
                     logits, device_tensor(list(row_slots), torch.int64, self.device))
+            greedy = None
+            if mode is Mode.GRAPH and late is None and batch.phase == "decode":
+                runner = self.runners[batch.phase]
+                if controlled is None or runner.controls_in_graph:
+                    greedy = runner.greedy(batch.batch_size)
+                    if greedy is not None and fresh_tokens:
+                        greedy = greedy.clone()
             sample = self.sampler.sample(
                 logits, params, positions, targets,
-                None if remember is None else self.last.sampler_target(remember), hidden) \
+                None if remember is None else self.last.sampler_target(remember), hidden,
+                needs, greedy) \
                 if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""

@@ -6,24 +6,23 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from executor.api import Phase
 from executor.kv.manager import Allocation
 from executor.packing import (
-    FIELDS,
     GraphLayout,
     PackedSizes,
-    pack_arrays,
     pack_lists,
+    pack_one_each,
     pack_tensors,
     split_packed,
 )
 
-# From this many sequences, a one-token-per-sequence batch is packed with numpy (a few
-# fixed-cost calls); below it, Python lists are cheaper.
-_NUMPY_MIN_ROWS = 16
+# From this many sequences, a one-token-per-sequence batch is packed with numpy into a
+# copy of its fixed frame (``packing.pack_one_each``: a few fixed-cost calls); below it,
+# Python lists are cheaper.
+_NUMPY_MIN_ROWS = 12
 # Up to this many new tokens, ``ForwardBatch.build`` packs Python lists (cheapest for a
 # decode step); above it, tensor ops (cheaper for long prompts).
 _LIST_BUILD_MAX_TOKENS = 256
@@ -92,7 +91,10 @@ class PinnedStaging:
         return dev
 
 
-@dataclass(frozen=True)
+# NOTE: not frozen, though nothing mutates one (``dataclasses.replace`` makes variants): a
+# frozen dataclass sets each of its twenty fields through ``object.__setattr__``, which
+# took most of the time of making one, and a decode step makes one per step.
+@dataclass(eq=False)
 class ForwardBatch:
     """A packed batch: ``T`` new tokens over ``B`` sequences, no padding.
 
@@ -189,19 +191,11 @@ class ForwardBatch:
         scratch = 0 if layout is None else layout.table_scratch
 
         flat: torch.Tensor
-        if one_each and not every_position and b >= _NUMPY_MIN_ROWS:  # a large decode step
-            # Sequence i's token is row i, at position prefix_i.
-            slots_a = np.array(slots, dtype=np.int64)
-            prefix_a = np.array(prefix, dtype=np.int64)
-            seq_lens_a = prefix_a + 1
-            flat = torch.from_numpy(pack_arrays(
-                {"input_ids": token_ids, "positions": prefix_a,
-                 "table_index": slots_a * table_width + prefix_a,
-                 "out_cache_loc": alloc.out_cache_loc.numpy(), "slots": slots_a,
-                 "seq_lens": seq_lens_a, "prefix_lens": prefix_a, "extend_lens": 1,
-                 "extend_start": np.arange(b, dtype=np.int64), "logits_indices": logits_rows},
-                sizes, scratch))
-            return ForwardBatch._transfer(phase, flat, sizes,
+        if one_each and not every_position and b >= _NUMPY_MIN_ROWS:  # a decode step
+            framed, seq_lens_a = pack_one_each(token_ids, slots, prefix,
+                                               alloc.out_cache_loc.numpy(), logits_rows,
+                                               sizes, scratch, table_width)
+            return ForwardBatch._transfer(phase, torch.from_numpy(framed), sizes,
                                           (slots, seq_lens_a.tolist(), prefix, ext_lens),
                                           device, staging, layout, before_transfer)
         if one_each:
@@ -301,16 +295,15 @@ class ForwardBatch:
             on_device.copy_(flat, non_blocking=True)
         else:
             on_device = flat.to(device, non_blocking=True)
+        # (the fields' views, and ``decode_rows`` or ``sequence_rows``: field names all)
         views = split_packed(on_device, sizes) if layout is None else layout.views(sizes)
         return ForwardBatch(
             phase=phase,
-            **{name: views[name] for name in FIELDS},
+            **views,
             slots_host=tuple(slots),
             seq_lens_host=tuple(seq_lens),
             prefix_lens_host=tuple(prefix),
             extend_lens_host=tuple(ext_lens),
-            decode_rows=views.get("decode_rows"),
-            sequence_rows=views.get("sequence_rows"),
             bucket=None if layout is None else layout.bucket,
             packed=host,
             sizes=sizes,

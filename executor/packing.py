@@ -20,6 +20,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import repeat
 
 import numpy as np
@@ -124,7 +125,9 @@ class PackedSizes:
         return out
 
 
-def _pads(table_scratch: int) -> dict[str, int]:
+@lru_cache(maxsize=16)
+def _pads(table_scratch: int) -> Mapping[str, int]:
+    """What padding holds per field (one mapping per scratch cell, made once: read only)."""
     return {"table_index": table_scratch, **PAD}
 
 
@@ -133,29 +136,66 @@ def pack_lists(fields: Mapping[str, Sequence[int]], sizes: PackedSizes,
     """The packed host buffer from per-field Python lists (cheapest for small batches)."""
     pads = _pads(table_scratch)
     out = array("q")
-    for name in FIELDS:
-        out.extend(fields[name])
-        if n := sizes.padding(name):
-            out.extend(repeat(pads[name], n))
+    # (``FIELDS`` order: the token fields, the sequence fields, then logits_indices)
+    for names, n in ((TOKEN_FIELDS, sizes.token_pad), (SEQUENCE_FIELDS, sizes.seq_pad)):
+        for name in names:
+            out.extend(fields[name])
+            if n:
+                out.extend(repeat(pads[name], n))
+    out.extend(fields["logits_indices"])
     return out
 
 
-def pack_arrays(fields: Mapping[str, np.ndarray | Sequence[int] | int], sizes: PackedSizes,
-                table_scratch: int) -> np.ndarray:
-    """The packed host buffer from per-field numpy arrays, lists, or one value repeated
-    (a decode step: one numpy copy per field, no Python per entry)."""
+@lru_cache(maxsize=256)
+def _one_each_frame(sizes: PackedSizes, table_scratch: int
+                    ) -> tuple[np.ndarray, dict[str, slice]]:
+    """The packed buffer of a batch of one new token per sequence, less what changes from
+    step to step (read-only; the real entries of those fields are 0), and each field's
+    real entries as a slice: padding, ``extend_lens`` 1 and ``extend_start`` 0..B-1
+    (token i is row i)."""
     pads = _pads(table_scratch)
-    out = np.empty(sizes.total, dtype=np.int64)
+    out = np.zeros(sizes.total, dtype=np.int64)
+    real: dict[str, slice] = {}
     chunks = iter(sizes.chunks())  # each field's real entries, then (not logits) padding
     at = 0
     for name in FIELDS:
         n = next(chunks)
-        out[at : at + n] = fields[name]
+        real[name] = slice(at, at + n)
+        if name == "extend_lens":
+            out[at : at + n] = 1
+        elif name == "extend_start":
+            out[at : at + n] = np.arange(n, dtype=np.int64)
         at += n
         if name != "logits_indices" and (pad := next(chunks)):
             out[at : at + pad] = pads[name]
             at += pad
-    return out
+    out.flags.writeable = False
+    return out, real
+
+
+def pack_one_each(token_ids: Sequence[int], slots: Sequence[int], prefix: Sequence[int],
+                  locations: np.ndarray, logits_rows: Sequence[int], sizes: PackedSizes,
+                  table_scratch: int, table_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The packed host buffer of a batch of one new token per sequence (a decode step):
+    sequence i's token is row i, at position ``prefix[i]``. A copy of the batch's fixed
+    frame (``_one_each_frame``, made once per sizes) with the per-step fields written by
+    a few numpy calls, whatever the batch size. Returns it and its ``seq_lens`` (a view)."""
+    frame, real = _one_each_frame(sizes, table_scratch)
+    out = frame.copy()
+    out[real["input_ids"]] = token_ids
+    slots_a = out[real["slots"]]
+    slots_a[:] = slots
+    prefix_a = out[real["prefix_lens"]]
+    prefix_a[:] = prefix
+    out[real["positions"]] = prefix_a
+    seq_lens = out[real["seq_lens"]]
+    np.add(prefix_a, 1, out=seq_lens)
+    table_index = out[real["table_index"]]
+    np.multiply(slots_a, table_width, out=table_index)
+    table_index += prefix_a
+    out[real["out_cache_loc"]] = locations
+    out[real["logits_indices"]] = logits_rows
+    return out, seq_lens
 
 
 def pack_tensors(fields: Mapping[str, torch.Tensor], sizes: PackedSizes,

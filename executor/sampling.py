@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.api import SamplingParams
+from executor.api import BatchNeeds, SamplingParams, distinct_params
 from executor.model.layers import triton_available
 
 _MASK31 = 0x7FFFFFFF
@@ -103,18 +103,19 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return x
 
 
-def argmax_rows(x: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` scores, float32 or the activation dtype (the same
     index either way: widening to float32 is exact); on CUDA the vocabulary is split
     across the GPU (``executor.kernels.argmax``, which widens as it loads) instead of one
     thread block per row. With ``store = (table, slots)``, also ``table[slots] = tokens``
-    (on CUDA inside the argmax's last launch)."""
+    (on CUDA inside the argmax's last launch). ``out``: a ``(B,)`` int64 tensor to write
+    the tokens into (a decode graph's static buffer), else a new one."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and _HAS_TRITON:
         from executor.kernels.argmax import argmax_rows as split_argmax
 
-        return split_argmax(x, store=store)
-    tokens = x.argmax(dim=-1)
+        return split_argmax(x, store=store, out=out)
+    tokens = x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
     if store is not None:
         store[0].index_copy_(0, store[1], tokens)
     return tokens
@@ -240,7 +241,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int], targets: Sequence[int] | None = None,
                remember: tuple[torch.Tensor, torch.Tensor] | None = None,
-               hidden: torch.Tensor | None = None) -> DeviceSample:
+               hidden: torch.Tensor | None = None,
+               needs: BatchNeeds | None = None,
+               greedy: torch.Tensor | None = None) -> DeviceSample:
         """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
         ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
         have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
@@ -259,15 +262,23 @@ class Sampler:
 
         ``hidden`` (B, hidden): the rows' final-norm hidden states, for rows that ask for
         them (``return_hidden_state``). The logits carry any token mask and bias already
-        (``SlotControls.apply``)."""
-        # Rows usually share a few parameter objects: each is asked once (by identity).
-        distinct = dict(zip(map(id, params), params, strict=True)).values() \
-            if len(params) >= 16 else params
+        (``SlotControls.apply``). ``needs``: ``BatchNeeds.of(params)`` if the caller has
+        it (a decode step keeps it from launch to launch), else found here. ``greedy``:
+        the argmax of every row of ``logits``, if the caller has it already (a decode
+        graph computes it inside the replay): then no argmax runs here."""
+        if needs is None:
+            needs = BatchNeeds.of(params)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
-            if not all(p.is_greedy for p in distinct) else []
-        want_logprobs = any(p.logprobs or p.top_logprobs for p in distinct)
-        extras = any(p.wants_extras for p in distinct)
-        tokens = argmax_rows(logits, store=None if sampled_rows else remember)
+            if needs.drawn else []
+        want_logprobs, extras = needs.logprobs, needs.extras
+        # Rows usually share a few parameter objects: each is asked once (by identity).
+        distinct = distinct_params(params) if extras else params
+        if greedy is None:
+            tokens = argmax_rows(logits, store=None if sampled_rows else remember)
+        else:
+            tokens = greedy
+            if remember is not None and not sampled_rows:  # (else stored below)
+                remember[0].index_copy_(0, remember[1], tokens)
         if sampled_rows:
             device = logits.device
             rows = device_tensor(sampled_rows, torch.int64, device)

@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 from executor.api import (
+    BatchNeeds,
     ItemOutput,
     Phase,
     SampledToken,
@@ -69,6 +70,8 @@ class PendingStep:
     grammar_applied: int = 0
     grammar_done: dict[int, int] = field(default_factory=dict)
     grammar_dead_ends: dict[int, int] = field(default_factory=dict)
+    #: ``BatchNeeds.of(params)`` when the launcher had it (else ``outputs`` asks the rows).
+    needs: BatchNeeds | None = None
 
     def finish(self) -> StepResult:
         """Wait for the step's device work and build its result. Touches only the step, so
@@ -103,9 +106,8 @@ class PendingStep:
         done = self.grammar_done
         if len(sampled) == 1 and not any(self.stops) and not done:  # no per-token lists
             s = sampled[0]
-            if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and not any(
-                    p.logprobs or p.top_logprobs or p.wants_extras
-                    for p in dict(zip(map(id, self.params), self.params, strict=True)).values()):
+            if len(self.rows) >= 16 and self.rows == tuple(range(len(self.rows))) and (
+                    self.needs or BatchNeeds.of(self.params)).plain:
                 # Every item sampled row i, no log-probabilities (a plain decode step): the
                 # outputs made column-wise, without a conditional per item.
                 n = len(self.rows)

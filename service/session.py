@@ -192,15 +192,18 @@ class SessionStream:
         return self._respond(entry, result)
 
     async def _complete(self, entry: _Entry) -> StepResult:
-        """Wait for a launched step off the executor thread (its event) and build it. The
-        wait is shielded: a writer cancelled meanwhile leaves it to the drain."""
+        """Wait for a launched step off the executor thread (its event) and build it: on a
+        completion thread, or here if its device work is done. The wait is shielded: a
+        writer cancelled meanwhile leaves it to the drain."""
         pending = entry.pending
         assert pending is not None
         if entry.finishing is None:
             if pending.finished:
                 raise StepAborted("rolled back: an earlier step of this session failed "
                                   "when it completed; nothing of this step applied")
-            if pending.done is None:  # CPU: the work ran at launch
+            if pending.done is None or (pending.on_sampled is None and pending.done.query()):
+                # CPU: the work ran at launch; or the device is done with it (a host-bound
+                # pipeline): no wait, so no hop to a thread (grammar rows still take it).
                 return pending.finish()
             entry.finishing = self._shared.completions.run(pending.finish)
         return await asyncio.shield(entry.finishing)

@@ -11,8 +11,9 @@ the first and last measured answer / steps; the headline ratio is the default de
 against the span. ``--rounds N`` interleaves the gRPC modes N times (medians);
 ``--py-spy DIR`` samples the server during each batch's default-depth Session.
 ``--stand-in-span-ms 1:1.27,64:1.63`` runs the same on CPU with a simulated device
-(``bench.serving.stand_in``). Writes ``session.json``, ``session.md`` and ``session.png``
-to ``--out`` (default ``results-local``).
+(``bench.serving.stand_in``; ``--stand-in-graphs``: decode on a graph's host path).
+Writes ``session.json``, ``session.md`` and ``session.png`` to ``--out`` (default
+``results-local``).
 """
 
 from __future__ import annotations
@@ -66,12 +67,13 @@ def _complete(ex: Executor, step: PendingStep, host_s: list[float]) -> None:
 
 
 def in_process(config: ExecutorConfig, batches: list[int], steps: int,
-               stand_in: str | None = None, launch_us: float = 0.0) -> dict[str, Any]:
+               stand_in: str | None = None, launch_us: float = 0.0,
+               graphs: bool = False) -> dict[str, Any]:
     """Per batch: the synchronous call and replay span, then two steps launched ahead with
     the host time of each launch and completion (on the stand-in device with ``stand_in``
     spans, ``bench.serving.stand_in``)."""
     if stand_in is not None:
-        ex: Executor = StandInExecutor(config, parse_spans(stand_in), launch_us / 1e6)
+        ex: Executor = StandInExecutor(config, parse_spans(stand_in), launch_us / 1e6, graphs)
     else:
         ex = Executor(config)
     if config.is_cuda:
@@ -146,14 +148,16 @@ def _cpu_s(pid: int | None = None) -> float:
 
 def over_grpc(config: ExecutorConfig, model: str, device: str, batches: list[int],
               steps: int, vocab: int, stand_in: str | None = None, rounds: int = 1,
-              launch_us: float = 0.0, py_spy: Path | None = None) -> dict[str, Any]:
+              launch_us: float = 0.0, py_spy: Path | None = None,
+              graphs: bool = False) -> dict[str, Any]:
     """Each mode ``rounds`` times, the modes interleaved round by round (a host's speed
     drifts within minutes); the median per mode, and every round.
     With ``py_spy``, the first round's default-depth Session of each batch is sampled."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     entry = ["service.cli"] if stand_in is None else \
-        ["bench.serving.stand_in", "--span-ms", stand_in, "--launch-host-us", str(launch_us), "--"]
+        ["bench.serving.stand_in", "--span-ms", stand_in, "--launch-host-us", str(launch_us),
+         *(["--graphs"] if graphs else []), "--"]
     args = [sys.executable, "-m", *entry, "serve", "--model", model, "--device", device,
             "--port", str(port), "--metrics-port", "-1",
             "--max-sequences", str(config.cache.max_sequences),
@@ -313,19 +317,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stand-in-launch-us", type=float, default=0.0,
                     help="with --stand-in-span-ms: extra host time per launch, GIL held "
                     "(bench.serving.stand_in --launch-host-us)")
+    ap.add_argument("--stand-in-graphs", action="store_true",
+                    help="with --stand-in-span-ms: decode steps take a graph replay's host "
+                    "path, as on a GPU (bench.serving.stand_in --graphs)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     config = executor_config(args.model, args.device, batches, args.steps)
     stand_in = args.stand_in_span_ms
     launch_us = args.stand_in_launch_us
-    inproc = in_process(config, batches, args.steps, stand_in, launch_us)
+    inproc = in_process(config, batches, args.steps, stand_in, launch_us, args.stand_in_graphs)
     if args.in_process_only:
         print(json.dumps(inproc, indent=1))
         return 0
     grpc_rows = over_grpc(config, args.model, args.device, batches, args.steps,
                           _vocab(args.model), stand_in, args.rounds, launch_us,
-                          args.py_spy)
+                          args.py_spy, args.stand_in_graphs)
     if args.py_spy is not None:
         for raw in sorted(args.py_spy.glob("pyspy-*.txt")):
             # sampled over the mode's steps + 10 requests (and a second of idle before)
@@ -336,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"cpu ({os.cpu_count()} CPUs)" + ("" if stand_in is None else
                                           f", stand-in device {stand_in} ms, "
-                                          f"{launch_us:g} us extra host time per launch")
+                                          f"{launch_us:g} us extra host time per launch"
+                                          + (", graph host path" if args.stand_in_graphs
+                                             else ""))
     result = {"device": device, "commit": git_commit(),
               "model": args.model, "steps": args.steps, "rounds": args.rounds,
               "in_process": inproc, "grpc": grpc_rows}

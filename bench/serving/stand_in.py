@@ -10,8 +10,10 @@ step launched at ``t`` runs from ``max(t, end of the step before)`` for its span
 given for the smallest batch at least its size, times its ``num_steps``), and waiting for
 the event sleeps (the GIL free, as in ``torch.cuda.Event.synchronize``). It does not model
 the host cost of launching real kernels: ``--launch-host-us`` adds a busy wait holding the
-GIL to every launch, as those CUDA calls do. Compare variants within one run on one
-machine (``bench.serving.session_latency --stand-in-span-ms``).
+GIL to every launch, as those CUDA calls do. With ``graphs``, decode steps take the host
+path of a graph replay (``StandInGraphs``: packed for a bucket, no eager table write), as
+a GPU serves them. Compare variants within one run on one machine
+(``bench.serving.session_latency --stand-in-span-ms``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ from typing import Any
 
 import torch
 
+from executor.api import Phase
 from executor.config import ExecutorConfig
 from executor.executor import Executor
+from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import default_decode_buckets
+from executor.graphs.dispatch import RunnerState
+from executor.packing import GraphLayout
 from executor.steps import PendingStep
 
 
@@ -52,13 +59,57 @@ def parse_spans(text: str) -> dict[int, float]:
     return dict(sorted(spans.items()))
 
 
+class StandInGraphs:
+    """A decode graph runner on the host: every bucket counts as captured, a batch is
+    packed for its bucket into a fixed buffer (``GraphLayout``, host memory), and a replay
+    returns zero logits from a fixed output, as a captured graph leaves them (the token
+    masks, the table write and the rows' argmax happen "inside the graph": not on the
+    host)."""
+
+    controls_in_graph = True
+    runs_compiled = False
+
+    def __init__(self, buckets: tuple[int, ...], vocab: int, table_scratch: int) -> None:
+        self.buckets = buckets
+        transfer = torch.zeros(GraphLayout.max_packed_size(max(buckets)), dtype=torch.int64)
+        self.layouts = {b: GraphLayout(b, table_scratch, transfer, "decode") for b in buckets}
+        self._out = torch.zeros(max(buckets), vocab)
+        self._greedy = torch.zeros(max(buckets), dtype=torch.int64)  # the argmax of zeros
+        self._state = RunnerState(cuda=True, enabled=True, buckets=buckets,
+                                  captured=frozenset(buckets), failed=frozenset())
+
+    def state(self) -> RunnerState:
+        return self._state
+
+    def layout(self, bucket: int) -> GraphLayout:
+        return self.layouts[bucket]
+
+    def replay(self, batch: ForwardBatch, bucket: int, want_hidden: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._out[: batch.batch_size], None
+
+    def greedy(self, batch_size: int) -> torch.Tensor:
+        return self._greedy[:batch_size]
+
+    def drain_replay_seconds(self) -> list[float]:
+        return []
+
+    def captured_sizes(self) -> tuple[int, ...]:
+        return self.buckets
+
+
 class StandInExecutor(Executor):
     """``Executor`` whose device is an in-order queue of steps; a step of ``n`` sequences
-    takes the span of the smallest batch in ``spans`` at least ``n`` (else the largest)."""
+    takes the span of the smallest batch in ``spans`` at least ``n`` (else the largest).
+    ``graphs``: decode steps take a graph replay's host path (``StandInGraphs``)."""
 
     def __init__(self, config: ExecutorConfig, spans: dict[int, float],
-                 launch_host_s: float = 0.0) -> None:
+                 launch_host_s: float = 0.0, graphs: bool = False) -> None:
         super().__init__(config)
+        if graphs:  # (the forward shares this dict)
+            self.runners["decode"] = StandInGraphs(  # type: ignore[assignment]
+                default_decode_buckets(config.decode_batch_limit),
+                self.model_info.vocab_size, self.table.scratch_index)
         self.spans = spans
         self.launch_host_s = launch_host_s  # extra host time per launch, GIL held
         self.device_free_at = 0.0
@@ -69,6 +120,9 @@ class StandInExecutor(Executor):
         self.forward.forward_only = lambda batch: None  # type: ignore[method-assign]
         pend = self.pools.pend
         self.pools.pend = lambda step: self._on_device(pend(step))  # type: ignore[method-assign]
+
+    def startup_phases(self) -> tuple[Phase, ...]:
+        return ()  # nothing to capture
 
     def span_s(self, sequences: int) -> float:
         fits = [s for b, s in self.spans.items() if b >= sequences]
@@ -94,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--span-ms", required=True, help="BATCH:MS,... e.g. 1:1.27,64:1.63")
     ap.add_argument("--launch-host-us", type=float, default=0.0,
                     help="extra host time per launch, GIL held (real launches' CUDA calls)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode steps take a graph replay's host path (StandInGraphs)")
     own = ap.parse_args(args[:split])
     from service.cli import build_configs, build_parser
     from service.logs import configure_logging
@@ -108,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> int:
         def factory() -> Any:
             return StandInExecutor(executor_config, parse_spans(own.span_ms),
-                                   own.launch_host_us / 1e6)
+                                   own.launch_host_us / 1e6, own.graphs)
 
         server = ExecutorServer(executor_config, server_config, executor_factory=factory)
         await server.start()

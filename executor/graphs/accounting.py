@@ -75,26 +75,35 @@ class CaptureMemory:
 
 
 class ReplayTimer:
-    """CUDA events around replays, read later without adding a host sync to the step."""
+    """CUDA events around replays, read later without adding a host sync to the step. The
+    event pairs of drained replays are kept and recorded again (a replay then creates and
+    destroys no event), at most ``spare`` of them."""
 
-    def __init__(self, device: torch.device, maxlen: int = 4096) -> None:
+    def __init__(self, device: torch.device, maxlen: int = 4096, spare: int = 64) -> None:
         self.pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=maxlen)
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._keep = spare
         # Replays run on the device's default stream; resolving the current stream on every
         # record costs more host time than the record itself.
         self._stream = torch.cuda.current_stream(device)
 
-    @contextmanager
-    def time(self) -> Iterator[None]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(self._stream)
-        yield
-        end.record(self._stream)
-        self.pending.append((start, end))
+    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Record a replay's start; ``stop`` with what it returns records its end."""
+        pair = self._spare.pop() if self._spare else (torch.cuda.Event(enable_timing=True),
+                                                     torch.cuda.Event(enable_timing=True))
+        pair[0].record(self._stream)
+        return pair
+
+    def stop(self, pair: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
+        pair[1].record(self._stream)
+        self.pending.append(pair)
 
     def drain(self) -> list[float]:
         """Seconds of every finished replay since the last drain (unfinished ones stay)."""
         out = []
         while self.pending and self.pending[0][1].query():
-            start, end = self.pending.popleft()
-            out.append(start.elapsed_time(end) / 1e3)
+            pair = self.pending.popleft()
+            out.append(pair[0].elapsed_time(pair[1]) / 1e3)
+            if len(self._spare) < self._keep:  # both recorded and passed: free to reuse
+                self._spare.append(pair)
         return out

@@ -26,6 +26,7 @@ from executor.kv.pool import ReqToTokenTable
 from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.packing import GraphLayout
+from executor.sampling import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class GraphRunner:
         # Decode graphs: the final-norm hidden states of every row (activation dtype),
         # copied there by the graph, for rows that ask for them.
         self._hidden: torch.Tensor | None = None
+        # Decode graphs: every row's argmax (int64), computed by the graph after the
+        # logits (and their masks and biases), so that a greedy step launches no argmax
+        # of its own (``greedy``).
+        self._greedy: torch.Tensor | None = None
         # Decode graphs capturing the runner's forward apply each row's token mask and
         # logit bias inside the graph, by its slot (``SlotControls``): the slots are
         # the prologue's, the tables static.
@@ -253,6 +258,7 @@ class GraphRunner:
             if self.logits_in_graph:
                 self._hidden = torch.empty(largest, self.model.spec.hidden_size,
                                            dtype=self.model.hidden_dtype, device=self.device)
+                self._greedy = torch.zeros(largest, dtype=torch.int64, device=self.device)
 
     def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -264,6 +270,8 @@ class GraphRunner:
             if self.controls is not None:  # the rows' slots, where the prologue reads them
                 slots = self.prologue.layouts[ids.shape[0]].field("slots")
                 self.controls.apply(logits, slots)
+            if self._greedy is not None:  # the sampler's argmax, of the same logits
+                argmax_rows(logits, out=self._greedy[: logits.shape[0]])
             return logits
         if self._out is None:
             return hidden
@@ -283,21 +291,29 @@ class GraphRunner:
         ``batch.logits_indices`` in the activation dtype (``compute_logits``), and with
         ``want_hidden`` those rows' final-norm hidden states (else None), valid until the
         next replay of this runner."""
-        with self.timer.time():
-            rows_refreshed = self.prologue.replay(batch, bucket)
-            if not self.attention_in_graph:
-                with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
-                    out = self.backend.replay(bucket)
-            else:
-                if not rows_refreshed:
-                    self.attn.refresh_metadata(self._meta[bucket], batch)
-                out = self._graphs_for(batch, bucket).replay(bucket)
+        timed = self.timer.start()  # (no context manager: it costs host time per step)
+        rows_refreshed = self.prologue.replay(batch, bucket)
+        if not self.attention_in_graph:
+            with self.scope.bind(self.attn.build_metadata(batch), batch.num_tokens):
+                out = self.backend.replay(bucket)
+        else:
+            if not rows_refreshed:
+                self.attn.refresh_metadata(self._meta[bucket], batch)
+            out = self._graphs_for(batch, bucket).replay(bucket)
+        self.timer.stop(timed)
         if self.logits_in_graph:  # decode: logits_indices are rows 0..B-1
             hidden = self._hidden[: batch.batch_size] if want_hidden and \
                 self._hidden is not None else None
             return out[: batch.batch_size], hidden
         rows = out[batch.logits_indices]
         return self.model.compute_logits(rows), rows if want_hidden else None
+
+    def greedy(self, batch_size: int) -> torch.Tensor | None:
+        """The argmax of each of the last replay's ``batch_size`` rows of logits, as the
+        sampler would find it (a view, valid until the next replay), or None where the
+        graphs do not compute it (prefill; a backend that does not capture the runner's
+        forward)."""
+        return None if self._greedy is None else self._greedy[:batch_size]
 
     def _graphs_for(self, batch: ForwardBatch, bucket: int) -> CaptureBackend:
         """The twin of the smallest context tier that holds ``batch``'s longest sequence,

@@ -52,15 +52,19 @@ def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, slots_ptr, table_ptr, n_chunks
 
 
 def argmax_rows(x: torch.Tensor, block: int = BLOCK,
-                store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64.
+                store: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64,
+    into ``out`` if given (a contiguous ``(rows,)`` int64 tensor, e.g. a graph's buffer).
 
     With ``store = (table, slots)`` (int64, ``slots`` one per row), the second launch also
     writes ``table[slots[r]] = argmax of row r``: a decode step's greedy tokens become its
     sequences' last sampled tokens without an ``index_copy_`` launch after it."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be (rows, cols) with contiguous rows"
     rows, cols = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.stride(0) == 1
     if store is not None:
         table, slots = store
         assert table.dtype == slots.dtype == torch.int64 and table.dim() == 1

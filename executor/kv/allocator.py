@@ -33,6 +33,9 @@ class TokenAllocator:
         # head (one slice and a copy; ascending at first, which keeps a lightly used pool
         # compact), freeing puts locations back just before it.
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        # The same memory as a numpy array: ``alloc`` slices and copies it without two
+        # dispatcher calls (a decode step allocates every step).
+        self._free_array = self._free.numpy()
         self._head = 0
         # References beyond the first, by location (0 for free and singly held ones).
         self._extra = torch.zeros(size + 1, dtype=torch.int32)
@@ -54,7 +57,7 @@ class TokenAllocator:
             raise ValueError(f"cannot allocate {n} locations")
         if n > self.num_free:
             raise OutOfResources("kv_tokens", needed=n, free=self.num_free)
-        out = self._free[self._head : self._head + n].clone()
+        out = torch.from_numpy(self._free_array[self._head : self._head + n].copy())
         self._head += n
         return out
 

@@ -26,9 +26,6 @@ from executor.kv.pool import ReqToTokenTable
 
 # NOTE: compared by identity (the table holds one per sequence), so ``None in states``
 # over a batch's looked-up states stays in C instead of calling a generated ``__eq__``.
-#: From this many sequences, ``KVCacheManager.extend`` works over columns (its fixed cost
-#: is more than ``allocate``'s per-sequence work below it).
-_COLUMNS_MIN_ROWS = 16
 
 
 @dataclass(eq=False, slots=True)
@@ -207,8 +204,6 @@ class KVCacheManager:
         host table. The same locations, lengths, errors and atomicity as ``allocate``,
         which it hands over to for anything but distinct, known sequences that fit."""
         self.version += 1
-        if len(seq_ids) < _COLUMNS_MIN_ROWS:  # a few sequences: plain ``allocate`` is cheaper
-            return self.allocate([(sid, n) for sid in seq_ids])
         states = list(map(self._seqs.get, seq_ids))  # one lookup each, in C
         b, total = len(states), n * len(states)
         if n < 1 or None in states or total > self.tokens.num_free \

@@ -112,6 +112,10 @@ class ReqToTokenTable:
         """``write_host`` of ``n`` tokens for every sequence: ``host_table[slots[i],
         starts[i]:starts[i] + n]`` gets ``locs[i * n:(i + 1) * n]`` (allocation time). One
         numpy scatter whose flat indices are computed over the batch, not per token."""
+        if len(slots) == 1:  # one sequence: one slice, no index arrays
+            at1 = slots[0] * self.max_context + starts[0]
+            self._host_array[at1 : at1 + n] = locs.numpy()
+            return
         at = np.array(slots, dtype=np.int64) * self.max_context + np.array(starts,
                                                                            dtype=np.int64)
         if n != 1:  # (sequences, n): each sequence's tokens are adjacent in ``locs``

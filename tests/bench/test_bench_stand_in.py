@@ -99,3 +99,23 @@ def test_the_session_bench_in_process_is_bound_by_the_simulated_device() -> None
         assert span * 0.99 <= row["launched_ahead_ms"] <= span * 1.5
         assert row["call_ms"] >= span * 0.99  # a synchronous call waits for its step
         assert row["launch_host_us"] > 0 and row["complete_host_us"] > 0
+
+
+def test_graphs_take_a_graph_replays_host_path() -> None:
+    """``graphs``: decode steps are packed for a bucket and "replayed" (path graph, padded
+    to the bucket, the rows' argmax from the replay), with the eager stand-in's outputs
+    and KV."""
+    outs, infos = [], []
+    for graphs in (False, True):
+        ex = StandInExecutor(ExecutorConfig(cache=CacheConfig(kv_tokens=512, max_sequences=4,
+                                                              max_context=128),
+                                            max_decode_batch=4),
+                             parse_spans("1:0.01"), graphs=graphs)
+        ids = ["a", "b", "c"]
+        ex.prefill([PrefillItem(s, [3, 4, 5 + i]) for i, s in enumerate(ids)])
+        steps = [ex.decode([DecodeItem(s, None) for s in ids]) for _ in range(3)]
+        outs.append([[(o.seq_id, o.token_id, o.seq_len) for o in r.outputs] for r in steps])
+        infos.append([(r.step.path, r.step.padded_tokens) for r in steps])
+        ex.kv.check_invariants()
+    assert outs[0] == outs[1]
+    assert infos == [[("eager", 0)] * 3, [("graph", 1)] * 3]

@@ -253,3 +253,31 @@ def test_remember_writes_each_rows_token_at_its_slot(mixed: bool) -> None:
     expect = torch.full((9,), -1, dtype=torch.int64)
     expect[slots] = plain
     assert torch.equal(table, expect)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_given_greedy_tokens_sample_as_the_samplers_own_argmax(mixed: bool,
+                                                               logprobs: bool) -> None:
+    """``greedy`` (a decode graph's argmax of the rows, computed in the replay) stands for
+    the sampler's argmax: the same tokens, log-probabilities and last-token table as
+    without it, drawn rows still drawn; the given tensor itself is left as it was (a
+    graph's buffer)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, generator=gen)
+    drawn = SamplingParams(temperature=0.8, seed=7, logprobs=logprobs)
+    plain = SamplingParams(logprobs=logprobs)
+    params = [plain, drawn if mixed else plain, plain, plain]
+    positions = [3, 4, 5, 6]
+    slots = torch.tensor([7, 2, 5, 0])
+    given_tokens = logits.argmax(-1)
+    kept = given_tokens.clone()
+    tables = [torch.full((9,), -1, dtype=torch.int64) for _ in range(2)]
+    own = Sampler(seed=0).sample(logits, params, positions, remember=(tables[0], slots))
+    got = Sampler(seed=0).sample(logits, params, positions, remember=(tables[1], slots),
+                                 greedy=given_tokens)
+    assert torch.equal(got.tokens, own.tokens) and torch.equal(tables[1], tables[0])
+    assert (got.logprobs is None) == (own.logprobs is None) == (not logprobs)
+    if logprobs:
+        assert torch.equal(got.logprobs, own.logprobs)  # type: ignore[arg-type]
+    assert torch.equal(given_tokens, kept)

@@ -367,6 +367,9 @@ class _LaterEvent:
     def __init__(self, delay_s: float) -> None:
         self.ready_at = time.perf_counter() + delay_s
 
+    def query(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
     def synchronize(self) -> None:
         while (left := self.ready_at - time.perf_counter()) > 0:
             time.sleep(left)
@@ -453,6 +456,9 @@ class _HeldEvent:
 
     def __init__(self, fired: threading.Event) -> None:
         self.fired = fired
+
+    def query(self) -> bool:
+        return self.fired.is_set()
 
     def synchronize(self) -> None:
         assert self.fired.wait(30), "the held step was never let complete"
@@ -565,4 +571,57 @@ def test_a_stream_cancelled_while_a_completion_is_awaited_keeps_its_launched_ste
     assert (first.outputs[0].seq_len, second.outputs[0].seq_len) == (6, 7)  # replayed
     assert ex.kv.get("kc").length == 7
     server.stub.Release(pb.ReleaseRequest(seq_ids=["kc"]), timeout=10)
+    assert_exact(server)
+
+
+class _DoneEvent:
+    """A device event that has fired already (a host-bound pipeline's oldest step): its
+    waits are recorded by thread."""
+
+    def __init__(self, waited_on: list[str]) -> None:
+        self.waited_on = waited_on
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.waited_on.append(threading.current_thread().name)
+
+
+def test_a_step_whose_device_work_is_done_completes_without_a_thread_hop(
+        server: ServerHarness) -> None:
+    """A launched step whose event has fired when the writer reaches it is completed on
+    the loop, not handed to a completion thread and back; its answers are the unary
+    calls' (before, every step with an event went through the threads)."""
+    ex: Any = harness_executor(server)
+    real = ex.launch_decode, ex.launch_prefill
+    waited_on: list[str] = []
+
+    def done(launch: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> PendingStep:
+            pending: PendingStep = launch(*args, **kwargs)
+            pending.done = _DoneEvent(waited_on)  # type: ignore[assignment]
+            return pending
+        return wrapped
+
+    ref = [server.stub.Prefill(prefill("ya", prompt(41, 6)), timeout=30)]
+    token = ref[0].outputs[0].token_id
+    for _ in range(3):
+        ref.append(server.stub.Decode(pb.DecodeRequest(items=[
+            pb.DecodeItem(seq_id="ya", token_id=token, sampling=SEEDED)]), timeout=30))
+        token = ref[-1].outputs[0].token_id
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["ya"]), timeout=30)
+    ex.launch_decode, ex.launch_prefill = done(real[0]), done(real[1])
+    try:
+        requests = [pb.SessionRequest(step=1, prefill=prefill("za", prompt(41, 6)))]
+        requests += [pb.SessionRequest(step=2 + i, decode=decode_last(["za"]))
+                     for i in range(3)]
+        responses = list(server.stub.Session(iter(requests), timeout=60))
+    finally:
+        ex.launch_decode, ex.launch_prefill = real
+    assert [tokens_of(getattr(r, r.WhichOneof("result"))) for r in responses] == \
+        [tokens_of(r) for r in ref]
+    assert len(waited_on) == 4
+    assert not [name for name in waited_on if name.startswith("session_complete")], waited_on
+    server.stub.Release(pb.ReleaseRequest(seq_ids=["za"]), timeout=30)
     assert_exact(server)

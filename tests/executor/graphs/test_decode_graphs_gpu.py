@@ -172,3 +172,77 @@ def test_recapture_with_force_and_injected_failure(tmp_path: Path) -> None:
     seconds = e.drain_replay_seconds()["decode"]
     assert len(seconds) >= 2 and all(0 < x < 1 for x in seconds)
     assert e.drain_replay_seconds()["decode"] == []  # drained
+
+
+def test_a_greedy_step_samples_the_graph_argmax(ex: Executor,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decode graph computes its rows' argmax after the logits (and their masks): it
+    is the split argmax of the replay's logits exactly, and a greedy step samples it
+    instead of launching an argmax of its own. A multi-step decode keeps each step's
+    tokens (the graph's buffer is the next replay's): its steps equal single steps."""
+    import executor.sampling as sampling_mod
+    from executor.kernels import argmax as argmax_mod
+
+    runner = ex.runners["decode"]
+    last = _prefill(ex, 5, "am")
+    for _ in range(4):
+        alloc = ex.kv.allocate([(sid, 1) for sid in last])
+        graph, _ = graph_and_eager(ex, runner, "decode", list(last.values()), alloc, 8)
+        greedy = runner.greedy(5)
+        assert greedy is not None
+        assert torch.equal(greedy, argmax_mod.argmax_rows(graph.contiguous()))
+        last = dict(zip(last, greedy.tolist(), strict=True))
+    ex.release(list(last))
+
+    calls = {"n": 0}
+    real = sampling_mod.argmax_rows
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling_mod, "argmax_rows", counted)
+    a, b = _prefill(ex, 3, "ma"), _prefill(ex, 3, "mb")
+    assert list(a.values()) == list(b.values())
+    calls["n"] = 0
+    multi = ex.decode([DecodeItem(s, t) for s, t in a.items()], num_steps=4)
+    singles = []
+    toks = b
+    for _ in range(4):
+        out = ex.decode([DecodeItem(s, t) for s, t in toks.items()])
+        assert out.step.path == "graph"
+        toks = {o.seq_id: int(o.token_id) for o in out.outputs}  # type: ignore[arg-type]
+        singles.append(list(toks.values()))
+    assert calls["n"] == 0  # every greedy step took the graph's argmax
+    assert [[s.token_id for s in o.steps] for o in multi.outputs] == \
+        [list(col) for col in zip(*singles, strict=True)]
+    ex.release([*a, *b])
+    ex.kv.check_invariants()
+
+
+def test_replay_timer_records_drained_events_again(ex: Executor) -> None:
+    """Each replay is timed by a pair of CUDA events; once drained, a pair is recorded
+    again by a later replay (no event made per step), and every replay is still timed."""
+    timer = ex.runners["decode"].timer
+    toks = _prefill(ex, 2, "rt")
+    ex.drain_replay_seconds()
+    seen: list[int] = []
+    real = timer.start
+
+    def start() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        pair = real()
+        seen.append(id(pair[0]))
+        return pair
+
+    timer.start = start  # type: ignore[method-assign]
+    try:
+        for _ in range(12):
+            out = ex.decode([DecodeItem(s, t) for s, t in toks.items()])
+            toks = {o.seq_id: int(o.token_id) for o in out.outputs}  # type: ignore[arg-type]
+            torch.cuda.synchronize()
+            spans = ex.drain_replay_seconds()["decode"]
+            assert len(spans) == 1 and spans[0] > 0
+    finally:
+        del timer.start
+    assert len(seen) == 12 and len(set(seen)) <= 2, seen
+    ex.release(list(toks))

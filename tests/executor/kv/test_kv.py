@@ -180,15 +180,6 @@ batches = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=1, max_size=6,
                              st.integers(1, 4), st.booleans()), min_size=1, max_size=25)
 
 
-@pytest.fixture
-def columns_always(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``extend`` over columns at any batch size (not only from 16 sequences)."""
-    from executor.kv import manager as manager_module
-
-    monkeypatch.setattr(manager_module, "_COLUMNS_MIN_ROWS", 1)
-
-
-@pytest.mark.usefixtures("columns_always")
 @settings(max_examples=150, deadline=None)
 @given(batches)
 def test_extend_matches_allocate(calls: list[tuple[list[int], int, bool]]) -> None:
@@ -210,7 +201,6 @@ def test_extend_matches_allocate(calls: list[tuple[list[int], int, bool]]) -> No
             fast.check_invariants()
 
 
-@pytest.mark.usefixtures("columns_always")
 def test_extend_of_a_repeated_known_id_matches_allocate() -> None:
     fast, ref = manager(tokens=48, slots=5, ctx=12), manager(tokens=48, slots=5, ctx=12)
     for m in (fast, ref):
@@ -220,7 +210,6 @@ def test_extend_of_a_repeated_known_id_matches_allocate() -> None:
     fast.check_invariants()
 
 
-@pytest.mark.usefixtures("columns_always")
 def test_extend_rollback_restores_lengths_and_locations() -> None:
     m = manager(tokens=32, slots=3, ctx=16)
     m.allocate([("a", 5), ("b", 2)])

@@ -220,6 +220,9 @@ class _SyncRaises:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
+    def query(self) -> bool:  # a CUDA event's query raises a sticky device error too
+        raise self.error
+
     def synchronize(self) -> None:
         raise self.error
 
