@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.family_parity import References
 from tests.helpers.models import ARCHS, write_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -17,20 +18,33 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep the tiny model cache of the test run out of the user's home."""
-    old = os.environ.get("MODEL_EXECUTOR_CACHE")
+    """Keep the tiny model cache of the test run out of the user's home, and give the
+    real-checkpoint modules (which read ``MODEL_EXECUTOR_TEST_CACHE``) one cache for the
+    whole run when none is set: SmolLM2 is downloaded and converted once, not per module."""
+    old = {name: os.environ.get(name)
+           for name in ("MODEL_EXECUTOR_CACHE", "MODEL_EXECUTOR_TEST_CACHE")}
     os.environ["MODEL_EXECUTOR_CACHE"] = str(tmp_path_factory.mktemp("me-cache"))
+    if not old["MODEL_EXECUTOR_TEST_CACHE"]:
+        os.environ["MODEL_EXECUTOR_TEST_CACHE"] = str(tmp_path_factory.mktemp("smol"))
     yield
-    if old is None:
-        os.environ.pop("MODEL_EXECUTOR_CACHE", None)
-    else:
-        os.environ["MODEL_EXECUTOR_CACHE"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {kind: write_model(root, kind, seed=i) for i, kind in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def family_references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The model families' checkpoints and HF references, shared by their TP = 1 and
+    TP = 2 parity tests (``tests.helpers.family_parity``)."""
+    return References(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")
