@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import moe_models
 from tests.helpers.family_parity import References
 from tests.helpers.models import ARCHS, write_model
 
@@ -45,6 +46,13 @@ def family_references(tmp_path_factory: pytest.TempPathFactory) -> References:
     """The model families' checkpoints and HF references, shared by their TP = 1 and
     TP = 2 parity tests (``tests.helpers.family_parity``)."""
     return References(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def moe_references(tmp_path_factory: pytest.TempPathFactory) -> moe_models.References:
+    """The MoE checkpoints and their HF greedy references, shared by the TP = 1 and TP = 2
+    serving tests (``tests.helpers.moe_models``)."""
+    return moe_models.References(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
