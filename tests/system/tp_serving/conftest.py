@@ -20,7 +20,10 @@ from tests.system.tp_serving.scenario import TINY
 
 
 def _shared(world_size: int) -> Iterator[ServeProcess]:
-    extra = ["--tensor-parallel-size", str(world_size)] if world_size > 1 else []
+    # A longer heartbeat bound than the default: the server idles between its tests while
+    # others load the host (a missed heartbeat is the fault tests' subject, not these').
+    extra = ["--tensor-parallel-size", str(world_size), "--rank-heartbeat-timeout", "60"
+             ] if world_size > 1 else []
     server = ServeProcess([*TINY, "--metrics-port", "0", *extra])
     try:
         server.wait_ready()
