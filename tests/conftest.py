@@ -1,5 +1,7 @@
-"""Fixtures of the whole suite: an isolated model cache, the tiny HF checkpoints of each
-architecture, the GPU tests' models; tests marked ``gpu`` skip without CUDA."""
+"""Fixtures of the whole suite: an isolated model cache (and one SmolLM2 conversion per
+run), the tiny HF checkpoints of each architecture, the families' and MoE kinds'
+checkpoints with their HF references (made once, shared by their TP = 1 and TP = 2 tests),
+the GPU tests' models; tests marked ``gpu`` skip without CUDA."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import moe_models
-from tests.helpers.family_parity import References
+from tests.helpers import family_parity, moe_models
 from tests.helpers.models import ARCHS, write_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -42,10 +43,10 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def family_references(tmp_path_factory: pytest.TempPathFactory) -> References:
+def family_references(tmp_path_factory: pytest.TempPathFactory) -> family_parity.References:
     """The model families' checkpoints and HF references, shared by their TP = 1 and
     TP = 2 parity tests (``tests.helpers.family_parity``)."""
-    return References(tmp_path_factory.mktemp("families"))
+    return family_parity.References(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="session")
