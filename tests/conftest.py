@@ -1,5 +1,7 @@
-"""Fixtures of the whole suite: an isolated model cache, the tiny HF checkpoints of each
-architecture, the GPU tests' models; tests marked ``gpu`` skip without CUDA."""
+"""Fixtures of the whole suite: an isolated model cache (and one SmolLM2 conversion per
+run), the tiny HF checkpoints of each architecture, the families' and MoE kinds'
+checkpoints with their HF references (made once, shared by their TP = 1 and TP = 2 tests),
+the GPU tests' models; tests marked ``gpu`` skip without CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import family_parity, moe_models
 from tests.helpers.models import ARCHS, write_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -17,20 +20,40 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep the tiny model cache of the test run out of the user's home."""
-    old = os.environ.get("MODEL_EXECUTOR_CACHE")
+    """Keep the tiny model cache of the test run out of the user's home, and give the
+    real-checkpoint modules (which read ``MODEL_EXECUTOR_TEST_CACHE``) one cache for the
+    whole run when none is set: SmolLM2 is downloaded and converted once, not per module."""
+    old = {name: os.environ.get(name)
+           for name in ("MODEL_EXECUTOR_CACHE", "MODEL_EXECUTOR_TEST_CACHE")}
     os.environ["MODEL_EXECUTOR_CACHE"] = str(tmp_path_factory.mktemp("me-cache"))
+    if not old["MODEL_EXECUTOR_TEST_CACHE"]:
+        os.environ["MODEL_EXECUTOR_TEST_CACHE"] = str(tmp_path_factory.mktemp("smol"))
     yield
-    if old is None:
-        os.environ.pop("MODEL_EXECUTOR_CACHE", None)
-    else:
-        os.environ["MODEL_EXECUTOR_CACHE"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {kind: write_model(root, kind, seed=i) for i, kind in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def family_references(tmp_path_factory: pytest.TempPathFactory) -> family_parity.References:
+    """The model families' checkpoints and HF references, shared by their TP = 1 and
+    TP = 2 parity tests (``tests.helpers.family_parity``)."""
+    return family_parity.References(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def moe_references(tmp_path_factory: pytest.TempPathFactory) -> moe_models.References:
+    """The MoE checkpoints and their HF greedy references, shared by the TP = 1 and TP = 2
+    serving tests (``tests.helpers.moe_models``)."""
+    return moe_models.References(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")

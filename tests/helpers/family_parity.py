@@ -107,14 +107,30 @@ FEATURES = {
 }
 
 
-def serve_and_check(root: Path, kind: str, tp: int = 1) -> None:
-    """Write ``kind``'s tiny checkpoint, serve it (``tp`` ranks, gloo), check Health's
-    window and features and the greedy parity against HF."""
-    from tests.helpers.models import WINDOW, write_model
+class References:
+    """Each kind's tiny checkpoint and its HF ``reference``, made on first use and kept:
+    the TP = 1 and TP = 2 parity tests of a kind share them (one per test session)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[str, tuple[Path, Run]] = {}
+
+    def get(self, kind: str) -> tuple[Path, Run]:
+        if kind not in self._made:
+            from tests.helpers.models import write_model
+
+            path = write_model(self.root, kind, seed=3)
+            self._made[kind] = (path, reference(path))
+        return self._made[kind]
+
+
+def serve_and_check(references: References, kind: str, tp: int = 1) -> None:
+    """Serve ``kind``'s tiny checkpoint (``tp`` ranks, gloo), check Health's window and
+    features and the greedy parity against HF."""
+    from tests.helpers.models import WINDOW
     from tests.helpers.serving import ServeProcess
 
-    path = write_model(root, kind, seed=3)
-    want = reference(path)
+    path, want = references.get(kind)
     args = ["--model", str(path), *SERVE_ARGS]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp)]

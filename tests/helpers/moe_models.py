@@ -93,6 +93,21 @@ def hf_greedy(path: Path, prompts: list[list[int]], steps: int
     return out
 
 
+class References:
+    """``write_moe_model(kind, seed)`` and its ``hf_greedy`` over ``PROMPTS``, made on
+    first use and kept: the TP = 1 and TP = 2 serving tests share them (one per session)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[tuple[str, int], tuple[Path, list[tuple[list[int], Any]]]] = {}
+
+    def get(self, kind: str, seed: int) -> tuple[Path, list[tuple[list[int], Any]]]:
+        if (kind, seed) not in self._made:
+            path = write_moe_model(self.root / f"seed{seed}", kind, seed=seed)
+            self._made[kind, seed] = (path, hf_greedy(path, PROMPTS, STEPS))
+        return self._made[kind, seed]
+
+
 def served_greedy(stub: Any, prompts: list[list[int]], steps: int, tag: str
                   ) -> list[list[tuple[int, float, list[tuple[int, float]]]]]:
     """Greedy ``steps`` tokens per prompt through Prefill (each prompt in two chunks, the

@@ -20,20 +20,19 @@ from tests.helpers.moe_models import (
     MOE_KINDS,
     PROMPTS,
     STEPS,
+    References,
     assert_matches_hf,
-    hf_greedy,
     moe_config,
     served_greedy,
-    write_moe_model,
 )
 from tests.service.harness import ServerHarness
 
 
 @pytest.fixture(scope="module", params=list(MOE_KINDS))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def served(request: pytest.FixtureRequest, moe_references: References
            ) -> Iterator[tuple[str, Path, ServerHarness]]:
     kind = request.param
-    path = write_moe_model(tmp_path_factory.mktemp(kind), kind, seed=3)
+    path, _ = moe_references.get(kind, 3)
     config = ExecutorConfig(model=ModelConfig(source=str(path), dtype="float32"), device="cpu",
                             cache=CacheConfig(kv_tokens=512, max_sequences=4, max_context=128))
     harness = ServerHarness(config)
@@ -44,10 +43,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         harness.close()
 
 
-def test_greedy_tokens_and_logprobs_equal_hf(served: tuple[str, Path, ServerHarness]) -> None:
-    kind, path, harness = served
+def test_greedy_tokens_and_logprobs_equal_hf(served: tuple[str, Path, ServerHarness],
+                                             moe_references: References) -> None:
+    kind, _, harness = served
     got = served_greedy(harness.stub, PROMPTS, STEPS, tag=kind)
-    assert_matches_hf(got, hf_greedy(path, PROMPTS, STEPS))
+    assert_matches_hf(got, moe_references.get(kind, 3)[1])
     assert harness.kv().free_tokens == harness.kv().total_tokens
 
 
@@ -61,12 +61,13 @@ def test_health_reports_the_experts(served: tuple[str, Path, ServerHarness]) -> 
 
 
 def test_weights_update_in_place_from_a_directory(
-        served: tuple[str, Path, ServerHarness], tmp_path: Path) -> None:
+        served: tuple[str, Path, ServerHarness], moe_references: References,
+        tmp_path: Path) -> None:
     """UpdateWeights with other random experts, routers and attention (the published
     per-expert names): greedy tokens then equal HF on the new weights; an expert of the
     wrong shape is refused naming it and changes nothing; the original weights restore."""
     kind, path, harness = served
-    new = write_moe_model(tmp_path, kind, seed=11)
+    new, want = moe_references.get(kind, 11)
     bad = tmp_path / "bad"
     shutil.copytree(new, bad)
     shard = next(bad.glob("*.safetensors"))
@@ -84,7 +85,7 @@ def test_weights_update_in_place_from_a_directory(
     assert done.weight_version == "v2" and done.tensors_updated > 0
     try:
         got = served_greedy(harness.stub, PROMPTS, STEPS, tag=f"{kind}-v2")
-        assert_matches_hf(got, hf_greedy(new, PROMPTS, STEPS))
+        assert_matches_hf(got, want)
     finally:
         harness.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v1", path=str(path)),
                                    timeout=60)

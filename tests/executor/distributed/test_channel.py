@@ -82,8 +82,17 @@ def _rank(rank: int, port: int, out: Any, transport: Transport, spin_s: float) -
     bootstrap.shutdown(tp)
 
 
+def _context() -> Any:
+    """Ranks forked from a forkserver that imported torch and this module once: a fresh
+    ``spawn`` process re-imports them for every rank of every test, seconds each on a
+    small machine (and the ranks' start-up skew counts against the collective timeout)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _spawn(target: Any, *args: Any) -> tuple[list[Any], Any]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     port = probe.port
@@ -179,7 +188,7 @@ def _slow_rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_settle_waits_for_a_rank_slower_than_the_collective_timeout() -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     probe = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     port = probe.port

@@ -7,13 +7,12 @@ log-probabilities within 1e-4 of HF's, and Health names the window and the featu
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.helpers import family_parity
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_gemma_greedy_parity_through_grpc(tmp_path: Path, kind: str) -> None:
-    family_parity.serve_and_check(tmp_path, kind)
+def test_gemma_greedy_parity_through_grpc(
+        family_references: family_parity.References, kind: str) -> None:
+    family_parity.serve_and_check(family_references, kind)

@@ -6,13 +6,12 @@ decode) equal HF ``generate``'s, every step's top log-probabilities within 1e-4 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.helpers import family_parity
 
 
 @pytest.mark.parametrize("kind", ["mistral_window", "qwen2_window", "phi3"])
-def test_windowed_greedy_parity_through_grpc(tmp_path: Path, kind: str) -> None:
-    family_parity.serve_and_check(tmp_path, kind)
+def test_windowed_greedy_parity_through_grpc(
+        family_references: family_parity.References, kind: str) -> None:
+    family_parity.serve_and_check(family_references, kind)

@@ -19,6 +19,12 @@ import grpc
 from service.gen.model_executor.v1 import executor_pb2 as pb
 
 LOGPROBS = pb.SamplingParams(logprobs=True, top_logprobs=5)
+#: The pool of the ``tiny`` servers the scenario runs on: small enough that the prefill
+#: of one token more than is free is refused for KV, not for the context.
+KV_TOKENS = 160
+#: ``serve`` flags of those servers (``conftest``'s shared TP = 1 and TP = 2 ones).
+TINY = ["--model", "tiny", "--kv-tokens", str(KV_TOKENS), "--max-context", "128",
+        "--max-sequences", "8", "--drain-delay", "0"]
 
 
 @dataclass

@@ -5,13 +5,12 @@ of HF's (``tests.helpers.family_parity``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.helpers import family_parity
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_gemma_at_tp2_matches_hf(tmp_path: Path, kind: str) -> None:
-    family_parity.serve_and_check(tmp_path, kind, tp=2)
+def test_gemma_at_tp2_matches_hf(
+        family_references: family_parity.References, kind: str) -> None:
+    family_parity.serve_and_check(family_references, kind, tp=2)

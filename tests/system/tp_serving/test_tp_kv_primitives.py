@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.system.tp_serving.kv_primitives import LOGPROB_ATOL, TINY, run
+from tests.helpers.serving import ServeProcess
+from tests.system.tp_serving.kv_primitives import LOGPROB_ATOL, script
 
 
-def test_forks_and_every_position_under_tp2_equal_tp1() -> None:
-    want = run(TINY)
-    got = run([*TINY, "--tensor-parallel-size", "2"])
+def test_forks_and_every_position_under_tp2_equal_tp1(tiny_tp1: ServeProcess,
+                                                      tiny_tp2: ServeProcess) -> None:
+    want = script(tiny_tp1)
+    got = script(tiny_tp2)
     assert [(s, t) for s, t, _ in got] == [(s, t) for s, t, _ in want]
     assert [lp for _, _, lp in got] == pytest.approx([lp for _, _, lp in want],
                                                      abs=LOGPROB_ATOL)

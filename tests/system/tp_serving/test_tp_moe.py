@@ -7,25 +7,24 @@ other random weights (each rank keeping its slice of every expert)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from tests.helpers.moe_models import (
     PROMPTS,
     STEPS,
+    References,
     assert_matches_hf,
-    hf_greedy,
     served_greedy,
-    write_moe_model,
 )
 from tests.helpers.serving import ServeProcess
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_tp2_greedy_equals_hf(kind: str, tmp_path: Path) -> None:
-    path = write_moe_model(tmp_path, kind, seed=5)
+def test_tp2_greedy_equals_hf(kind: str, moe_references: References) -> None:
+    # the TP = 1 serving test's weights and HF references (tests/service/test_moe_serving.py)
+    path, want = moe_references.get(kind, 3)
+    new, want_updated = moe_references.get(kind, 11)
     server = ServeProcess(["--model", str(path), "--kv-tokens", "512", "--max-context", "128",
                            "--max-sequences", "4", "--drain-delay", "0",
                            "--tensor-parallel-size", "2"])
@@ -36,11 +35,10 @@ def test_tp2_greedy_equals_hf(kind: str, tmp_path: Path) -> None:
         assert model.num_experts_per_token == 2
         got = served_greedy(server.stub, PROMPTS, STEPS, tag=kind)
         # UpdateWeights in place: each rank copies its half of every expert's width
-        new = write_moe_model(tmp_path / "new", kind, seed=6)
         server.stub.UpdateWeights(pb.UpdateWeightsRequest(weight_version="v2", path=str(new)),
                                   timeout=60)
         updated = served_greedy(server.stub, PROMPTS, STEPS, tag=f"{kind}-v2")
     finally:
         assert server.stop() == 0, "".join(server.lines)[-3000:]
-    assert_matches_hf(got, hf_greedy(path, PROMPTS, STEPS))
-    assert_matches_hf(updated, hf_greedy(new, PROMPTS, STEPS))
+    assert_matches_hf(got, want)
+    assert_matches_hf(updated, want_updated)

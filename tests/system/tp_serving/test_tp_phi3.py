@@ -5,10 +5,8 @@ HF ``generate``'s, top log-probabilities within 1e-4 (``tests.helpers.family_par
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.helpers import family_parity
 
 
-def test_phi3_at_tp2_matches_hf(tmp_path: Path) -> None:
-    family_parity.serve_and_check(tmp_path, "phi3", tp=2)
+def test_phi3_at_tp2_matches_hf(family_references: family_parity.References) -> None:
+    family_parity.serve_and_check(family_references, "phi3", tp=2)

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from executor.weights.tiny import ensure_tiny_model
-from tests.system.tp_serving.kv_primitives import LOGPROB_ATOL, TINY, run
+from tests.helpers.serving import ServeProcess
+from tests.system.tp_serving.kv_primitives import LOGPROB_ATOL, TINY, run, script
 
 
-def test_random_weights_at_tp2_equal_tp1(tmp_path: Path) -> None:
+def test_random_weights_at_tp2_equal_tp1(tmp_path: Path, tiny_tp1: ServeProcess) -> None:
     shutil.copy(ensure_tiny_model() / "config.json", tmp_path / "config.json")
     args = [*TINY[2:], "--model", str(tmp_path), "--load-format", "random"]
     want = run(args)
@@ -22,4 +23,4 @@ def test_random_weights_at_tp2_equal_tp1(tmp_path: Path) -> None:
     assert [lp for _, _, lp in got] == pytest.approx([lp for _, _, lp in want],
                                                      abs=LOGPROB_ATOL)
     # The tiny checkpoint's own weights give other tokens: these are the drawn ones.
-    assert [(s, t) for s, t, _ in run(TINY)] != [(s, t) for s, t, _ in want]
+    assert [(s, t) for s, t, _ in script(tiny_tp1)] != [(s, t) for s, t, _ in want]

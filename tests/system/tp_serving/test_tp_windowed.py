@@ -4,13 +4,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.helpers import family_parity
 
 
 @pytest.mark.parametrize("kind", ["mistral_window", "qwen2_window"])
-def test_windowed_at_tp2_matches_hf(tmp_path: Path, kind: str) -> None:
-    family_parity.serve_and_check(tmp_path, kind, tp=2)
+def test_windowed_at_tp2_matches_hf(
+        family_references: family_parity.References, kind: str) -> None:
+    family_parity.serve_and_check(family_references, kind, tp=2)
