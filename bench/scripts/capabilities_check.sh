@@ -7,15 +7,8 @@
 # repo root: bash bench/scripts/capabilities_check.sh. STEPS picks a subset
 # ("moe gemma sampling weights"); each step has its own time limit (LIMIT, seconds).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-results-local}
 LIMIT=${LIMIT:-540}
-mkdir -p "$OUT"
-if [ -d .whl ]; then  # lab-host shim, as in gpu_check.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/lab_env.sh"
 rc=0
 run() {  # name, command...: one step under the time limit, its log kept
   local name=$1; shift

@@ -7,14 +7,7 @@
 # into, default $OUT/fp8_tiles.json; copy it to executor/quant/tiles.json to ship it),
 # GEMM=0 the GEMM table, BENCH=0 the 8B benchmark. MODEL: the benchmark's shape.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-results-local}
-mkdir -p "$OUT"
-if [ -d .whl ]; then  # lab-host shim, as in gpu_check.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/lab_env.sh"
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -s -m gpu tests/executor/quant -p no:cacheprovider 2>&1 \

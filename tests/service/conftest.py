@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 
+from executor.weights.catalog import ensure_named_model
 from tests.service.harness import ServerHarness
 
 
@@ -33,3 +36,14 @@ def server() -> Iterator[ServerHarness]:
         yield harness
     finally:
         harness.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The cache holding SmolLM2-135M converted from its PyPI wheel (shared by the run:
+    ``MODEL_EXECUTOR_TEST_CACHE``); MODEL_EXECUTOR_CACHE points at it for the module."""
+    root = Path(os.environ.get("MODEL_EXECUTOR_TEST_CACHE") or tmp_path_factory.mktemp("smol"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODEL_EXECUTOR_CACHE", str(root))
+        ensure_named_model("smollm2-135m", cache_dir=root)
+        yield root

@@ -11,7 +11,6 @@ compile, and an item's own mask that leaves none of its grammar's tokens.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig
-from executor.weights.catalog import converted_dir, ensure_named_model
+from executor.weights.catalog import converted_dir
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from tests.service.harness import ServerHarness
 
@@ -91,23 +90,14 @@ CASES = _cases()
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = Path(os.environ.get("MODEL_EXECUTOR_TEST_CACHE") or tmp_path_factory.mktemp("smol"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MODEL_EXECUTOR_CACHE", str(root))
-        ensure_named_model(NAME, cache_dir=root)
-        yield root
-
-
-@pytest.fixture(scope="module")
-def tokenizer(cache: Path) -> Any:
+def tokenizer(smollm2_cache: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(converted_dir(NAME, cache)))
+    return AutoTokenizer.from_pretrained(str(converted_dir(NAME, smollm2_cache)))
 
 
 @pytest.fixture(scope="module")
-def server(cache: Path) -> Iterator[ServerHarness]:
+def server(smollm2_cache: Path) -> Iterator[ServerHarness]:
     n = 2 * len(CASES) + 8  # a path's items, the prompts, the fork test's sequences
     config = ExecutorConfig(model=ModelConfig(source=NAME, dtype="float32"), device="cpu",
                             cache=CacheConfig(kv_tokens=8192, max_sequences=n,

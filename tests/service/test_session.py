@@ -36,6 +36,19 @@ def decode_last(seq_ids: list[str], num_steps: int = 0, request_id: str = ""
         pb.DecodeItem(seq_id=s, use_last_sampled=True, sampling=SEEDED) for s in seq_ids])
 
 
+def unary_reference(server: ServerHarness, seq_id: str, tokens: list[int], decodes: int = 3
+                    ) -> list[Any]:
+    """A Prefill and ``decodes`` seeded Decodes of one sequence, over unary calls (it is
+    released after): what the same steps over a Session must give."""
+    ref = [server.stub.Prefill(prefill(seq_id, tokens), timeout=30)]
+    for _ in range(decodes):
+        ref.append(server.stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+            seq_id=seq_id, token_id=ref[-1].outputs[0].token_id, sampling=SEEDED)]),
+            timeout=30))
+    server.stub.Release(pb.ReleaseRequest(seq_ids=[seq_id]), timeout=30)
+    return ref
+
+
 def tokens_of(response: Any) -> list[tuple[str, int, int, tuple[int, ...]]]:
     return [(o.seq_id[1:], o.token_id, o.seq_len, tuple(s.token_id for s in o.steps))
             for o in response.outputs]
@@ -407,13 +420,7 @@ def test_steps_with_a_device_event_complete_on_the_completion_threads(
     completions = server.server.servicer.sessions.completions
     threads = completions.threads
     try:
-        ref = [server.stub.Prefill(prefill("ra", prompt(21, 7)), timeout=30)]
-        token = ref[0].outputs[0].token_id
-        for _ in range(3):
-            ref.append(server.stub.Decode(pb.DecodeRequest(items=[
-                pb.DecodeItem(seq_id="ra", token_id=token, sampling=SEEDED)]), timeout=30))
-            token = ref[-1].outputs[0].token_id
-        server.stub.Release(pb.ReleaseRequest(seq_ids=["ra"]), timeout=30)
+        ref = unary_reference(server, "ra", prompt(21, 7))
         requests = [pb.SessionRequest(step=1, prefill=prefill("pa", prompt(21, 7)))]
         requests += [pb.SessionRequest(step=2 + i, decode=decode_last(["pa"]))
                      for i in range(3)]
@@ -604,13 +611,7 @@ def test_a_step_whose_device_work_is_done_completes_without_a_thread_hop(
             return pending
         return wrapped
 
-    ref = [server.stub.Prefill(prefill("ya", prompt(41, 6)), timeout=30)]
-    token = ref[0].outputs[0].token_id
-    for _ in range(3):
-        ref.append(server.stub.Decode(pb.DecodeRequest(items=[
-            pb.DecodeItem(seq_id="ya", token_id=token, sampling=SEEDED)]), timeout=30))
-        token = ref[-1].outputs[0].token_id
-    server.stub.Release(pb.ReleaseRequest(seq_ids=["ya"]), timeout=30)
+    ref = unary_reference(server, "ya", prompt(41, 6))
     ex.launch_decode, ex.launch_prefill = done(real[0]), done(real[1])
     try:
         requests = [pb.SessionRequest(step=1, prefill=prefill("za", prompt(41, 6)))]

