@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.common import hardware, shapes
 from bench.common.meta import git_commit
-from bench.profile.kernel_classes import step_table
+from bench.profile.kernel_classes import median_classes, step_table
 from bench.profile.kernel_table import case_step, profile_step
 
 DEFAULT_CASES = ("decode:1", "decode:64", "prefill:2048")
@@ -110,7 +110,8 @@ def measure(model: str, root: Path, cases: list[str], steps: int, context: int,
             gpu = [sum(r["us"] for c, r in t.items() if c != "wait") / 1e3 for t in tables]
             floor = floors(spec, phase, int(size_s), context, bw, tflops, fp8_tflops,
                            quantization is not None)
-            run["cases"][case] = {"gpu_ms": statistics.median(gpu), "floor_ms": floor}
+            run["cases"][case] = {"gpu_ms": statistics.median(gpu), "floor_ms": floor,
+                                  "classes_us": median_classes(tables)}
             print(f"{label} {case}: {statistics.median(gpu):.3f} ms (floor {floor:.3f} ms)",
                   flush=True)
         result["runs"][label] = run

@@ -25,7 +25,7 @@ from typing import Any
 from bench.common import hardware
 from bench.common.meta import git_commit
 from bench.common.shapes import moe_step_weight_bytes
-from bench.profile.kernel_classes import floor_ms, step_table
+from bench.profile.kernel_classes import floor_ms, median_classes, step_table
 from bench.profile.kernel_table import _executor, case_step, profile_step
 
 
@@ -85,7 +85,7 @@ def measure(model: str, cases: list[str], steps: int, context: int) -> dict[str,
         out["cases"][case] = {"gpu_ms": gpu_ms, "moe_kernels_ms": moe_ms, "floor_ms": floor,
                               "floor_by": bound, "weight_bytes": wbytes,
                               "experts_touched_mean": statistics.mean(touched),
-                              "ratio": gpu_ms / floor}
+                              "ratio": gpu_ms / floor, "classes_us": median_classes(tables)}
     return out
 
 

@@ -111,6 +111,14 @@ def step_table(kernels: Sequence[Kernel], num_layers: int) -> dict[str, dict[str
     return table
 
 
+def median_classes(tables: Sequence[dict[str, dict[str, float]]]) -> dict[str, float]:
+    """µs per class, the median over steps (a class a step lacks counts 0 there)."""
+    import statistics
+
+    names = sorted({c for t in tables for c in t})
+    return {c: statistics.median(t.get(c, {"us": 0.0})["us"] for t in tables) for c in names}
+
+
 def class_bytes(spec: Any, phase: str, tokens: int, context: int, sampled: int,
                 act_bytes: int = 2) -> dict[str, int]:
     """The fewest bytes each class must move in one step (weights, KV, activations read
