@@ -81,7 +81,7 @@ class Executor:
         self._last_needs: tuple[tuple[SamplingParams, ...], BatchNeeds] | None = None
         vocab = self.limits.vocab_size
         self.grammars = GrammarFlow(GrammarBook(served_tokenizer(config.model.source, vocab),
-                                                vocab))
+                                                vocab), self.forward.mask_worker)
 
     # -- steps --------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> StepResult:
@@ -227,7 +227,7 @@ class Executor:
                 released += 1
                 freed += n
                 self.last.forget(sid)
-                self.grammars.book.release(sid)
+                self.grammars.release(sid)
         return ReleaseResult(released, tuple(unknown), freed)
 
     def fork(self, parent_id: str, child_id: str, prefix_len: int | None = None) -> ForkResult:
@@ -245,7 +245,7 @@ class Executor:
         child = self.kv.fork(parent_id, child_id, length)
         inherits = length == parent.length and \
             self.last.inherit(parent_id, parent.slot, child_id, child.slot)
-        self.grammars.catch_up()  # the parent's matcher has every sampled token
+        self.grammars.settle()  # the parent's matcher has every sampled token
         self.grammars.book.fork(parent_id, child_id, length, inherits)
         if self.channel is not None:  # the other ranks' tables and last tokens too
             self.channel.send(ForkHeader(parent.slot, child.slot, length, inherits))
@@ -261,7 +261,7 @@ class Executor:
         freed = self.kv.truncate(seq_id, length)
         if freed:
             self.last.forget(seq_id)
-        self.grammars.catch_up()
+        self.grammars.settle()
         self.grammars.book.truncate(seq_id, length)
         return TruncateResult(length, freed)
 
@@ -312,7 +312,9 @@ class Executor:
         return ExecutorStatus(info, self.kv.stats(), graphs)
 
     def close(self) -> None:
-        """Rank 0: tell the other ranks to leave their loop (nothing else to free)."""
+        """Stop the grammar mask worker; rank 0: tell the other ranks to leave their
+        loop (nothing else to free)."""
+        self.forward.mask_worker.close()
         if self.channel is not None and self.tp.leads:
             try:
                 self.channel.send(ShutdownHeader())

@@ -34,6 +34,7 @@ from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, ReqToTokenTable
 from executor.last_sampled import LastSampled
 from executor.logit_controls import SlotControls
+from executor.mask_worker import MaskWorker
 from executor.model.base import CausalModel
 from executor.packing import USE_LAST_SAMPLED, PackedSizes
 from executor.sampling import DeviceSample, Sampler, device_tensor
@@ -74,9 +75,12 @@ class Forward:
         self.table, self.device, self.staging = table, device, staging
         self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
         self.controls = controls  # each slot's token mask and logit bias
-        # Grammar masks: staged after the forward is launched (``LateMasks``), applied
-        # eagerly before sampling, on top of ``controls``; every row written each step.
-        self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device)
+        # Grammar masks: made by the worker once the forward is launched (``LateMasks``),
+        # applied eagerly before sampling, on top of ``controls``; every row written each
+        # step. Four stagings: a multi-step decode queues several steps' masks ahead.
+        self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device,
+                                          stages=4)
+        self.mask_worker = MaskWorker(device)
 
     # -- decisions ------------------------------------------------------------------
     def decide(self, phase: Phase, size: int) -> Decision:
@@ -269,9 +273,9 @@ class Forward:
             if controlled is not None and logits is not None and not (
                     mode is Mode.GRAPH and self.runners[batch.phase].controls_in_graph):
                 self.controls.apply(logits, controlled)
-            # (grammar masks: the device runs the forward meanwhile)
-            if late is not None and logits is not None and \
-                    self.late_controls.stage_filled(row_slots, late):
+            # (grammar masks: made by the worker while the device runs the forward)
+            if late is not None and logits is not None:
+                self.late_controls.stage_late(row_slots, late, self.mask_worker)
                 self.late_controls.apply(
                     logits, device_tensor(list(row_slots), torch.int64, self.device))
             greedy = None

@@ -8,15 +8,15 @@ sampled one, which enters the cache only with the next decode.
 
 A step's mask is the matcher's next-token bitmask (the item's own mask and bias apply
 too, from their own tables: ``logit_controls.py``), filled for a batch at once. The
-matcher must have accepted the previous step's token first: ``catch_up`` reads a launched
-step's tokens (waiting for its copy to the host) when a later launch needs its grammar
-rows, else ``PendingStep.finish`` does; each step is applied once. So a grammar item in a
-pipelined Session costs one host wait per step; a multi-step decode waits between its
-device steps (``Forward.decode``'s ``step_masks``). See ``docs/sampling.md``.
+matcher must have accepted the previous step's token first: the mask worker's job reads a
+launched step's tokens (waiting for its copy to the host) when a later launch needs its
+grammar rows, else ``PendingStep.finish`` does; each step is applied once
+(``grammar_flow.py``). See ``docs/sampling.md``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +58,7 @@ class GrammarBook:
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made at first use
         self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
+        self._compiling = threading.Lock()
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -76,7 +77,12 @@ class GrammarBook:
         return self._compiler
 
     def compile(self, grammar: Grammar) -> Any:
-        """The compiled grammar (cached); ``GrammarError`` if it does not compile."""
+        """The compiled grammar (cached); ``GrammarError`` if it does not compile. (The
+        launching thread compiles, the mask worker looks up: one at a time.)"""
+        with self._compiling:
+            return self._compile(grammar)
+
+    def _compile(self, grammar: Grammar) -> Any:
         key = (grammar.kind, grammar.text)
         hit = self._cache.get(key)
         if hit is not None:

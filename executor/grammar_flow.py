@@ -2,14 +2,16 @@
 matchers).
 
 Validation compiles every grammar of a call (INVALID_ARGUMENT naming the item) before
-anything is allocated. A launch computes its grammar rows' masks from matchers that have
-accepted every earlier token: ``catch_up`` applies launched steps' tokens first (a host
-wait on those steps), and a multi-step decode applies each device step's tokens before the
-next (``step_masks``). Each launched step's tokens are applied exactly once, by the next
-launch that needs them or by the step's completion, under one lock (completion may run on
-another thread). An item's own mask must leave a token its grammar allows: checked at
-admission for each call's first sampled step (``check_own_masks``), and for a multi-step
-decode's later steps as their masks are made (the item's output ends before such a step).
+anything is allocated. A launch's grammar masks are jobs of the mask worker
+(``mask_worker.py``), made from matchers that have accepted every earlier token: a job
+first applies the steps launched before it (``catch_up``: waits for their tokens), and a
+multi-step decode's job for step k applies step k - 1's tokens. Each launched step's
+tokens are applied exactly once, by a later job or by the step's completion, under one
+lock (completion may run on another thread); the launching thread waits for the queued
+jobs (``settle``) before it reads or changes matchers itself. An item's own mask must
+leave a token its grammar allows: checked at admission for each call's first sampled step
+(``check_own_masks``), and for a multi-step decode's later steps as their masks are made
+(the item's output ends before such a step).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from executor.errors import FieldViolation, GrammarUnavailable, InvalidRequest
 from executor.forward import HostTokens, LateMasks
 from executor.grammar import GrammarBook, GrammarError
 from executor.logit_controls import bitmask_allows
+from executor.mask_worker import MaskWorker
 from executor.sampling import SampleOutput
 from executor.steps import PendingStep
 
@@ -54,10 +57,15 @@ def served_tokenizer(source: str, vocab: int) -> Callable[[], Any]:
 
 
 class GrammarFlow:
-    def __init__(self, book: GrammarBook) -> None:
+    def __init__(self, book: GrammarBook, worker: MaskWorker) -> None:
         self.book = book
+        self.worker = worker  # runs the masks' jobs (``LateMasks``) off this thread
         self._lock = threading.Lock()
-        self._pending: deque[PendingStep] = deque()
+        # Launched steps with grammar rows, numbered in launch order: a launch's masks
+        # catch up only with the steps launched before it (the worker may run them after
+        # later steps were tracked: waiting for one of those would never end).
+        self._pending: deque[tuple[int, PendingStep]] = deque()
+        self._tracked = 0
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, items: Sequence[PrefillItem | DecodeItem]) -> None:
@@ -91,7 +99,7 @@ class GrammarFlow:
                 and (not isinstance(it, PrefillItem) or it.sample)]
         if not both:
             return
-        self.catch_up()
+        self.settle()
         out = []
         with self._lock:
             for i, it in both:
@@ -126,9 +134,10 @@ class GrammarFlow:
         them (once its forward is launched): the items' matchers start, or go on, first."""
         if not any(items[i].sampling.grammar is not None for i in rows):
             return None
+        before = self._tracked
 
         def masks(step: int, previous: HostTokens | None, out: torch.Tensor) -> np.ndarray:
-            self.catch_up()  # (a prefill's own rows have no launched steps pending)
+            self.catch_up(before)  # (a prefill's own rows have no launched steps pending)
             with self._lock:
                 for i in rows:
                     it = items[i]
@@ -161,10 +170,11 @@ class GrammarFlow:
         own = [(row, bitmask_allows(p.allowed_token_bitmask, vocab))
                for row, p in enumerate(params) if p.grammar is not None
                and p.allowed_token_bitmask is not None] if needs.controls else []
+        before = self._tracked
 
         def masks(step: int, previous: HostTokens | None, out: torch.Tensor) -> np.ndarray:
             if step == 0:
-                self.catch_up()
+                self.catch_up(before)
             sampled = previous() if step and previous is not None else None
             with self._lock:
                 for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
@@ -190,33 +200,54 @@ class GrammarFlow:
 
     def track(self, step: PendingStep, applied: int) -> None:
         """A launched step with grammar rows whose first ``applied`` device steps were
-        applied already: the rest is applied by ``catch_up`` or at its completion."""
+        applied already (or are, by its own masks' jobs): the rest is applied by a later
+        ``catch_up`` or at its completion."""
         step.grammar_applied = applied
         step.on_sampled = self.apply
-        self._pending.append(step)
+        self._pending.append((self._tracked, step))
+        self._tracked += 1
 
-    def catch_up(self) -> None:
-        """Apply every launched step's remaining tokens (waits for their copies)."""
-        while self._pending:
-            step = self._pending.popleft()
-            if not step.finished:
-                self.apply(step, step.wait())
+    def catch_up(self, before: int | None = None) -> None:
+        """Apply the remaining tokens of every launched step (of those tracked before
+        ``before``: numbers from ``_tracked``), waiting for their copies. Under the lock
+        that the step's completion takes to apply them: a step is read here only while
+        its completion has not applied it (nor handed its buffers back)."""
+        while self._pending and (before is None or self._pending[0][0] < before):
+            _, step = self._pending.popleft()
+            with self._lock:
+                if step.grammar_applied < len(step.samples):
+                    self._advance(step, step.wait())
+
+    def settle(self) -> None:
+        """Every queued mask job done and every launched step applied: the matchers hold
+        every sampled token (before the host reads or changes them)."""
+        self.worker.drain()
+        self.catch_up()
+
+    def release(self, seq_id: str) -> None:
+        self.worker.drain()  # (no queued job may find its matcher gone)
+        self.book.release(seq_id)
 
     def apply(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
-        """Advance the matchers of ``step``'s grammar rows by its samples (once)."""
+        """Advance the matchers of ``step``'s grammar rows by its samples (once); raises
+        the error of a mask job that failed (the step's masks may be missing)."""
+        self.worker.raise_failure()
         with self._lock:
-            start = step.grammar_applied
-            step.grammar_applied = len(sampled)
-            ends = step.grammar_dead_ends
-            for k in range(start, len(sampled)):
-                for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
-                    if row is None or step.params[row].grammar is None or \
-                            ends.get(row, k) < k:
-                        continue
-                    if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
-                            row not in step.grammar_done:
-                        step.grammar_done[row] = k
+            self._advance(step, sampled)
+
+    def _advance(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
+        start = step.grammar_applied
+        step.grammar_applied = len(sampled)
+        ends = step.grammar_dead_ends
+        for k in range(start, len(sampled)):
+            for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
+                if row is None or step.params[row].grammar is None or ends.get(row, k) < k:
+                    continue
+                if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
+                        row not in step.grammar_done:
+                    step.grammar_done[row] = k
 
     def forget(self, step: PendingStep) -> None:
         """An aborted step: nothing of it is applied later."""
-        step.grammar_applied = len(step.samples)
+        with self._lock:
+            step.grammar_applied = len(step.samples)

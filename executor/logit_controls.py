@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
+from executor.mask_worker import MaskWorker
 from executor.model.layers import triton_available
 
 _HAS_TRITON = triton_available()
@@ -59,8 +60,12 @@ def bitmask_allows_any(mask: bytes, vocab: int) -> bool:
 
 
 class SlotControls:
-    def __init__(self, max_sequences: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, max_sequences: int, vocab: int, device: torch.device,
+                 stages: int = 2) -> None:
+        """``stages``: host staging buffers used in turn (one is refilled once the
+        device has read it)."""
         self.vocab, self.device = vocab, device
+        self._stage_count = stages
         self.words = mask_words(vocab)
         self.active = torch.zeros(max_sequences, dtype=torch.int32, device=device)
         self.allowed = torch.full((max_sequences, self.words), -1, dtype=torch.int32,
@@ -98,30 +103,36 @@ class SlotControls:
             self._write(changed)
         return any_active
 
-    def stage_filled(self, slots: Sequence[int],
-                     fill: Callable[[torch.Tensor], np.ndarray]) -> bool:
-        """Grammar masks, filled straight into the host staging: ``fill(rows)`` writes
-        (len(slots), words) int32 rows in place and returns which rows have a mask (the
-        others hold all ones). Every row's slot is written (such masks change every
-        step), with no bias: an instance used this way serves only these masks. Returns
-        whether any row has a mask."""
+    def stage_late(self, slots: Sequence[int], fill: Callable[[torch.Tensor], np.ndarray],
+                   worker: MaskWorker) -> None:
+        """Grammar masks, filled straight into the host staging by a ``worker`` job:
+        ``fill(rows)`` writes (len(slots), words) int32 rows in place and returns which
+        rows have a mask (the others hold all ones). The copies to the tables are queued
+        now, behind the worker's gate (the device, or on CPU this thread, waits for the
+        job). Every row's slot is written (such masks change every step), with no bias:
+        an instance used this way serves only these masks."""
         n = len(slots)
         stage = self._next_stage()
-        has = fill(stage.allowed[:n])
-        stage.active[:n].numpy()[:] = has
+        allowed, active = stage.allowed[:n], stage.active[:n].numpy()
+
+        def job() -> None:
+            active[:] = False  # (a failed fill leaves the rows unmasked, and is raised)
+            active[:] = fill(allowed)
+
+        ticket = worker.submit(job)
         stage.index[:n].numpy()[:] = slots
         index = stage.index[:n].to(self.device, non_blocking=True)
+        worker.gate(ticket)
         for table, host in ((self.allowed, stage.allowed), (self.active, stage.active)):
             table.index_copy_(0, index, host[:n].to(self.device, non_blocking=True))
         stage.written()
-        return bool(has.any())
 
     def _next_stage(self) -> _Staging:
         if not self._stages:
             self._stages = [_Staging(self.active.shape[0], self.words, self.device)
-                            for _ in range(2)]
+                            for _ in range(self._stage_count)]
         stage = self._stages[self._turn]
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._stages)
         stage.wait()
         return stage
 

@@ -56,13 +56,17 @@ def _run(model: Path, extra: list[str], name: str) -> tuple[int, int, bool]:
             for s, p in prompts.items()]), timeout=120) for stub in stubs]
         agree = total = 0
         clear = True
-        for _ in range(13):
+        misses: list[str] = []  # what broke ``clear``, for the failure message
+        for k in range(13):
             last = {}
             for ro, go in zip(outs[0].outputs, outs[1].outputs, strict=True):
                 (_, lp1), (_, lp2) = [(t.token_id, t.logprob) for t in ro.top_logprobs]
                 same = ro.token_id == go.token_id
-                clear &= same or lp1 - lp2 <= MARGIN
-                clear &= abs(ro.logprob - go.logprob) <= LOGPROB_ATOL
+                gap = abs(ro.logprob - go.logprob)
+                if not (same or lp1 - lp2 <= MARGIN) or gap > LOGPROB_ATOL:
+                    clear = False
+                    misses.append(f"step {k} {ro.seq_id}: tokens {ro.token_id}/{go.token_id} "
+                                  f"margin {lp1 - lp2:.3f} logprob gap {gap:.3f}")
                 agree += same
                 total += 1
                 last[ro.seq_id] = ro.token_id
@@ -70,6 +74,8 @@ def _run(model: Path, extra: list[str], name: str) -> tuple[int, int, bool]:
                 pb.DecodeItem(seq_id=s, token_id=t, sampling=SCORED) for s, t in last.items()]),
                 timeout=120) for stub in stubs]
             assert all(o.step.path == pb.PATH_GRAPH for o in outs)
+        if misses:
+            print("\n" + "\n".join(misses[:12]))
         return agree, total, clear
     finally:
         for proc in procs:
