@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from executor.errors import GrammarUnavailable
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
+#: ``advance_rows``: matchers per batch accept, and the threads that run the batches.
+ACCEPT_CHUNK, ACCEPT_THREADS = 16, 4
 
 
 class GrammarError(ValueError):
@@ -42,6 +45,12 @@ class SeqGrammar:
     origin: int  # the position of the first output token
     accepted: int = 0  # output tokens the matcher has accepted
     completed: bool = False
+    #: The matcher's stop tokens: only accepting one of them can terminate it.
+    stops: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.stops:
+            self.stops = frozenset(self.matcher.stop_token_ids)
 
 
 class GrammarBook:
@@ -59,6 +68,7 @@ class GrammarBook:
         self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # ``advance_rows``' threads
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -141,7 +151,39 @@ class GrammarBook:
             return
         if state.matcher.accept_token(token):
             state.accepted += 1
-            state.completed = bool(state.matcher.is_terminated())
+            if token in state.stops:  # (a matcher terminates only on a stop token)
+                state.completed = bool(state.matcher.is_terminated())
+
+    def advance_rows(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> list[bool]:
+        """``advance`` for each pair at once (distinct sequences): the accepts run in
+        chunks on a few threads (xgrammar's batch accept, outside the GIL). Returns, per
+        pair, whether its token completed the sequence's grammar."""
+        import xgrammar as xgr
+
+        live = [(i, st, tok) for i, (sid, tok) in enumerate(zip(seq_ids, tokens, strict=True))
+                if (st := self.seqs.get(sid)) is not None and not st.completed]
+        done = [False] * len(seq_ids)
+        if not live:
+            return done
+        chunks = [live[k:k + ACCEPT_CHUNK] for k in range(0, len(live), ACCEPT_CHUNK)]
+
+        def accept(chunk: list[tuple[int, SeqGrammar, int]]) -> list[bool]:
+            return xgr.BatchGrammarMatcher.batch_accept_token(  # type: ignore[no-any-return]
+                [st.matcher for _, st, _ in chunk], [tok for _, _, tok in chunk])
+
+        if len(chunks) == 1:
+            results = [accept(chunks[0])]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(ACCEPT_THREADS, "grammar-accept")
+            results = list(self._pool.map(accept, chunks))
+        for chunk, oks in zip(chunks, results, strict=True):
+            for (i, st, tok), ok in zip(chunk, oks, strict=True):
+                if ok:
+                    st.accepted += 1
+                    if tok in st.stops:
+                        st.completed = done[i] = bool(st.matcher.is_terminated())
+        return done
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
         """The next token's mask of each sequence into row r of ``out`` (a host int32

@@ -165,6 +165,7 @@ class GrammarFlow:
         positions = [length(s) or 0 for s in seq_ids]
         grammar_rows = [s if p.grammar is not None else None
                         for s, p in zip(seq_ids, params, strict=True)]
+        grammar_row_ids = [row for row, s in enumerate(grammar_rows) if s is not None]
         vocab = self.book.vocab
         # Rows with both a grammar and their own mask: (row, the tokens the mask allows).
         own = [(row, bitmask_allows(p.allowed_token_bitmask, vocab))
@@ -177,17 +178,18 @@ class GrammarFlow:
                 self.catch_up(before)
             sampled = previous() if step and previous is not None else None
             with self._lock:
-                for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
-                    if p.grammar is None:
-                        continue
-                    tok = tokens[row]
-                    if sampled is not None:
-                        if dead_ends.get(row, step) < step - 1:
-                            continue  # (past its output's end: the matcher stays there)
-                        if self.book.advance(seq_id, sampled[row]) and row not in done:
+                if sampled is not None:  # (past its output's end, a matcher stays there)
+                    rows_on = [row for row in grammar_row_ids
+                               if dead_ends.get(row, step) >= step - 1]
+                    ends = self.book.advance_rows([seq_ids[r] for r in rows_on],
+                                                  [sampled[r] for r in rows_on])
+                    for row, ended in zip(rows_on, ends, strict=True):
+                        if ended and row not in done:
                             done[row] = step - 1
-                    elif tok is not None:
-                        self.book.give(seq_id, tok, positions[row])
+                else:
+                    for row in grammar_row_ids:
+                        if tokens[row] is not None:
+                            self.book.give(seq_ids[row], tokens[row], positions[row])  # type: ignore[arg-type]
                 has = self.book.fill(grammar_rows, out)
             rows = out.numpy()
             for row, allows in own if step else ():
@@ -232,20 +234,24 @@ class GrammarFlow:
         """Advance the matchers of ``step``'s grammar rows by its samples (once); raises
         the error of a mask job that failed (the step's masks may be missing)."""
         self.worker.raise_failure()
+        if step.grammar_applied >= len(sampled):
+            return  # (a mask job applied them: it sets the count after the matchers)
         with self._lock:
             self._advance(step, sampled)
 
     def _advance(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
-        start = step.grammar_applied
-        step.grammar_applied = len(sampled)
         ends = step.grammar_dead_ends
-        for k in range(start, len(sampled)):
-            for seq_id, row in zip(step.seq_ids, step.rows, strict=True):
-                if row is None or step.params[row].grammar is None or ends.get(row, k) < k:
-                    continue
-                if self.book.advance(seq_id, sampled[k].token_ids[row]) and \
-                        row not in step.grammar_done:
+        rows = [(seq_id, row) for seq_id, row in zip(step.seq_ids, step.rows, strict=True)
+                if row is not None and step.params[row].grammar is not None]
+        for k in range(step.grammar_applied, len(sampled)):
+            on = [(seq_id, row) for seq_id, row in rows if ends.get(row, k) >= k]
+            completed = self.book.advance_rows([seq_id for seq_id, _ in on],
+                                               [sampled[k].token_ids[row] for _, row in on])
+            for (_, row), ended in zip(on, completed, strict=True):
+                if ended and row not in step.grammar_done:
                     step.grammar_done[row] = k
+        # (last: ``apply`` reads it without the lock)
+        step.grammar_applied = max(step.grammar_applied, len(sampled))
 
     def forget(self, step: PendingStep) -> None:
         """An aborted step: nothing of it is applied later."""

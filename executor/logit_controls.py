@@ -106,25 +106,29 @@ class SlotControls:
     def stage_late(self, slots: Sequence[int], fill: Callable[[torch.Tensor], np.ndarray],
                    worker: MaskWorker) -> None:
         """Grammar masks, filled straight into the host staging by a ``worker`` job:
-        ``fill(rows)`` writes (len(slots), words) int32 rows in place and returns which
-        rows have a mask (the others hold all ones). The copies to the tables are queued
-        now, behind the worker's gate (the device, or on CPU this thread, waits for the
-        job). Every row's slot is written (such masks change every step), with no bias:
-        an instance used this way serves only these masks."""
+        ``fill(rows)`` writes (len(slots), words) int32 rows in place (all ones for a row
+        without a mask). The copy to the table is queued now, behind the worker's gate
+        (the device, or on CPU this thread, waits for the job); the rows' slots are marked
+        active before the gate (a row of all ones masks nothing), so only the masks cross
+        after it, in one copy. Every row's slot is written (such masks change every step),
+        with no bias: an instance used this way serves only these masks."""
         n = len(slots)
         stage = self._next_stage()
-        allowed, active = stage.allowed[:n], stage.active[:n].numpy()
+        allowed = stage.allowed[:n]
 
         def job() -> None:
-            active[:] = False  # (a failed fill leaves the rows unmasked, and is raised)
-            active[:] = fill(allowed)
+            try:
+                fill(allowed)
+            except BaseException:
+                allowed.fill_(-1)  # (unmasked rows; the failure is raised at completion)
+                raise
 
         ticket = worker.submit(job)
         stage.index[:n].numpy()[:] = slots
         index = stage.index[:n].to(self.device, non_blocking=True)
+        self.active.index_fill_(0, index, 1)
         worker.gate(ticket)
-        for table, host in ((self.allowed, stage.allowed), (self.active, stage.active)):
-            table.index_copy_(0, index, host[:n].to(self.device, non_blocking=True))
+        self.allowed.index_copy_(0, index, allowed.to(self.device, non_blocking=True))
         stage.written()
 
     def _next_stage(self) -> _Staging:

@@ -21,15 +21,17 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 
 class MaskWorker:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        # The last ticket done, read by the device's waits (pinned: mapped for them).
-        self.counter = torch.zeros(1, dtype=torch.int64, pin_memory=self.cuda)
-        self._counter = self.counter.numpy()
+        # The last ticket done (modulo 2**32), read by the device's waits (pinned: mapped
+        # for them).
+        self.counter = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
+        self._counter = self.counter.numpy().view(np.uint32)
         self._jobs: deque[tuple[int, Callable[[], None]]] = deque()
         self._cond = threading.Condition()
         self._issued = 0
@@ -101,7 +103,7 @@ class MaskWorker:
                     self._failure = self._failure or exc
             finally:
                 # The pinned counter first: the device goes on as soon as it is written.
-                self._counter[0] = ticket
+                self._counter[0] = ticket & 0xFFFFFFFF
                 with self._cond:
                     self._done = ticket
                     self._cond.notify_all()
