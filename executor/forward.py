@@ -33,6 +33,7 @@ from executor.graphs.graph_runner import GraphRunner
 from executor.kernels.switches import KernelSwitches
 from executor.kv import Allocation, ReqToTokenTable
 from executor.last_sampled import LastSampled
+from executor.late_masks import LateMaskRing
 from executor.logit_controls import SlotControls
 from executor.mask_worker import MaskWorker
 from executor.model.base import CausalModel
@@ -76,11 +77,9 @@ class Forward:
         self.sampler, self.last, self.switches, self.channel = sampler, last, switches, channel
         self.controls = controls  # each slot's token mask and logit bias
         # Grammar masks: made by the worker once the forward is launched (``LateMasks``),
-        # applied eagerly before sampling, on top of ``controls``; every row written each
-        # step. Four stagings: a multi-step decode queues several steps' masks ahead.
-        self.late_controls = SlotControls(controls.active.shape[0], controls.vocab, device,
-                                          stages=4)
+        # applied eagerly before sampling, on top of ``controls``.
         self.mask_worker = MaskWorker(device)
+        self.late_masks = LateMaskRing(controls.active.shape[0], controls.vocab, device)
 
     # -- decisions ------------------------------------------------------------------
     def decide(self, phase: Phase, size: int) -> Decision:
@@ -173,7 +172,7 @@ class Forward:
         sample, info = self.step(batch, decision, plan.params, plan.positions, plan.targets,
                                  controlled=controlled,
                                  late=None if late is None else (lambda out: late(0, None, out)),
-                                 row_slots=row_slots, want_hidden=needs.hidden,
+                                 want_hidden=needs.hidden,
                                  needs=needs)
         if sample is not None:
             slots = device_tensor([alloc.extensions[i].slot for i in rows], torch.int64,
@@ -218,7 +217,7 @@ class Forward:
                                      controlled=batch.slots if controlled is not None else None,
                                      late=None if late is None else (
                                          lambda out: late(step, previous, out)),  # noqa: B023
-                                     row_slots=slots, want_hidden=needs.hidden,
+                                     want_hidden=needs.hidden,
                                      needs=needs, fresh_tokens=num_steps > 1)
             assert sample is not None
             self.last.remember(batch.slots, sample.tokens, stored=True)
@@ -244,16 +243,15 @@ class Forward:
              positions: Sequence[int], targets: list[int] | None = None,
              remember: torch.Tensor | None = None, controlled: torch.Tensor | None = None,
              late: Callable[[torch.Tensor], np.ndarray] | None = None,
-             row_slots: Sequence[int] = (), want_hidden: bool = False,
-             needs: BatchNeeds | None = None, fresh_tokens: bool = False
+             want_hidden: bool = False, needs: BatchNeeds | None = None, fresh_tokens: bool = False
              ) -> tuple[DeviceSample | None, StepInfo]:
         """Run the forward (graph, compiled pieces or eager) and sample on the device;
         with ``remember`` (a slot per sampled row), the sampler also writes the samples
         to those slots' last sampled tokens (``LastSampled.sampler_target``). With
         ``controlled`` (a slot per sampled row), the rows' token masks and logit biases
         are applied first (a decode graph applies them itself). ``late``: grammar masks
-        per row (slots ``row_slots``), asked after the forward is launched and applied
-        on top before sampling. ``want_hidden``: a row returns its hidden state.
+        per row, made by the mask worker once the forward is launched and applied on top
+        before sampling (``LateMaskRing``). ``want_hidden``: a row returns its hidden state.
         ``needs``: ``BatchNeeds.of(params)``, if the caller has it. A decode graph's own
         argmax of the rows (``GraphRunner.greedy``) stands for the sampler's where the
         logits are the graph's as they are (no late masks); ``fresh_tokens``: the tokens
@@ -275,9 +273,7 @@ class Forward:
                 self.controls.apply(logits, controlled)
             # (grammar masks: made by the worker while the device runs the forward)
             if late is not None and logits is not None:
-                self.late_controls.stage_late(row_slots, late, self.mask_worker)
-                self.late_controls.apply(
-                    logits, device_tensor(list(row_slots), torch.int64, self.device))
+                self.late_masks.apply(logits, late, self.mask_worker)
             greedy = None
             if mode is Mode.GRAPH and late is None and batch.phase == "decode":
                 runner = self.runners[batch.phase]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +29,6 @@ from executor.errors import GrammarUnavailable
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
-#: ``advance_rows``: matchers per batch accept, and the threads that run the batches.
-ACCEPT_CHUNK, ACCEPT_THREADS = 16, 4
 
 
 class GrammarError(ValueError):
@@ -68,7 +65,6 @@ class GrammarBook:
         self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None  # ``advance_rows``' threads
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -155,9 +151,8 @@ class GrammarBook:
                 state.completed = bool(state.matcher.is_terminated())
 
     def advance_rows(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> list[bool]:
-        """``advance`` for each pair at once (distinct sequences): the accepts run in
-        chunks on a few threads (xgrammar's batch accept, outside the GIL). Returns, per
-        pair, whether its token completed the sequence's grammar."""
+        """``advance`` for each pair (distinct sequences) in one call of xgrammar's batch
+        accept. Returns, per pair, whether its token completed the sequence's grammar."""
         import xgrammar as xgr
 
         live = [(i, st, tok) for i, (sid, tok) in enumerate(zip(seq_ids, tokens, strict=True))
@@ -165,24 +160,13 @@ class GrammarBook:
         done = [False] * len(seq_ids)
         if not live:
             return done
-        chunks = [live[k:k + ACCEPT_CHUNK] for k in range(0, len(live), ACCEPT_CHUNK)]
-
-        def accept(chunk: list[tuple[int, SeqGrammar, int]]) -> list[bool]:
-            return xgr.BatchGrammarMatcher.batch_accept_token(  # type: ignore[no-any-return]
-                [st.matcher for _, st, _ in chunk], [tok for _, _, tok in chunk])
-
-        if len(chunks) == 1:
-            results = [accept(chunks[0])]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(ACCEPT_THREADS, "grammar-accept")
-            results = list(self._pool.map(accept, chunks))
-        for chunk, oks in zip(chunks, results, strict=True):
-            for (i, st, tok), ok in zip(chunk, oks, strict=True):
-                if ok:
-                    st.accepted += 1
-                    if tok in st.stops:
-                        st.completed = done[i] = bool(st.matcher.is_terminated())
+        oks = xgr.BatchGrammarMatcher.batch_accept_token(
+            [st.matcher for _, st, _ in live], [tok for _, _, tok in live])
+        for (i, st, tok), ok in zip(live, oks, strict=True):
+            if ok:
+                st.accepted += 1
+                if tok in st.stops:  # (a matcher terminates only on a stop token)
+                    st.completed = done[i] = bool(st.matcher.is_terminated())
         return done
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:

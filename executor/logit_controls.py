@@ -17,13 +17,12 @@ of any vocabulary-parallel padding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from executor.api import MAX_LOGIT_BIAS, SamplingParams, distinct_params
-from executor.mask_worker import MaskWorker
 from executor.model.layers import triton_available
 
 _HAS_TRITON = triton_available()
@@ -60,12 +59,8 @@ def bitmask_allows_any(mask: bytes, vocab: int) -> bool:
 
 
 class SlotControls:
-    def __init__(self, max_sequences: int, vocab: int, device: torch.device,
-                 stages: int = 2) -> None:
-        """``stages``: host staging buffers used in turn (one is refilled once the
-        device has read it)."""
+    def __init__(self, max_sequences: int, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device
-        self._stage_count = stages
         self.words = mask_words(vocab)
         self.active = torch.zeros(max_sequences, dtype=torch.int32, device=device)
         self.allowed = torch.full((max_sequences, self.words), -1, dtype=torch.int32,
@@ -103,40 +98,12 @@ class SlotControls:
             self._write(changed)
         return any_active
 
-    def stage_late(self, slots: Sequence[int], fill: Callable[[torch.Tensor], np.ndarray],
-                   worker: MaskWorker) -> None:
-        """Grammar masks, filled straight into the host staging by a ``worker`` job:
-        ``fill(rows)`` writes (len(slots), words) int32 rows in place (all ones for a row
-        without a mask). The copy to the table is queued now, behind the worker's gate
-        (the device, or on CPU this thread, waits for the job); the rows' slots are marked
-        active before the gate (a row of all ones masks nothing), so only the masks cross
-        after it, in one copy. Every row's slot is written (such masks change every step),
-        with no bias: an instance used this way serves only these masks."""
-        n = len(slots)
-        stage = self._next_stage()
-        allowed = stage.allowed[:n]
-
-        def job() -> None:
-            try:
-                fill(allowed)
-            except BaseException:
-                allowed.fill_(-1)  # (unmasked rows; the failure is raised at completion)
-                raise
-
-        ticket = worker.submit(job)
-        stage.index[:n].numpy()[:] = slots
-        index = stage.index[:n].to(self.device, non_blocking=True)
-        self.active.index_fill_(0, index, 1)
-        worker.gate(ticket)
-        self.allowed.index_copy_(0, index, allowed.to(self.device, non_blocking=True))
-        stage.written()
-
     def _next_stage(self) -> _Staging:
         if not self._stages:
             self._stages = [_Staging(self.active.shape[0], self.words, self.device)
-                            for _ in range(self._stage_count)]
+                            for _ in range(2)]
         stage = self._stages[self._turn]
-        self._turn = (self._turn + 1) % len(self._stages)
+        self._turn ^= 1
         stage.wait()
         return stage
 

@@ -23,7 +23,6 @@ from executor.logit_controls import (
     mask_words,
     unpack_bitmask,
 )
-from executor.mask_worker import MaskWorker
 
 
 def bitmask(ids: list[int], vocab: int) -> bytes:
@@ -79,46 +78,6 @@ def test_stage_writes_changes_only_and_resets_reused_slots() -> None:
     # Nothing held any more for a plain batch: no work at all.
     fresh = SlotControls(4, VOCAB, torch.device("cpu"))
     assert not fresh.stage([0, 1], [SamplingParams()] * 2)
-
-
-def test_stage_late_writes_every_row_each_step() -> None:
-    """Grammar masks filled in place by the mask worker: rows with a mask apply it, rows
-    without one allow everything, and a slot's mask from an earlier step never outlives the
-    next write (the stagings are used in turn and reused); a fill that fails leaves its rows
-    unmasked and is raised by the worker."""
-    worker = MaskWorker(torch.device("cpu"))
-    controls = SlotControls(8, VOCAB, torch.device("cpu"), stages=2)
-    steps = [{5: [7, 8], 2: None, 0: [VOCAB - 1]}, {5: None, 2: [3], 0: [4]},
-             {5: [9], 2: [10], 0: None}]
-    logits = torch.randn(3, VOCAB)
-    for masks in steps:
-        slots = list(masks)
-
-        def fill(rows: torch.Tensor, masks: dict[int, list[int] | None] = masks) -> np.ndarray:
-            for r, ids in enumerate(masks.values()):
-                rows[r] = torch.from_numpy(np.frombuffer(
-                    bitmask(ids, VOCAB) if ids is not None else b"\xff" * 4 * rows.shape[1],
-                    dtype="<i4").copy())
-            return np.array([ids is not None for ids in masks.values()])
-
-        controls.stage_late(slots, fill, worker)
-        got = logits.clone()
-        controls.apply(got, torch.tensor(slots))
-        for r, ids in enumerate(masks.values()):
-            finite = torch.isfinite(got[r]).nonzero().flatten().tolist()
-            assert finite == (ids if ids is not None else list(range(VOCAB)))
-
-    def broken(rows: torch.Tensor) -> np.ndarray:
-        rows.zero_()  # (half-written: a mask allowing nothing)
-        raise ValueError("fill failed")
-
-    controls.stage_late([5], broken, worker)
-    got = logits[:1].clone()
-    controls.apply(got, torch.tensor([5]))
-    assert bool(torch.isfinite(got).all())
-    with pytest.raises(RuntimeError, match="fill failed"):
-        worker.raise_failure()
-    worker.close()
 
 
 @pytest.mark.parametrize("vocab", [31, 32, 33, 64, 2100])

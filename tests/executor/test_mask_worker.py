@@ -1,11 +1,9 @@
 """``MaskWorker``: jobs run in order off the calling thread, the counter follows them, a
-failed job releases its gate and is raised once; on CUDA the device waits for the counter
-(``wait_for_ticket``) while the host goes on (marker ``gpu`` for that part)."""
+failed job releases its gate and is raised once. (The device side: ``test_late_masks.py``.)"""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -52,44 +50,4 @@ def test_a_failed_job_releases_its_gate_and_is_raised_once() -> None:
     with pytest.raises(RuntimeError, match="no mask"):
         worker.raise_failure()
     worker.raise_failure()  # (once)
-    worker.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("driver", [True, False], ids=["stream-wait", "polling"])
-@pytest.mark.parametrize("words", [4096, 64 * 4096], ids=["16KiB", "1MiB"])
-def test_the_device_waits_for_the_ticket_while_the_host_goes_on(
-        driver: bool, words: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A copy from pinned memory queued behind the wait reads what the job wrote after it
-    was queued; nothing on the host blocks meanwhile (the sizes of one row's and 64 rows'
-    masks)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from executor.kernels import host_wait
-
-    monkeypatch.setattr(host_wait, "_use_driver", driver)
-    worker = MaskWorker(torch.device("cuda"))
-    worker.gate(0)  # (compiles the polling wait; ticket 0 is done from the start)
-    torch.cuda.synchronize()
-    host = torch.zeros(words, dtype=torch.int32, pin_memory=True)
-    release = threading.Event()
-
-    def job() -> None:
-        release.wait(10)
-        host.fill_(7)  # written before the counter: the copy below must see it
-
-    ticket = worker.submit(job)
-    started = time.perf_counter()
-    worker.gate(ticket)  # queued on the stream: returns at once
-    out = host.to("cuda", non_blocking=True) + 1
-    done = torch.cuda.Event()
-    done.record()
-    queued = time.perf_counter() - started
-    time.sleep(0.2)
-    held = not done.query()
-    release.set()
-    done.synchronize()
-    assert queued < 2.0 and held
-    assert bool((out == 8).all())
-    assert host_wait._use_driver == driver  # (the driver's wait was not refused)
     worker.close()
