@@ -5,8 +5,9 @@ sampling is queued: the launching thread picks a ring entry (pinned (rows, words
 rows, xgrammar's bitmask layout), queues the fill job and the device's wait for it, then
 the kernel that masks the logits reading the entry straight from host memory (mapped:
 nothing but that kernel crosses the link, and no copy is queued behind the wait). Entries
-are used in turn; the job filling an entry first waits for the kernel that last read it
-(long done in practice: jobs wait for earlier steps' tokens). On CPU the masks are applied
+are used in turn, and refilling one cannot race the kernel that read it: jobs run in
+launch order and each waits for the tokens of every grammar step launched before it (or
+for the device step before it), which that kernel preceded. On CPU the masks are applied
 with torch ops once the launching thread has waited for the job.
 """
 
@@ -31,7 +32,6 @@ class LateMaskRing:
         words = mask_words(vocab)
         self._entries = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(ENTRIES)]
-        self._read = [torch.cuda.Event() if cuda else None for _ in range(ENTRIES)]
         self._turn = 0
         if cuda:  # the apply kernel's other tables: row r is its own "slot", no bias
             self._rows = torch.arange(rows, dtype=torch.int64, device=device)
@@ -47,11 +47,9 @@ class LateMaskRing:
         n = logits.shape[0]
         k = self._turn
         self._turn = (k + 1) % ENTRIES
-        out, read = self._entries[k][:n], self._read[k]
+        out = self._entries[k][:n]
 
         def job() -> None:
-            if read is not None:
-                read.synchronize()  # (the kernel that last read this entry)
             try:
                 fill(out)
             except BaseException:
@@ -59,7 +57,7 @@ class LateMaskRing:
                 raise
 
         worker.gate(worker.submit(job))
-        if read is None:
+        if not logits.is_cuda:
             keep = unpack_bitmask(out, self.vocab)
             logits.masked_fill_(~keep, float("-inf"))
             return
@@ -67,4 +65,3 @@ class LateMaskRing:
 
         apply_controls(logits, self._rows[:n], self._active[:n], out, self._bias_ids[:n],
                        self._bias_vals[:n])
-        read.record()
