@@ -19,11 +19,9 @@ from executor.kernels.moe.align import Aligned, align, align_body, chunk_for, em
 
 
 @triton.jit
-def route_rows(
+def topk_rows(
     logits_ptr,  # (T, E)
-    weights_ptr,  # (T, TOP_K) float32 out
-    ids_ptr,  # (T, TOP_K) int32 out
-    rows,  # (BLOCK_T,) token indices of this block
+    rows,  # (BLOCK_T,) token indices (those past ``num_tokens`` read zeros)
     num_tokens, num_experts, stride_l,
     TOP_K: tl.constexpr,
     E_POW2: tl.constexpr,
@@ -31,7 +29,8 @@ def route_rows(
     RENORMALIZE: tl.constexpr,
     ROUND_TO_ACT: tl.constexpr,
 ):
-    """Route the tokens ``rows`` (those past ``num_tokens`` are skipped)."""
+    """``(weights, ids)`` ``(BLOCK_T, K_POW2)`` float32 and int32 of the tokens ``rows``
+    (slots past ``TOP_K`` hold zeros): the routing, in registers."""
     cols = tl.arange(0, E_POW2)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
@@ -58,7 +57,27 @@ def route_rows(
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     if ROUND_TO_ACT:
         top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
+    return top_w, top_i
+
+
+@triton.jit
+def route_rows(
+    logits_ptr,  # (T, E)
+    weights_ptr,  # (T, TOP_K) float32 out
+    ids_ptr,  # (T, TOP_K) int32 out
+    rows,  # (BLOCK_T,) token indices of this block
+    num_tokens, num_experts, stride_l,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_ACT: tl.constexpr,
+):
+    """Route the tokens ``rows`` (those past ``num_tokens`` are skipped)."""
+    top_w, top_i = topk_rows(logits_ptr, rows, num_tokens, num_experts, stride_l, TOP_K,
+                             E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)
+    slots = tl.arange(0, K_POW2)
+    out_mask = (rows < num_tokens)[:, None] & (slots[None, :] < TOP_K)
     offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, top_w, mask=out_mask)
     tl.store(ids_ptr + offs, top_i, mask=out_mask)
