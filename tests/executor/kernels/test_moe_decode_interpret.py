@@ -56,7 +56,7 @@ def _problem(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"),
                          [(1, 4, 1, 32, 32), (2, 8, 2, 48, 24), (1, 16, 8, 40, 48),
-                          (4, 16, 8, 32, 16)])
+                          (4, 32, 2, 32, 16)])
 def test_decode_path_matches_reference(dtype: torch.dtype, tokens: int, experts: int,
                                        top_k: int, hidden: int, inter: int) -> None:
     """Output against the eager experts on the torch routing, and the routing it stores
