@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
 from executor.kernels.moe.route import topk_rows
+from executor.kernels.pdl import pdl_enter
 
 #: Tokens up to which the decode path may serve (``takes``).
 DECODE_MAX_TOKENS = 4
@@ -52,7 +54,9 @@ def _moe_decode_gate_up_kernel(
     RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,  # next_power_of_2(K) (HAS_NORM)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = pair // TOP_K
@@ -104,7 +108,9 @@ def _moe_decode_down_kernel(
     stride_we, stride_wn, stride_o,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slots = tl.arange(0, K_POW2)
@@ -200,10 +206,11 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         TOP_K=top_k, E_POW2=triton.next_power_of_2(experts), K_POW2=k_pow2,
         RENORMALIZE=renormalize, ROUND_TO_ACT=weights_in_activation_dtype,
         HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        **pdl.options())
     _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
         act, w_down, out, weights, ids, hidden, inter,
         w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=tiles.block_n_down, BLOCK_K=tiles.block_k_down,
-        num_warps=tiles.num_warps_down)
+        num_warps=tiles.num_warps_down, **pdl.options())
     return out, weights, ids

@@ -197,6 +197,38 @@ def test_decode_path_never_syncs_and_replays_in_a_graph(tokens: int) -> None:
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
 
 
+def test_decode_path_with_pdl_equals_plain_launches() -> None:
+    """Launched with PDL (each kernel may start while its predecessor finishes) inside a
+    CUDA graph, the decode path after a router GEMM gives the plain launches' bits."""
+    from executor.kernels import skinny
+    from executor.kernels.moe.fused import fused_moe
+    from executor.kernels.switches import KernelSwitches, pdl_unsupported_reason
+
+    if pdl_unsupported_reason("cuda"):
+        pytest.skip(pdl_unsupported_reason("cuda"))
+    w13, w2, router = _experts(QWEN3_30B, 5)
+    x = torch.randn(1, QWEN3_30B[2], device="cuda").bfloat16()
+    res = torch.randn(1, QWEN3_30B[2], device="cuda").bfloat16()
+    nw = (1.0 + 0.1 * torch.randn(QWEN3_30B[2], device="cuda")).bfloat16()
+
+    def step() -> torch.Tensor:
+        logits, summed = skinny.skinny_norm_gemm(x, res, nw, 1e-6, router)
+        assert summed is not None
+        return fused_moe(summed, logits, w13, w2, 8, True, True, nw, 1e-6)
+
+    outs = []
+    for on in (False, True):
+        with KernelSwitches(pdl=on):
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            for _ in range(3):
+                graph.replay()
+            outs.append(out.clone())
+    assert torch.equal(outs[0], outs[1])
+
+
 def _make(path: Path, graphs: bool) -> Executor:
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
