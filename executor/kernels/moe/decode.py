@@ -83,15 +83,23 @@ def _moe_decode_gate_up_kernel(
     u_ptrs = g_ptrs + n_cols * stride_wn
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # the next chunk's weights are loaded before this chunk's products (two chunks in
+    # flight per program: the loop is not pipelined for us, there being no dot)
+    w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
+    g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
+    u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
     for k in range(0, k_dim, BLOCK_K):
+        w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
+        g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+        u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
         k_ok = ks + k < k_dim
         xk = tl.load(x_row + k + ks, mask=k_ok, other=0.0).to(tl.float32)
         if HAS_NORM:  # rounded before and after the weight multiply, as the norm kernel
             nw = tl.load(nw_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
             xk = ((xk * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        gate += tl.load(g_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
-        up += tl.load(u_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
+        gate += g_w.to(tl.float32) * xk[None, :]
+        up += u_w.to(tl.float32) * xk[None, :]
+        g_w, u_w = g_next, u_next
     g = tl.sum(gate, axis=1).to(act_ty).to(tl.float32)
     u = tl.sum(up, axis=1).to(act_ty).to(tl.float32)
     act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32) * u
@@ -125,11 +133,14 @@ def _moe_decode_down_kernel(
     a_ptrs = act_ptr + (t * TOP_K + slots)[:, None, None] * k_dim + ks[None, None, :]
     rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
     acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, k_dim, BLOCK_K):
+    w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
+    for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
+        w_next = tl.load(w_ptrs + k + BLOCK_K,
+                         mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :], other=0.0)
         k_ok = (ks + k < k_dim)[None, None, :]
         a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
-        w = tl.load(w_ptrs + k, mask=rows_ok & k_ok, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)
+        w = w_next
     act_ty = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2).to(act_ty).to(tl.float32) * scale[:, None]  # (K_POW2, BLOCK_N)
     total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
