@@ -64,7 +64,9 @@ def _moe_decode_gate_up_kernel(
     top_w, top_i = topk_rows(logits_ptr, t + tl.arange(0, 1), t + 1, num_experts, stride_l,
                              TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (1, K_POW2)
     slots = tl.arange(0, K_POW2)[None, :]
-    expert = tl.sum(tl.where(slots == j, top_i, 0)).to(tl.int64)
+    expert = tl.sum(tl.where(slots == j, top_i, 0))
+    # NaN logits route nowhere (id E_POW2): read a real expert rather than past the end
+    expert = tl.minimum(expert, num_experts - 1).to(tl.int64)
     routed = t.to(tl.int64) * TOP_K + slots
     if (j == 0) & (pid_n == 0):  # one program per token stores its routing
         tl.store(weights_ptr + routed, top_w, mask=slots < TOP_K)
@@ -112,7 +114,7 @@ def _moe_decode_down_kernel(
     w_ptr,  # (E, N, K)
     out_ptr,  # (T, N)
     weights_ptr, ids_ptr,  # (T, TOP_K) float32 / int32
-    n_cols, k_dim,
+    num_experts, n_cols, k_dim,
     stride_we, stride_wn, stride_o,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -123,7 +125,8 @@ def _moe_decode_down_kernel(
     pid_n = tl.program_id(1)
     slots = tl.arange(0, K_POW2)
     slot_ok = slots < TOP_K
-    expert = tl.load(ids_ptr + t * TOP_K + slots, mask=slot_ok, other=0).to(tl.int64)
+    expert = tl.load(ids_ptr + t * TOP_K + slots, mask=slot_ok, other=0)
+    expert = tl.minimum(expert, num_experts - 1).to(tl.int64)  # as gate_up reads them
     scale = tl.load(weights_ptr + t * TOP_K + slots, mask=slot_ok, other=0.0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
@@ -220,7 +223,7 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
         **pdl.options())
     _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
-        act, w_down, out, weights, ids, hidden, inter,
+        act, w_down, out, weights, ids, experts, hidden, inter,
         w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=tiles.block_n_down, BLOCK_K=tiles.block_k_down,
         num_warps=tiles.num_warps_down, **pdl.options())

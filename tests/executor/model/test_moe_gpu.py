@@ -156,6 +156,11 @@ def test_decode_path_matches_eager_at_real_shapes(shape: tuple[int, int, int, in
         torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
         again = decode.routed(x, logits, w13, w2, shape[1], renormalize, renormalize)
         assert all(torch.equal(a, b) for a, b in zip(again, (out, weights, ids), strict=True))
+    # a NaN row (a padded graph row, say) routes nowhere: no read past the experts
+    nan_out = decode.routed(x, torch.full_like(logits, float("nan")), w13, w2, shape[1], True,
+                            True)[0]
+    torch.cuda.synchronize()
+    assert nan_out.shape == x.shape
     nw = (1.0 + 0.1 * torch.randn(shape[2], device="cuda")).bfloat16()
     summed = 4.0 * x
     got = decode.routed(summed, logits, w13, w2, shape[1], True, True, nw, 1e-6)[0]
