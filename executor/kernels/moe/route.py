@@ -41,18 +41,22 @@ def topk_rows(
     x = tl.where(col_ok[None, :], x, float("-inf"))
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     e = tl.where(col_ok[None, :], e, 0.0)
-    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2)
-    probs = tl.where(col_ok[None, :], probs, -1.0)
+    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2), each >= 0
+    # One reduction per pick: a probability's bits (non-negative floats order as their
+    # bits do) above its reversed expert index, so the maximum key is the largest
+    # probability and, among equals, the lowest index; 0 marks a column out of the race.
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(col_ok[None, :], (bits + 1) * E_POW2 + (E_POW2 - 1 - cols[None, :]), 0)
     slots = tl.arange(0, K_POW2)
     top_w = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
     top_i = tl.zeros((rows.shape[0], K_POW2), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)  # (BLOCK_T,)
-        # the lowest expert index holding the maximum
-        idx = tl.min(tl.where(probs == best[:, None], cols[None, :], E_POW2), axis=1)
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+        best = tl.max(key, axis=1)  # (BLOCK_T,)
+        idx = (E_POW2 - 1 - best % E_POW2).to(tl.int32)
+        w = (best // E_POW2 - 1).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
         top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
-        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
+        key = tl.where(cols[None, :] == idx[:, None], 0, key)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     if ROUND_TO_ACT:
