@@ -17,6 +17,7 @@ streams its own expert, so the path serves only while pairs rarely share one (``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,7 @@ def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) ->
     return block
 
 
+@functools.lru_cache(maxsize=64)
 def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
                sms: int) -> DecodeTiles:
     """Blocks narrowed until about two programs per multiprocessor stream weights, and
@@ -183,6 +185,13 @@ def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torc
     k_pow2 = triton.next_power_of_2(top_k)
     block_k_down = min(triton.next_power_of_2(inter), max(16, elems // (k_pow2 * block_n_down)))
     return DecodeTiles(block_n, min(block_k, 256), block_n_down, min(block_k_down, 256))
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
@@ -207,9 +216,7 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
     if t == 0:
         return out, weights, ids
     if tiles is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count \
-            if x.is_cuda else 1
-        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, sms)
+        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device))
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     k_pow2 = triton.next_power_of_2(top_k)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
