@@ -8,10 +8,11 @@ Per token count: one MoE layer's experts as the decode path (``moe.decode.routed
 input norm fused) and as the grouped path it replaces at those sizes (the norm kernel,
 ``route_align``, the two grouped GEMMs and the sum), each call on its own copy of the
 experts (copies together exceed L2, so weights stream from HBM as in a forward), against
-the bytes of the ``top_k`` experts read over the measured read bandwidth. ``--sweep`` times
-the decode path's tiles around the default and prints the fastest. Then ``rope_qk`` (q/k
-norm + RoPE, 32 q and 4 KV heads of 128) at one token: the head split against one program
-per kind of head. Prints a table; writes ``moe_decode.json`` under ``--out``.
+the bytes of the experts routed to over the measured read bandwidth. ``--sweep`` times the
+decode path's tiles at the first token count (gate_up's, then down's with gate_up's best)
+and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE, 32 q and 4 KV heads of 128) at
+one token: the head split against one program per kind of head. Prints a table; writes
+``moe_decode.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
                            "tiles": dataclasses.asdict(default)}
     if sweep:
         timed = []
-        for bn, bk, nw_ in itertools.product((8, 16, 32), (64, 128, 256), (4, 8)):
+        for bn, bk, nw_ in itertools.product((8, 16, 32), (128, 256), (4, 8)):
             t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
         best_up = min(timed, key=lambda r: r[0])[1]
@@ -115,14 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,2,4")
-    ap.add_argument("--sweep", action="store_true", help="time the decode path's tiles")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the decode path's tiles at the first token count")
     ap.add_argument("--out", type=Path, default=Path("results-local"))
     args = ap.parse_args(argv)
     bw = hardware.read_bandwidth_gbs(2**30)
     result: dict[str, Any] = {"shape": args.shape, "device": torch.cuda.get_device_name(),
                               "commit": git_commit(), "read_bandwidth_gbs": bw,
-                              "moe": [moe_case(SHAPES[args.shape], int(t), bw, args.sweep)
-                                      for t in args.tokens.split(",")],
+                              "moe": [moe_case(SHAPES[args.shape], int(t), bw,
+                                               args.sweep and n == 0)
+                                      for n, t in enumerate(args.tokens.split(","))],
                               "rope": rope_case()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe_decode.json").write_text(json.dumps(result, indent=1))
