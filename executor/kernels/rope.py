@@ -3,11 +3,11 @@
 """Neox-style (rotate-half) RoPE on q and k in one launch, optionally after a per-head
 RMSNorm of each (Qwen3's ``q_norm`` / ``k_norm``).
 
-Programs run over (token, block of heads): q's head blocks, then k's. Many tokens (prefill)
-take every head of a kind in one block; few (decode) split the heads into narrower blocks
-so that enough programs run at once (a head's arithmetic is the same in any block, so the
-results do not depend on the split). q and k may be strided views of the fused QKV
-projection output; the results are new contiguous tensors.
+Programs run over (token, block of heads), q's blocks then k's: a prefill's many tokens
+keep all of a kind's heads in one block, a decode step's few split them so that enough
+programs run. A head's arithmetic is the same in any block (its norm's sum of squares is
+exact, in float64), so the split never changes a bit. q and k may be strided views of the
+fused QKV output; the results are new contiguous tensors.
 
 Numerics follow Hugging Face's ``q * cos + rotate_half(q) * sin`` in the activation dtype
 exactly: cos and sin are read from the float32 tables and rounded to the activation
@@ -53,7 +53,13 @@ def _norm_rope_heads(
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_HALF)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        # The sum of squares in float64, where it is exact for any usual head (a square
+        # of a 16-bit float has at most 22 significant bits): the order of the sum, which
+        # the head block's layout sets, then changes nothing, so any split of the heads
+        # over programs gives the same bits.
+        x1d, x2d = x1.to(tl.float64), x2.to(tl.float64)
+        ssq = (tl.sum(x1d * x1d, axis=1) + tl.sum(x2d * x2d, axis=1)).to(tl.float32)
+        var = ssq / (2 * HALF)
         rstd = tl.math.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
