@@ -178,3 +178,15 @@ def test_moe_model_decodes_one_sequence_through_the_decode_path(
     assert normed == [True, True]  # the decode step's two sparse layers
     for got_fused, got_eager in zip(out["triton"], out["torch"], strict=True):
         torch.testing.assert_close(got_fused, got_eager, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_moe_custom_op_takes_the_norm() -> None:
+    """``model_executor::fused_moe`` with its optional norm weight and eps (the decode
+    path's fused norm): schema and fake impl (``opcheck``), and the eager call's result."""
+    x, logits, w13, w2 = _problem(1, 8, 32, 16, torch.float16, 13)
+    nw = (1.0 + 0.2 * torch.randn(32, generator=_gen(14))).to(torch.float16)
+    args = (x, logits, w13, w2, 2, True, True, nw, 1e-6)
+    torch.library.opcheck(torch.ops.model_executor.fused_moe.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    got = torch.ops.model_executor.fused_moe(*args)
+    assert torch.equal(got, decode.routed(*args)[0])
