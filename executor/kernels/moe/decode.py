@@ -66,7 +66,8 @@ def _moe_decode_gate_up_kernel(
                              TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (1, K_POW2)
     slots = tl.arange(0, K_POW2)[None, :]
     expert = tl.sum(tl.where(slots == j, top_i, 0))
-    # NaN logits route nowhere (id E_POW2): read a real expert rather than past the end
+    # an id past the experts (a padded column's, for a row of NaN logits) reads the last
+    # expert rather than past the end
     expert = tl.minimum(expert, num_experts - 1).to(tl.int64)
     routed = t.to(tl.int64) * TOP_K + slots
     if (j == 0) & (pid_n == 0):  # one program per token stores its routing
