@@ -44,6 +44,22 @@ def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
         del graph
 
 
+def kernel_us(fn: Callable[[int], object], calls: int) -> dict[str, float]:
+    """Mean device time per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            for i in range(calls):
+                fn(i)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / e.count for e in prof.key_averages()
+            if e.device_time_total > 0}
+
+
 def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep: bool
              ) -> dict[str, Any]:
     from executor import kernels
@@ -78,6 +94,7 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     out: dict[str, Any] = {"tokens": tokens, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
+                           "kernels_us": kernel_us(run_decode(None), copies),
                            "tiles": dataclasses.asdict(default)}
     if sweep:
         timed = []
@@ -134,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in result["moe"]:
         print(f"{c['tokens']:>6}  {c['decode_us']:9.1f}  {c['grouped_us']:10.1f}  "
               f"{c['floor_us']:8.1f}  {c['decode_us'] / c['floor_us']:12.2f}  {c['tiles']}")
+        print("        kernels: " + ", ".join(f"{k} {v:.1f} us"
+                                               for k, v in c["kernels_us"].items()))
         if "sweep_best" in c:
             print(f"        sweep best {c['sweep_best'][0]:.1f} us: {c['sweep_best'][1]}")
     r = result["rope"]
