@@ -35,22 +35,30 @@ def experts_touched(ex: Any, step: Callable[[], None]) -> list[int]:
     the eager path: every graph-or-eager decision answers eager meanwhile)."""
     from executor.api import FallbackReason
     from executor.graphs.dispatch import Decision
+    from executor.kernels.moe import decode
     from executor.kernels.moe import route as routing
 
     counts: list[int] = []
-    route, decide = routing.route_align, ex.forward.decide
+    route, routed, decide = routing.route_align, decode.routed, ex.forward.decide
 
     def counting(logits: Any, *args: Any) -> Any:
         weights, ids, aligned = route(logits, *args)
         counts.append(int(ids.unique().numel()))
         return weights, ids, aligned
 
+    def counting_decode(*args: Any) -> Any:  # the decode path routes inside its kernels
+        out, weights, ids = routed(*args)
+        counts.append(int(ids.unique().numel()))
+        return out, weights, ids
+
     routing.route_align = counting  # type: ignore[assignment]
+    decode.routed = counting_decode  # type: ignore[assignment]
     ex.forward.decide = lambda phase, size: Decision(None, FallbackReason.DISABLED)
     try:
         step()
     finally:
         routing.route_align = route  # type: ignore[assignment]
+        decode.routed = routed  # type: ignore[assignment]
         ex.forward.decide = decide
     return counts
 

@@ -3,8 +3,11 @@
 """Neox-style (rotate-half) RoPE on q and k in one launch, optionally after a per-head
 RMSNorm of each (Qwen3's ``q_norm`` / ``k_norm``).
 
-One program per token handles every q head and every k head of it. q and k may be strided
-views of the fused QKV projection output; the results are new contiguous tensors.
+Programs run over (token, block of heads), q's blocks then k's: a prefill's many tokens
+keep all of a kind's heads in one block, a decode step's few split them so that enough
+programs run. A head's arithmetic is the same in any block (its norm's sum of squares is
+exact, in float64), so the split never changes a bit. q and k may be strided views of the
+fused QKV output; the results are new contiguous tensors.
 
 Numerics follow Hugging Face's ``q * cos + rotate_half(q) * sin`` in the activation dtype
 exactly: cos and sin are read from the float32 tables and rounded to the activation
@@ -32,7 +35,7 @@ LAUNCH_OPTIONS: dict[str, bool] = {"enable_fp_fusion": False}
 @triton.jit
 def _norm_rope_heads(
     x_ptr, out_ptr, w_ptr,
-    t, num_heads,
+    t, h0, num_heads,
     stride_xt, stride_xh, stride_ot, stride_oh,
     c, s,  # (1, BLOCK_HALF) float32, already rounded to the activation dtype
     eps,
@@ -43,14 +46,20 @@ def _norm_rope_heads(
     OFFSET_NORM: tl.constexpr = False,
 ):
     act_ty = out_ptr.dtype.element_ty
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_h = h0 + tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (offs_h < num_heads) & (offs_d < HALF)
     src = x_ptr + t * stride_xt + offs_h * stride_xh + offs_d
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_HALF)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        # The sum of squares in float64, where it is exact for any usual head (a square
+        # of a 16-bit float has at most 22 significant bits): the order of the sum, which
+        # the head block's layout sets, then changes nothing, so any split of the heads
+        # over programs gives the same bits.
+        x1d, x2d = x1.to(tl.float64), x2.to(tl.float64)
+        ssq = (tl.sum(x1d * x1d, axis=1) + tl.sum(x2d * x2d, axis=1)).to(tl.float32)
+        var = ssq / (2 * HALF)
         rstd = tl.math.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
@@ -90,6 +99,8 @@ def _rope_kernel(
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)  # q's head blocks first, then k's
+    q_blocks = tl.cdiv(num_heads, BLOCK_HQ)
     act_ty = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -98,17 +109,36 @@ def _rope_kernel(
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
     c = c.to(act_ty).to(tl.float32)
     s = s.to(act_ty).to(tl.float32)
-    _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, t, num_heads, stride_qt, stride_qh,
-                     num_heads * 2 * HALF, 2 * HALF, c, s, eps,
-                     HALF, HAS_NORM, BLOCK_HQ, BLOCK_HALF, OFFSET_NORM)
-    _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, t, num_kv_heads, stride_kt, stride_kh,
-                     num_kv_heads * 2 * HALF, 2 * HALF, c, s, eps,
-                     HALF, HAS_NORM, BLOCK_HK, BLOCK_HALF, OFFSET_NORM)
+    if hb < q_blocks:
+        _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, t, hb * BLOCK_HQ, num_heads, stride_qt,
+                         stride_qh, num_heads * 2 * HALF, 2 * HALF, c, s, eps,
+                         HALF, HAS_NORM, BLOCK_HQ, BLOCK_HALF, OFFSET_NORM)
+    else:
+        _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, t, (hb - q_blocks) * BLOCK_HK, num_kv_heads,
+                         stride_kt, stride_kh, num_kv_heads * 2 * HALF, 2 * HALF, c, s, eps,
+                         HALF, HAS_NORM, BLOCK_HK, BLOCK_HALF, OFFSET_NORM)
+
+
+#: Programs a launch aims for: below it (few tokens) the heads split into narrower blocks.
+MIN_PROGRAMS = 128
+
+
+def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """The widest power-of-two head block (at most the most heads of q or k) that still
+    gives ``MIN_PROGRAMS`` programs, down to one head: a decode step's one token is
+    ``heads + kv_heads`` programs, a prefill's tokens keep all of a kind's heads in one."""
+    block = triton.next_power_of_2(max(num_heads, num_kv_heads))
+    while block > 1 and num_tokens * (triton.cdiv(num_heads, block)
+                                      + triton.cdiv(num_kv_heads, block)) < MIN_PROGRAMS:
+        block //= 2
+    return block
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-            eps: float, offset_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float, offset_norm: bool = False, head_block: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch; ``head_block`` overrides ``heads_per_program`` (tests)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
@@ -124,10 +154,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
-    block_hq = triton.next_power_of_2(num_heads)
+    block = head_block or heads_per_program(num_tokens, num_heads, num_kv_heads)
+    block_hq = min(triton.next_power_of_2(num_heads), block)
+    block_hk = min(triton.next_power_of_2(num_kv_heads), block)
     block_half = triton.next_power_of_2(half)
     elems = block_hq * block_half * 2
-    _rope_kernel[(num_tokens,)](
+    head_blocks = triton.cdiv(num_heads, block_hq) + triton.cdiv(num_kv_heads, block_hk)
+    _rope_kernel[(num_tokens, head_blocks)](
         q, k, q_out, k_out, positions, cos, sin,
         q_weight if q_weight is not None else cos,  # dummies, never read without norms
         k_weight if k_weight is not None else cos,
@@ -138,7 +171,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
         HALF=half,
         HAS_NORM=has_norm,
         BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
         OFFSET_NORM=offset_norm and has_norm,
         num_warps=min(max(elems // 512, 1), 8),

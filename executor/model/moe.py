@@ -9,7 +9,9 @@ keeps dense (``MoeSpec.dense_layers``) are the Llama family's ``DecoderLayer``.
 
 Which experts implementation runs is ``experts_path``: the fused Triton kernels on CUDA
 (no host sync, capturable) or when the kernels are forced (``kernels="triton"``, the
-interpreter's tests); the eager reference elsewhere (CPU).
+interpreter's tests); the eager reference elsewhere (CPU). On the fused kernels' decode
+path (``SparseMoeBlock.fuses_norm``) the layer's post-attention norm goes with the router
+GEMM (``linear_forward``) and the experts normalize the residual sum themselves.
 """
 
 from __future__ import annotations
@@ -67,14 +69,33 @@ class SparseMoeBlock(nn.Module):
         logits = ops.linear(self.gate, x)  # (T, E) in the activation dtype, as HF's
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         moe = self.moe
-        if experts_path(x, ops) == "fused":  # routing in one kernel, then the experts
-            from executor.kernels.moe import fused
-
-            return fused.fused_moe(x, logits, w13, w2, moe.top_k, moe.renormalize,
-                                   moe.weights_in_activation_dtype)
+        if experts_path(x, ops) == "fused":  # routing in the kernels, then the experts
+            return self.fused_experts(x, logits, None)
         weights, ids = route(logits, moe.top_k, moe.renormalize,
                              moe.weights_in_activation_dtype)
         return experts_reference(x, w13, w2, weights, ids)
+
+    def fuses_norm(self, x: torch.Tensor, ops: LayerOps) -> bool:
+        """Whether the experts take ``x``'s norm themselves (``fused_experts`` with a
+        norm): the fused kernels' decode path (``kernels.moe.decode.takes``), outside a
+        Dynamo trace (a shape test there would guard on the token count)."""
+        if torch.compiler.is_compiling() or experts_path(x, ops) != "fused":
+            return False
+        from executor.kernels.moe import decode
+
+        return decode.takes(x.shape[0], self.moe.top_k, self.moe.num_experts)
+
+    def fused_experts(self, x: torch.Tensor, logits: torch.Tensor, norm: RMSNorm | None
+                      ) -> torch.Tensor:
+        """The fused kernels on ``x`` routed by ``logits``; with ``norm``, ``x`` is the
+        residual sum and the experts read ``norm(x)`` (``fuses_norm``)."""
+        from executor.kernels.moe import fused
+
+        moe = self.moe
+        return fused.fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
+                               moe.top_k, moe.renormalize, moe.weights_in_activation_dtype,
+                               norm.weight if norm is not None else None,
+                               norm.eps if norm is not None else 0.0)
 
 
 class MoeDecoderLayer(nn.Module):
@@ -96,8 +117,14 @@ class MoeDecoderLayer(nn.Module):
         qkv, residual = self.input_layernorm.linear_forward(
             hidden, residual, self.self_attn.qkv_proj, ops)
         attn = self.self_attn.attend(positions, qkv, backend, meta, ops)
-        normed, residual = self.post_attention_layernorm.add_forward(attn, residual, ops)
-        return self.tp.all_reduce(self.mlp(normed, ops)), residual
+        norm = self.post_attention_layernorm
+        if self.mlp.fuses_norm(attn, ops):  # the norm in the router GEMM and the experts
+            logits, residual = norm.linear_forward(attn, residual, self.mlp.gate, ops)
+            out = self.mlp.fused_experts(residual, logits, norm)
+        else:
+            normed, residual = norm.add_forward(attn, residual, ops)
+            out = self.mlp(normed, ops)
+        return self.tp.all_reduce(out), residual
 
 
 @register_model(*MOE_ARCHITECTURES)

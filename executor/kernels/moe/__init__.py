@@ -7,6 +7,7 @@ path (Triton): ``route`` (the same routing in one launch), ``align`` (the routed
 slot) pairs grouped by expert, each run padded to the GEMM's row block, in fixed-size
 device buffers: capturable), ``fused`` (two grouped GEMM launches, gate/up with
 SiLU-and-mul fused, then down scaled by the routing weights, and the sum of each token's
-``top_k`` rows). Why it is shaped so: ``docs/kernels.md``. Only ``reference`` imports
-without Triton.
+``top_k`` rows); ``decode`` (a few tokens: two GEMV-style launches, routing in the first,
+the top-k sum in the second, the input norm optionally fused). Why it is shaped so:
+``docs/kernels.md``. Only ``reference`` imports without Triton.
 """

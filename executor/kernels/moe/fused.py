@@ -7,7 +7,8 @@ block's expert from ``block_experts``, gathers its tokens' rows of ``x``, and co
 same columns of gate and of up, so SiLU-and-mul is fused and only ``(N, I)`` activations
 are written (rows by pair ``t * top_k + j``). ``down``: one launch, the activations times
 the expert's down weights, each row scaled by its routing weight and written at its pair's
-row of ``(N, H)``; ``fused_experts`` then sums each token's ``top_k`` rows. Programs past
+row of ``(N, H)``; ``fused_experts`` then sums each token's ``top_k`` rows (a few tokens
+take ``decode``'s two launches instead, the sum in the down kernel). Programs past
 ``num_padded`` return at once, so grids are fixed by ``T`` (capturable) and experts that
 received no token cost nothing. Rounding follows the eager reference: each GEMM's output
 in the activation dtype, SiLU in float32 rounded, the product rounded, the routing weight
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels.moe import decode
 from executor.kernels.moe import route as routing
 from executor.kernels.moe.align import Aligned, align
 
@@ -208,12 +210,21 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
 
 def route_and_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, top_k: int, renormalize: bool,
-                      weights_in_activation_dtype: bool) -> torch.Tensor:
-    """The sparse block after its router GEMM: routing and alignment
-    (``route.route_align``: one launch for decode batches), then ``grouped_experts``."""
-    if x.shape[0] == 0:
+                      weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> torch.Tensor:
+    """The sparse block after its router GEMM. A few tokens (``decode.takes``): the decode
+    path's two launches, routing included; else routing and alignment
+    (``route.route_align``: one launch for decode batches), then ``grouped_experts``. With
+    ``norm_weight`` (the decode path only), ``x`` is the residual sum and the experts read
+    ``rms_norm(x, norm_weight, eps)``."""
+    t = x.shape[0]
+    if t == 0:
         return torch.zeros_like(x)
-    tiles = _tiles(x, w_gate_up, x.shape[0] * top_k)
+    if decode.takes(t, top_k, w_gate_up.shape[0]):
+        return decode.routed(x, router_logits, w_gate_up, w_down, top_k, renormalize,
+                             weights_in_activation_dtype, norm_weight, eps)[0]
+    assert norm_weight is None, "the norm is fused on the decode path only"
+    tiles = _tiles(x, w_gate_up, t * top_k)
     weights, _, aligned = routing.route_align(router_logits, top_k, renormalize,
                                               weights_in_activation_dtype, tiles.block_m)
     return grouped_experts(x, w_gate_up, w_down, weights, top_k, aligned, tiles)
@@ -222,25 +233,28 @@ def route_and_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: t
 @torch.library.custom_op("model_executor::fused_moe", mutates_args=())
 def _fused_moe_op(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, top_k: int, renormalize: bool,
-                  weights_in_activation_dtype: bool) -> torch.Tensor:
+                  weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
     return route_and_experts(x, router_logits, w_gate_up, w_down, top_k, renormalize,
-                             weights_in_activation_dtype)
+                             weights_in_activation_dtype, norm_weight, eps)
 
 
 @_fused_moe_op.register_fake
 def _fused_moe_fake(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor, top_k: int, renormalize: bool,
-                    weights_in_activation_dtype: bool) -> torch.Tensor:
+                    weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
+                    eps: float = 0.0) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
               w_down: torch.Tensor, top_k: int, renormalize: bool,
-              weights_in_activation_dtype: bool) -> torch.Tensor:
+              weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
+              eps: float = 0.0) -> torch.Tensor:
     """``route_and_experts``; under Dynamo one opaque custom op."""
     if torch.compiler.is_compiling():
         return torch.ops.model_executor.fused_moe(  # type: ignore[no-any-return]
             x, router_logits, w_gate_up, w_down, top_k, renormalize,
-            weights_in_activation_dtype)
+            weights_in_activation_dtype, norm_weight, eps)
     return route_and_experts(x, router_logits, w_gate_up, w_down, top_k, renormalize,
-                             weights_in_activation_dtype)
+                             weights_in_activation_dtype, norm_weight, eps)

@@ -19,6 +19,52 @@ from executor.kernels.moe.align import Aligned, align, align_body, chunk_for, em
 
 
 @triton.jit
+def topk_rows(
+    logits_ptr,  # (T, E)
+    rows,  # (BLOCK_T,) token indices (those past ``num_tokens`` read zeros)
+    num_tokens, num_experts, stride_l,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_ACT: tl.constexpr,
+):
+    """``(weights, ids)`` ``(BLOCK_T, K_POW2)`` float32 and int32 of the tokens ``rows``
+    (slots past ``TOP_K`` hold zeros): the routing, in registers."""
+    cols = tl.arange(0, E_POW2)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    # rows past the end read zeros (no NaN from -inf - -inf); columns past E are -inf
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    e = tl.where(col_ok[None, :], e, 0.0)
+    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2), each >= 0
+    # One reduction per pick: a probability's bits (non-negative floats order as their
+    # bits do) above its reversed expert index, so the maximum key is the largest
+    # probability and, among equals, the lowest index; 0 marks a column out of the race.
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(col_ok[None, :], (bits + 1) * E_POW2 + (E_POW2 - 1 - cols[None, :]), 0)
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
+    top_i = tl.zeros((rows.shape[0], K_POW2), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)  # (BLOCK_T,)
+        idx = (E_POW2 - 1 - best % E_POW2).to(tl.int32)
+        w = (best // E_POW2 - 1).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
+        key = tl.where(cols[None, :] == idx[:, None], 0, key)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    if ROUND_TO_ACT:
+        top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    return top_w, top_i
+
+
+@triton.jit
 def route_rows(
     logits_ptr,  # (T, E)
     weights_ptr,  # (T, TOP_K) float32 out
@@ -32,33 +78,10 @@ def route_rows(
     ROUND_TO_ACT: tl.constexpr,
 ):
     """Route the tokens ``rows`` (those past ``num_tokens`` are skipped)."""
-    cols = tl.arange(0, E_POW2)
-    row_ok = rows < num_tokens
-    col_ok = cols < num_experts
-    mask = row_ok[:, None] & col_ok[None, :]
-    # rows past the end read zeros (no NaN from -inf - -inf); columns past E are -inf
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    e = tl.where(col_ok[None, :], e, 0.0)
-    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2)
-    probs = tl.where(col_ok[None, :], probs, -1.0)
+    top_w, top_i = topk_rows(logits_ptr, rows, num_tokens, num_experts, stride_l, TOP_K,
+                             E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)
     slots = tl.arange(0, K_POW2)
-    top_w = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
-    top_i = tl.zeros((rows.shape[0], K_POW2), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)  # (BLOCK_T,)
-        # the lowest expert index holding the maximum
-        idx = tl.min(tl.where(probs == best[:, None], cols[None, :], E_POW2), axis=1)
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
-        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    if ROUND_TO_ACT:
-        top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
+    out_mask = (rows < num_tokens)[:, None] & (slots[None, :] < TOP_K)
     offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, top_w, mask=out_mask)
     tl.store(ids_ptr + offs, top_i, mask=out_mask)

@@ -149,6 +149,27 @@ def test_rope_with_qk_norm(dtype: torch.dtype, heads: int, kv_heads: int, head_d
         _assert_close_terms(g, e, e)  # normed heads: terms of the output's own magnitude
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 4, 128), (16, 8, 128),
+                                                             (9, 3, 64)])
+@pytest.mark.parametrize("tokens", [1, 4, 65])
+def test_rope_head_blocks_bit_identical(dtype: torch.dtype, heads: int, kv_heads: int,
+                                        head_dim: int, tokens: int) -> None:
+    """Decode splits the heads over programs (``rope.heads_per_program``): bit-identical
+    to one program per token holding every head, with the q/k norms."""
+    from executor.kernels import rope
+
+    torch.manual_seed(tokens + heads)
+    q, k = _qk(tokens, heads, kv_heads, head_dim, dtype)
+    cos, sin = _tables(4096, head_dim)
+    pos = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    qw, kw = _norm_weight(head_dim, dtype), _norm_weight(head_dim, dtype)
+    whole = rope._launch(q, k, pos, cos, sin, qw, kw, 1e-6, head_block=64)
+    for block in (None, 1, 4):
+        got = rope._launch(q, k, pos, cos, sin, qw, kw, 1e-6, head_block=block)
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1]), block
+
+
 # -- activation --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("rows", "n"), [(1, 8192), (5, 14336), (64, 11008), (300, 896)])

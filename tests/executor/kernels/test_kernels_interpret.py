@@ -129,6 +129,26 @@ def test_rope_with_qk_norm(dtype: torch.dtype, heads: int, kv_heads: int, head_d
     torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("offset_norm", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 16), (5, 3, 8)])
+def test_rope_head_blocks_do_not_change_results(offset_norm: bool, heads: int, kv_heads: int,
+                                                head_dim: int) -> None:
+    """Programs over (token, head block): every split gives the one-block result bit for
+    bit (with the per-head norms too), on strided views of a fused QKV row."""
+    from executor.kernels import rope
+
+    assert rope.heads_per_program(1, 32, 4) == 1 and rope.heads_per_program(2048, 32, 4) == 32
+    qkv = _qk(3, heads + kv_heads, 1, head_dim, torch.float16, seed=10)[0]
+    q, k = qkv[:, :heads], qkv[:, heads:]
+    cos, sin = _tables(8, head_dim)
+    pos = torch.tensor([7, 0, 3])
+    qw, kw = _norm_weight(head_dim, torch.float16, 11), _norm_weight(head_dim, torch.float16, 12)
+    whole = rope._launch(q, k, pos, cos, sin, qw, kw, EPS, offset_norm, head_block=8)
+    for block in (1, 2, 4):
+        got = rope._launch(q, k, pos, cos, sin, qw, kw, EPS, offset_norm, head_block=block)
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1]), block
+
+
 # -- activation --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("rows", "n"), [(1, 64), (3, 1500)])  # 1500: 2 programs, masked

@@ -4,7 +4,8 @@ and breakable prefill capture.
 
 Kernel outputs (bf16) against the eager reference: the Qwen3-30B-A3B expert shape (128
 experts, top 8, hidden 2048, width 768) from decode batch 1 to a 2048-token prefill, and
-Mixtral-8x7B's at TP = 2 (8 experts, top 2, hidden 4096, width 7168). Models: every step
+Mixtral-8x7B's at TP = 2 (8 experts, top 2, hidden 4096, width 7168); the decode path at
+1, 2 and 4 tokens at those shapes and Mixtral's full one, in and out of a graph. Models: every step
 of a chunked prefill and ten decode steps replays a graph (no eager fallback) and agrees
 with an eager executor on every clear greedy choice; graph logits equal eager ones.
 """
@@ -124,6 +125,115 @@ def test_routing_and_experts_never_sync_and_replay_in_a_graph() -> None:
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
 
 
+MIXTRAL = (8, 2, 4096, 14336)
+
+
+@pytest.mark.parametrize(("shape", "tokens"), [
+    (QWEN3_30B, 1), (QWEN3_30B, 2), (QWEN3_30B, 4), (MIXTRAL, 1), (MIXTRAL, 2),
+    (MIXTRAL_TP2, 4)])
+def test_decode_path_matches_eager_at_real_shapes(shape: tuple[int, int, int, int],
+                                                  tokens: int) -> None:
+    """The decode path (``moe.decode``: routing in gate_up, the weighted sum in down)
+    against the eager experts on its own routing, that routing against the routing
+    kernel's, the same bits on a second run, and its fused norm against the norm kernel
+    followed by the path."""
+    from executor import kernels
+    from executor.kernels.moe import decode
+    from executor.kernels.moe.reference import experts_reference
+    from executor.kernels.moe.route import route_topk
+
+    w13, w2, router = _experts(shape, tokens)
+    x = torch.randn(tokens, shape[2], device="cuda").bfloat16()
+    logits = x @ router.t()
+    for renormalize in (True, False):
+        out, weights, ids = decode.routed(x, logits, w13, w2, shape[1], renormalize,
+                                          renormalize)
+        want_w, want_ids = route_topk(logits, shape[1], renormalize, renormalize)
+        probs = torch.softmax(logits.float(), dim=-1)
+        assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids.long()))
+        torch.testing.assert_close(weights, want_w, atol=4e-3, rtol=1e-5)
+        want = experts_reference(x, w13, w2, weights, ids)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+        again = decode.routed(x, logits, w13, w2, shape[1], renormalize, renormalize)
+        assert all(torch.equal(a, b) for a, b in zip(again, (out, weights, ids), strict=True))
+    # a NaN row (a padded graph row, say) routes nowhere: no read past the experts
+    nan_out = decode.routed(x, torch.full_like(logits, float("nan")), w13, w2, shape[1], True,
+                            True)[0]
+    torch.cuda.synchronize()
+    assert nan_out.shape == x.shape
+    nw = (1.0 + 0.1 * torch.randn(shape[2], device="cuda")).bfloat16()
+    summed = 4.0 * x
+    got = decode.routed(summed, logits, w13, w2, shape[1], True, True, nw, 1e-6)[0]
+    want = decode.routed(kernels.rms_norm(summed, nw, 1e-6), logits, w13, w2, shape[1],
+                         True, True)[0]
+    print(f"fused norm {shape} x{tokens}: {(got != want).float().mean().item():.4%} differ")
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_decode_path_never_syncs_and_replays_in_a_graph(tokens: int) -> None:
+    """``fused_moe`` at decode sizes with the norm fused: no host sync, and a CUDA graph
+    replayed on new inputs gives the eager run's bits."""
+    from executor.kernels.moe import decode
+    from executor.kernels.moe.fused import fused_moe
+
+    assert decode.takes(tokens, 8, 128)
+    w13, w2, router = _experts(QWEN3_30B, tokens)
+    x = torch.randn(tokens, QWEN3_30B[2], device="cuda").bfloat16()
+    nw = (1.0 + 0.1 * torch.randn(QWEN3_30B[2], device="cuda")).bfloat16()
+
+    def step() -> torch.Tensor:
+        return fused_moe(x, x @ router.t(), w13, w2, 8, True, True, nw, 1e-6)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+def test_decode_path_with_pdl_equals_plain_launches() -> None:
+    """Launched with PDL (each kernel may start while its predecessor finishes) inside a
+    CUDA graph, the decode path after a router GEMM gives the plain launches' bits."""
+    from executor.kernels import skinny
+    from executor.kernels.moe.fused import fused_moe
+    from executor.kernels.switches import KernelSwitches, pdl_unsupported_reason
+
+    if pdl_unsupported_reason("cuda"):
+        pytest.skip(pdl_unsupported_reason("cuda"))
+    w13, w2, router = _experts(QWEN3_30B, 5)
+    x = torch.randn(1, QWEN3_30B[2], device="cuda").bfloat16()
+    res = torch.randn(1, QWEN3_30B[2], device="cuda").bfloat16()
+    nw = (1.0 + 0.1 * torch.randn(QWEN3_30B[2], device="cuda")).bfloat16()
+
+    def step() -> torch.Tensor:
+        logits, summed = skinny.skinny_norm_gemm(x, res, nw, 1e-6, router)
+        assert summed is not None
+        return fused_moe(summed, logits, w13, w2, 8, True, True, nw, 1e-6)
+
+    outs = []
+    for on in (False, True):
+        with KernelSwitches(pdl=on):
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            for _ in range(3):
+                graph.replay()
+            outs.append(out.clone())
+    assert torch.equal(outs[0], outs[1])
+
+
 def _make(path: Path, graphs: bool) -> Executor:
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
@@ -163,6 +273,25 @@ def test_graph_logits_equal_eager(pair: tuple[Executor, Executor]) -> None:
     for _ in range(6):
         alloc = ex.kv.allocate([(s, 1) for s in last])
         decision = ex.forward.decide("decode", len(last))
+        assert decision.use_graph and decision.bucket is not None, decision
+        graph, eager = graph_and_eager(ex, ex.runners["decode"], "decode", list(last.values()),
+                                       alloc, decision.bucket)
+        torch.testing.assert_close(graph, eager, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+        assert_same_greedy(graph, eager)
+        last = dict(zip(last, graph.argmax(-1).tolist(), strict=True))
+    ex.release(list(last))
+    ex.kv.check_invariants()
+
+
+def test_one_sequence_decode_graph_equals_eager(pair: tuple[Executor, Executor]) -> None:
+    """Batch 1 (the decode path, its norm fused into the router GEMM): graph replays
+    against eager forwards of the same steps."""
+    ex, _ = pair
+    last = {o.seq_id: int(o.token_id)  # type: ignore[arg-type]
+            for o in ex.prefill([PrefillItem("one", rand_tokens(40, 21))]).outputs}
+    for _ in range(6):
+        alloc = ex.kv.allocate([(s, 1) for s in last])
+        decision = ex.forward.decide("decode", 1)
         assert decision.use_graph and decision.bucket is not None, decision
         graph, eager = graph_and_eager(ex, ex.runners["decode"], "decode", list(last.values()),
                                        alloc, decision.bucket)

@@ -1,0 +1,165 @@
+"""The MoE decode path's kernels against the grouped path and their floor, and the RoPE
+kernel's head split, at decode sizes (random bf16 weights, one GPU).
+
+    python -m bench.kernels.moe_decode [--shape qwen3-30b-a3b|mixtral] [--tokens 1,2,4]
+                                       [--sweep] [--out DIR]
+
+Per token count: one MoE layer's experts as the decode path (``moe.decode.routed``, the
+input norm fused) and as the grouped path it replaces at those sizes (the norm kernel,
+``route_align``, the two grouped GEMMs and the sum), each call on its own copy of the
+experts (copies together exceed L2, so weights stream from HBM as in a forward), against
+the bytes of the experts routed to over the measured read bandwidth. ``--sweep`` times the
+decode path's tiles at the first token count (gate_up's, then down's with gate_up's best)
+and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE, 32 q and 4 KV heads of 128) at
+one token: the head split against one program per kind of head. Prints a table; writes
+``moe_decode.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import hardware
+from bench.common.meta import git_commit
+from bench.common.timing import L2_BYTES, capture, replay_us
+
+#: (experts, top_k, hidden, expert width)
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
+DEVICE = torch.device("cuda")
+
+
+def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
+    graph = capture(lambda: [fn(i) for i in range(calls)])
+    try:
+        return replay_us(graph, calls, 50, warmup=5)
+    finally:
+        del graph
+
+
+def kernel_us(fn: Callable[[int], object], calls: int) -> dict[str, float]:
+    """Mean device time per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            for i in range(calls):
+                fn(i)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / e.count for e in prof.key_averages()
+            if e.device_time_total > 0}
+
+
+def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep: bool
+             ) -> dict[str, Any]:
+    from executor import kernels
+    from executor.kernels.moe import decode, fused
+    from executor.kernels.moe import route as routing
+
+    experts, top_k, hidden, inter = shape
+    expert_bytes = 3 * hidden * inter * 2
+    # the routed experts of all copies together exceed L2 twice over
+    copies = max(2, -(-2 * L2_BYTES // (min(tokens * top_k, experts) * expert_bytes)) + 1)
+    w = [(torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.02,
+          torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16) * 0.02)
+         for _ in range(copies)]
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, device=DEVICE, dtype=torch.bfloat16)
+    nw = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
+
+    def run_decode(tiles: decode.DecodeTiles | None) -> Callable[[int], object]:
+        return lambda i: decode.routed(x, logits, *w[i % copies], top_k, True, True, nw, 1e-6,
+                                       tiles)
+
+    def grouped(i: int) -> object:
+        normed = kernels.rms_norm(x, nw, 1e-6)
+        tiles = fused._tiles(normed, w[i % copies][0], tokens * top_k)
+        weights, _, aligned = routing.route_align(logits, top_k, True, True, tiles.block_m)
+        return fused.grouped_experts(normed, *w[i % copies], weights, top_k, aligned, tiles)
+
+    touched = int(routing.route_topk(logits, top_k, True, True)[1].unique().numel())
+    floor_us = touched * expert_bytes / (bw_gbs * 1e3)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms)
+    out: dict[str, Any] = {"tokens": tokens, "floor_us": floor_us,
+                           "decode_us": _per_call_us(run_decode(None), copies),
+                           "grouped_us": _per_call_us(grouped, copies),
+                           "kernels_us": kernel_us(run_decode(None), copies),
+                           "tiles": dataclasses.asdict(default)}
+    if sweep:
+        timed = []
+        for bn, bk, nw_ in itertools.product((8, 16, 32), (128, 256), (4, 8)):
+            t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
+            timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
+        best_up = min(timed, key=lambda r: r[0])[1]
+        for bn, bk, nw_ in itertools.product((4, 8, 16), (64, 128, 256), (4, 8)):
+            t = dataclasses.replace(decode.DecodeTiles(**best_up), block_n_down=bn,
+                                    block_k_down=bk, num_warps_down=nw_)
+            timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
+        out["sweep_best"] = min(timed, key=lambda r: r[0])
+    return out
+
+
+def rope_case() -> dict[str, Any]:
+    from executor.kernels import rope
+
+    heads, kv_heads, head_dim, calls = 32, 4, 128, 48
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(1, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(1, kv_heads, head_dim)
+    emb = torch.outer(torch.arange(4096, device=DEVICE, dtype=torch.float32),
+                      torch.rand(head_dim // 2, device=DEVICE)).repeat(1, 2)
+    cos, sin = emb.cos(), emb.sin()
+    pos = torch.tensor([300], device=DEVICE)
+    qw = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16)
+    def call(block: int | None) -> Callable[[int], object]:
+        return lambda _: rope._launch(q, k, pos, cos, sin, qw, qw, 1e-6, head_block=block)
+
+    return {"split_us": _per_call_us(call(None), calls),
+            "one_block_us": _per_call_us(call(heads), calls)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="1,2,4")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the decode path's tiles at the first token count")
+    ap.add_argument("--out", type=Path, default=Path("results-local"))
+    args = ap.parse_args(argv)
+    bw = hardware.read_bandwidth_gbs(2**30)
+    result: dict[str, Any] = {"shape": args.shape, "device": torch.cuda.get_device_name(),
+                              "commit": git_commit(), "read_bandwidth_gbs": bw,
+                              "moe": [moe_case(SHAPES[args.shape], int(t), bw,
+                                               args.sweep and n == 0)
+                                      for n, t in enumerate(args.tokens.split(","))],
+                              "rope": rope_case()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe_decode.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.shape} on {result['device']}, read {bw:.0f} GB/s")
+    print("tokens  decode us  grouped us  floor us  decode/floor  tiles")
+    for c in result["moe"]:
+        print(f"{c['tokens']:>6}  {c['decode_us']:9.1f}  {c['grouped_us']:10.1f}  "
+              f"{c['floor_us']:8.1f}  {c['decode_us'] / c['floor_us']:12.2f}  {c['tiles']}")
+        print("        kernels: " + ", ".join(f"{k} {v:.1f} us"
+                                               for k, v in c["kernels_us"].items()))
+        if "sweep_best" in c:
+            print(f"        sweep best {c['sweep_best'][0]:.1f} us: {c['sweep_best'][1]}")
+    r = result["rope"]
+    print(f"rope_qk 1 token 32+4 heads: split {r['split_us']:.1f} us, one block per kind "
+          f"{r['one_block_us']:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""The experts at a few tokens (decode): two GEMV-style launches, no alignment, no sum after.
+
+``_moe_decode_gate_up_kernel``: programs over (routed pair ``t * top_k + j``, block of the
+experts' columns). Each routes its token itself from the router logits (``route.topk_rows``
+on one row of ``E`` logits: no routing launch) and streams its expert's gate and up rows,
+SiLU-and-mul fused; the first block of slot 0 stores the token's weights and ids for the
+down pass. With a norm weight its input is the residual sum, RMS-normed in the kernel as
+``executor.kernels.norm`` rounds it (the router GEMM takes the norm fused: no norm launch).
+``_moe_decode_down_kernel``: programs over (token, block of hidden columns); each reads its
+columns of the token's ``top_k`` experts at once (a ``(top_k, BLOCK_N, BLOCK_K)`` tile per
+step), rounds each expert's output, scales it by its routing weight, rounds, and sums the
+``top_k`` in float32 in one program: deterministic, as the grouped path rounds. Each pair
+streams its own expert, so the path serves only while pairs rarely share one (``takes``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from executor.kernels import pdl
+from executor.kernels.moe.route import topk_rows
+from executor.kernels.pdl import pdl_enter
+
+#: Tokens up to which the decode path may serve (``takes``).
+DECODE_MAX_TOKENS = 4
+
+
+def takes(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the decode path runs ``num_tokens`` tokens: at most ``DECODE_MAX_TOKENS``,
+    and past one token few enough pairs that two rarely route to the same expert (each
+    pair streams its expert's weights; the grouped path reads a shared expert once)."""
+    return 0 < num_tokens <= DECODE_MAX_TOKENS and (
+        num_tokens == 1 or 4 * num_tokens * top_k <= num_experts)
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr,  # (T, K): the experts' input, or with HAS_NORM the residual sum to normalize
+    nw_ptr,  # (K,) RMSNorm weight (HAS_NORM)
+    logits_ptr,  # (T, E) router logits
+    w_ptr,  # (E, 2 * N, K): gate rows [0, N), up rows [N, 2N)
+    act_ptr,  # (T * TOP_K, N) out, by pair
+    weights_ptr, ids_ptr,  # (T, TOP_K) float32 / int32 out
+    num_experts, n_cols, k_dim,
+    stride_x, stride_l, stride_we, stride_wn,
+    inv_k, eps,
+    TOP_K: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,  # next_power_of_2(K) (HAS_NORM)
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = pair // TOP_K
+    j = pair % TOP_K
+    top_w, top_i = topk_rows(logits_ptr, t + tl.arange(0, 1), t + 1, num_experts, stride_l,
+                             TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (1, K_POW2)
+    slots = tl.arange(0, K_POW2)[None, :]
+    expert = tl.sum(tl.where(slots == j, top_i, 0))
+    # an id past the experts (a padded column's, for a row of NaN logits) reads the last
+    # expert rather than past the end
+    expert = tl.minimum(expert, num_experts - 1).to(tl.int64)
+    routed = t.to(tl.int64) * TOP_K + slots
+    if (j == 0) & (pid_n == 0):  # one program per token stores its routing
+        tl.store(weights_ptr + routed, top_w, mask=slots < TOP_K)
+        tl.store(ids_ptr + routed, top_i, mask=slots < TOP_K)
+    act_ty = act_ptr.dtype.element_ty
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    rstd = 0.0
+    if HAS_NORM:  # the norm kernel's sum of squares, over the whole row at once
+        offs = tl.arange(0, BLOCK_ROW)
+        xr = tl.load(x_row + offs, mask=offs < k_dim, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) * inv_k + eps)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    u_ptrs = g_ptrs + n_cols * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # the next chunk's weights are loaded before this chunk's products (two chunks in
+    # flight per program: the loop is not pipelined for us, there being no dot)
+    w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
+    g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
+    u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
+    for k in range(0, k_dim, BLOCK_K):
+        w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
+        g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+        u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+        k_ok = ks + k < k_dim
+        xk = tl.load(x_row + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_NORM:  # rounded before and after the weight multiply, as the norm kernel
+            nw = tl.load(nw_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            xk = ((xk * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
+        gate += g_w.to(tl.float32) * xk[None, :]
+        up += u_w.to(tl.float32) * xk[None, :]
+        g_w, u_w = g_next, u_next
+    g = tl.sum(gate, axis=1).to(act_ty).to(tl.float32)
+    u = tl.sum(up, axis=1).to(act_ty).to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32) * u
+    tl.store(act_ptr + pair.to(tl.int64) * n_cols + cols, act.to(act_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    act_ptr,  # (T * TOP_K, K) activations, by pair
+    w_ptr,  # (E, N, K)
+    out_ptr,  # (T, N)
+    weights_ptr, ids_ptr,  # (T, TOP_K) float32 / int32
+    num_experts, n_cols, k_dim,
+    stride_we, stride_wn, stride_o,
+    TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    slots = tl.arange(0, K_POW2)
+    slot_ok = slots < TOP_K
+    expert = tl.load(ids_ptr + t * TOP_K + slots, mask=slot_ok, other=0)
+    expert = tl.minimum(expert, num_experts - 1).to(tl.int64)  # as gate_up reads them
+    scale = tl.load(weights_ptr + t * TOP_K + slots, mask=slot_ok, other=0.0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + expert[:, None, None] * stride_we
+              + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])
+    a_ptrs = act_ptr + (t * TOP_K + slots)[:, None, None] * k_dim + ks[None, None, :]
+    rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
+    for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
+        w_next = tl.load(w_ptrs + k + BLOCK_K,
+                         mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :], other=0.0)
+        k_ok = (ks + k < k_dim)[None, None, :]
+        a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)
+        w = w_next
+    act_ty = out_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=2).to(act_ty).to(tl.float32) * scale[:, None]  # (K_POW2, BLOCK_N)
+    total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
+    tl.store(out_ptr + t * stride_o + cols, total.to(act_ty), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Columns and reduction chunk per program of each launch."""
+
+    block_n: int  # gate_up: columns of gate (and as many of up)
+    block_k: int
+    block_n_down: int
+    block_k_down: int
+    num_warps: int = 4
+    num_warps_down: int = 4
+
+
+def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) -> int:
+    """The widest power-of-two column block (down to ``narrowest``) that still gives
+    ``programs`` programs over ``rows`` rows of ``cols`` columns."""
+    block = widest
+    while block > narrowest and rows * triton.cdiv(cols, block) < programs:
+        block //= 2
+    return block
+
+
+@functools.lru_cache(maxsize=64)
+def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+               sms: int) -> DecodeTiles:
+    """Blocks narrowed until about two programs per multiprocessor stream weights, and
+    reduction chunks that keep each load at a few thousand elements (wide, many in
+    flight, without spilling the float32 accumulators)."""
+    elems = 4096 if dtype == torch.float32 else 8192
+    block_n = _narrow(num_tokens * top_k, inter, 32, 8, 2 * sms)
+    block_k = min(triton.next_power_of_2(hidden), max(16, elems // (2 * block_n)))
+    block_n_down = _narrow(num_tokens, hidden, 32, 8, 2 * sms)
+    k_pow2 = triton.next_power_of_2(top_k)
+    block_k_down = min(triton.next_power_of_2(inter), max(16, elems // (k_pow2 * block_n_down)))
+    return DecodeTiles(block_n, min(block_k, 256), block_n_down, min(block_k_down, 256))
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+           w_down: torch.Tensor, top_k: int, renormalize: bool,
+           weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
+           eps: float = 0.0, tiles: DecodeTiles | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out (T, H), weights (T, top_k) float32, ids (T, top_k) int32)``: the routing of
+    ``router_logits`` (as ``route.route_topk``) and the experts on ``x`` (with
+    ``norm_weight``: on ``rms_norm(x, norm_weight, eps)``), in two launches."""
+    t, hidden = x.shape
+    experts, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    assert w_gate_up.shape[2] == hidden and w_down.shape == (experts, hidden, inter)
+    assert router_logits.shape == (t, experts) and router_logits.stride(-1) == 1
+    assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
+    assert norm_weight is None or (norm_weight.shape == (hidden,)
+                                   and norm_weight.is_contiguous())
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    out = torch.empty_like(x)
+    if t == 0:
+        return out, weights, ids
+    if tiles is None:
+        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device))
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    k_pow2 = triton.next_power_of_2(top_k)
+    _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
+        x, norm_weight if norm_weight is not None else x, router_logits, w_gate_up, act,
+        weights, ids, experts, inter, hidden,
+        x.stride(0), router_logits.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        1.0 / hidden, eps,
+        TOP_K=top_k, E_POW2=triton.next_power_of_2(experts), K_POW2=k_pow2,
+        RENORMALIZE=renormalize, ROUND_TO_ACT=weights_in_activation_dtype,
+        HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        **pdl.options())
+    _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
+        act, w_down, out, weights, ids, experts, hidden, inter,
+        w_down.stride(0), w_down.stride(1), out.stride(0),
+        TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=tiles.block_n_down, BLOCK_K=tiles.block_k_down,
+        num_warps=tiles.num_warps_down, **pdl.options())
+    return out, weights, ids
