@@ -132,11 +132,10 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor 
                 or x.shape[0] == 0:
             return None
         m, (n, k) = x.shape[0], weight.shape
-        if m < DOT_MIN_ROWS:
-            cublas = mode != W8A16 and cublas_here(x, weight)
-            return None if cublas else W8A16_KERNEL
         name = device_name(x.device) if x.is_cuda else ""
         route = _route(m, n, k, blocks, mode, input_scale, name)
+        if m < DOT_MIN_ROWS:  # one w8a16 launch (not where cuBLAS FP8 was faster)
+            return route if route == W8A16_KERNEL else None
         return None if route == W8A16_KERNEL or input_scale is not None else route
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -199,14 +198,9 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     from executor.quant import launch
 
     block = (block_n, block_k) if block_n else None
-    m, (n, k) = x.shape[0], weight.shape
-    if DOT_MIN_ROWS <= m <= SKINNY_MAX_ROWS:
-        name = device_name(x.device) if x.is_cuda else ""
-        route = _route(m, n, k, block is not None, mode, input_scale, name)
-    elif mode == W8A16 or (m <= SKINNY_MAX_ROWS and not cublas_here(x, weight)):
-        route = W8A16_KERNEL
-    else:
-        route = SCALED_MM_KERNEL
+    name = device_name(x.device) if x.is_cuda else ""
+    n, k = weight.shape
+    route = _route(x.shape[0], n, k, block is not None, mode, input_scale, name)
     if route == W8A16_KERNEL:
         return launch.w8a16(x, weight, scale, block)
     q, row_scales = launch.act_quant(x, input_scale)
@@ -215,9 +209,13 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _route(m: int, n: int, k: int, blocks: bool, mode: int,
            input_scale: torch.Tensor | None, device: str) -> str:
-    """The path of ``DOT_MIN_ROWS`` to ``SKINNY_MAX_ROWS`` rows (``tiles.skinny_kernel``),
-    where the layer's scales allow it: per-tensor scales take w8a16 or cuBLAS FP8 as
-    below ``DOT_MIN_ROWS``, cuBLAS FP8 needs the row-wise mode."""
+    """The path of ``m`` rows (see the module docstring): from ``DOT_MIN_ROWS`` to
+    ``SKINNY_MAX_ROWS`` rows ``tiles.skinny_kernel``'s where the layer's scales allow it
+    (per-tensor scales take w8a16 or cuBLAS FP8 as fewer rows do; cuBLAS FP8 needs the
+    row-wise mode)."""
+    if m < DOT_MIN_ROWS or m > SKINNY_MAX_ROWS:
+        cublas = mode != W8A16 and (m > SKINNY_MAX_ROWS or scaled_mm_faster(m, n, k, device))
+        return SCALED_MM_KERNEL if cublas else W8A16_KERNEL
     if mode == PER_TENSOR or input_scale is not None:
         faster = mode == PER_TENSOR and scaled_mm_faster(m, n, k, device)
         return SCALED_MM_KERNEL if faster else W8A16_KERNEL
