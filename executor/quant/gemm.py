@@ -89,7 +89,13 @@ def prepare(layer: Fp8Linear) -> None:
     def gemm(x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, weight, gemm_scale, input_scale, bn, bk, mode)
 
-    layer.gemm = gemm
+    def route_of(x: torch.Tensor) -> str:
+        from executor.kernels.skinny.tiles import device_name
+
+        name = device_name(x.device) if x.is_cuda else ""
+        return _route(x.shape[0], n, k, block is not None, mode, input_scale, name)
+
+    layer.gemm, layer.route_of = gemm, route_of
     layer.norm_gemm, layer.silu_mul_gemm = _fused(weight, gemm_scale, input_scale, block,
                                                   mode)
     name = ""
