@@ -19,6 +19,8 @@ from executor.kernels.pdl import pdl_enter
 from executor.kernels.row_quant import quantize_store, row_scale
 
 BLOCK = 1024  # columns per program: 8 bf16 per thread with 4 warps
+#: Rows up to this many products are quantized from registers (16 warps, 32 per thread).
+MAX_WHOLE_ROW = 16384
 
 
 @triton.jit
@@ -60,24 +62,31 @@ def _silu_and_mul_quant_kernel(
     n_cols,
     stride_x, stride_q,
     BLOCK_N: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,  # BLOCK_N >= n_cols: the row stays in registers
     USE_PDL: tl.constexpr,
 ):
     # One program per row: the row's largest product first, then the quantized products
-    # (recomputed: the row is read twice, which is cheaper than a round trip to memory).
+    # (a longer row is recomputed chunk by chunk: read twice, not written and read back).
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     act_ty = act_ptr.dtype.element_ty
     src = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK_N)
-    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_N):
-        v = _silu_mul(src, c0 + offs, c0 + offs < n_cols, n_cols, act_ty)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = row_scale(tl.max(amax, axis=0))
-    for c0 in range(0, n_cols, BLOCK_N):
-        mask = c0 + offs < n_cols
-        v = _silu_mul(src, c0 + offs, mask, n_cols, act_ty)
-        quantize_store(v, scale, q_ptr + row * stride_q + c0 + offs, mask)
+    if WHOLE_ROW:
+        mask = offs < n_cols
+        v = _silu_mul(src, offs, mask, n_cols, act_ty)
+        scale = row_scale(tl.max(tl.abs(v), axis=0))
+        quantize_store(v, scale, q_ptr + row * stride_q + offs, mask)
+    else:
+        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK_N):
+            v = _silu_mul(src, c0 + offs, c0 + offs < n_cols, n_cols, act_ty)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = row_scale(tl.max(amax, axis=0))
+        for c0 in range(0, n_cols, BLOCK_N):
+            mask = c0 + offs < n_cols
+            v = _silu_mul(src, c0 + offs, mask, n_cols, act_ty)
+            quantize_store(v, scale, q_ptr + row * stride_q + c0 + offs, mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -114,10 +123,11 @@ def silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows and n:
-        block = min(2 * BLOCK, triton.next_power_of_2(n))
+        whole = n <= MAX_WHOLE_ROW
+        block = triton.next_power_of_2(n) if whole else 2 * BLOCK
         _silu_and_mul_quant_kernel[(num_rows,)](
-            x, x, q, s, n, x.stride(0), q.stride(0), BLOCK_N=block,
-            num_warps=8 if block > 1024 else 4, **pdl.options())
+            x, x, q, s, n, x.stride(0), q.stride(0), BLOCK_N=block, WHOLE_ROW=whole,
+            num_warps=min(max(block // 512, 4), 16), **pdl.options())
     return q, s
 
 

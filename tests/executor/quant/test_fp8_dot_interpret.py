@@ -130,8 +130,14 @@ def test_rms_norm_quant_equals_quantized_norm(residual: bool, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n", [200, 2500])  # one chunk; several (and a partial one)
-def test_silu_and_mul_quant_equals_quantized_product(n: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("whole", [True, False])  # in registers; chunks (a partial one)
+def test_silu_and_mul_quant_equals_quantized_product(whole: bool, dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor.kernels import activation
+
+    n = 2500
+    if not whole:
+        monkeypatch.setattr(activation, "MAX_WHOLE_ROW", 1024)
     gen = torch.Generator().manual_seed(n)
     gate_up = (torch.randn(3, 2 * n, generator=gen) * 3).to(dtype)
     q, s = silu_and_mul_quant(gate_up)
