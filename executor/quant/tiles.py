@@ -6,7 +6,8 @@ A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on th
 --tiles-out``), else the first GPU's the file lists for it, else ``default_tile``. Rows are
 bucketed to powers of two up to 64 (the sweep times each bucket's top). From
 ``DOT_MIN_ROWS`` rows a row of the file may also hold the FP8 x FP8 kernel's tile
-(``dot_tile``) and name the fastest of the three paths (``kernel``: ``skinny_kernel``).
+(``dot_tile``) and name the fastest of the three paths (``kernel``: ``skinny_kernel``);
+a bucket the sweep did not time takes the nearest timed one's.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def skinny_kernel(m: int, n: int, k: int, blocks: bool, device: str) -> str:
     faster than w8a16 (``scaled_mm_faster``), else the FP8 x FP8 kernel (w8a16 is a bf16
     ``tl.dot`` with twice its operand bytes); block scales w8a16 (no activation rounding)
     until a sweep says otherwise."""
-    got = _dot_rows().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, device))
+    got = _dot_row(m, n, k, blocks, device)
     if got is not None:
         return got[0]
     if blocks:
@@ -153,10 +154,24 @@ def skinny_kernel(m: int, n: int, k: int, blocks: bool, device: str) -> str:
 
 def pick_dot_tile(m: int, n: int, k: int, blocks: bool, device: str) -> DotTile:
     """The FP8 x FP8 kernel's tile for a launch: tuned on this GPU, else the default."""
-    got = _dot_rows().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, device))
-    if got is not None and got[1] is not None:
-        return got[1]
-    return default_dot_tile(m, n, k, blocks)
+    got = _dot_row(m, n, k, blocks, device)
+    tile = got[1] if got is not None else None
+    # (a tile with the activation rows on the MMA's M side is swept from 32 rows only)
+    if tile is None or (not tile.swap_ab and m <= 16):
+        return default_dot_tile(m, n, k, blocks)
+    return tile
+
+
+def _dot_row(m: int, n: int, k: int, blocks: bool, device: str
+             ) -> tuple[str, DotTile | None] | None:
+    """The sweep's row for ``m``'s bucket on this GPU; a bucket the sweep did not time
+    (it times 8 and 64 rows) takes the nearest one it did, the larger first."""
+    rows = _dot_rows()
+    scales = "blocks" if blocks else "rows"
+    bucket = rows_bucket(m)
+    near = sorted((b for b in (8, 16, 32, 64) if (scales, b, n, k, device) in rows),
+                  key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+    return rows[(scales, near[0], n, k, device)] if near else None
 
 
 def _rows() -> list[dict[str, Any]]:

@@ -188,8 +188,8 @@ def test_prepared_layer_fuses_the_quantization_from_8_rows(m: int) -> None:
 def test_block_scales_take_the_dot_kernel_where_tuned(tmp_path: Any, monkeypatch: Any
                                                       ) -> None:
     """Block scales stay on w8a16 by default; a sweep row naming the FP8 x FP8 kernel (and
-    its tile) sends the bucket there, with the fused quantization; other GPUs' rows and
-    other buckets keep the default."""
+    its tile) sends its bucket (and untimed buckets nearest to it) there, with the fused
+    quantization; other GPUs' rows do not count."""
     from executor.quant import tiles
 
     layer = _layer(256, 160, True, seed=3)
@@ -199,16 +199,20 @@ def test_block_scales_take_the_dot_kernel_where_tuned(tmp_path: Any, monkeypatch
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"tiles": [
         {"device": "", "scales": "blocks", "m": 16, "n": 160, "k": 256, "input_op": 0,
-         "tile": [32, 128, 4, 0], "us": 9.0, "dot_tile": [32, 128, 2, 4, 0, False],
+         "tile": [32, 128, 4, 0], "us": 9.0, "dot_tile": [32, 128, 2, 4, 0, True],
          "dot_us": 5.0, "kernel": "dot"},
         {"device": "GPU B", "scales": "blocks", "m": 32, "n": 160, "k": 256, "input_op": 0,
          "tile": [32, 128, 4, 0], "us": 9.0, "kernel": "dot"}]}))
     monkeypatch.setattr(tiles, "TILES_FILE", path)
     tiles._dot_rows.cache_clear()
     try:
-        assert tiles.pick_dot_tile(16, 160, 256, True, "") == DotTile(32, 128, 2, 4, 0, False)
-        assert tiles.skinny_kernel(32, 160, 256, True, "") == tiles.W8A16_KERNEL
-        assert tiles.skinny_kernel(32, 160, 256, True, "GPU B") == tiles.DOT_KERNEL
+        assert tiles.pick_dot_tile(16, 160, 256, True, "") == DotTile(32, 128, 2, 4, 0, True)
+        # a bucket the sweep did not time takes the nearest timed one; another GPU's
+        # rows do not count
+        assert tiles.skinny_kernel(64, 160, 256, True, "") == tiles.DOT_KERNEL
+        assert tiles.pick_dot_tile(64, 160, 256, True, "") == DotTile(32, 128, 2, 4, 0, True)
+        assert tiles.skinny_kernel(32, 160, 256, True, "GPU C") == tiles.W8A16_KERNEL
+        assert tiles.skinny_kernel(8, 160, 256, True, "GPU B") == tiles.DOT_KERNEL
         q, s = launch.act_quant(x, None)
         ref = (q.float() * s) @ layer.dense_weight(torch.float32).T
         got = layer(x)

@@ -133,7 +133,7 @@ def test_fp8_dot_equals_dequantized_float32(shape: str, kind: str) -> None:
     from executor.quant.tiles import DotTile
 
     tiles = [None, DotTile(64, 128, 1), DotTile(128, 128, 4, 8), DotTile(64, 256, 2),
-             DotTile(64, 128, 8, 4, 3, False)]
+             DotTile(64, 128, 8, 4, 3, False)]  # (the last: 64-row programs only)
     for proj, (k, shards) in _projection_shards(shape).items():
         if kind == "block" and len(shards) > 1 and any(r % 128 for r in shards):
             continue  # (as above)
@@ -147,8 +147,9 @@ def test_fp8_dot_equals_dequantized_float32(shape: str, kind: str) -> None:
             ref = (q.float() * s) @ dense.T
             bound = REL * ref.abs().max().item()
             for tile in tiles:
-                if block and tile is not None and tile.block_k > 128:
-                    continue
+                if tile is not None and ((block and tile.block_k > 128)
+                                         or (m < 32 and not tile.swap_ab)):
+                    continue  # (block scales: chunks inside a block; as the sweep tries)
                 got = fp8_dot(q, s, layer.weight, scale, block, torch.bfloat16, tile)
                 err = (got.float() - ref).abs().max().item()
                 assert err <= bound, f"{shape} {proj} {kind} M={m} {tile}: {err:.4g}"
