@@ -36,8 +36,8 @@ from executor.quant.tiles import (
     skinny_kernel,
 )
 
-#: Rows up to which a projection takes one of the skinny paths (``w8a16`` or the FP8 x FP8
-#: kernel: ``path``) whatever its scales.
+#: Rows up to which a projection takes a skinny path (``_route``: w8a16, the FP8 x FP8
+#: kernel, or cuBLAS FP8 where measured faster); more rows go by the layer's ``mode``.
 SKINNY_MAX_ROWS = 64
 # How a layer with more rows multiplies (the ``mode`` of ``fp8_linear``).
 W8A16, ROWWISE, PER_TENSOR = 0, 1, 2
