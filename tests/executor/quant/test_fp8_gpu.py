@@ -221,9 +221,15 @@ def _fp8_model(root: Path) -> Path:
 @needs_fp8
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_graphs_equal_eager_with_fp8(quantization: str | None, tmp_path: Path,
-                                     model_path: Path) -> None:
+                                     model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A block FP8 checkpoint, and a bf16 one with ``--quantization fp8``: full decode and
-    breakable prefill graphs against eager, every clear greedy choice the same."""
+    breakable prefill graphs against eager, every clear greedy choice the same.
+
+    NOTE: five sequences decode eagerly at 5 rows but replay the 8-row graph; from 8 rows
+    a per-channel layer may quantize its activations (the FP8 x FP8 kernel), which moves
+    logits by more than this comparison's margin. Both keep w8a16 here, the paths of the
+    8-64-row buckets are compared at equal buckets below (``test_batched_decode_...``)."""
+    monkeypatch.setattr(gemm, "skinny_kernel", lambda *_: "w8a16")
     path = _fp8_model(tmp_path) if quantization is None else model_path
     model = ModelConfig(source=str(path), dtype="bfloat16", quantization=quantization)  # type: ignore[arg-type]
     ex = make_prefill_executor(path, model=model)  # type: ignore[arg-type]
