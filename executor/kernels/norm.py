@@ -44,7 +44,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
-    QUANT: tl.constexpr = False,
+    QUANT: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -96,7 +96,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block = triton.next_power_of_2(n)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
-    quant = {} if scales is None else {"QUANT": True}
     _rms_norm_kernel[(num_rows,)](
         x, res_in, weight, out, res_dst, scales if scales is not None else out,
         n,
@@ -105,8 +104,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
         num_warps=_num_warps(block),
+        QUANT=scales is not None,
         **pdl.options(),
-        **quant,
     )
     return out, res_out
 
