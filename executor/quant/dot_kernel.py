@@ -12,7 +12,8 @@ output columns and, where those are too few, by ``split_k`` slices of K: each sl
 partial tile goes to a float32 workspace, and the program that finishes a tile last (an
 atomic counter, reset by it) sums the slices in slice order, so the result does not
 depend on which program ran when. The workspace is static (allocated before capture,
-``reserve``), so CUDA graphs capture the launch; no host sync.
+``reserve``), so CUDA graphs capture the launch; no host sync. Under PDL the weight lines
+a program reads first are prefetched to L2 before it waits for the previous kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from executor.kernels import pdl
 from executor.kernels.fast_launch import cdiv, next_power_of_2
+from executor.kernels.pdl import pdl_enter
 from executor.quant.fp8 import FP8
 from executor.quant.tiles import DotTile, pick_dot_tile
 
@@ -45,6 +48,8 @@ def _fp8_dot_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # weight rows as the MMA's M side (tiles of few rows)
+    PREFETCH: tl.constexpr,  # 128-byte lines per weight row sent to L2 before the PDL wait
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -58,6 +63,14 @@ def _fp8_dot_kernel(
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am  # (BLOCK_M, 1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if USE_PDL:
+        # Weights are never written while a step runs: the first lines of this program's
+        # slice stream into L2 while the previous kernel finishes (addresses clamped into
+        # the weight, a prefetch has no mask).
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+        cols = tl.minimum(k_lo + tl.arange(0, PREFETCH) * 128, k_hi - 1)[None, :]
+        _prefetch_l2(w_ptr + rows + cols)
+    pdl_enter(USE_PDL)  # (activations, scales, workspace: written by the step)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -100,6 +113,13 @@ def _fp8_dot_kernel(
     else:
         _store(acc, as_ptr, s_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
                BLOCK_SCALES)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (a hint: nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -207,7 +227,8 @@ def fp8_dot(q: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale:
         weight.stride(0), out.stride(0), scale.stride(0), SBN=sbn, SBK=sbk,
         BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SPLIT_K=split, SWAP_AB=tile.swap_ab,
-        num_warps=tile.num_warps, num_stages=tile.num_stages or _stages(q.device))
+        PREFETCH=min(8, next_power_of_2(cdiv(k_per, 128))), num_warps=tile.num_warps,
+        num_stages=tile.num_stages or _stages(q.device), **pdl.options())
     return out
 
 

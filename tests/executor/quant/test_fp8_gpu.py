@@ -200,6 +200,48 @@ def test_fused_quantization_equals_unfused(shape: str, route: str,
 
 
 @needs_fp8
+def test_pdl_launches_equal_plain_ones() -> None:
+    """Under PDL the FP8 x FP8 kernel prefetches weights and the quantizing norm, SiLU-and-
+    mul and activation quantization start early: chained as in a decode layer (split-K
+    workspace reused launch after launch), every output equals the plain launches' bit
+    for bit."""
+    from executor.kernels import activation, norm
+    from executor.kernels.switches import KernelSwitches, pdl_unsupported_reason
+    from executor.quant.dot_kernel import fp8_dot
+    from executor.quant.tiles import DotTile
+
+    if pdl_unsupported_reason("cuda"):
+        pytest.skip("PDL unsupported here")
+    k, n, inter = 4096, 6144, 14336
+    g = torch.Generator(device=DEV).manual_seed(9)
+    x, res = (torch.randn(64, k, generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, generator=g, device=DEV)).to(torch.bfloat16)
+    w1, s1 = quantize_rows(torch.randn(n, k, generator=g, device=DEV) / 64)
+    w2, s2 = quantize_rows(torch.randn(k, inter, generator=g, device=DEV) / 64)
+    s1, s2 = s1.reshape(-1).contiguous(), s2.reshape(-1).contiguous()
+
+    def chain() -> tuple[torch.Tensor, ...]:
+        q, s, r = norm.rms_norm_quant(x, res, nw, 1e-5)
+        y = fp8_dot(q, s, w1, s1, None, torch.bfloat16, DotTile(64, 128, 4))
+        gate_up = y.repeat(1, 5)[:, : 2 * inter]  # (64, 2 * inter), row stride 5n
+        q2, t2 = activation.silu_and_mul_quant(gate_up)
+        z = fp8_dot(q2, t2, w2, s2, None, torch.bfloat16, DotTile(64, 128, 8))
+        q3, t3 = launch.act_quant(z, None)
+        out = fp8_dot(q3, t3, w1[:, :k].contiguous(), s1, None, torch.bfloat16)
+        assert r is not None
+        return q.float(), s, r, y, q2.float(), z, out
+
+    with KernelSwitches(pdl=False):
+        plain = chain()
+    for _ in range(3):
+        with KernelSwitches(pdl=True):
+            early = chain()
+        torch.cuda.synchronize()
+        for a, b in zip(plain, early, strict=True):
+            assert torch.equal(a, b)
+
+
+@needs_fp8
 @pytest.mark.parametrize("static", [False, True])
 def test_act_quant_kernel_is_exact(static: bool) -> None:
     x = (torch.randn(300, 4096, device=DEV) * 3).to(torch.bfloat16)
