@@ -2,13 +2,12 @@
 # (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
 """FP8 x FP8 tensor-core GEMM for the skinny rows of batched decode (8 to 64 rows).
 
-``fp8_dot(q, a_scale, weight, scale, block)``: ``(q * a_scale) @ dequantize(weight).T``
-with ``q`` (M, K) e4m3 rows and their per-row float32 scales (``act_quant``, or a norm /
-SiLU-and-mul that quantizes its own output, ``prologue.py``), ``weight`` (N, K) e4m3 with
-per-output-row or 128x128 block scales. ``tl.dot`` on the e4m3 operands accumulates in
-float32; block scales multiply each chunk's partial sums, row and activation scales the
-final sums. Few rows read every weight byte once, so the work is spread over the SMs by
-output columns and, where those are too few, by ``split_k`` slices of K: each slice's
+``fp8_dot``: ``(q * a_scale) @ dequantize(weight).T`` with ``q`` (M, K) e4m3 rows and
+their float32 scales (``act_quant``, or ``rms_norm_quant`` / ``silu_and_mul_quant``),
+``weight`` (N, K) e4m3 with per-output-row or 128x128 block scales. ``tl.dot`` on e4m3
+operands, float32 sums (block scales on each chunk's sums, row scales at the end). Few
+rows read every weight byte once, so the work is spread over the SMs by output columns
+and, where those are too few, by ``split_k`` slices of K: each slice's
 partial tile goes to a float32 workspace, and the program that finishes a tile last (an
 atomic counter, reset by it) sums the slices in slice order, so the result does not
 depend on which program ran when. The workspace is static (allocated before capture,
