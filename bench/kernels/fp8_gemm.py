@@ -3,15 +3,20 @@
 ``python -m bench.kernels.fp8_gemm --shape llama-3.1-8b --tokens 1 --tokens 64`` on an FP8
 GPU: per projection and ``M``, bf16 ``F.linear`` (and at one row our bf16 skinny GEMM),
 FP8 ``w8a16`` with row and with 128x128 block scales, the activation quantization plus
-``torch._scaled_mm`` row-wise and per-tensor; each a CUDA-graph replay over weight copies
-that exceed L2 (``bench.common.timing``), beside the FP8 and bf16 read floors measured in
-the run. Prints a table; ``--out`` also writes ``fp8_gemm.json``.
+``torch._scaled_mm`` row-wise and per-tensor (from 8 to 64 rows also plus our FP8 x FP8
+kernel at its tuned tile); each a CUDA-graph replay over weight copies that exceed L2
+(``bench.common.timing``), beside the FP8 and bf16 read floors measured in the run.
+Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 
 ``--sweep`` is the **tile tuner**: per projection with the input op the decoder fuses into
 it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
 checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
 work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
-rows, N, K, input op, GPU) with both times (``executor.quant.tiles``).
+rows, N, K, input op, GPU) with both times (``executor.quant.tiles``). From 8 rows it also
+times the FP8 x FP8 kernel's tiles (``dot_kernel``: activation quantization included, as
+in cuBLAS FP8's time), and records the fastest tile (``dot_tile``, ``dot_us``) and the
+fastest of the three paths (``kernel``); the w8a16 kernel is timed there at its current
+tile only, unless ``--w8a16-tiles``.
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], o
 
         out["fp8 scaled_mm rowwise"] = (rowwise, True)
         out["fp8 scaled_mm per-tensor"] = (per_tensor, True)
+    if 8 <= m <= 64:
+        from executor.quant.dot_kernel import fp8_dot
+
+        def dot(w: torch.Tensor) -> object:
+            q, s = launch.act_quant(x, None)
+            return fp8_dot(q, s, w, rows, None, torch.bfloat16)
+
+        out["fp8 dot rows"] = (dot, True)
     return out
 
 
@@ -115,6 +128,72 @@ def _candidates(m: int, k: int, blocks: bool) -> list[Any]:
     return [t for t in tiles if valid(t, m, blocks)]
 
 
+def _dot_candidates(m: int, n: int, k: int, blocks: bool) -> list[Any]:
+    """The FP8 x FP8 kernel's tiles worth timing: 64 or 128 columns per program, K split
+    until the programs cover a large GPU's SMs one to about eight times (slices of at least
+    512 columns), 128- and 256-column chunks (128 with block scales), the weight rows on
+    the MMA's M side; from 32 rows also the activation rows there."""
+    from executor.kernels.fast_launch import cdiv
+    from executor.quant.tiles import DotTile, default_dot_tile
+
+    tiles = [default_dot_tile(m, n, k, blocks)]
+    for bn in (64, 128):
+        for split in (1, 2, 4, 8):
+            if not 100 <= cdiv(n, bn) * split <= 1100 or k < 512 * split:
+                continue
+            tiles += [DotTile(bn, bk, split, 4, 0, True) for bk in (128, 256)
+                      if not (blocks and bk > 128)]
+            if m >= 32:
+                tiles.append(DotTile(bn, 128, split, 4 if bn == 64 else 8, 0, False))
+    return list(dict.fromkeys(tiles))
+
+
+def _dot_runner(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+                ) -> Callable[..., torch.Tensor]:
+    """``run(w, tile)``: the activation quantization and the FP8 x FP8 kernel."""
+    from executor.quant import launch
+    from executor.quant.dot_kernel import fp8_dot
+
+    def run(w: torch.Tensor, tile: Any) -> torch.Tensor:
+        q, s = launch.act_quant(x, None)
+        return fp8_dot(q, s, w, scale, block, x.dtype, tile)
+
+    return run
+
+
+def _time_dot(x: torch.Tensor, fp8: list[torch.Tensor], scale: torch.Tensor,
+              block: tuple[int, int] | None) -> tuple[Any, float, float] | None:
+    """(fastest tile, its µs, the default tile's µs) of the FP8 x FP8 kernel, each tile
+    checked against the float32 product of the quantized rows and the weight; None if no
+    tile ran (the row then names the faster of the other two paths)."""
+    from executor.quant import launch
+    from executor.quant.fp8 import dequantize
+
+    m, k = x.shape
+    n = fp8[0].shape[0]
+    q, s = launch.act_quant(x, None)
+    want = (q.float() * s) @ dequantize(fp8[0], scale if block else scale.view(-1, 1),
+                                         block, torch.float32).T
+    run = _dot_runner(x, scale, block)
+    times: dict[Any, float] = {}
+    tiles = _dot_candidates(m, n, k, block is not None)
+    for tile in tiles:
+        try:
+            got = run(fp8[0], tile).float()
+        except Exception as exc:  # a tile this GPU cannot compile
+            print(f"skip dot {tile}: {exc!r}"[:200], flush=True)
+            continue
+        if not torch.allclose(got, want, rtol=2e-2, atol=1e-2 * float(want.abs().max())):
+            print(f"skip dot {tile}: wrong result", flush=True)
+            continue
+        times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
+    if not times:
+        print(f"no FP8 x FP8 tile ran for ({m}, {n}, {k})", flush=True)
+        return None
+    best = min(times, key=times.__getitem__)
+    return best, times[best], times.get(tiles[0], float("nan"))
+
+
 def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
             scale: torch.Tensor, block: tuple[int, int] | None
             ) -> Callable[..., torch.Tensor]:
@@ -153,8 +232,8 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
     return run
 
 
-def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks")
-          ) -> list[dict[str, Any]]:
+def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks"),
+          w8a16_tiles: bool = False) -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
     128x128) and row count (see the docstring)."""
     from executor.kernels.skinny.tiles import device_name
@@ -164,6 +243,7 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
         PLAIN,
         SILU_MUL,
         default_tile,
+        pick_tile,
         rows_bucket,
     )
 
@@ -190,7 +270,10 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                 default = default_tile(m, n, k, blocks, op)
                 want = run(fp8[0], default).float()
                 times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
-                for tile in _candidates(m, k, blocks):
+                dot = m >= DOT_MIN_ROWS
+                tiles = _candidates(m, k, blocks) if not dot or w8a16_tiles else \
+                    [pick_tile(m, n, k, blocks, op, device_name(dev))]  # (the current one)
+                for tile in tiles:
                     if tile in times:
                         continue
                     try:
@@ -214,6 +297,18 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                        "floor_us": round(k * n / bw * 1e6, 2)}
                 if cublas is not None:  # what gemm.prepare's cuBLAS FP8 path costs here
                     row["scaled_mm_us"] = round(cublas, 2)
+                if dot:  # the FP8 x FP8 kernel, and the fastest of the three paths
+                    paths = {"w8a16": times[best]}
+                    got_dot = _time_dot(x, fp8, scale, block)
+                    if got_dot is not None:
+                        dtile, dus, ddefault = got_dot
+                        row.update(dot_tile=[dtile.block_n, dtile.block_k, dtile.split_k,
+                                             dtile.num_warps, dtile.num_stages, dtile.swap_ab],
+                                   dot_us=round(dus, 2), dot_default_us=round(ddefault, 2))
+                        paths["dot"] = dus
+                    if cublas is not None:
+                        paths["scaled_mm"] = cublas
+                    row["kernel"] = min(paths, key=paths.__getitem__)
                 print(json.dumps(row), flush=True)
                 out.append(row)
         del fp8
@@ -241,10 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
     ap.add_argument("--scales", choices=("rows", "blocks", "both"), default="both",
                     help="with --sweep: per-channel scales, 128x128 block scales, or both")
+    ap.add_argument("--w8a16-tiles", action="store_true",
+                    help="with --sweep: from 8 rows also search the w8a16 tiles")
     args = ap.parse_args(argv)
     if args.sweep:
         kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
-        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds)
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.w8a16_tiles)
         if args.tiles_out:
             merge_tiles(args.tiles_out, tuned)
         return 0

@@ -36,7 +36,8 @@ _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather")),
     # the fused mixture-of-experts kernels (executor/kernels/moe): align, the two GEMMs
     ("moe", ("_align_kernel", "_gate_up_kernel", "_down_kernel")),
-    ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_")),
+    ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_",
+              "_fp8_dot_", "_w8a16_")),
     ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_extend_fixed_grid",
                    "_store_kv", "batchdecode", "batchprefill", "flashinfer")),
     ("norm", ("rms_norm",)),  # Gemma's too (_offset_rms_norm)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from executor.kernels.pdl import pdl_enter
 from executor.kernels.skinny.kernel import _input_chunk, _residual_sum
 
 # (constexpr: a jitted function reads only constexpr globals)
@@ -128,7 +129,9 @@ def _act_quant_kernel(
     K, stride_x, stride_q,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if STATIC:

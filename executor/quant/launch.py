@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from executor.kernels import pdl
 from executor.kernels.fast_launch import cdiv, next_power_of_2
 from executor.kernels.skinny.tiles import device_name
 from executor.quant.fp8 import FP8
@@ -101,5 +102,6 @@ def act_quant(x: torch.Tensor, static_scale: torch.Tensor | None
         block = min(4096, next_power_of_2(k))
         _act_quant_kernel[(m,)](x, q, s, static_scale if static_scale is not None else s,
                                 k, x.stride(0), q.stride(0), STATIC=static_scale is not None,
-                                BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                BLOCK=block, num_warps=4 if block <= 1024 else 8,
+                                **pdl.options())
     return q, s

@@ -58,6 +58,8 @@ class Fp8Linear(nn.Module):
         #: where the shape or dtypes do not fuse; (gate_up) -> out, or None. Set with ``gemm``.
         self.norm_gemm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
         self.silu_mul_gemm: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        #: (x) -> the path ``gemm`` takes for it ("w8a16", "dot", "scaled_mm"). Set with it.
+        self.route_of: Callable[[torch.Tensor], str] | None = None
         self.path = ""
 
     def _scale_shape(self) -> tuple[int, ...]:

@@ -1,9 +1,13 @@
-"""Launch shapes of the w8a16 kernel: tuned ones as data, defaults otherwise.
+"""Launch shapes of the FP8 kernels and which kernel takes 8 to 64 rows: tuned ones as
+data, defaults otherwise.
 
 A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on this GPU
 (``tiles.json`` beside this module, written by ``bench.kernels.fp8_gemm --sweep
 --tiles-out``), else the first GPU's the file lists for it, else ``default_tile``. Rows are
-bucketed to powers of two up to 64 (the sweep times each bucket's top).
+bucketed to powers of two up to 64 (the sweep times each bucket's top). From
+``DOT_MIN_ROWS`` rows a row of the file may also hold the FP8 x FP8 kernel's tile
+(``dot_tile``) and name the fastest of the three paths (``kernel``: ``skinny_kernel``);
+a bucket the sweep did not time takes the nearest timed one's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from executor.kernels.fast_launch import next_power_of_2
+from executor.kernels.fast_launch import cdiv, next_power_of_2
 
 TILES_FILE = Path(__file__).with_name("tiles.json")
 #: Rows from which ``tl.dot`` (16-row tiles) multiplies; fewer reduce on the CUDA cores,
@@ -59,6 +63,36 @@ def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN) ->
                    4 if m <= 64 else 8)
 
 
+@dataclass(frozen=True)
+class DotTile:
+    """The FP8 x FP8 kernel's launch (``dot_kernel``): output columns and K chunk per
+    program, K slices (split-K), warps, pipelining depth (0: the device's default), and
+    whether the weight rows take the MMA's M side (``swap_ab``: few activation rows then
+    fill its narrow N side instead of padding M)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 0
+    swap_ab: bool = True
+
+
+def default_dot_tile(m: int, n: int, k: int, blocks: bool) -> DotTile:
+    """Untuned shapes: 64 columns per program in 128-column chunks (a block's width), K
+    split in two, four or eight until the programs cover the SMs of a large GPU about
+    twice (skinny rows read each weight byte once: the SMs must all be reading), keeping
+    slices of at least 512 columns."""
+    split = 1
+    while cdiv(n, 64) * split < 200 and split < 8 and k >= 1024 * split:
+        split *= 2
+    return DotTile(64, 128, split)
+
+
+# The paths of 8 to 64 rows of a per-channel or block-scaled projection (``kernel``).
+W8A16_KERNEL, DOT_KERNEL, SCALED_MM_KERNEL = "w8a16", "dot", "scaled_mm"
+
+
 #: How much faster cuBLAS FP8 (activation quantization + ``torch._scaled_mm``) must have
 #: been than the best tile for a row bucket to take it: w8a16 keeps the input op fused.
 SCALED_MM_MARGIN = 0.9
@@ -89,6 +123,55 @@ def scaled_mm_faster(m: int, n: int, k: int, device: str) -> bool:
     although the w8a16 kernel takes up to ``gemm.SKINNY_MAX_ROWS`` (measured, not assumed:
     the sweep records both)."""
     return (rows_bucket(m), n, k, device) in _scaled_mm_faster()
+
+
+@functools.cache
+def _dot_rows() -> dict[tuple[str, int, int, int, str], tuple[str, DotTile | None]]:
+    """(scales, rows bucket, N, K, device) -> (the fastest path's name, the dot tile), for
+    the rows of ``DOT_MIN_ROWS`` and more that name one."""
+    out: dict[tuple[str, int, int, int, str], tuple[str, DotTile | None]] = {}
+    for r in _rows():
+        if "kernel" in r and r["m"] >= DOT_MIN_ROWS:
+            tile = DotTile(*r["dot_tile"]) if "dot_tile" in r else None
+            out[(r["scales"], r["m"], r["n"], r["k"], r.get("device", ""))] = (r["kernel"], tile)
+    return out
+
+
+def skinny_kernel(m: int, n: int, k: int, blocks: bool, device: str) -> str:
+    """Which path ``m`` rows (``DOT_MIN_ROWS`` to ``gemm.SKINNY_MAX_ROWS``) of an (N, K)
+    projection take on this GPU: the sweep's fastest. Otherwise (untuned, or a row of an
+    older sweep without ``kernel``): per-channel scales cuBLAS FP8 where it was measured
+    faster than w8a16 (``scaled_mm_faster``), else the FP8 x FP8 kernel (w8a16 is a bf16
+    ``tl.dot`` with twice its operand bytes); block scales w8a16 (no activation rounding)
+    until a sweep says otherwise."""
+    got = _dot_row(m, n, k, blocks, device)
+    if got is not None:
+        return got[0]
+    if blocks:
+        return W8A16_KERNEL
+    return SCALED_MM_KERNEL if scaled_mm_faster(m, n, k, device) else DOT_KERNEL
+
+
+def pick_dot_tile(m: int, n: int, k: int, blocks: bool, device: str) -> DotTile:
+    """The FP8 x FP8 kernel's tile for a launch: tuned on this GPU, else the default."""
+    got = _dot_row(m, n, k, blocks, device)
+    tile = got[1] if got is not None else None
+    # (a tile with the activation rows on the MMA's M side is swept from 32 rows only)
+    if tile is None or (not tile.swap_ab and m <= 16):
+        return default_dot_tile(m, n, k, blocks)
+    return tile
+
+
+def _dot_row(m: int, n: int, k: int, blocks: bool, device: str
+             ) -> tuple[str, DotTile | None] | None:
+    """The sweep's row for ``m``'s bucket on this GPU; a bucket the sweep did not time
+    (it times 8 and 64 rows) takes the nearest one it did, the larger first."""
+    rows = _dot_rows()
+    scales = "blocks" if blocks else "rows"
+    bucket = rows_bucket(m)
+    near = sorted((b for b in (8, 16, 32, 64) if (scales, b, n, k, device) in rows),
+                  key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+    return rows[(scales, near[0], n, k, device)] if near else None
 
 
 def _rows() -> list[dict[str, Any]]:

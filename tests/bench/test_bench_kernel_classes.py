@@ -132,6 +132,8 @@ def test_sliding_layers_read_only_their_window() -> None:
     # (a kernel name with "gemm" in it would count as a projection)
     assert name_class("_offset_rms_norm_kernel") == "norm"
     assert name_class("_gelu_tanh_and_mul_kernel") == "silu"
+    assert name_class("_fp8_dot_kernel") == name_class("_w8a16_kernel") == "gemm"  # FP8
+    assert name_class("_silu_and_mul_quant_kernel") == "silu"
 
 
 def test_markdown_lists_classes_with_bandwidth() -> None:

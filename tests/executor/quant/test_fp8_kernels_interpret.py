@@ -127,10 +127,11 @@ def _layer(kind: str, n_shards: tuple[int, ...], k: int, seed: int) -> Fp8Linear
 @pytest.mark.parametrize("m", [1, 8, 80])
 @pytest.mark.parametrize("kind", ["block", "channel", "tensor"])
 def test_prepared_layer_equals_dequantized_reference(kind: str, m: int) -> None:
-    """``gemm.prepare``'s paths (w8a16 up to 64 rows; above, ``torch._scaled_mm`` after the
-    activation quantization, or w8a16 for block scales) against float32 on the values
-    each path multiplies: dequantized weights, and the quantized activations where the
-    path quantizes them."""
+    """``gemm.prepare``'s paths (w8a16 up to 64 rows, but the FP8 x FP8 kernel from 8 rows
+    for per-channel scales; above, ``torch._scaled_mm`` after the activation
+    quantization, or w8a16 for block scales) against float32 on the values each path
+    multiplies: dequantized weights, and the quantized activations where the path
+    quantizes them."""
     layer = _layer(kind, (256, 128, 128) if kind != "channel" else (96, 160), 256, seed=m)
     dense = layer.dense_weight(torch.float32)  # before prepare: its own scales
     gemm.prepare(layer)
@@ -142,7 +143,7 @@ def test_prepared_layer_equals_dequantized_reference(kind: str, m: int) -> None:
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(5)).to(torch.float16)
     got = layer(x)
     rows = x.float()
-    if m > gemm.SKINNY_MAX_ROWS and kind != "block":
+    if (m > gemm.SKINNY_MAX_ROWS and kind != "block") or (m >= 8 and kind == "channel"):
         static = layer.input_scale.max().reshape(1) if layer.input_scale is not None else None
         # the kernel's own quantized rows (its test above covers the interpreter's carry)
         q, s = launch.act_quant(x, static)
@@ -178,7 +179,11 @@ def test_fused_input_ops_equal_the_unfused_kernels(kind: str, m: int) -> None:
     gate_up = torch.randn(m, 512, generator=gen).to(torch.float16)
     got = kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
     assert torch.equal(got, layer(kernels.silu_and_mul(gate_up)))
-    assert layer.silu_mul_linear(torch.randn(8, 512).to(torch.float16)) is None  # tl.dot rows
+    eight = torch.randn(8, 512, generator=gen).to(torch.float16)
+    if kind == "block":  # w8a16's tl.dot rows: not fused
+        assert layer.silu_mul_linear(eight) is None
+    else:  # the FP8 x FP8 kernel's rows: SiLU-and-mul quantizes them
+        assert torch.equal(layer.silu_mul_linear(eight), layer(kernels.silu_and_mul(eight)))
 
 
 @pytest.mark.parametrize("tile", [Fp8Tile(16, 64, 4), Fp8Tile(2, 128, 8), Fp8Tile(8, 256, 4),
