@@ -11,7 +11,10 @@ the run. Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
 checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
 work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
-rows, N, K, input op, GPU) with both times (``executor.quant.tiles``).
+rows, N, K, input op, GPU) with both times (``executor.quant.tiles``), and which kernel
+won (``kernel``). At one row the candidates include the persistent row kernel's tiles;
+``--kernel row`` times only those against the w8a16 tile in use now and its default (a
+short sweep), ``--kernel w8a16`` only the w8a16 tiles.
 """
 
 from __future__ import annotations
@@ -103,15 +106,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _candidates(m: int, k: int, blocks: bool) -> list[Any]:
+def _candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str) -> list[Any]:
+    """The tiles to time: w8a16 ones (``kernel`` "row": only the one in use now), and at
+    one row the row kernel's (unless ``kernel`` is "w8a16"): 8 KiB to 64 KiB of weight per
+    column block, 4 or 8 warps, 1, 2 or 4 programs per SM."""
     from executor.kernels.fast_launch import next_power_of_2
-    from executor.quant.tiles import DOT_MIN_ROWS, Fp8Tile, valid
+    from executor.kernels.skinny.tiles import RowTile, device_name
+    from executor.quant.tiles import DOT_MIN_ROWS, ROW_MAX_K, Fp8Tile, pick_tile, valid
 
-    if m < DOT_MIN_ROWS:
+    kp = next_power_of_2(k)
+    if kernel == "row":  # the w8a16 tile a launch takes now (tuned or default)
+        tiles = [pick_tile(m, n, k, blocks, op, device_name(torch.device("cuda")))]
+    elif m < DOT_MIN_ROWS:
         tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
-                 for w in (4, 8) if bk <= max(512, next_power_of_2(k))]
+                 for w in (4, 8) if bk <= max(512, kp)]
     else:
         tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+    if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
+        tiles += [RowTile(bn, w, p) for bn in (1, 2, 4, 8, 16) for w in (4, 8) for p in (1, 2, 4)
+                  if 8192 <= bn * kp <= 65536]
     return [t for t in tiles if valid(t, m, blocks)]
 
 
@@ -153,11 +166,11 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
     return run
 
 
-def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks")
-          ) -> list[dict[str, Any]]:
+def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks"),
+          kernel: str = "all") -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
-    128x128) and row count (see the docstring)."""
-    from executor.kernels.skinny.tiles import device_name
+    128x128) and row count (see the docstring); ``kernel``: which kernels' tiles."""
+    from executor.kernels.skinny.tiles import RowTile, device_name
     from executor.quant.tiles import (
         ADD_RMS_NORM,
         DOT_MIN_ROWS,
@@ -190,7 +203,7 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                 default = default_tile(m, n, k, blocks, op)
                 want = run(fp8[0], default).float()
                 times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
-                for tile in _candidates(m, k, blocks):
+                for tile in _candidates(m, n, k, blocks, op, kernel):
                     if tile in times:
                         continue
                     try:
@@ -204,14 +217,21 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                         continue
                     times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
                 best = min(times, key=times.__getitem__)
+                by_kernel = {kind: min((t for c, t in times.items()
+                                        if isinstance(c, RowTile) == (kind == "row")),
+                                       default=None) for kind in ("row", "w8a16")}
                 cublas = None
                 if not blocks and k % 16 == 0 and n % 16 == 0:
                     cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
                 row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
                        "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
-                       "tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
+                       "kernel": "row" if isinstance(best, RowTile) else "w8a16",
+                       "tile": _tile_list(best),
                        "us": round(times[best], 2), "default_us": round(times[default], 2),
                        "floor_us": round(k * n / bw * 1e6, 2)}
+                for kind, us in by_kernel.items():  # each kernel's best, where timed
+                    if us is not None and m == 1:
+                        row[f"{kind}_us"] = round(us, 2)
                 if cublas is not None:  # what gemm.prepare's cuBLAS FP8 path costs here
                     row["scaled_mm_us"] = round(cublas, 2)
                 print(json.dumps(row), flush=True)
@@ -219,6 +239,13 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
         del fp8
         torch.cuda.empty_cache()
     return out
+
+
+def _tile_list(tile: Any) -> list[int]:
+    """A tile as the tile file stores it (``executor.quant.tiles._tile`` reads it back)."""
+    if hasattr(tile, "programs_per_sm"):  # RowTile
+        return [tile.block_n, tile.num_warps, tile.programs_per_sm]
+    return [tile.block_n, tile.block_k, tile.num_warps, tile.num_stages]
 
 
 def merge_tiles(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -241,10 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
     ap.add_argument("--scales", choices=("rows", "blocks", "both"), default="both",
                     help="with --sweep: per-channel scales, 128x128 block scales, or both")
+    ap.add_argument("--kernel", choices=("all", "row", "w8a16"), default="all",
+                    help="with --sweep: every candidate; the row kernel's against the w8a16 "
+                         "tile in use now; or the w8a16 kernel's only")
     args = ap.parse_args(argv)
     if args.sweep:
         kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
-        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds)
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.kernel)
         if args.tiles_out:
             merge_tiles(args.tiles_out, tuned)
         return 0

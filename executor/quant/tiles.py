@@ -1,9 +1,12 @@
-"""Launch shapes of the w8a16 kernel: tuned ones as data, defaults otherwise.
+"""Launch shapes of the FP8 kernels: tuned ones as data, defaults otherwise.
 
 A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on this GPU
 (``tiles.json`` beside this module, written by ``bench.kernels.fp8_gemm --sweep
---tiles-out``), else the first GPU's the file lists for it, else ``default_tile``. Rows are
-bucketed to powers of two up to 64 (the sweep times each bucket's top).
+--tiles-out``), else the first GPU's the file lists for it, else the default: one row on a
+GPU the persistent row kernel's ``default_row_tile`` where it takes the shape, else
+``default_tile`` (the w8a16 kernel). A file row's ``kernel`` says which kernel its tile is
+for: ``"w8a16"`` (``Fp8Tile``; rows without the field) or ``"row"`` (``RowTile``, one row
+only). Rows are bucketed to powers of two up to 64 (the sweep times each bucket's top).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from executor.kernels.fast_launch import next_power_of_2
+from executor.kernels.fast_launch import cdiv, next_power_of_2
+from executor.kernels.skinny.tiles import RowTile
 
 TILES_FILE = Path(__file__).with_name("tiles.json")
 #: Rows from which ``tl.dot`` (16-row tiles) multiplies; fewer reduce on the CUDA cores,
@@ -64,14 +68,42 @@ def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN) ->
 SCALED_MM_MARGIN = 0.9
 
 
+#: Inner sizes ``K`` up to which the row kernel takes one-row launches by default: its
+#: input row sits in registers (activation dtype) beside two weight blocks.
+ROW_MAX_K = 16384
+#: Weight bytes per column block the default row tile aims at (the bf16 row kernel's
+#: 4 x 2048 bf16 block): FP8 takes twice the columns of a bf16 block of the same K.
+ROW_BLOCK_BYTES = 16384
+
+
+def default_row_tile(n: int, k: int, sms: int) -> RowTile | None:
+    """The row kernel's untuned tile for one row of an (N, K) projection on ``sms`` SMs,
+    or None where the w8a16 kernel takes it: ``K`` above ``ROW_MAX_K``, or fewer column
+    blocks than a full grid has programs (the grid would save no input-op work). Columns
+    per block for ``ROW_BLOCK_BYTES`` (at least 1, at most 8), 8 warps, 4 programs per SM
+    up to K = 4096 and 2 above (longer rows take more registers)."""
+    kp = next_power_of_2(k)
+    if kp > ROW_MAX_K:
+        return None
+    tile = RowTile(max(1, min(8, ROW_BLOCK_BYTES // kp)), 8, 4 if kp <= 4096 else 2)
+    if cdiv(n, tile.block_n) < tile.programs_per_sm * sms:
+        return None
+    return tile
+
+
+def _tile(row: dict[str, Any]) -> Fp8Tile | RowTile:
+    """A file row's tile, by its ``kernel`` (rows without one are the w8a16 kernel's)."""
+    return RowTile(*row["tile"]) if row.get("kernel") == "row" else Fp8Tile(*row["tile"])
+
+
 @functools.cache
-def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]]:
+def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | RowTile]]:
     """(scales "rows"/"blocks", rows bucket, N, K, input op) -> device name -> tile, read
     once."""
-    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]] = {}
+    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | RowTile]] = {}
     for row in _rows():
         key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
-        out.setdefault(key, {})[row.get("device", "")] = Fp8Tile(*row["tile"])
+        out.setdefault(key, {})[row.get("device", "")] = _tile(row)
     return out
 
 
@@ -97,18 +129,26 @@ def _rows() -> list[dict[str, Any]]:
     return list(json.loads(TILES_FILE.read_text())["tiles"])
 
 
-def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str) -> Fp8Tile:
-    """The tile for a launch (see the module docstring)."""
+def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str,
+              row_sms: int = 0) -> Fp8Tile | RowTile:
+    """The tile for a launch (see the module docstring). ``row_sms``: the GPU's SMs where
+    the row kernel may run (0: it may not; a tuned row tile then gives way to the
+    defaults too)."""
     op = ADD_RMS_NORM if input_op == RMS_NORM else input_op  # the norms share tiles
     tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op))
-    if tuned:
-        return tuned.get(device) or next(iter(tuned.values()))
-    return default_tile(m, n, k, blocks, input_op)
+    tile = (tuned.get(device) or next(iter(tuned.values()))) if tuned else None
+    if tile is not None and (row_sms or not isinstance(tile, RowTile)):
+        return tile
+    row = default_row_tile(n, k, row_sms) if m == 1 and row_sms else None
+    return row or default_tile(m, n, k, blocks, input_op)
 
 
-def valid(tile: Fp8Tile, m: int, blocks: bool) -> bool:
-    """Whether the kernel takes ``tile``: block scales need tensor-core chunks inside one
-    128-column block and CUDA-core chunks of whole blocks (or inside one)."""
+def valid(tile: Fp8Tile | RowTile, m: int, blocks: bool) -> bool:
+    """Whether the kernel takes ``tile``: the row kernel one row (any scales); the w8a16
+    kernel's block scales need tensor-core chunks inside one 128-column block and
+    CUDA-core chunks of whole blocks (or inside one)."""
+    if isinstance(tile, RowTile):
+        return m == 1
     if not blocks:
         return True
     if m >= DOT_MIN_ROWS:

@@ -3,8 +3,9 @@
 * every GEMM path (``gemm.prepare``: w8a16 up to 64 rows; above, ``torch._scaled_mm``
   after the activation quantization, or w8a16 on the tensor cores for block scales)
   against float32 on the values it multiplies, over the 1B, 8B and SmolLM2 projection
-  shapes at 1, 8, 64 and 2048 rows. Tolerance: ``REL`` of the reference's largest value
-  (one bf16 rounding of float32 sums; cuBLAS FP8 sums in its own order);
+  shapes at 1, 8, 64 and 2048 rows, and at 1 row the persistent row kernel (several
+  tiles; with its fused input ops too). Tolerance: ``REL`` of the reference's largest
+  value (one bf16 rounding of float32 sums; cuBLAS FP8 sums in its own order);
 * the activation quantization kernel equals ``fp8.quantize_activations`` bit for bit;
 * graphs (full decode, breakable prefill) give eager's greedy tokens with FP8 weights,
   and the layers keep FP8 (no dequantized fallback);
@@ -22,6 +23,7 @@ import torch
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.config import ModelConfig
+from executor.kernels.skinny.tiles import RowTile
 from executor.quant import Fp8Linear, gemm, launch, read_scheme
 from executor.quant.fp8 import (
     quantize_activations,
@@ -117,6 +119,58 @@ def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
             if quantized:  # and the rows' own quantization stays small against bf16 rows
                 plain = x.float() @ dense.T
                 assert (got.float() - plain).abs().max() <= 0.1 * plain.abs().max()
+            if m == 1:  # the persistent row kernel, whatever the tile file picks
+                for tile in ROW_TILES:
+                    got = launch.w8a16(x, layer.weight, _gemm_scale(layer, kind),
+                                       layer.scheme.block if kind == "block" else None, tile)
+                    err = (got.float() - ref).abs().max().item()
+                    assert err <= bound, f"{shape} {proj} {kind} {tile}: {err:.4g}"
+
+
+#: Row kernel tiles the reference check runs: one column per block, the default's shape, a
+#: wide block on few warps.
+ROW_TILES = (RowTile(1, 8, 2), RowTile(4, 8, 4), RowTile(16, 4, 1))
+
+
+def _gemm_scale(layer: Fp8Linear, kind: str) -> torch.Tensor:
+    """The scales the layer's GEMM reads: block scales as stored, else (N,) row scales."""
+    return layer.scales if kind == "block" else layer.gemm_scale  # type: ignore[return-value]
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["block", "channel"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_row_kernel_fused_input_ops(shape: str, kind: str) -> None:
+    """One row with the input op the decoder fuses (add + RMSNorm into qkv and gate_up,
+    SiLU-and-mul into down) through the row kernel, against the unfused kernel's row times
+    the dequantized weight in float32; the new residual equals the add-norm kernel's."""
+    from executor import kernels
+    from executor.quant.tiles import ADD_RMS_NORM, SILU_MUL
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for proj, (k, shards) in _projection_shards(shape).items():
+        if proj == "o" or (kind == "block" and any(r % 128 for r in shards)):
+            continue
+        layer, dense = _layer(kind, k, shards)
+        block = layer.scheme.block if kind == "block" else None
+        op = SILU_MUL if proj == "down" else ADD_RMS_NORM
+        x = torch.randn(1, 2 * k if op == SILU_MUL else k, device=DEV, generator=gen)
+        x = x.to(torch.bfloat16)
+        res = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+        for tile in ROW_TILES:
+            if op == SILU_MUL:
+                got, got_res = launch.w8a16_fused(x, layer.weight, _gemm_scale(layer, kind),
+                                                  block, op, None, None, 0.0, tile)
+                row, want_res = kernels.silu_and_mul(x), None
+            else:
+                got, got_res = launch.w8a16_fused(x, layer.weight, _gemm_scale(layer, kind),
+                                                  block, op, res, nw, 1e-5, tile)
+                row, want_res = kernels.add_rms_norm(x, res, nw, 1e-5)
+            ref = row.float() @ dense.T
+            err = (got.float() - ref).abs().max().item()
+            assert err <= REL * ref.abs().max().item(), f"{shape} {proj} {kind} {tile}: {err}"
+            assert want_res is None or (got_res is not None and torch.equal(got_res, want_res))
 
 
 @needs_fp8
