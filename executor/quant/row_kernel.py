@@ -73,31 +73,42 @@ def _w8a16_row_kernel(
     mask_k = offs_k < K
     offs_b = tl.arange(0, BLOCK_N)
     offs_n = pid * BLOCK_N + offs_b
-    # The first block's weight depends on nothing the step writes: in flight before the
-    # PDL wait, while the previous kernel finishes.
+    kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
+    # The first block's weight and scales depend on nothing the step writes: in flight
+    # before the PDL wait, while the previous kernel finishes.
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                 mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
+    s = _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
     pdl_enter(USE_PDL)
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
                    act_ty, INPUT_OP)  # (BLOCK_K,) activation dtype
-    NB: tl.constexpr = BLOCK_K // SBK
-    kb = tl.arange(0, NB)
     block = pid
     while block < tl.cdiv(N, BLOCK_N):
         offs_n = block * BLOCK_N + offs_b
-        mask_n = offs_n < N
         block += programs
         offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
         w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                          mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
+        s_next = _scales(s_ptr, offs_next, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
         prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
         if BLOCK_SCALES:  # each block column's sum times its scale
-            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, NB, SBK)), axis=2)
-            s = tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
-                        mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SBK, SBK)), axis=2)
             acc = tl.sum(per_block * s, axis=1)
         else:
-            acc = tl.sum(prod, axis=1) * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
-        tl.store(out_ptr + offs_n, acc.to(act_ty), mask=mask_n)
+            acc = tl.sum(prod, axis=1) * s
+        tl.store(out_ptr + offs_n, acc.to(act_ty), mask=offs_n < N)
         w = w_next
+        s = s_next
+
+
+@triton.jit
+def _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+            BLOCK_SCALES: tl.constexpr):
+    """The scales of output rows ``offs_n``: (BLOCK_N, BLOCK_K // SBK) block scales, or
+    (BLOCK_N,) row scales; 0 past N and past the row's last block column."""
+    mask_n = offs_n < N
+    if BLOCK_SCALES:
+        return tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
+                       mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
+    return tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
