@@ -11,9 +11,9 @@ sequence's ``seq_len - 1`` cached tokens are cut into ``num_splits`` chunks (mul
 ``out_cache_loc`` and seeds its softmax with them; with ``rope`` tables q and the new k
 arrive unrotated and are rotated in the kernel. A padded graph row (``seq_len`` 1,
 ``out_cache_loc`` 0) reads no table entry and writes only the reserved location 0. Each
-split writes its partial output and log2-sum-exp to fp32 scratch and
-``_decode_reduce_kernel`` merges them (not launched with one split). Design notes:
-docs/kernels.md.
+split writes its partial output and log2-sum-exp to fp32 scratch; a small launch's last
+split merges them itself (``splits.py``), a larger one's ``_decode_reduce_kernel``
+(neither with one split). Design notes: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ import triton
 import triton.language as tl
 
 from executor.attention.triton_kernels.scores import scaled_scores, score_scales
+from executor.attention.triton_kernels.splits import (
+    _split_size,
+    _window_start,
+    merge_chunk,
+    merge_if_last,
+    split_counters,
+)
 from executor.kernels import pdl
 from executor.kernels.pdl import pdl_enter
 
@@ -63,13 +70,6 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms:
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-@triton.jit
-def _split_size(cached, num_splits, ALIGN: tl.constexpr):
-    # ceil(cached / num_splits) rounded up to a multiple of ALIGN (ALIGN when cached == 0).
-    per_split = (cached + num_splits - 1) // num_splits
-    return tl.maximum((per_split + ALIGN - 1) // ALIGN * ALIGN, ALIGN)
-
-
 # Runtime ints that vary by bucket or model but do not help codegen are not specialized,
 # so one compiled kernel serves every batch bucket of a model.
 @triton.jit(do_not_specialize=["window", "group", "num_splits", "stride_lse_b",
@@ -82,7 +82,8 @@ def _decode_split_kernel(
     req_idx_ptr, seq_lens_ptr, out_loc_ptr,  # (B,) int64 each
     mid_o_ptr,  # (B, heads, num_splits, head_dim) fp32, normalized partial outputs
     mid_lse_ptr,  # (B, heads, num_splits) fp32, log2-sum-exp of each split
-    out_ptr,  # (B, heads, head_dim): written only when WRITE_OUT
+    out_ptr,  # (B, heads, head_dim): written when WRITE_OUT, or by MERGE's last split
+    counter_ptr,  # MERGE: (B * kv_heads,) int32 splits done, zero between launches
     cos_ptr, sin_ptr,  # (max_positions, head_dim) float32 RoPE tables, read when ROPE
     stride_cos,
     sm_scale_log2,  # softmax scale * log2(e) (scale / cap with SOFTCAP): base 2 scores
@@ -104,6 +105,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
+    MERGE: tl.constexpr,  # several: the last split of a sequence's KV head merges them
+    BLOCK_S: tl.constexpr,  # MERGE: >= num_splits
+    CHUNK_S: tl.constexpr,  # MERGE: splits merged per step
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
     SLIDING: tl.constexpr,  # read only the last ``window`` positions (the new one included)
     SOFTCAP: tl.constexpr,  # scores are cap * tanh(scale * q.k / cap)
@@ -205,6 +209,11 @@ def _decode_split_kernel(
         if not WRITE_OUT:
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+    if MERGE:
+        merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, heads, mask_h,
+                      offs_d, mask_d, cached - lo, chunk, num_splits,
+                      stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
+                      stride_out_t, stride_out_h, BLOCK_H, BLOCK_D, BLOCK_S, CHUNK_S)
 
 
 @triton.jit
@@ -218,15 +227,6 @@ def _gather_kv(k_pool_ptr, v_pool_ptr, table_row, offs_n, mask_n, mask_d, head_o
     k = tl.load(k_pool_ptr + rows, mask=mask_nd, other=0.0)
     v = tl.load(v_pool_ptr + rows, mask=mask_nd, other=0.0)
     return k, v
-
-
-@triton.jit
-def _window_start(cached, window, SLIDING: tl.constexpr):
-    """The first cached position the query at position ``cached`` sees: 0, or with a
-    window the first of ``(cached - window, cached]``."""
-    if SLIDING:
-        return tl.maximum(cached - window + 1, 0)
-    return cached * 0
 
 
 @triton.jit
@@ -319,6 +319,7 @@ def decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (positions, head_dim)
     window: int = 0,
     softcap: float = 0.0,
+    merge: bool | None = None,
 ) -> None:
     """Store the new K/V at ``out_cache_loc`` and attend each query to its whole sequence
     (``window`` > 0: to its last ``window`` positions, its own included, as Hugging Face's
@@ -330,6 +331,11 @@ def decode_attention(
     graph: lengths, slots and locations are read on the device. With ``rope`` (float32
     tables, ``RotaryEmbedding.cos`` / ``.sin``), ``q`` and ``k_new`` are unrotated and
     rotated here at position ``seq_len - 1``; the pool receives the rotated key.
+
+    Several splits are merged by the split kernel's last split of each sequence's KV head
+    where ``split_counters`` serves the launch (one kernel), else by the reduction kernel;
+    ``merge`` False forces the latter (benchmarks). A function of the shapes only, so a
+    captured launch replays as it was captured.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -345,7 +351,10 @@ def decode_attention(
         num_splits = mid_o.shape[2]
         assert mid_lse.shape[2] == num_splits
         assert mid_o.stride(-1) == 1 and mid_lse.stride(-1) == 1
+    counters = split_counters(q.device, batch * num_kv_heads) \
+        if num_splits > 1 and merge is not False else None
     block_d = triton.next_power_of_2(head_dim)
+    block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     scale_log2, cap_log2 = score_scales(sm_scale, softcap)
     if rope is not None:
         cos, sin = rope
@@ -356,7 +365,7 @@ def decode_attention(
         cos = sin = out  # never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, table, slots, seq_lens, out_cache_loc,
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, counters if counters is not None else out,
         cos, sin, cos.stride(0),
         scale_log2, cap_log2, window, group, num_splits,
         q.stride(0), q.stride(1),
@@ -373,6 +382,9 @@ def decode_attention(
         BLOCK_N=BLOCK_N,
         SPLIT_ALIGN=SPLIT_ALIGN,
         WRITE_OUT=num_splits == 1,
+        MERGE=counters is not None,
+        BLOCK_S=block_s if counters is not None else 16,  # (one variant without MERGE)
+        CHUNK_S=merge_chunk(head_dim),
         ROPE=rope is not None,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
@@ -380,9 +392,8 @@ def decode_attention(
         num_stages=split_stages(batch),
         **pdl.options(),
     )
-    if num_splits == 1:
+    if num_splits == 1 or counters is not None:
         return
-    block_s = max(16, triton.next_power_of_2(num_splits))  # few variants across buckets
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, window, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
