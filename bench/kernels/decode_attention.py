@@ -1,5 +1,8 @@
-"""Decode attention alone: both Triton kernels (split + reduce) by batch, context and split
-count: ``python -m bench.kernels.decode_attention --shape smollm2-135m``.
+"""Decode attention alone: the Triton kernels (split, and reduce or the in-kernel merge) by
+batch, context and split count: ``python -m bench.kernels.decode_attention --shape
+smollm2-135m``. ``--merge both`` times each several-split case twice: as the launcher picks
+(the last split merges where ``splits.split_counters`` serves it) and with the reduction
+kernel (``merge=False``).
 
 Each case is ``decode_attention`` as the model calls it (without the fused RoPE; one new
 token per sequence, page size 1, each sequence's locations contiguous), ``CALLS`` calls in
@@ -66,8 +69,9 @@ def plan(heads: int, kv_heads: int, head_dim: int, batches: list[int], contexts:
     return out
 
 
-def time_case(case: Case) -> float:
-    """Median microseconds per call of ``case`` on the current CUDA device."""
+def time_case(case: Case, merge: bool | None = None) -> float:
+    """Median microseconds per call of ``case`` on the current CUDA device (``merge``:
+    ``decode_attention``'s)."""
     import torch
 
     from bench.common.timing import weights_replay_us
@@ -96,7 +100,7 @@ def time_case(case: Case) -> float:
 
     def call(kv: torch.Tensor) -> None:
         d.decode_attention(q, k_new, v_new, kv[0], kv[1], table, slots, lens, new_loc, out,
-                           mid_o, mid_lse, hd ** -0.5)
+                           mid_o, mid_lse, hd ** -0.5, merge=merge)
 
     return weights_replay_us(call, [pools[i % POOLS] for i in range(CALLS)], REPLAYS)
 
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated counts and/or 'shipped' (default: %(default)s)")
     ap.add_argument("--max-context", type=int, default=4096,
                     help="the bucket's context limit 'shipped' splits for")
+    ap.add_argument("--merge", choices=("auto", "off", "both"), default="auto",
+                    help="several splits: the launcher's pick, the reduction kernel, or both")
     ap.add_argument("--out", type=Path, help="write decode_attention-SHAPE.json here")
     args = ap.parse_args(argv)
 
@@ -127,11 +133,17 @@ def main(argv: list[str] | None = None) -> int:
                  [int(x) for x in args.contexts.split(",")], args.splits.split(","),
                  args.max_context, sms)
     rows: list[dict[str, Any]] = []
+    modes: list[bool | None] = [None, False] if args.merge == "both" else \
+        [False] if args.merge == "off" else [None]
     for case in cases:
-        us = time_case(case)
-        rows.append({**asdict(case), "us": us, "tb_s": case.kv_bytes / us / 1e6})
-        print(f"batch {case.batch:3} context {case.context:5} splits {case.splits:2}: "
-              f"{us:7.2f} us  {case.kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
+        for merge in modes if case.splits > 1 else [None]:
+            us = time_case(case, merge)
+            name = "reduce kernel" if merge is False else "auto"
+            rows.append({**asdict(case), "merge": name, "us": us,
+                         "tb_s": case.kv_bytes / us / 1e6})
+            print(f"batch {case.batch:3} context {case.context:5} splits {case.splits:2} "
+                  f"kv_heads {case.kv_heads} [{name}]: {us:7.2f} us  "
+                  f"{case.kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"shape": args.shape, "tp": args.tp, "device": torch.cuda.get_device_name(),

@@ -106,17 +106,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str) -> list[Any]:
-    """The tiles to time: w8a16 ones (``kernel`` "row": only the one in use now), and at
-    one row the row kernel's (unless ``kernel`` is "w8a16"): 8 KiB to 64 KiB of weight per
-    column block, 4 or 8 warps, 1, 2 or 4 programs per SM."""
+def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all",
+               device: str = "") -> list[Any]:
+    """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
+    tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
+    8 KiB to 64 KiB of weight per column block, 4 or 8 warps, 1, 2 or 4 programs per SM."""
     from executor.kernels.fast_launch import next_power_of_2
-    from executor.kernels.skinny.tiles import RowTile, device_name
+    from executor.kernels.skinny.tiles import RowTile
     from executor.quant.tiles import DOT_MIN_ROWS, ROW_MAX_K, Fp8Tile, pick_tile, valid
 
     kp = next_power_of_2(k)
-    if kernel == "row":  # the w8a16 tile a launch takes now (tuned or default)
-        tiles = [pick_tile(m, n, k, blocks, op, device_name(torch.device("cuda")))]
+    if kernel == "row":
+        tiles = [pick_tile(m, n, k, blocks, op, device)]
     elif m < DOT_MIN_ROWS:
         tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
                  for w in (4, 8) if bk <= max(512, kp)]
@@ -203,7 +204,7 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                 default = default_tile(m, n, k, blocks, op)
                 want = run(fp8[0], default).float()
                 times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
-                for tile in _candidates(m, n, k, blocks, op, kernel):
+                for tile in candidates(m, n, k, blocks, op, kernel, device_name(dev)):
                     if tile in times:
                         continue
                     try:
