@@ -110,12 +110,21 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
                device: str = "") -> list[Any]:
     """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
     tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
-    8 KiB to 64 KiB of weight per column block, 4 or 8 warps, 1, 2 or 4 programs per SM."""
+    8 KiB to 64 KiB of weight per column block, 32 or 64 bytes of it per thread, each with
+    the register prefetch on 4 programs per SM and a 3-stage (2 per SM) and 4-stage (1 per
+    SM) pipeline."""
     from executor.kernels.fast_launch import next_power_of_2
-    from executor.kernels.skinny.tiles import RowTile
-    from executor.quant.tiles import DOT_MIN_ROWS, ROW_MAX_K, Fp8Tile, pick_tile, valid
+    from executor.quant.tiles import (
+        DOT_MIN_ROWS,
+        ROW_MAX_K,
+        Fp8RowTile,
+        Fp8Tile,
+        pick_tile,
+        valid,
+    )
 
     kp = next_power_of_2(k)
+    tiles: list[Any]
     if kernel == "row":
         tiles = [pick_tile(m, n, k, blocks, op, device)]
     elif m < DOT_MIN_ROWS:
@@ -124,8 +133,9 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
     else:
         tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
-        tiles += [RowTile(bn, w, p) for bn in (1, 2, 4, 8, 16) for w in (4, 8) for p in (1, 2, 4)
-                  if 8192 <= bn * kp <= 65536]
+        tiles += [Fp8RowTile(bn, w, p, stages) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+                  for p, stages in ((4, 0), (2, 3), (1, 4))
+                  if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)]
     return [t for t in tiles if valid(t, m, blocks)]
 
 
@@ -171,12 +181,13 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
           kernel: str = "all") -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
     128x128) and row count (see the docstring); ``kernel``: which kernels' tiles."""
-    from executor.kernels.skinny.tiles import RowTile, device_name
+    from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import (
         ADD_RMS_NORM,
         DOT_MIN_ROWS,
         PLAIN,
         SILU_MUL,
+        Fp8RowTile,
         default_tile,
         rows_bucket,
     )
@@ -219,14 +230,14 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                     times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
                 best = min(times, key=times.__getitem__)
                 by_kernel = {kind: min((t for c, t in times.items()
-                                        if isinstance(c, RowTile) == (kind == "row")),
+                                        if isinstance(c, Fp8RowTile) == (kind == "row")),
                                        default=None) for kind in ("row", "w8a16")}
                 cublas = None
                 if not blocks and k % 16 == 0 and n % 16 == 0:
                     cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
                 row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
                        "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
-                       "kernel": "row" if isinstance(best, RowTile) else "w8a16",
+                       "kernel": "row" if isinstance(best, Fp8RowTile) else "w8a16",
                        "tile": _tile_list(best),
                        "us": round(times[best], 2), "default_us": round(times[default], 2),
                        "floor_us": round(k * n / bw * 1e6, 2)}
@@ -244,8 +255,8 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
 
 def _tile_list(tile: Any) -> list[int]:
     """A tile as the tile file stores it (``executor.quant.tiles._tile`` reads it back)."""
-    if hasattr(tile, "programs_per_sm"):  # RowTile
-        return [tile.block_n, tile.num_warps, tile.programs_per_sm]
+    if hasattr(tile, "programs_per_sm"):  # Fp8RowTile
+        return [tile.block_n, tile.num_warps, tile.programs_per_sm, tile.num_stages]
     return [tile.block_n, tile.block_k, tile.num_warps, tile.num_stages]
 
 

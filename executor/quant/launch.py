@@ -1,6 +1,6 @@
 """Launchers of the FP8 Triton kernels (``kernels.py``, ``row_kernel.py``): output
 allocation, the tile (``tiles.py``), the grid. One row takes the persistent row kernel where
-its tile says so (a ``RowTile``; through a ``FastLauncher`` with PDL, its grid sized as the
+its tile says so (an ``Fp8RowTile``; through a ``FastLauncher`` with PDL, its grid sized as the
 bf16 row kernel's, ``skinny.ops.row_grid``), else the w8a16 kernel.
 
 Imported at the first FP8 GEMM, never with the model, so CPU runs that only load and
@@ -25,6 +25,7 @@ from executor.quant.tiles import (
     DOT_MIN_ROWS,
     PLAIN,
     SILU_MUL,
+    Fp8RowTile,
     Fp8Tile,
     block_m,
     pick_tile,
@@ -42,7 +43,7 @@ def stages(device: torch.device) -> int:
 
 
 def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-          block: tuple[int, int] | None, tile: Fp8Tile | RowTile | None = None
+          block: tuple[int, int] | None, tile: Fp8Tile | Fp8RowTile | None = None
           ) -> torch.Tensor:
     """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
     ``scale`` block scales (with ``block``) or (N,) row scales. A new (M, N) tensor.
@@ -53,7 +54,7 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float,
-                tile: Fp8Tile | RowTile | None = None
+                tile: Fp8Tile | Fp8RowTile | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``w8a16`` of the input op's output (``executor.kernels.skinny`` ``SILU_MUL``: ``x``
     is (M, 2K) gate|up; ``RMS_NORM``/``ADD_RMS_NORM``: ``rms_norm(x [+ residual])`` with
@@ -65,7 +66,7 @@ def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
-            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | RowTile | None
+            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | Fp8RowTile | None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8, (x.shape, weight.dtype)
     m = x.shape[0]
@@ -86,7 +87,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
     nw = norm_weight if norm_weight is not None else x
-    if isinstance(tile, RowTile):
+    if isinstance(tile, Fp8RowTile):
         _launch_row(x, res_in, nw, weight, scale, block, out, res_dst, input_op, eps, tile)
         return out, res_out
     bm = block_m(m)
@@ -108,7 +109,7 @@ _ROW_GRIDS: dict[tuple[Any, ...], int] = {}
 
 def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight: torch.Tensor,
                 scale: torch.Tensor, block: tuple[int, int] | None, out: torch.Tensor,
-                res_dst: torch.Tensor, input_op: int, eps: float, tile: RowTile) -> None:
+                res_dst: torch.Tensor, input_op: int, eps: float, tile: Fp8RowTile) -> None:
     """``_w8a16_row_kernel`` on a persistent grid of what its compiled kernel fits on an SM
     (sized at a specialization's first launch)."""
     n, k = weight.shape
@@ -122,15 +123,17 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
     launcher = _ROW_LAUNCHERS[tile.num_warps]
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
-           input_op, tile.block_n, block_k)
+           input_op, tile.block_n, block_k, tile.num_stages)
     args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
             scale.stride(0), 1.0 / k, eps)
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
-                  "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k}
+                  "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
+                  "STAGES": tile.num_stages}
     grid_key = (key, tile.programs_per_sm, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:
-        programs = _ROW_GRIDS[grid_key] = row_grid(launcher, tile, n, args, constexprs)
+        shape = RowTile(tile.block_n, tile.num_warps, tile.programs_per_sm)  # (the grid's)
+        programs = _ROW_GRIDS[grid_key] = row_grid(launcher, shape, n, args, constexprs)
     launcher.launch((programs, 1, 1), key, args, constexprs)
 
 

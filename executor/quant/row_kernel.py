@@ -3,15 +3,16 @@
 """The FP8 persistent row kernel: ``x @ dequantize(W).T`` for one bf16/fp16 row.
 
 The FP8 twin of the bf16 skinny GEMM's ``_skinny_row_kernel``: a persistent grid
-(``RowTile``); each program computes its input row once (the input op fused, rounded as
-the unfused kernels round), keeps it in registers in the activation dtype (every fused op
-rounds to it anyway, so this loses nothing and halves the registers a long row takes), then
-takes column blocks ``pid``, ``pid + programs``, ... with the next block's e4m3 weight
-load issued before the current block is reduced, so the weight stream has no gaps. A block
-is ``BLOCK_N`` whole weight rows, read with 16-byte loads (16 e4m3 values each), converted
-in registers (exactly: every e4m3 value is a bf16 value), summed in float32, and scaled per
-output row, or per 128x128 block (each block's partial sum times its scale). One rounding
-to the activation dtype at the end; no split-K, so results are deterministic.
+(``Fp8RowTile``); each program computes its input row once (the input op fused, rounded as
+the unfused kernels round) and keeps it in registers, then takes column blocks ``pid``,
+``pid + programs``, ... keeping the e4m3 weight stream gapless: ``STAGES`` 0 issues the
+next block's load into registers before the current block is reduced; ``STAGES`` >= 2
+lets Triton's pipeliner keep that many blocks in flight through shared memory (more bytes
+in flight per SM than registers hold). A block is ``BLOCK_N`` whole weight rows, read with
+16-byte loads (16 e4m3 values), converted in registers (exactly: every e4m3 value is a
+bf16 value), summed in float32 and scaled per output row, or per 128x128 block (each
+block's partial sum times its scale). One rounding to the activation dtype at the end; no
+split-K, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _w8a16_row_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole input row
     USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr,  # 0: next block prefetched in registers; >= 2: Triton's pipeline
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -83,23 +85,43 @@ def _w8a16_row_kernel(
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
                    act_ty, INPUT_OP)  # (BLOCK_K,) activation dtype
-    block = pid
-    while block < tl.cdiv(N, BLOCK_N):
-        offs_n = block * BLOCK_N + offs_b
-        block += programs
-        offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
-        w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                         mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
-        s_next = _scales(s_ptr, offs_next, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
-        if BLOCK_SCALES:  # each block column's sum times its scale
-            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SBK, SBK)), axis=2)
-            acc = tl.sum(per_block * s, axis=1)
-        else:
-            acc = tl.sum(prod, axis=1) * s
-        tl.store(out_ptr + offs_n, acc.to(act_ty), mask=offs_n < N)
-        w = w_next
-        s = s_next
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    if STAGES == 0:  # the next block's load in registers before this block's sums
+        block = pid
+        while block < n_blocks:
+            offs_n = block * BLOCK_N + offs_b
+            block += programs
+            offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
+            w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn
+                             + offs_k[None, :],
+                             mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
+            s_next = _scales(s_ptr, offs_next, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+            w = w_next
+            s = s_next
+    else:  # the first block from registers, the rest through shared memory, STAGES deep
+        _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+        for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
+            offs_n = block * BLOCK_N + offs_b
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                        mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
+            s = _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+
+
+@triton.jit
+def _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SBK: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """Output columns ``offs_n``: the float32 sums of ``w`` (BLOCK_N, BLOCK_K) e4m3 times
+    the row ``x``, scaled by ``s`` (per block column, or per row after the sums), rounded
+    once to the activation dtype."""
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
+    if BLOCK_SCALES:  # each block column's sum times its scale
+        per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SBK, SBK)), axis=2)
+        acc = tl.sum(per_block * s, axis=1)
+    else:
+        acc = tl.sum(prod, axis=1) * s
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -109,6 +131,8 @@ def _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.const
     (BLOCK_N,) row scales; 0 past N and past the row's last block column."""
     mask_n = offs_n < N
     if BLOCK_SCALES:
-        return tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
-                       mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
-    return tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+        s = tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
+                    mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
+    else:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    return s

@@ -23,7 +23,6 @@ import torch
 
 from executor.api import DecodeItem, PrefillItem, SamplingParams
 from executor.config import ModelConfig
-from executor.kernels.skinny.tiles import RowTile
 from executor.quant import Fp8Linear, gemm, launch, read_scheme
 from executor.quant.fp8 import (
     quantize_activations,
@@ -32,6 +31,7 @@ from executor.quant.fp8 import (
     quantize_tensor,
 )
 from executor.quant.scheme import AT_LOAD
+from executor.quant.tiles import Fp8RowTile
 from tests.helpers.fp8_models import write_fp8_model
 from tests.helpers.gpu import greedy_agrees, make_prefill_executor
 
@@ -127,9 +127,9 @@ def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
                     assert err <= bound, f"{shape} {proj} {kind} {tile}: {err:.4g}"
 
 
-#: Row kernel tiles the reference check runs: one column per block, the default's shape, a
-#: wide block on few warps.
-ROW_TILES = (RowTile(1, 8, 2), RowTile(4, 8, 4), RowTile(16, 4, 1))
+#: Row kernel tiles the reference check runs: the register prefetch with one column per
+#: block, and Triton's pipeline three and four stages deep.
+ROW_TILES = (Fp8RowTile(1, 8, 4, 0), Fp8RowTile(2, 8, 2, 3), Fp8RowTile(2, 16, 1, 4))
 
 
 def _gemm_scale(layer: Fp8Linear, kind: str) -> torch.Tensor:

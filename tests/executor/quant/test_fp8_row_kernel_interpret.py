@@ -27,10 +27,16 @@ if type(triton.language.sum).__name__ != "InterpretedFunction":
                 "its own process)", allow_module_level=True)
 
 from executor import kernels  # noqa: E402
-from executor.kernels.skinny.tiles import RowTile  # noqa: E402
 from executor.quant import launch, tiles  # noqa: E402
 from executor.quant.fp8 import dequantize, quantize_blocks, quantize_rows  # noqa: E402
-from executor.quant.tiles import ADD_RMS_NORM, PLAIN, RMS_NORM, SILU_MUL, Fp8Tile  # noqa: E402
+from executor.quant.tiles import (  # noqa: E402
+    ADD_RMS_NORM,
+    PLAIN,
+    RMS_NORM,
+    SILU_MUL,
+    Fp8RowTile,
+    Fp8Tile,
+)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -56,10 +62,10 @@ def _weight(n: int, k: int, block: bool, seed: int
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize(("n", "k", "tile"), [(40, 600, RowTile(2, 4, 1)),
-                                              (97, 320, RowTile(4, 8, 2)),
-                                              (33, 256, RowTile(1, 4, 4))])
-def test_row_kernel_equals_dequantized_product(n: int, k: int, tile: RowTile, block: bool,
+@pytest.mark.parametrize(("n", "k", "tile"), [(40, 600, Fp8RowTile(2, 4, 1, 0)),
+                                              (97, 320, Fp8RowTile(4, 8, 2, 3)),
+                                              (33, 256, Fp8RowTile(1, 4, 4, 2))])
+def test_row_kernel_equals_dequantized_product(n: int, k: int, tile: Fp8RowTile, block: bool,
                                                dtype: torch.dtype) -> None:
     """Partial column blocks (N not a multiple of the tile), K not a power of two and
     partial scale blocks; the interpreter's grid is sized for 2 SMs, so programs loop."""
@@ -74,9 +80,10 @@ def test_row_kernel_equals_dequantized_product(n: int, k: int, tile: RowTile, bl
     assert not torch.allclose(got.float(), x.float() @ w.T, atol=1e-3)
 
 
+@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("op", [SILU_MUL, RMS_NORM, ADD_RMS_NORM])
-def test_row_kernel_fused_input_ops(op: int, block: bool) -> None:
+def test_row_kernel_fused_input_ops(op: int, block: bool, stages: int) -> None:
     """The fused input op's row is the unfused kernel's output (same roundings), and the
     product is that row's float32 product with the dequantized weight; with a residual,
     ``x + residual`` comes back as the add-norm kernel returns it."""
@@ -89,7 +96,7 @@ def test_row_kernel_fused_input_ops(op: int, block: bool) -> None:
     residual = res if op == ADD_RMS_NORM else None
     norm = op != SILU_MUL
     got, got_res = launch.w8a16_fused(x, q, s, blk, op, residual, nw if norm else None,
-                                      1e-5, tile=RowTile(2, 4, 2))
+                                      1e-5, tile=Fp8RowTile(2, 4, 2, stages))
     if op == SILU_MUL:
         row, want_res = kernels.silu_and_mul(x), None
     elif op == RMS_NORM:
@@ -117,18 +124,18 @@ def test_tile_choice_by_kernel_field(tmp_path: Any, monkeypatch: Any) -> None:
     tiles.tuned_tiles.cache_clear()
     try:
         assert tiles.pick_tile(1, 4096, 4096, False, RMS_NORM, "GPU A", 132) == \
-            RowTile(8, 4, 2)
+            Fp8RowTile(8, 4, 2)
         assert tiles.pick_tile(1, 4096, 4096, False, ADD_RMS_NORM, "GPU A", 0) == \
             tiles.default_tile(1, 4096, 4096, False, ADD_RMS_NORM)
         assert tiles.pick_tile(1, 4096, 14336, False, SILU_MUL, "GPU A", 132) == \
             Fp8Tile(8, 2048, 4, 3)  # an old row: the w8a16 kernel's
         assert tiles.pick_tile(1, 6144, 4096, False, PLAIN, "GPU A", 132) == \
-            RowTile(4, 8, 4)  # untuned: the default row tile
+            Fp8RowTile(4, 8, 2, 3)  # untuned: the default row tile
         assert tiles.pick_tile(2, 6144, 4096, False, PLAIN, "GPU A", 132) == \
             tiles.default_tile(2, 6144, 4096, False)
     finally:
         tiles.tuned_tiles.cache_clear()
-    assert tiles.default_row_tile(4096, 14336, 132) == RowTile(1, 8, 2)
+    assert tiles.default_row_tile(4096, 14336, 132) == Fp8RowTile(2, 16, 1, 4)
     assert tiles.default_row_tile(576, 576, 132) is None  # too few blocks for the grid
     assert tiles.default_row_tile(4096, 32768, 132) is None  # the row exceeds registers
-    assert tiles.valid(RowTile(2), 1, blocks=True) and not tiles.valid(RowTile(2), 2, False)
+    assert tiles.valid(Fp8RowTile(2), 1, blocks=True) and not tiles.valid(Fp8RowTile(2), 2, False)
