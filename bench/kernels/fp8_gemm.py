@@ -135,7 +135,8 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
     if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
         tiles += [Fp8RowTile(bn, w, p, stages) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16)
                   for p, stages in ((4, 0), (2, 3), (1, 4))
-                  if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)]
+                  if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)
+                  and stages * bn * kp <= 196608]  # (shared memory: at most 192 KiB)
     return [t for t in tiles if valid(t, m, blocks)]
 
 

@@ -26,7 +26,6 @@ from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.attention.triton_kernels.splits import (
     _split_size,
     _window_start,
-    merge_chunk,
     merge_if_last,
     split_counters,
 )
@@ -107,7 +106,6 @@ def _decode_split_kernel(
     WRITE_OUT: tl.constexpr,  # one split: write the final output, no reduction follows
     MERGE: tl.constexpr,  # several: the last split of a sequence's KV head merges them
     BLOCK_S: tl.constexpr,  # MERGE: >= num_splits
-    CHUNK_S: tl.constexpr,  # MERGE: splits merged per step
     ROPE: tl.constexpr,  # rotate q and the new k here (they arrive unrotated)
     SLIDING: tl.constexpr,  # read only the last ``window`` positions (the new one included)
     SOFTCAP: tl.constexpr,  # scores are cap * tanh(scale * q.k / cap)
@@ -210,10 +208,10 @@ def _decode_split_kernel(
             # An idle split: weight 0 in the reduction, which then needs no lengths.
             tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
     if MERGE:
-        merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, heads, mask_h,
-                      offs_d, mask_d, cached - lo, chunk, num_splits,
-                      stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                      stride_out_t, stride_out_h, BLOCK_H, BLOCK_D, BLOCK_S, CHUNK_S)
+        merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, group, offs_d,
+                      mask_d, cached - lo, chunk, num_splits, stride_mid_b, stride_mid_h,
+                      stride_mid_s, stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
+                      BLOCK_S)
 
 
 @triton.jit
@@ -384,7 +382,6 @@ def decode_attention(
         WRITE_OUT=num_splits == 1,
         MERGE=counters is not None,
         BLOCK_S=block_s if counters is not None else 16,  # (one variant without MERGE)
-        CHUNK_S=merge_chunk(head_dim),
         ROPE=rope is not None,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,

@@ -57,21 +57,16 @@ def split_counters(device: torch.device, rows: int) -> torch.Tensor | None:
     return counters
 
 
-def merge_chunk(head_dim: int) -> int:
-    """Splits the merge reads per step: (16 heads x chunk x head_dim) float32 partials
-    stay under 64 registers a thread over 4 warps."""
-    return max(1, 512 // triton.next_power_of_2(head_dim))
-
-
 @triton.jit
-def merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, heads, mask_h,
-                  offs_d, mask_d, shared, chunk, num_splits,
-                  stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                  stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """Count this split done; the last of its (sequence, KV head) merges the splits that
-    ran (split 0 and those that start before the ``shared`` visible positions end, as
-    the reduction kernel reads them) into ``out`` for the group's ``heads``."""
+def merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, group, offs_d, mask_d,
+                  shared, chunk, num_splits, stride_mid_b, stride_mid_h, stride_mid_s,
+                  stride_lse_b, stride_lse_h, stride_out_t, stride_out_h,
+                  BLOCK_S: tl.constexpr):
+    """Count this split done; the last of its (sequence, KV head) merges, head by head of
+    the ``group``, the splits that ran (split 0 and those that start before the
+    ``shared`` visible positions end, as the reduction kernel reads them) into ``out``:
+    the reduction kernel's log-sum-exp weighted mean, each head's partials loaded at
+    once."""
     # NOTE: every thread's partial stores must precede the count (the barrier), and the
     # count must publish them to the other programs (release) and make theirs visible to
     # the last one (acquire); the merge's loads bypass L1, which is not coherent.
@@ -80,28 +75,20 @@ def merge_if_last(counter_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, heads, m
     done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == num_splits - 1:
         ran = tl.minimum(tl.maximum((shared + chunk - 1) // chunk, 1), num_splits)
-        lse_rows = mid_lse_ptr + b * stride_lse_b + heads * stride_lse_h  # (BLOCK_H,)
         offs_s = tl.arange(0, BLOCK_S)
-        lse = tl.load(lse_rows[:, None] + offs_s[None, :],
-                      mask=mask_h[:, None] & (offs_s < ran)[None, :], other=float("-inf"),
-                      cache_modifier=".cg")  # (BLOCK_H, BLOCK_S); split 0 ran: finite max
-        top = tl.where(mask_h, tl.max(lse, axis=1), 0.0)
-        total = tl.where(mask_h, tl.sum(tl.exp2(lse - top[:, None]), axis=1), 1.0)
-        mid_rows = mid_o_ptr + b * stride_mid_b + heads * stride_mid_h  # (BLOCK_H,)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, ran, CHUNK_S):
-            offs_c = s0 + tl.arange(0, CHUNK_S)
-            mask_hc = mask_h[:, None] & (offs_c < ran)[None, :]  # (BLOCK_H, CHUNK_S)
-            lse_c = tl.load(lse_rows[:, None] + offs_c[None, :], mask=mask_hc,
-                            other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(lse_c > float("-inf"), tl.exp2(lse_c - top[:, None]), 0.0)
-            mid = tl.load(mid_rows[:, None, None] + offs_c[None, :, None] * stride_mid_s
-                          + offs_d[None, None, :],
-                          mask=mask_hc[:, :, None] & mask_d[None, None, :], other=0.0,
-                          cache_modifier=".cg")  # (BLOCK_H, CHUNK_S, BLOCK_D)
-            mid = tl.where(w[:, :, None] > 0, mid, 0.0)  # a split's weight 0: never NaN
-            acc += tl.sum(mid * w[:, :, None], axis=1)
-        o_ptrs = out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
-        tl.store(o_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=mask_h[:, None] & mask_d[None, :])
+        mask_s = offs_s < ran
+        for i in range(0, group):
+            h = kvh * group + i
+            lse = tl.load(mid_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s,
+                          mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+            ran_s = lse > float("-inf")  # split 0 always ran: the max is finite
+            weight = tl.where(ran_s, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)  # (BLOCK_S,)
+            mid = tl.load(mid_o_ptr + b * stride_mid_b + h * stride_mid_h
+                          + offs_s[:, None] * stride_mid_s + offs_d[None, :],
+                          mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+                          cache_modifier=".cg")  # (BLOCK_S, BLOCK_D)
+            mid = tl.where(ran_s[:, None], mid, 0.0)  # an idle split's: never written
+            out = tl.sum(mid * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+            tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=mask_d)
         tl.store(counter, 0)  # ready for the next launch

@@ -82,4 +82,3 @@ def test_counters_serve_small_launches_only() -> None:
     cpu = torch.device("cpu")
     assert splits.split_counters(cpu, splits.MAX_MERGED_PROGRAM_ROWS) is not None
     assert splits.split_counters(cpu, splits.MAX_MERGED_PROGRAM_ROWS + 1) is None
-    assert splits.merge_chunk(64) == 8 and splits.merge_chunk(256) == 2
