@@ -3,9 +3,10 @@
 * every GEMM path (``gemm.prepare``: w8a16 up to 64 rows; above, ``torch._scaled_mm``
   after the activation quantization, or w8a16 on the tensor cores for block scales)
   against float32 on the values it multiplies, over the 1B, 8B and SmolLM2 projection
-  shapes at 1, 8, 64 and 2048 rows, and at 1 row the persistent row kernel (several
-  tiles; with its fused input ops too). Tolerance: ``REL`` of the reference's largest
-  value (one bf16 rounding of float32 sums; cuBLAS FP8 sums in its own order);
+  shapes at 1, 8, 64 and 2048 rows, and at 1 row the persistent row kernel (its fused
+  input ops too, with the register prefetch and the pipelined loop). Tolerance: ``REL``
+  of the reference's largest value (one bf16 rounding of float32 sums; cuBLAS FP8 sums in
+  its own order);
 * the activation quantization kernel equals ``fp8.quantize_activations`` bit for bit;
 * graphs (full decode, breakable prefill) give eager's greedy tokens with FP8 weights,
   and the layers keep FP8 (no dequantized fallback);
@@ -120,16 +121,16 @@ def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
                 plain = x.float() @ dense.T
                 assert (got.float() - plain).abs().max() <= 0.1 * plain.abs().max()
             if m == 1:  # the persistent row kernel, whatever the tile file picks
-                for tile in ROW_TILES:
-                    got = launch.w8a16(x, layer.weight, _gemm_scale(layer, kind),
-                                       layer.scheme.block if kind == "block" else None, tile)
-                    err = (got.float() - ref).abs().max().item()
-                    assert err <= bound, f"{shape} {proj} {kind} {tile}: {err:.4g}"
+                tile = Fp8RowTile(2, 8, 2, 3)
+                got = launch.w8a16(x, layer.weight, _gemm_scale(layer, kind),
+                                   layer.scheme.block if kind == "block" else None, tile)
+                err = (got.float() - ref).abs().max().item()
+                assert err <= bound, f"{shape} {proj} {kind} {tile}: {err:.4g}"
 
 
-#: Row kernel tiles the reference check runs: the register prefetch with one column per
-#: block, and Triton's pipeline three and four stages deep.
-ROW_TILES = (Fp8RowTile(1, 8, 4, 0), Fp8RowTile(2, 8, 2, 3), Fp8RowTile(2, 16, 1, 4))
+#: Row kernel tiles the fused-input check runs: the register prefetch with one column per
+#: block, and Triton's pipeline four stages deep (the plain check: three).
+ROW_TILES = (Fp8RowTile(1, 8, 4, 0), Fp8RowTile(2, 16, 1, 4))
 
 
 def _gemm_scale(layer: Fp8Linear, kind: str) -> torch.Tensor:
