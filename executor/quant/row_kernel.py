@@ -99,14 +99,16 @@ def _w8a16_row_kernel(
             _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
             w = w_next
             s = s_next
-    else:  # the first block from registers, the rest through shared memory, STAGES deep
-        _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+    else:  # the other blocks through shared memory, STAGES deep, then the first one
+        # (its weight, loaded before the wait, waits in registers: the pipeline's first
+        # loads go out as soon as the input row is ready)
         for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
-            offs_n = block * BLOCK_N + offs_b
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                        mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
-            s = _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-            _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+            cols = block * BLOCK_N + offs_b
+            w_b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                          mask=(cols < N)[:, None] & mask_k[None, :], other=0.0)
+            s_b = _scales(s_ptr, cols, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w_b, s_b, x, cols, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+        _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
 
 
 @triton.jit
