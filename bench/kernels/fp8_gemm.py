@@ -39,6 +39,7 @@ def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], o
     from executor.kernels.skinny import skinny_gemm
     from executor.quant import launch
     from executor.quant.fp8 import FP8_MAX
+    from executor.quant.tiles import Fp8Tile
 
     dev = torch.device("cuda")
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -51,7 +52,21 @@ def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], o
         "fp8 w8a16 blocks": (lambda w: launch.w8a16(x, w, blocks, (128, 128)), True),
     }
     if m == 1:
+        from executor.kernels.skinny.tiles import device_name
+        from executor.quant.tiles import default_tile, pick_tile
+
         out["bf16 skinny"] = (lambda w: skinny_gemm(x, w), False)
+        # "fp8 w8a16 rows" above is whichever kernel a launch picks; beside it each kernel
+        # on its own tile (tuned, or its default)
+        name = device_name(dev)
+        w8 = pick_tile(1, n, k, False, 0, name)
+        if not isinstance(w8, Fp8Tile):
+            w8 = default_tile(1, n, k, False)
+        row = pick_tile(1, n, k, False, 0, name, torch.cuda.get_device_properties(dev)
+                        .multi_processor_count)
+        out["fp8 w8a16 kernel rows"] = (lambda w: launch.w8a16(x, w, rows, None, w8), True)
+        if not isinstance(row, Fp8Tile):
+            out["fp8 row kernel rows"] = (lambda w: launch.w8a16(x, w, rows, None, row), True)
     if k % 16 == 0 and n % 16 == 0:
         def rowwise(w: torch.Tensor) -> object:
             q, s = launch.act_quant(x, None)
