@@ -12,11 +12,14 @@ Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
 checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
 work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
-rows, N, K, input op, GPU) with both times (``executor.quant.tiles``). From 8 rows it also
-times the FP8 x FP8 kernel's tiles (``dot_kernel``: activation quantization included, as
-in cuBLAS FP8's time), and records the fastest tile (``dot_tile``, ``dot_us``) and the
-fastest of the three paths (``kernel``); the w8a16 kernel is timed there at its current
-tile only, unless ``--w8a16-tiles``.
+rows, N, K, input op, GPU) with both times (``executor.quant.tiles``), and which kernel
+won (``kernel``). At one row the candidates include the persistent row kernel's tiles;
+``--kernel row`` times only those against the w8a16 tile in use now and its default (a
+short sweep), ``--kernel w8a16`` only the w8a16 tiles. From 8 rows it also times the FP8 x
+FP8 kernel's tiles (``dot_kernel``: activation quantization included, as in cuBLAS FP8's
+time), and records the fastest tile (``dot_tile``, ``dot_us``) and the fastest of the
+three paths (``kernel``); the w8a16 kernel is timed there at its current tile only,
+unless ``--w8a16-tiles``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], o
     from executor.kernels.skinny import skinny_gemm
     from executor.quant import launch
     from executor.quant.fp8 import FP8_MAX
+    from executor.quant.tiles import Fp8Tile
 
     dev = torch.device("cuda")
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -53,7 +57,21 @@ def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], o
         "fp8 w8a16 blocks": (lambda w: launch.w8a16(x, w, blocks, (128, 128)), True),
     }
     if m == 1:
+        from executor.kernels.skinny.tiles import device_name
+        from executor.quant.tiles import default_tile, pick_tile
+
         out["bf16 skinny"] = (lambda w: skinny_gemm(x, w), False)
+        # "fp8 w8a16 rows" above is whichever kernel a launch picks; beside it each kernel
+        # on its own tile (tuned, or its default)
+        name = device_name(dev)
+        w8 = pick_tile(1, n, k, False, 0, name)
+        if not isinstance(w8, Fp8Tile):
+            w8 = default_tile(1, n, k, False)
+        row = pick_tile(1, n, k, False, 0, name, torch.cuda.get_device_properties(dev)
+                        .multi_processor_count)
+        out["fp8 w8a16 kernel rows"] = (lambda w: launch.w8a16(x, w, rows, None, w8), True)
+        if not isinstance(row, Fp8Tile):
+            out["fp8 row kernel rows"] = (lambda w: launch.w8a16(x, w, rows, None, row), True)
     if k % 16 == 0 and n % 16 == 0:
         def rowwise(w: torch.Tensor) -> object:
             q, s = launch.act_quant(x, None)
@@ -116,15 +134,37 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _candidates(m: int, k: int, blocks: bool) -> list[Any]:
+def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all",
+               device: str = "") -> list[Any]:
+    """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
+    tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
+    8 KiB to 64 KiB of weight per column block, 32 or 64 bytes of it per thread, each with
+    the register prefetch on 4 programs per SM and a 3-stage (2 per SM) and 4-stage (1 per
+    SM) pipeline."""
     from executor.kernels.fast_launch import next_power_of_2
-    from executor.quant.tiles import DOT_MIN_ROWS, Fp8Tile, valid
+    from executor.quant.tiles import (
+        DOT_MIN_ROWS,
+        ROW_MAX_K,
+        Fp8RowTile,
+        Fp8Tile,
+        pick_tile,
+        valid,
+    )
 
-    if m < DOT_MIN_ROWS:
+    kp = next_power_of_2(k)
+    tiles: list[Any]
+    if kernel == "row":
+        tiles = [pick_tile(m, n, k, blocks, op, device)]
+    elif m < DOT_MIN_ROWS:
         tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
-                 for w in (4, 8) if bk <= max(512, next_power_of_2(k))]
+                 for w in (4, 8) if bk <= max(512, kp)]
     else:
         tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+    if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
+        tiles += [Fp8RowTile(bn, w, p, stages) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+                  for p, stages in ((4, 0), (2, 3), (1, 4))
+                  if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)
+                  and stages * bn * kp <= 196608]  # (shared memory: at most 192 KiB)
     return [t for t in tiles if valid(t, m, blocks)]
 
 
@@ -233,15 +273,16 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
 
 
 def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks"),
-          w8a16_tiles: bool = False) -> list[dict[str, Any]]:
+          kernel: str = "all", w8a16_tiles: bool = False) -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
-    128x128) and row count (see the docstring)."""
+    128x128) and row count (see the docstring); ``kernel``: which kernels' tiles."""
     from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import (
         ADD_RMS_NORM,
         DOT_MIN_ROWS,
         PLAIN,
         SILU_MUL,
+        Fp8RowTile,
         default_tile,
         pick_tile,
         rows_bucket,
@@ -271,7 +312,8 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                 want = run(fp8[0], default).float()
                 times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
                 dot = m >= DOT_MIN_ROWS
-                tiles = _candidates(m, k, blocks) if not dot or w8a16_tiles else \
+                tiles = candidates(m, n, k, blocks, op, kernel, device_name(dev)) \
+                    if not dot or w8a16_tiles else \
                     [pick_tile(m, n, k, blocks, op, device_name(dev))]  # (the current one)
                 for tile in tiles:
                     if tile in times:
@@ -287,14 +329,21 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                         continue
                     times[tile] = weights_replay_us(functools.partial(run, tile=tile), fp8)
                 best = min(times, key=times.__getitem__)
+                by_kernel = {kind: min((t for c, t in times.items()
+                                        if isinstance(c, Fp8RowTile) == (kind == "row")),
+                                       default=None) for kind in ("row", "w8a16")}
                 cublas = None
                 if not blocks and k % 16 == 0 and n % 16 == 0:
                     cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
                 row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
                        "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
-                       "tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
+                       "kernel": "row" if isinstance(best, Fp8RowTile) else "w8a16",
+                       "tile": _tile_list(best),
                        "us": round(times[best], 2), "default_us": round(times[default], 2),
                        "floor_us": round(k * n / bw * 1e6, 2)}
+                for kind, us in by_kernel.items():  # each kernel's best, where timed
+                    if us is not None and m == 1:
+                        row[f"{kind}_us"] = round(us, 2)
                 if cublas is not None:  # what gemm.prepare's cuBLAS FP8 path costs here
                     row["scaled_mm_us"] = round(cublas, 2)
                 if dot:  # the FP8 x FP8 kernel, and the fastest of the three paths
@@ -314,6 +363,13 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
         del fp8
         torch.cuda.empty_cache()
     return out
+
+
+def _tile_list(tile: Any) -> list[int]:
+    """A tile as the tile file stores it (``executor.quant.tiles._tile`` reads it back)."""
+    if hasattr(tile, "programs_per_sm"):  # Fp8RowTile
+        return [tile.block_n, tile.num_warps, tile.programs_per_sm, tile.num_stages]
+    return [tile.block_n, tile.block_k, tile.num_warps, tile.num_stages]
 
 
 def merge_tiles(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -336,12 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles-out", type=Path, help="with --sweep: merge the best tiles here")
     ap.add_argument("--scales", choices=("rows", "blocks", "both"), default="both",
                     help="with --sweep: per-channel scales, 128x128 block scales, or both")
+    ap.add_argument("--kernel", choices=("all", "row", "w8a16"), default="all",
+                    help="with --sweep: every candidate; the row kernel's against the w8a16 "
+                         "tile in use now; or the w8a16 kernel's only")
     ap.add_argument("--w8a16-tiles", action="store_true",
                     help="with --sweep: from 8 rows also search the w8a16 tiles")
     args = ap.parse_args(argv)
     if args.sweep:
         kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
-        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.w8a16_tiles)
+        tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.kernel,
+                      args.w8a16_tiles)
         if args.tiles_out:
             merge_tiles(args.tiles_out, tuned)
         return 0

@@ -1,5 +1,7 @@
-"""Launchers of the FP8 Triton kernels (``kernels.py``): output allocation, the tile
-(``tiles.py``), the grid.
+"""Launchers of the FP8 Triton kernels (``kernels.py``, ``row_kernel.py``): output
+allocation, the tile (``tiles.py``), the grid. One row takes the persistent row kernel where
+its tile says so (an ``Fp8RowTile``; through a ``FastLauncher`` with PDL, its grid sized as the
+bf16 row kernel's, ``skinny.ops.row_grid``), else the w8a16 kernel.
 
 Imported at the first FP8 GEMM, never with the model, so CPU runs that only load and
 dequantize never import Triton.
@@ -8,18 +10,22 @@ dequantize never import Triton.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
-from executor.kernels import pdl
-from executor.kernels.fast_launch import cdiv, next_power_of_2
-from executor.kernels.skinny.tiles import device_name
+from executor.kernels import pdl, switches
+from executor.kernels.fast_launch import FastLauncher, cdiv, next_power_of_2
+from executor.kernels.skinny.ops import row_grid
+from executor.kernels.skinny.tiles import RowTile, device_name, sm_count
 from executor.quant.fp8 import FP8
 from executor.quant.kernels import _act_quant_kernel, _w8a16_kernel
+from executor.quant.row_kernel import _w8a16_row_kernel
 from executor.quant.tiles import (
     DOT_MIN_ROWS,
     PLAIN,
     SILU_MUL,
+    Fp8RowTile,
     Fp8Tile,
     block_m,
     pick_tile,
@@ -37,7 +43,8 @@ def stages(device: torch.device) -> int:
 
 
 def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-          block: tuple[int, int] | None, tile: Fp8Tile | None = None) -> torch.Tensor:
+          block: tuple[int, int] | None, tile: Fp8Tile | Fp8RowTile | None = None
+          ) -> torch.Tensor:
     """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
     ``scale`` block scales (with ``block``) or (N,) row scales. A new (M, N) tensor.
     ``tile``: the launch shape (default: ``tiles.pick_tile``)."""
@@ -46,7 +53,8 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
-                norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | None = None
+                norm_weight: torch.Tensor | None, eps: float,
+                tile: Fp8Tile | Fp8RowTile | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``w8a16`` of the input op's output (``executor.kernels.skinny`` ``SILU_MUL``: ``x``
     is (M, 2K) gate|up; ``RMS_NORM``/``ADD_RMS_NORM``: ``rms_norm(x [+ residual])`` with
@@ -58,7 +66,7 @@ def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
-            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | None
+            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | Fp8RowTile | None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8, (x.shape, weight.dtype)
     m = x.shape[0]
@@ -72,12 +80,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     assert not dot or input_op == PLAIN
     if tile is None:
         name = device_name(x.device) if x.is_cuda else ""
-        tile = pick_tile(m, n, k, block is not None, input_op, name)
+        row_sms = sm_count(x.device) if x.is_cuda and switches.active().row_kernel else 0
+        tile = pick_tile(m, n, k, block is not None, input_op, name, row_sms)
     assert valid(tile, m, block is not None), tile
     sbn, sbk = block or (1, 1)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
     nw = norm_weight if norm_weight is not None else x
+    if isinstance(tile, Fp8RowTile):
+        _launch_row(x, res_in, nw, weight, scale, block, out, res_dst, input_op, eps, tile)
+        return out, res_out
     bm = block_m(m)
     grid = (cdiv(n, tile.block_n), cdiv(m, bm))
     _w8a16_kernel[grid](x, res_in, nw, weight, scale, out, res_dst, m, n, k, x.stride(0),
@@ -88,6 +100,41 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         num_warps=tile.num_warps,
                         num_stages=tile.num_stages or stages(x.device))
     return out, res_out
+
+
+_ROW_LAUNCHERS: dict[int, FastLauncher] = {}
+#: The row kernel's grid per specialization, tile and device (``skinny.ops.row_grid``).
+_ROW_GRIDS: dict[tuple[Any, ...], int] = {}
+
+
+def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor, block: tuple[int, int] | None, out: torch.Tensor,
+                res_dst: torch.Tensor, input_op: int, eps: float, tile: Fp8RowTile) -> None:
+    """``_w8a16_row_kernel`` on a persistent grid of what its compiled kernel fits on an SM
+    (sized at a specialization's first launch)."""
+    n, k = weight.shape
+    sbn, sbk = block or (1, 0)
+    block_k = max(next_power_of_2(k), sbk)
+    sbk = sbk or block_k  # row scales: one "block" of the whole row (no per-block sums)
+    assert sbk & (sbk - 1) == 0, "the row kernel takes power-of-two scale blocks"
+    if tile.num_warps not in _ROW_LAUNCHERS:
+        _ROW_LAUNCHERS[tile.num_warps] = FastLauncher(_w8a16_row_kernel, pdl=True,
+                                                      num_warps=tile.num_warps)
+    launcher = _ROW_LAUNCHERS[tile.num_warps]
+    # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
+    key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
+           input_op, tile.block_n, block_k, tile.num_stages)
+    args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
+            scale.stride(0), 1.0 / k, eps)
+    constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
+                  "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
+                  "STAGES": tile.num_stages}
+    grid_key = (key, tile.programs_per_sm, x.device)
+    programs = _ROW_GRIDS.get(grid_key)
+    if programs is None:
+        shape = RowTile(tile.block_n, tile.num_warps, tile.programs_per_sm)  # (the grid's)
+        programs = _ROW_GRIDS[grid_key] = row_grid(launcher, shape, n, args, constexprs)
+    launcher.launch((programs, 1, 1), key, args, constexprs)
 
 
 def act_quant(x: torch.Tensor, static_scale: torch.Tensor | None

@@ -1,13 +1,16 @@
-"""Launch shapes of the FP8 kernels and which kernel takes 8 to 64 rows: tuned ones as
+"""Launch shapes of the FP8 kernels and which kernel takes a row bucket: tuned ones as
 data, defaults otherwise.
 
 A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on this GPU
 (``tiles.json`` beside this module, written by ``bench.kernels.fp8_gemm --sweep
---tiles-out``), else the first GPU's the file lists for it, else ``default_tile``. Rows are
-bucketed to powers of two up to 64 (the sweep times each bucket's top). From
-``DOT_MIN_ROWS`` rows a row of the file may also hold the FP8 x FP8 kernel's tile
-(``dot_tile``) and name the fastest of the three paths (``kernel``: ``skinny_kernel``);
-a bucket the sweep did not time takes the nearest timed one's.
+--tiles-out``), else the first GPU's the file lists for it, else the default: one row on a
+GPU the persistent row kernel's ``default_row_tile`` where it takes the shape, else
+``default_tile`` (the w8a16 kernel). Rows are bucketed to powers of two up to 64 (the
+sweep times each bucket's top). A file row's ``kernel`` names the path it measured
+fastest: at one row ``"w8a16"`` (``Fp8Tile``; rows without the field) or ``"row"``
+(``Fp8RowTile``); from ``DOT_MIN_ROWS`` rows ``"w8a16"``, ``"dot"`` (the FP8 x FP8
+kernel, its tile in ``dot_tile``) or ``"scaled_mm"`` (``skinny_kernel``); a bucket the
+sweep did not time takes the nearest timed one's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,20 @@ class Fp8Tile:
     block_n: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 0
+
+
+@dataclass(frozen=True)
+class Fp8RowTile:
+    """Launch shape of the persistent row kernel (``row_kernel.py``): output columns per
+    block, warps per program, programs per SM (the grid is at most that many times the
+    SM count, fewer where fewer fit), and the weight pipeline's depth (0: the next block
+    prefetched in registers; 2 or more: Triton's pipelined loop, that many stages in
+    shared memory)."""
+
+    block_n: int
+    num_warps: int = 8
+    programs_per_sm: int = 4
     num_stages: int = 0
 
 
@@ -98,14 +115,45 @@ W8A16_KERNEL, DOT_KERNEL, SCALED_MM_KERNEL = "w8a16", "dot", "scaled_mm"
 SCALED_MM_MARGIN = 0.9
 
 
+#: Inner sizes ``K`` up to which the row kernel takes one-row launches by default: its
+#: input row sits in registers (activation dtype) beside two weight blocks.
+ROW_MAX_K = 16384
+#: Weight bytes per column block the default row tile aims at (the bf16 row kernel's
+#: 4 x 2048 bf16 block): FP8 takes twice the columns of a bf16 block of the same K.
+ROW_BLOCK_BYTES = 16384
+
+
+def default_row_tile(n: int, k: int, sms: int) -> Fp8RowTile | None:
+    """The row kernel's untuned tile for one row of an (N, K) projection on ``sms`` SMs,
+    or None where the w8a16 kernel takes it: ``K`` above ``ROW_MAX_K``, or fewer column
+    blocks than a full grid has programs (the grid would save no input-op work). Up to
+    K = 8192: columns per block for ``ROW_BLOCK_BYTES`` (at most 8), 8 warps, 2 programs
+    per SM, a 3-stage pipeline (each program computes the input row, so few programs, each
+    with blocks in flight through shared memory); longer rows (registers: the row itself)
+    2 columns over 16 warps, one program per SM, 4 stages."""
+    kp = next_power_of_2(k)
+    if kp > ROW_MAX_K:
+        return None
+    tile = Fp8RowTile(max(1, min(8, ROW_BLOCK_BYTES // kp)), 8, 2, 3) if kp <= 8192 \
+        else Fp8RowTile(2, 16, 1, 4)
+    if cdiv(n, tile.block_n) < tile.programs_per_sm * sms:
+        return None
+    return tile
+
+
+def _tile(row: dict[str, Any]) -> Fp8Tile | Fp8RowTile:
+    """A file row's tile, by its ``kernel`` (rows without one are the w8a16 kernel's)."""
+    return Fp8RowTile(*row["tile"]) if row.get("kernel") == "row" else Fp8Tile(*row["tile"])
+
+
 @functools.cache
-def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]]:
+def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | Fp8RowTile]]:
     """(scales "rows"/"blocks", rows bucket, N, K, input op) -> device name -> tile, read
     once."""
-    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile]] = {}
+    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | Fp8RowTile]] = {}
     for row in _rows():
         key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
-        out.setdefault(key, {})[row.get("device", "")] = Fp8Tile(*row["tile"])
+        out.setdefault(key, {})[row.get("device", "")] = _tile(row)
     return out
 
 
@@ -180,18 +228,26 @@ def _rows() -> list[dict[str, Any]]:
     return list(json.loads(TILES_FILE.read_text())["tiles"])
 
 
-def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str) -> Fp8Tile:
-    """The tile for a launch (see the module docstring)."""
+def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str,
+              row_sms: int = 0) -> Fp8Tile | Fp8RowTile:
+    """The tile for a launch (see the module docstring). ``row_sms``: the GPU's SMs where
+    the row kernel may run (0: it may not; a tuned row tile then gives way to the
+    defaults too)."""
     op = ADD_RMS_NORM if input_op == RMS_NORM else input_op  # the norms share tiles
     tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op))
-    if tuned:
-        return tuned.get(device) or next(iter(tuned.values()))
-    return default_tile(m, n, k, blocks, input_op)
+    tile = (tuned.get(device) or next(iter(tuned.values()))) if tuned else None
+    if tile is not None and (row_sms or not isinstance(tile, Fp8RowTile)):
+        return tile
+    row = default_row_tile(n, k, row_sms) if m == 1 and row_sms else None
+    return row or default_tile(m, n, k, blocks, input_op)
 
 
-def valid(tile: Fp8Tile, m: int, blocks: bool) -> bool:
-    """Whether the kernel takes ``tile``: block scales need tensor-core chunks inside one
-    128-column block and CUDA-core chunks of whole blocks (or inside one)."""
+def valid(tile: Fp8Tile | Fp8RowTile, m: int, blocks: bool) -> bool:
+    """Whether the kernel takes ``tile``: the row kernel one row (any scales); the w8a16
+    kernel's block scales need tensor-core chunks inside one 128-column block and
+    CUDA-core chunks of whole blocks (or inside one)."""
+    if isinstance(tile, Fp8RowTile):
+        return m == 1
     if not blocks:
         return True
     if m >= DOT_MIN_ROWS:

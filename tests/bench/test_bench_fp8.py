@@ -52,3 +52,31 @@ def test_tile_file_merge_replaces_rows_of_the_same_key(tmp_path: Any) -> None:
     rows = json.loads(path.read_text())["tiles"]
     assert [(r["n"], r["tile"]) for r in rows] == [(4096, [2, 1024, 8, 3]), (6144, [4, 2048, 8, 3])]
     assert "tiles" in json.loads(tiles.TILES_FILE.read_text())  # the shipped file parses
+
+
+def test_sweep_candidates_and_row_tiles_round_trip(tmp_path: Any) -> None:
+    """At one row the sweep times the row kernel's tiles (``--kernel row``: against the
+    w8a16 tile in use only); a winning row tile is written with ``kernel`` "row" and read
+    back as the same ``Fp8RowTile``; tiles.json rows without ``kernel`` stay w8a16 tiles."""
+    from bench.kernels.fp8_gemm import _tile_list, candidates, merge_tiles
+    from executor.quant import tiles
+    from executor.quant.tiles import Fp8RowTile
+
+    short = candidates(1, 4096, 4096, False, tiles.ADD_RMS_NORM, "row")
+    assert [type(t) for t in short].count(tiles.Fp8Tile) == 1
+    rows = [t for t in short if isinstance(t, Fp8RowTile)]
+    assert Fp8RowTile(4, 8, 4, 0) in rows and Fp8RowTile(4, 8, 2, 3) in rows
+    assert all(8192 <= t.block_n * 4096 <= 65536 for t in rows)
+    assert not any(isinstance(t, Fp8RowTile) for t in candidates(8, 4096, 4096, False, 0))
+    assert not any(isinstance(t, Fp8RowTile) for t in candidates(1, 4096, 4096, True, 0, "w8a16"))
+    path = tmp_path / "tiles.json"
+    merge_tiles(path, [{"device": "GPU", "scales": "rows", "m": 1, "n": 4096, "k": 4096,
+                        "input_op": 0, "kernel": "row", "tile": _tile_list(Fp8RowTile(2, 4, 1, 4)),
+                        "us": 5.0}])
+    row = json.loads(path.read_text())["tiles"][0]
+    assert tiles._tile(row) == Fp8RowTile(2, 4, 1, 4)
+    assert tiles._tile({**row, "kernel": None, "tile": [2, 1024, 8, 3]}) == \
+        tiles.Fp8Tile(2, 1024, 8, 3)
+    shipped = json.loads(tiles.TILES_FILE.read_text())["tiles"]
+    assert all(isinstance(tiles._tile(r), Fp8RowTile) == (r.get("kernel") == "row")
+               for r in shipped)

@@ -4,9 +4,11 @@
   cuBLAS FP8 from 8 rows where measured faster; above, ``torch._scaled_mm`` after the
   activation quantization, or w8a16 on the tensor cores for block scales) against float32
   on the values it multiplies, over the 1B, 8B and SmolLM2 projection shapes at 1, 8, 64
-  and 2048 rows; the FP8 x FP8 kernel itself at 8 and 64 rows, for several tiles (split-K
-  included, deterministic). Tolerance: ``REL`` of the reference's largest value (one bf16
-  rounding of float32 sums; cuBLAS FP8 sums in its own order);
+  and 2048 rows; at 1 row the persistent row kernel (its fused input ops too, with the
+  register prefetch and the pipelined loop); the FP8 x FP8 kernel itself at 8 and 64 rows,
+  for several tiles (split-K included, deterministic). Tolerance: ``REL`` of the
+  reference's largest value (one bf16 rounding of float32 sums; cuBLAS FP8 sums in its own
+  order);
 * the norm and SiLU-and-mul that quantize their own output give the unfused path's
   result exactly, through the layer's fused hooks at 8 and 64 rows;
 * the activation quantization kernel equals ``fp8.quantize_activations`` bit for bit;
@@ -34,6 +36,7 @@ from executor.quant.fp8 import (
     quantize_tensor,
 )
 from executor.quant.scheme import AT_LOAD
+from executor.quant.tiles import Fp8RowTile
 from tests.helpers.fp8_models import write_fp8_model
 from tests.helpers.gpu import greedy_agrees, make_prefill_executor
 
@@ -121,6 +124,58 @@ def test_gemm_paths_equal_dequantized_float32(shape: str, kind: str) -> None:
             if quantized:  # and the rows' own quantization stays small against bf16 rows
                 plain = x.float() @ dense.T
                 assert (got.float() - plain).abs().max() <= 0.1 * plain.abs().max()
+            if m == 1:  # the persistent row kernel, whatever the tile file picks
+                tile = Fp8RowTile(2, 8, 2, 3)
+                got = launch.w8a16(x, layer.weight, _gemm_scale(layer, kind),
+                                   layer.scheme.block if kind == "block" else None, tile)
+                err = (got.float() - ref).abs().max().item()
+                assert err <= bound, f"{shape} {proj} {kind} {tile}: {err:.4g}"
+
+
+#: Row kernel tiles the fused-input check runs: the register prefetch with one column per
+#: block, and Triton's pipeline four stages deep (the plain check: three).
+ROW_TILES = (Fp8RowTile(1, 8, 4, 0), Fp8RowTile(2, 16, 1, 4))
+
+
+def _gemm_scale(layer: Fp8Linear, kind: str) -> torch.Tensor:
+    """The scales the layer's GEMM reads: block scales as stored, else (N,) row scales."""
+    return layer.scales if kind == "block" else layer.gemm_scale  # type: ignore[return-value]
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["block", "channel"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_row_kernel_fused_input_ops(shape: str, kind: str) -> None:
+    """One row with the input op the decoder fuses (add + RMSNorm into qkv and gate_up,
+    SiLU-and-mul into down) through the row kernel, against the unfused kernel's row times
+    the dequantized weight in float32; the new residual equals the add-norm kernel's."""
+    from executor import kernels
+    from executor.quant.tiles import ADD_RMS_NORM, SILU_MUL
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for proj, (k, shards) in _projection_shards(shape).items():
+        if proj == "o" or (kind == "block" and any(r % 128 for r in shards)):
+            continue
+        layer, dense = _layer(kind, k, shards)
+        block = layer.scheme.block if kind == "block" else None
+        op = SILU_MUL if proj == "down" else ADD_RMS_NORM
+        x = torch.randn(1, 2 * k if op == SILU_MUL else k, device=DEV, generator=gen)
+        x = x.to(torch.bfloat16)
+        res = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+        for tile in ROW_TILES:
+            if op == SILU_MUL:
+                got, got_res = launch.w8a16_fused(x, layer.weight, _gemm_scale(layer, kind),
+                                                  block, op, None, None, 0.0, tile)
+                row, want_res = kernels.silu_and_mul(x), None
+            else:
+                got, got_res = launch.w8a16_fused(x, layer.weight, _gemm_scale(layer, kind),
+                                                  block, op, res, nw, 1e-5, tile)
+                row, want_res = kernels.add_rms_norm(x, res, nw, 1e-5)
+            ref = row.float() @ dense.T
+            err = (got.float() - ref).abs().max().item()
+            assert err <= REL * ref.abs().max().item(), f"{shape} {proj} {kind} {tile}: {err}"
+            assert want_res is None or (got_res is not None and torch.equal(got_res, want_res))
 
 
 @needs_fp8

@@ -1,0 +1,140 @@
+# mypy: allow-untyped-defs
+# (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
+"""The FP8 persistent row kernel: ``x @ dequantize(W).T`` for one bf16/fp16 row.
+
+The FP8 twin of the bf16 skinny GEMM's ``_skinny_row_kernel``: a persistent grid
+(``Fp8RowTile``); each program computes its input row once (the input op fused, rounded as
+the unfused kernels round) and keeps it in registers, then takes column blocks ``pid``,
+``pid + programs``, ... keeping the e4m3 weight stream gapless: ``STAGES`` 0 issues the
+next block's load into registers before the current block is reduced; ``STAGES`` >= 2
+lets Triton's pipeliner keep that many blocks in flight through shared memory (more bytes
+in flight per SM than registers hold). A block is ``BLOCK_N`` whole weight rows, read with
+16-byte loads (16 e4m3 values), converted in registers (exactly: every e4m3 value is a
+bf16 value), summed in float32 and scaled per output row, or per 128x128 block (each
+block's partial sum times its scale). One rounding to the activation dtype at the end; no
+split-K, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from executor.kernels.pdl import pdl_enter
+
+
+@triton.jit
+def _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
+               act_ty: tl.constexpr, INPUT_OP: tl.constexpr):
+    """The input op's row (``BLOCK_K``,) in the activation dtype, rounded exactly as
+    ``executor.kernels.activation`` and ``.norm`` round (and the skinny row kernel).
+    ADD_RMS_NORM: program 0 stores ``x + residual``."""
+    if INPUT_OP == 1:  # silu(gate) * up
+        g = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+        x = (a * u).to(act_ty)
+    elif INPUT_OP >= 2:  # weight * normalize(x [+ residual])
+        s = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        if INPUT_OP == 3:
+            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+            tl.store(res_out_ptr + offs_k, s, mask=mask_k & (offs_k * 0 + pid == 0))
+        s32 = s.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * inv_k + eps)
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = ((s32 * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    return x
+
+
+@triton.jit
+def _w8a16_row_kernel(
+    x_ptr,  # (1, K) row; (1, 2K) gate|up for SILU_MUL
+    res_ptr,  # (1, K) residual in (ADD_RMS_NORM)
+    nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
+    w_ptr,  # (N, K) e4m3, row-major
+    s_ptr,  # BLOCK_SCALES: (ceil(N/SBN), ceil(K/SBK)) float32; else (N,) float32
+    out_ptr,  # (1, N)
+    res_out_ptr,  # (1, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
+    N, K, stride_wn, stride_sn,
+    inv_k, eps,  # the norm's 1 / K and epsilon
+    SBN: tl.constexpr,  # scale block rows (BLOCK_SCALES)
+    SBK: tl.constexpr,  # scale block columns (BLOCK_SCALES); a power of two <= BLOCK_K
+    BLOCK_SCALES: tl.constexpr,
+    INPUT_OP: tl.constexpr,  # PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: the whole input row
+    USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr,  # 0: next block prefetched in registers; >= 2: Triton's pipeline
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_n = pid * BLOCK_N + offs_b
+    kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
+    # The first block's weight and scales depend on nothing the step writes: in flight
+    # before the PDL wait, while the previous kernel finishes.
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
+    s = _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+    pdl_enter(USE_PDL)
+    act_ty = out_ptr.dtype.element_ty
+    x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
+                   act_ty, INPUT_OP)  # (BLOCK_K,) activation dtype
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    if STAGES == 0:  # the next block's load in registers before this block's sums
+        block = pid
+        while block < n_blocks:
+            offs_n = block * BLOCK_N + offs_b
+            block += programs
+            offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
+            w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn
+                             + offs_k[None, :],
+                             mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
+            s_next = _scales(s_ptr, offs_next, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+            w = w_next
+            s = s_next
+    else:  # the other blocks through shared memory, STAGES deep, then the first one
+        # (its weight, loaded before the wait, waits in registers: the pipeline's first
+        # loads go out as soon as the input row is ready)
+        for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
+            cols = block * BLOCK_N + offs_b
+            w_b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                          mask=(cols < N)[:, None] & mask_k[None, :], other=0.0)
+            s_b = _scales(s_ptr, cols, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w_b, s_b, x, cols, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+        _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+
+
+@triton.jit
+def _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SBK: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """Output columns ``offs_n``: the float32 sums of ``w`` (BLOCK_N, BLOCK_K) e4m3 times
+    the row ``x``, scaled by ``s`` (per block column, or per row after the sums), rounded
+    once to the activation dtype."""
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
+    if BLOCK_SCALES:  # each block column's sum times its scale
+        per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SBK, SBK)), axis=2)
+        acc = tl.sum(per_block * s, axis=1)
+    else:
+        acc = tl.sum(prod, axis=1) * s
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+            BLOCK_SCALES: tl.constexpr):
+    """The scales of output rows ``offs_n``: (BLOCK_N, BLOCK_K // SBK) block scales, or
+    (BLOCK_N,) row scales; 0 past N and past the row's last block column."""
+    mask_n = offs_n < N
+    if BLOCK_SCALES:
+        s = tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
+                    mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
+    else:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    return s
