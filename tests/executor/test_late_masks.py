@@ -75,8 +75,12 @@ def test_the_device_reads_masks_the_worker_writes_later(rows: int) -> None:
     vocab = 128256
     worker = MaskWorker(torch.device("cuda"))
     ring = LateMaskRing(rows, vocab, torch.device("cuda"))
+    # Every kernel below runs once first: the first launch of a kernel loads its module,
+    # which waits for the device to go idle (here: for the job), as any first use would.
     warm = torch.zeros(rows, vocab, device="cuda")
-    ring.apply(warm, lambda out: np.ones(rows, dtype=bool), worker)  # (compiles)
+    ring.apply(warm, lambda out: np.ones(rows, dtype=bool), worker)
+    warm.argmax(dim=-1)
+    torch.cuda.Event().record()
     torch.cuda.synchronize()
     release = threading.Event()
 
