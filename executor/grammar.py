@@ -16,11 +16,9 @@ grammar rows, else ``PendingStep.finish`` does; each step is applied once
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +29,6 @@ from executor.errors import GrammarUnavailable
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
-#: Threads that fill a batch's masks (xgrammar's, outside the GIL): the host's cores but
-#: two (the launching thread and the mask worker), at most 16.
-FILL_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))
-#: ``advance_rows``: matchers per batch accept, run on ``ACCEPT_THREADS`` threads (outside
-#: the GIL) when a step has more.
-ACCEPT_CHUNK, ACCEPT_THREADS = 16, 4
 
 
 class GrammarError(ValueError):
@@ -73,7 +65,6 @@ class GrammarBook:
         self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None  # ``advance_rows``' threads
 
     # -- compiling ---------------------------------------------------------------------
     def compiler(self) -> Any:
@@ -160,9 +151,8 @@ class GrammarBook:
                 state.completed = bool(state.matcher.is_terminated())
 
     def advance_rows(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> list[bool]:
-        """``advance`` for each pair (distinct sequences), in xgrammar's batch accept: one
-        call, or chunks on a few threads for many rows. Returns, per pair, whether its
-        token completed the sequence's grammar."""
+        """``advance`` for each pair (distinct sequences) in one call of xgrammar's batch
+        accept. Returns, per pair, whether its token completed the sequence's grammar."""
         import xgrammar as xgr
 
         live = [(i, st, tok) for i, (sid, tok) in enumerate(zip(seq_ids, tokens, strict=True))
@@ -170,34 +160,14 @@ class GrammarBook:
         done = [False] * len(seq_ids)
         if not live:
             return done
-        chunks = [live[k:k + ACCEPT_CHUNK] for k in range(0, len(live), ACCEPT_CHUNK)]
-
-        def accept(chunk: list[tuple[int, SeqGrammar, int]]) -> list[bool]:
-            return xgr.BatchGrammarMatcher.batch_accept_token(  # type: ignore[no-any-return]
-                [st.matcher for _, st, _ in chunk], [tok for _, _, tok in chunk])
-
-        if len(chunks) == 1:
-            results = [accept(chunks[0])]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(ACCEPT_THREADS, "grammar-accept")
-            results = list(self._pool.map(accept, chunks))
-        for chunk, oks in zip(chunks, results, strict=True):
-            for (i, st, tok), ok in zip(chunk, oks, strict=True):
-                if ok:
-                    st.accepted += 1
-                    if tok in st.stops:  # (a matcher terminates only on a stop token)
-                        st.completed = done[i] = bool(st.matcher.is_terminated())
+        oks = xgr.BatchGrammarMatcher.batch_accept_token(
+            [st.matcher for _, st, _ in live], [tok for _, _, tok in live])
+        for (i, st, tok), ok in zip(live, oks, strict=True):
+            if ok:
+                st.accepted += 1
+                if tok in st.stops:  # (a matcher terminates only on a stop token)
+                    st.completed = done[i] = bool(st.matcher.is_terminated())
         return done
-
-    def may_complete(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> bool:
-        """Whether accepting ``tokens`` could complete any of the sequences' grammars (a
-        matcher terminates only on one of its stop tokens)."""
-        for sid, tok in zip(seq_ids, tokens, strict=True):
-            st = self.seqs.get(sid)
-            if st is not None and not st.completed and tok in st.stops:
-                return True
-        return False
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
         """The next token's mask of each sequence into row r of ``out`` (a host int32
@@ -224,7 +194,7 @@ class GrammarBook:
                 has[r] = True
         if live:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
             self._batch.batch_fill_next_token_bitmask(live, out, live_rows)
         return has
 

@@ -60,10 +60,7 @@ class GrammarFlow:
     def __init__(self, book: GrammarBook, worker: MaskWorker) -> None:
         self.book = book
         self.worker = worker  # runs the masks' jobs (``LateMasks``) off this thread
-        self._lock = threading.Lock()  # the matchers
-        # A step's samples handed between its completion and a mask job (held briefly:
-        # the completion never waits for a job's accepts or fills).
-        self._handoff = threading.Lock()
+        self._lock = threading.Lock()
         # Launched steps with grammar rows, numbered in launch order: a launch's masks
         # catch up only with the steps launched before it (the worker may run them after
         # later steps were tracked: waiting for one of those would never end).
@@ -214,17 +211,14 @@ class GrammarFlow:
 
     def catch_up(self, before: int | None = None) -> None:
         """Apply the remaining tokens of every launched step (of those tracked before
-        ``before``: numbers from ``_tracked``), waiting for their copies. A step's host
-        samples are read under the lock its completion takes to hand them over: never
-        after the completion handed its buffers back."""
+        ``before``: numbers from ``_tracked``), waiting for their copies. Under the lock
+        that the step's completion takes to apply them: a step is read here only while
+        its completion has not applied it (nor handed its buffers back)."""
         while self._pending and (before is None or self._pending[0][0] < before):
             _, step = self._pending.popleft()
-            with self._handoff:
-                if step.grammar_applied >= len(step.samples):
-                    continue
-                sampled = step.grammar_sampled or step.wait()
             with self._lock:
-                self._advance(step, sampled)
+                if step.grammar_applied < len(step.samples):
+                    self._advance(step, step.wait())
 
     def settle(self) -> None:
         """Every queued mask job done and every launched step applied: the matchers hold
@@ -233,35 +227,17 @@ class GrammarFlow:
         self.catch_up()
 
     def release(self, seq_id: str) -> None:
-        """Drop the sequence's matcher, once every queued job and kept sample is applied
-        (none may reach a later sequence of the same id)."""
-        self.worker.drain()  # (a queued prefill's job may be starting its matcher)
-        if self.book.seqs.get(seq_id) is None:
-            return
-        self.catch_up()
+        self.worker.drain()  # (no queued job may find its matcher gone)
         self.book.release(seq_id)
 
     def apply(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
-        """A step's completion: its grammar rows' tokens must be applied before its
-        outputs only where one could complete a grammar (a stop token); else they are kept
-        for the next mask job (or ``settle``) to apply. Raises the error of a mask job
-        that failed (the step's masks may be missing)."""
+        """Advance the matchers of ``step``'s grammar rows by its samples (once); raises
+        the error of a mask job that failed (the step's masks may be missing)."""
         self.worker.raise_failure()
-        with self._handoff:
-            if step.grammar_applied >= len(sampled):
-                return  # (a mask job applied them)
-            if not self._may_complete(step, sampled):
-                step.grammar_sampled = sampled
-                return
+        if step.grammar_applied >= len(sampled):
+            return  # (a mask job applied them: it sets the count after the matchers)
         with self._lock:
             self._advance(step, sampled)
-
-    def _may_complete(self, step: PendingStep, sampled: list[SampleOutput]) -> bool:
-        rows = [(seq_id, row) for seq_id, row in zip(step.seq_ids, step.rows, strict=True)
-                if row is not None and step.params[row].grammar is not None]
-        return any(self.book.may_complete([s for s, _ in rows],
-                                          [sampled[k].token_ids[r] for _, r in rows])
-                   for k in range(step.grammar_applied, len(sampled)))
 
     def _advance(self, step: PendingStep, sampled: list[SampleOutput]) -> None:
         ends = step.grammar_dead_ends

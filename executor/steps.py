@@ -68,9 +68,6 @@ class PendingStep:
     on_sampled: Callable[[PendingStep, list[SampleOutput]], None] | None = field(
         default=None, repr=False)
     grammar_applied: int = 0
-    #: Its host samples, kept by its completion for a later mask job to apply (when none
-    #: of its tokens could complete a grammar: the completion leaves the matchers alone).
-    grammar_sampled: list[SampleOutput] | None = field(default=None, repr=False)
     grammar_done: dict[int, int] = field(default_factory=dict)
     grammar_dead_ends: dict[int, int] = field(default_factory=dict)
     #: ``BatchNeeds.of(params)`` when the launcher had it (else ``outputs`` asks the rows).
