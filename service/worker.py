@@ -252,10 +252,12 @@ class ExecutorWorker:
                     continue
                 self._queued.discard(call)
             try:
-                self._answer(call, *self._call(call))
+                value, exc = self._call(call)
             finally:
+                # (before the answer: its caller may read ``pending`` as soon as it has it)
                 with self._lock:
                     self._pending -= 1
+            self._answer(call, value, exc)
 
     @staticmethod
     def _call(call: _Call) -> tuple[object, BaseException | None]:
