@@ -21,32 +21,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.pdl import pdl_enter
-
-
-@triton.jit
-def _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
-               act_ty: tl.constexpr, INPUT_OP: tl.constexpr):
-    """The input op's row (``BLOCK_K``,) in the activation dtype, rounded exactly as
-    ``executor.kernels.activation`` and ``.norm`` round (and the skinny row kernel).
-    ADD_RMS_NORM: program 0 stores ``x + residual``."""
-    if INPUT_OP == 1:  # silu(gate) * up
-        g = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
-        x = (a * u).to(act_ty)
-    elif INPUT_OP >= 2:  # weight * normalize(x [+ residual])
-        s = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        if INPUT_OP == 3:
-            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
-            tl.store(res_out_ptr + offs_k, s, mask=mask_k & (offs_k * 0 + pid == 0))
-        s32 = s.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * inv_k + eps)
-        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        x = ((s32 * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty)
-    else:
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-    return x
+from executor.kernels.skinny.kernel import _row_input
 
 
 @triton.jit

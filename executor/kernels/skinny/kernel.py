@@ -189,6 +189,32 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
+               act_ty: tl.constexpr, INPUT_OP: tl.constexpr):
+    """The input op's row (``BLOCK_K``,) in the activation dtype, rounded exactly as
+    ``executor.kernels.activation`` and ``.norm`` round (the row kernels here and in
+    ``executor.quant.row_kernel``). ADD_RMS_NORM: program 0 stores ``x + residual``."""
+    if INPUT_OP == 1:  # silu(gate) * up
+        g = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+        x = (a * u).to(act_ty)
+    elif INPUT_OP >= 2:  # weight * normalize(x [+ residual])
+        s = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        if INPUT_OP == 3:
+            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+            tl.store(res_out_ptr + offs_k, s, mask=mask_k & (offs_k * 0 + pid == 0))
+        s32 = s.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * inv_k + eps)
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = ((s32 * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    return x
+
+
+@triton.jit
 def _skinny_row_kernel(
     x_ptr,  # (1, K) row; (1, 2K) gate|up for SILU_MUL
     res_ptr,  # (1, K) residual in (ADD_RMS_NORM)
@@ -226,23 +252,8 @@ def _skinny_row_kernel(
                 mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
     pdl_enter(USE_PDL)
     act_ty = out_ptr.dtype.element_ty
-    if INPUT_OP == 1:  # silu(gate) * up, rounded like executor.kernels.activation
-        g = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
-        x = (a * u).to(act_ty).to(tl.float32)
-    elif INPUT_OP >= 2:  # weight * normalize(x [+ residual]), rounded like the norm kernel
-        s = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        if INPUT_OP == 3:
-            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(act_ty)
-            tl.store(res_out_ptr + offs_k, s, mask=mask_k & (offs_k * 0 + pid == 0))
-        s32 = s.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * inv_k + eps)
-        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        x = ((s32 * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
+                   act_ty, INPUT_OP).to(tl.float32)
     region = 0
     if REDUCE == SEND_:  # (the lane's counter: written by the all-reduce, after the wait)
         region = push_next_region(ctl_ptr, rank, slot_elems, WORLD)
