@@ -11,23 +11,15 @@ compiled kernels at the real shapes).
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
-                allow_module_level=True)
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed")
-if type(triton.language.sum).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (set it in the "
-                "environment or run this file in its own process)", allow_module_level=True)
+from tests.helpers.interpret import interpreter_triton
+
+triton = interpreter_triton()
 
 from executor.config import CacheConfig, ExecutorConfig, ModelConfig  # noqa: E402
 from executor.kernels.moe import decode, fused  # noqa: E402

@@ -13,22 +13,14 @@ interpreter's bf16 ``tl.dot`` is wrong); the norms also in bf16. Skipped on CUDA
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
-                allow_module_level=True)
-if "triton" not in sys.modules:  # must precede the first ``import triton``
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed")
-if type(triton.language.sum).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (run this file in "
-                "its own process)", allow_module_level=True)
+from tests.helpers.interpret import half_ulp, interpreter_triton
+
+triton = interpreter_triton()
 
 from executor import kernels  # noqa: E402
 from executor.kernels.activation import silu_and_mul_quant  # noqa: E402
@@ -43,11 +35,6 @@ from executor.quant.fp8 import (  # noqa: E402
 )
 from executor.quant.scheme import AT_LOAD  # noqa: E402
 from executor.quant.tiles import DotTile  # noqa: E402
-
-
-def _half_ulp(ref: torch.Tensor) -> torch.Tensor:
-    """Half an fp16 ulp of each reference value, plus float32 summation-order slack."""
-    return ref.abs() * 2.0**-11 + ref.abs().amax() * 1e-5 + 1e-6
 
 
 def _operands(m: int, n: int, k: int, blocks: bool, seed: int
@@ -78,7 +65,7 @@ def test_fp8_dot_equals_dequantized_product(m: int, n: int, k: int, tile: DotTil
     qa, sa, q, s, ref = _operands(m, n, k, blocks, seed=m + n)
     got = dk.fp8_dot(qa, sa, q, s, (128, 128) if blocks else None, torch.float16, tile)
     assert got.dtype == torch.float16 and got.shape == (m, n)
-    assert ((got.float() - ref).abs() <= _half_ulp(ref)).all(), (got.float() - ref).abs().max()
+    assert ((got.float() - ref).abs() <= half_ulp(ref)).all(), (got.float() - ref).abs().max()
 
 
 def test_split_k_is_deterministic_and_resets_its_counters() -> None:
@@ -171,7 +158,7 @@ def test_prepared_layer_fuses_the_quantization_from_8_rows(m: int) -> None:
     q, s = launch.act_quant(x, None)
     ref = (q.float() * s) @ layer.dense_weight(torch.float32).T
     got = layer(x)
-    assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all()
+    assert ((got.float() - ref).abs() <= half_ulp(ref) * 2).all()
     for residual in (None, res):
         fused = layer.norm_linear(x, residual, nw, 1e-5)
         assert fused is not None
@@ -216,7 +203,7 @@ def test_block_scales_take_the_dot_kernel_where_tuned(tmp_path: Any, monkeypatch
         q, s = launch.act_quant(x, None)
         ref = (q.float() * s) @ layer.dense_weight(torch.float32).T
         got = layer(x)
-        assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all()
+        assert ((got.float() - ref).abs() <= half_ulp(ref) * 2).all()
         fused = layer.norm_linear(x, None, nw, 1e-5)
         assert fused is not None
         assert torch.equal(fused[0], layer(kernels.rms_norm(x, nw, 1e-5)))

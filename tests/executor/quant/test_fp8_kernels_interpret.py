@@ -10,22 +10,14 @@ machines, where ``test_fp8_gpu.py`` runs the compiled kernels.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
-                allow_module_level=True)
-if "triton" not in sys.modules:  # must precede the first ``import triton``
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed")
-if type(triton.language.sum).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (run this file in "
-                "its own process)", allow_module_level=True)
+from tests.helpers.interpret import half_ulp, interpreter_triton
+
+triton = interpreter_triton()
 
 from executor.quant import Fp8Linear, gemm, launch, read_scheme  # noqa: E402
 from executor.quant.fp8 import (  # noqa: E402
@@ -38,11 +30,6 @@ from executor.quant.fp8 import (  # noqa: E402
 )
 from executor.quant.scheme import AT_LOAD  # noqa: E402
 from executor.quant.tiles import Fp8Tile  # noqa: E402
-
-
-def _half_ulp(ref: torch.Tensor) -> torch.Tensor:
-    """Half an fp16 ulp of each reference value, plus float32 summation-order slack."""
-    return ref.abs() * 2.0**-11 + ref.abs().amax() * 1e-5 + 1e-6
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -62,7 +49,7 @@ def test_w8a16_equals_dequantized_product(m: int, n: int, k: int, block: bool) -
         got = launch.w8a16(x, q, s.reshape(-1).contiguous(), None)
     ref = x.float() @ dense.T  # float32, then one rounding to fp16 (the kernel's too)
     assert got.dtype == torch.float16 and got.shape == (m, n)
-    assert ((got.float() - ref).abs() <= _half_ulp(ref)).all()
+    assert ((got.float() - ref).abs() <= half_ulp(ref)).all()
     # not merely close to the unquantized weight: the FP8 rounding is there
     assert not torch.allclose(got.float(), x.float() @ w.T, atol=1e-3)
 
@@ -150,7 +137,7 @@ def test_prepared_layer_equals_dequantized_reference(kind: str, m: int) -> None:
         rows = q.float() * s
     ref = rows @ dense.T
     assert got.shape == (m, dense.shape[0]) and got.dtype == torch.float16
-    assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all(), \
+    assert ((got.float() - ref).abs() <= half_ulp(ref) * 2).all(), \
         (got.float() - ref).abs().max()
     assert layer.path.startswith("w8a16")
 
@@ -197,7 +184,7 @@ def test_w8a16_any_valid_tile_gives_the_product(tile: Fp8Tile, m: int) -> None:
     q, s = quantize_blocks(w)
     ref = x.float() @ dequantize(q, s, (128, 128), torch.float32).T
     got = launch.w8a16(x, q, s, (128, 128), tile=tile)
-    assert ((got.float() - ref).abs() <= _half_ulp(ref)).all()
+    assert ((got.float() - ref).abs() <= half_ulp(ref)).all()
 
 
 def test_tuned_tiles_are_read_by_shape_and_device(tmp_path: Any, monkeypatch: Any) -> None:
@@ -248,7 +235,7 @@ def test_measured_cublas_rows_take_scaled_mm(tmp_path: Any, monkeypatch: Any) ->
         got = layer(x)
         q, s = launch.act_quant(x, None)
         ref = (q.float() * s) @ layer.dense_weight(torch.float32).T
-        assert ((got.float() - ref).abs() <= _half_ulp(ref) * 2).all()
+        assert ((got.float() - ref).abs() <= half_ulp(ref) * 2).all()
         assert not torch.equal(got, w8a16)
         nw = torch.ones(256, dtype=torch.float16)
         assert layer.norm_linear(x, None, nw, 1e-5) is None  # not fused: cuBLAS here

@@ -9,22 +9,14 @@ of a tuned row, the default rule). Skipped on CUDA machines (``test_fp8_gpu.py``
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the gpu tests cover the compiled kernels",
-                allow_module_level=True)
-if "triton" not in sys.modules:  # must precede the first ``import triton``
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed")
-if type(triton.language.sum).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (run this file in "
-                "its own process)", allow_module_level=True)
+from tests.helpers.interpret import interpreter_triton
+
+triton = interpreter_triton()
 
 from executor import kernels  # noqa: E402
 from executor.quant import launch, tiles  # noqa: E402
