@@ -7,7 +7,8 @@ the matcher has accepted the sequence's tokens from ``origin`` on, including the
 sampled one, which enters the cache only with the next decode.
 
 A step's mask is the matcher's next-token bitmask (the item's own mask and bias apply
-too, from their own tables: ``logit_controls.py``), filled for a batch at once. The
+too, from their own tables: ``logit_controls.py``), a batch's filled in slices on the
+book's threads (``row_slices.py``). The
 matcher must have accepted the previous step's token first: the mask worker's job reads a
 launched step's tokens (waiting for its copy to the host) when a later launch needs its
 grammar rows, else ``PendingStep.finish`` does; each step is applied once
@@ -26,6 +27,7 @@ import numpy as np
 
 from executor.api import Grammar
 from executor.errors import GrammarUnavailable
+from executor.row_slices import RowSlices, default_threads
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
@@ -53,16 +55,20 @@ class SeqGrammar:
 class GrammarBook:
     """The compiler, its cache and every sequence's matcher (host state, rank 0)."""
 
-    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int) -> None:
+    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int,
+                 threads: int | None = None) -> None:
         """``tokenizer_info``: makes the ``xgrammar.TokenizerInfo`` (vocabulary ``vocab``)
-        at the first grammar, or raises ``GrammarUnavailable``."""
+        at the first grammar, or raises ``GrammarUnavailable``. ``threads``: how many
+        threads fill a batch's masks and accept its tokens (``row_slices.py``)."""
         self._tokenizer_info, self.vocab = tokenizer_info, vocab
         self._compiler: Any = None
         self._why_not = ""
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.seqs: dict[str, SeqGrammar] = {}
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made at first use
-        self._fill: Any = None  # the (rows, words) int32 buffer it fills, grown as needed
+        self.rows = RowSlices(default_threads() if threads is None else threads)
+        # xgrammar.BatchGrammarMatcher per slice (single-threaded), made at first use
+        self._batches: list[Any] = []
+        self._fill: Any = None  # the (rows, words) int32 buffer ``masks`` fills, grown
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
 
@@ -151,8 +157,9 @@ class GrammarBook:
                 state.completed = bool(state.matcher.is_terminated())
 
     def advance_rows(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> list[bool]:
-        """``advance`` for each pair (distinct sequences) in one call of xgrammar's batch
-        accept. Returns, per pair, whether its token completed the sequence's grammar."""
+        """``advance`` for each pair (distinct sequences): xgrammar's batch accept over
+        slices on the book's threads. Returns, per pair, whether its token completed the
+        sequence's grammar."""
         import xgrammar as xgr
 
         live = [(i, st, tok) for i, (sid, tok) in enumerate(zip(seq_ids, tokens, strict=True))
@@ -160,8 +167,13 @@ class GrammarBook:
         done = [False] * len(seq_ids)
         if not live:
             return done
-        oks = xgr.BatchGrammarMatcher.batch_accept_token(
-            [st.matcher for _, st, _ in live], [tok for _, _, tok in live])
+        matchers, toks = [st.matcher for _, st, _ in live], [tok for _, _, tok in live]
+        oks: list[bool] = [False] * len(live)
+
+        def accept(_: int, lo: int, hi: int) -> None:
+            oks[lo:hi] = xgr.BatchGrammarMatcher.batch_accept_token(matchers[lo:hi],
+                                                                    toks[lo:hi])
+        self.rows.run(len(live), accept)
         for (i, st, tok), ok in zip(live, oks, strict=True):
             if ok:
                 st.accepted += 1
@@ -171,10 +183,10 @@ class GrammarBook:
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
         """The next token's mask of each sequence into row r of ``out`` (a host int32
-        tensor (rows, words), the bitmask layout), the live matchers' in one batch over
-        xgrammar's threads; a completed grammar allows only its stop tokens, and a None
+        tensor (rows, words), the bitmask layout), the live matchers' in slices over
+        the book's threads; a completed grammar allows only its stop tokens, and a None
         entry or a sequence without a grammar gets all ones. Returns which rows have a
-        mask (bool per row)."""
+        mask (bool per row). (Reads matchers only: callers keep them from changing.)"""
         import xgrammar as xgr
 
         words = (self.vocab + 31) // 32
@@ -193,9 +205,14 @@ class GrammarBook:
                 live_rows.append(r)
                 has[r] = True
         if live:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-            self._batch.batch_fill_next_token_bitmask(live, out, live_rows)
+            bounds = self.rows.slices(len(live))
+            while len(self._batches) < len(bounds):
+                self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+
+            def fill(i: int, lo: int, hi: int) -> None:  # (rows of ``out`` apart: no race)
+                self._batches[i].batch_fill_next_token_bitmask(live[lo:hi], out,
+                                                               live_rows[lo:hi])
+            self.rows.run(len(live), fill)
         return has
 
     def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:

@@ -12,6 +12,11 @@ jobs (``settle``) before it reads or changes matchers itself. An item's own mask
 leave a token its grammar allows: checked at admission for each call's first sampled step
 (``check_own_masks``), and for a multi-step decode's later steps as their masks are made
 (the item's output ends before such a step).
+
+A job fills its masks outside that lock, so a step's completion waits for the job's
+accepts only. Nothing changes the matchers meanwhile: the completion of a step whose
+tokens were applied changes nothing, a later step's tokens need this job's masks first,
+and the launching thread's own changes wait for the queued jobs (``settle``).
 """
 
 from __future__ import annotations
@@ -144,8 +149,8 @@ class GrammarFlow:
                     if it.sampling.grammar is not None:
                         self.book.start(it.seq_id, it.sampling.grammar, seq_lens[i],
                                         list(it.token_ids))
-                return self.book.fill([items[i].seq_id if items[i].sampling.grammar
-                                       is not None else None for i in rows], out)
+            return self.book.fill([items[i].seq_id if items[i].sampling.grammar
+                                   is not None else None for i in rows], out)
         return masks
 
     def decode_masks(self, seq_ids: Sequence[str], tokens: Sequence[int | None],
@@ -190,7 +195,7 @@ class GrammarFlow:
                     for row in grammar_row_ids:
                         if tokens[row] is not None:
                             self.book.give(seq_ids[row], tokens[row], positions[row])  # type: ignore[arg-type]
-                has = self.book.fill(grammar_rows, out)
+            has = self.book.fill(grammar_rows, out)  # (outside the lock: see the docstring)
             rows = out.numpy()
             for row, allows in own if step else ():
                 if row in done or row in dead_ends or not has[row]:
