@@ -27,13 +27,13 @@ ENTRIES = 4
 
 class LateMaskRing:
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.vocab, self.device = vocab, device
-        cuda = device.type == "cuda"
-        words = mask_words(vocab)
-        self._entries = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=cuda)
-                         for _ in range(ENTRIES)]
+        self.vocab, self.device, self.rows = vocab, device, rows
+        # The pinned entries (rows x words each) are made at the first grammar step: a
+        # server that never sees a grammar does not hold them.
+        self._entries: list[torch.Tensor] = []
         self._turn = 0
-        if cuda:  # the apply kernel's other tables: row r is its own "slot", no bias
+        if device.type == "cuda":  # the apply kernel's other tables: row r is its own
+            # "slot", no bias
             self._rows = torch.arange(rows, dtype=torch.int64, device=device)
             self._active = torch.ones(rows, dtype=torch.int32, device=device)
             self._bias_ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
@@ -45,6 +45,10 @@ class LateMaskRing:
         ``out`` (all ones for a row without a mask): ``fill`` runs as a ``worker`` job,
         and what reads its rows waits for it (the device, or on CPU this thread)."""
         n = logits.shape[0]
+        if not self._entries:
+            self._entries = [torch.full((self.rows, mask_words(self.vocab)), -1,
+                                        dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                             for _ in range(ENTRIES)]
         k = self._turn
         self._turn = (k + 1) % ENTRIES
         out = self._entries[k][:n]

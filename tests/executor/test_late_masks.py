@@ -41,6 +41,7 @@ def finite(logits: torch.Tensor) -> list[list[int]]:
 def test_masks_apply_per_row_and_entries_are_reused_cleanly() -> None:
     worker = MaskWorker(torch.device("cpu"))
     ring = LateMaskRing(8, VOCAB, torch.device("cpu"))
+    assert not ring._entries  # (made at the first grammar step, not at start-up)
     steps = [[[7, 8], None, [VOCAB - 1]], [None, [3], [4]], [[9], [10], None]]
     for k in range(2 * ENTRIES):  # every entry used twice
         masks = steps[k % len(steps)]
