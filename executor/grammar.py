@@ -7,8 +7,7 @@ the matcher has accepted the sequence's tokens from ``origin`` on, including the
 sampled one, which enters the cache only with the next decode.
 
 A step's mask is the matcher's next-token bitmask (the item's own mask and bias apply
-too, from their own tables: ``logit_controls.py``), a batch's filled in slices on the
-book's threads (``row_slices.py``). The
+too, from their own tables: ``logit_controls.py``), filled for a batch at once. The
 matcher must have accepted the previous step's token first: the mask worker's job reads a
 launched step's tokens (waiting for its copy to the host) when a later launch needs its
 grammar rows, else ``PendingStep.finish`` does; each step is applied once
@@ -27,7 +26,6 @@ import numpy as np
 
 from executor.api import Grammar
 from executor.errors import GrammarUnavailable
-from executor.row_slices import RowSlices, default_threads
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
@@ -52,22 +50,39 @@ class SeqGrammar:
             self.stops = frozenset(self.matcher.stop_token_ids)
 
 
+def _batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+    """xgrammar's batch accept, its result read whole. (Its Python wrapper reads the result
+    one element at a time, two foreign calls each, each releasing and retaking the GIL:
+    slower than the accepts, and a convoy with the launching thread. One membership test
+    answers the usual case, every token accepted.)"""
+    try:
+        from xgrammar.base import _core
+
+        result = _core.BatchGrammarMatcher.batch_accept_token(
+            [m._handle for m in matchers], tokens, False)
+    except (ImportError, AttributeError):  # (another xgrammar layout: its public call)
+        import xgrammar as xgr
+
+        return list(xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens))
+    if 0 not in result:
+        return [True] * len(matchers)
+    return [bool(v) for v in result]
+
+
 class GrammarBook:
     """The compiler, its cache and every sequence's matcher (host state, rank 0)."""
 
-    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int,
-                 threads: int | None = None) -> None:
+    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int) -> None:
         """``tokenizer_info``: makes the ``xgrammar.TokenizerInfo`` (vocabulary ``vocab``)
-        at the first grammar, or raises ``GrammarUnavailable``. ``threads``: how many
-        threads fill a batch's masks and accept its tokens (``row_slices.py``)."""
+        at the first grammar, or raises ``GrammarUnavailable``."""
         self._tokenizer_info, self.vocab = tokenizer_info, vocab
         self._compiler: Any = None
         self._why_not = ""
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.seqs: dict[str, SeqGrammar] = {}
-        self.rows = RowSlices(default_threads() if threads is None else threads)
-        # xgrammar.BatchGrammarMatcher per slice (single-threaded), made at first use
-        self._batches: list[Any] = []
+        # xgrammar.BatchGrammarMatcher, single-threaded (its threaded fill starts a new
+        # pool of half the host's cores per call: far costlier than a batch's masks)
+        self._batch: Any = None
         self._fill: Any = None  # the (rows, words) int32 buffer ``masks`` fills, grown
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
@@ -157,23 +172,14 @@ class GrammarBook:
                 state.completed = bool(state.matcher.is_terminated())
 
     def advance_rows(self, seq_ids: Sequence[str], tokens: Sequence[int]) -> list[bool]:
-        """``advance`` for each pair (distinct sequences): xgrammar's batch accept over
-        slices on the book's threads. Returns, per pair, whether its token completed the
-        sequence's grammar."""
-        import xgrammar as xgr
-
+        """``advance`` for each pair (distinct sequences) in one call of xgrammar's batch
+        accept. Returns, per pair, whether its token completed the sequence's grammar."""
         live = [(i, st, tok) for i, (sid, tok) in enumerate(zip(seq_ids, tokens, strict=True))
                 if (st := self.seqs.get(sid)) is not None and not st.completed]
         done = [False] * len(seq_ids)
         if not live:
             return done
-        matchers, toks = [st.matcher for _, st, _ in live], [tok for _, _, tok in live]
-        oks: list[bool] = [False] * len(live)
-
-        def accept(_: int, lo: int, hi: int) -> None:
-            oks[lo:hi] = xgr.BatchGrammarMatcher.batch_accept_token(matchers[lo:hi],
-                                                                    toks[lo:hi])
-        self.rows.run(len(live), accept)
+        oks = _batch_accept([st.matcher for _, st, _ in live], [tok for _, _, tok in live])
         for (i, st, tok), ok in zip(live, oks, strict=True):
             if ok:
                 st.accepted += 1
@@ -183,10 +189,10 @@ class GrammarBook:
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
         """The next token's mask of each sequence into row r of ``out`` (a host int32
-        tensor (rows, words), the bitmask layout), the live matchers' in slices over
-        the book's threads; a completed grammar allows only its stop tokens, and a None
-        entry or a sequence without a grammar gets all ones. Returns which rows have a
-        mask (bool per row). (Reads matchers only: callers keep them from changing.)"""
+        tensor (rows, words), the bitmask layout), the live matchers' in one batch call
+        on this thread; a completed grammar allows only its stop tokens, and a None entry
+        or a sequence without a grammar gets all ones. Returns which rows have a mask
+        (bool per row). Reads the matchers only: callers keep them from changing."""
         import xgrammar as xgr
 
         words = (self.vocab + 31) // 32
@@ -205,14 +211,9 @@ class GrammarBook:
                 live_rows.append(r)
                 has[r] = True
         if live:
-            bounds = self.rows.slices(len(live))
-            while len(self._batches) < len(bounds):
-                self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
-
-            def fill(i: int, lo: int, hi: int) -> None:  # (rows of ``out`` apart: no race)
-                self._batches[i].batch_fill_next_token_bitmask(live[lo:hi], out,
-                                                               live_rows[lo:hi])
-            self.rows.run(len(live), fill)
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+            self._batch.batch_fill_next_token_bitmask(live, out, live_rows)
         return has
 
     def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:

@@ -22,8 +22,8 @@ VOCAB = synthetic_vocab(V)
 G = Grammar("regex", "(ab|cd)x")
 
 
-def book(threads: int | None = None) -> GrammarBook:
-    return GrammarBook(lambda: synthetic_tokenizer_info(V), V, threads)
+def book() -> GrammarBook:
+    return GrammarBook(lambda: synthetic_tokenizer_info(V), V)
 
 
 def allowed(b: GrammarBook, seq: str) -> set[str]:
@@ -72,26 +72,19 @@ def test_fork_and_truncate_by_position() -> None:
     assert b.masks(["p"]) == [None]
 
 
-def test_slices_on_threads_fill_and_accept_as_one_thread_does() -> None:
-    # 40 sequences at different points of the grammar; some complete on the way.
-    books = [book(1), book(4)]
-    assert books[1].rows.slices(40) == [(0, 10), (10, 20), (20, 30), (30, 40)]
-    seqs = [f"s{i}" for i in range(40)]
-    ahead = [("a", "b"), ("d", "x"), ("x", "</s>")]  # after 0, 1 or 2 pieces of "cdx"
-    for b in books:
-        for i, s in enumerate(seqs):
-            b.start(s, G, origin=0)
-            for piece in ("c", "d")[: i % 3]:
-                b.advance(s, tok(piece))
-    for step in range(2):
-        toks = [tok(ahead[i % 3][step]) for i in range(40)]
-        ends = [b.advance_rows(seqs, toks) for b in books]
-        assert ends[0] == ends[1] == [step == 1 and i % 3 == 2 for i in range(40)]
-        masks = [b.masks([*seqs, None]) for b in books]
-        for one, four in zip(*masks, strict=True):
-            assert (one is None and four is None) or (one == four).all()
-    for b in books:
-        b.rows.close()
+def test_advance_rows_accepts_per_row_and_reports_completion() -> None:
+    b = book()
+    for s in ("p", "q", "r"):
+        b.start(s, G, origin=0)
+    b.advance("r", tok("a"))
+    b.advance("r", tok("b"))
+    b.advance("r", tok("x"))
+    # "q" gets a token its grammar rejects: it stays where it was, the others move.
+    assert b.advance_rows(["p", "q", "r"], [tok("c"), tok("x"), STOP]) == [False, False, True]
+    assert [b.seqs[s].accepted for s in ("p", "q", "r")] == [1, 0, 4]
+    assert allowed(b, "p") == {"d"} and {"a", "c"} <= allowed(b, "q")
+    assert b.advance_rows(["p", "q"], [tok("d"), tok("a")]) == [False, False]
+    assert [b.seqs[s].accepted for s in ("p", "q")] == [2, 1]
 
 
 def test_prefill_continues_the_same_grammar_and_restarts_another() -> None:
