@@ -312,10 +312,9 @@ class Executor:
         return ExecutorStatus(info, self.kv.stats(), graphs)
 
     def close(self) -> None:
-        """Stop the grammar mask worker and fill threads; rank 0: tell the other ranks
-        to leave their loop (nothing else to free)."""
+        """Stop the grammar mask worker; rank 0: tell the other ranks to leave their
+        loop (nothing else to free)."""
         self.forward.mask_worker.close()
-        self.grammars.book.rows.close()
         if self.channel is not None and self.tp.leads:
             try:
                 self.channel.send(ShutdownHeader())

@@ -26,7 +26,6 @@ import numpy as np
 
 from executor.api import Grammar
 from executor.errors import GrammarUnavailable
-from executor.row_slices import RowSlices, default_threads
 
 #: Compiled grammars kept (by kind and text).
 CACHE_SIZE = 64
@@ -73,19 +72,17 @@ def _batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
 class GrammarBook:
     """The compiler, its cache and every sequence's matcher (host state, rank 0)."""
 
-    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int,
-                 fill_threads: int | None = None) -> None:
+    def __init__(self, tokenizer_info: Callable[[], Any], vocab: int) -> None:
         """``tokenizer_info``: makes the ``xgrammar.TokenizerInfo`` (vocabulary ``vocab``)
-        at the first grammar, or raises ``GrammarUnavailable``. ``fill_threads``: how many
-        threads fill a batch's masks (``row_slices.py``; default by the host's CPUs)."""
+        at the first grammar, or raises ``GrammarUnavailable``."""
         self._tokenizer_info, self.vocab = tokenizer_info, vocab
         self._compiler: Any = None
         self._why_not = ""
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.seqs: dict[str, SeqGrammar] = {}
-        self.rows = RowSlices(default_threads() if fill_threads is None else fill_threads)
-        # xgrammar.BatchGrammarMatcher per slice, single-threaded, made at first use
-        self._batches: list[Any] = []
+        # xgrammar.BatchGrammarMatcher, single-threaded (its threaded fill starts a new
+        # pool of half the host's cores per call: far costlier than a batch's masks)
+        self._batch: Any = None
         self._fill: Any = None  # the (rows, words) int32 buffer ``masks`` fills, grown
         self._stop_masks: dict[tuple[int, ...], np.ndarray] = {}
         self._compiling = threading.Lock()
@@ -192,10 +189,10 @@ class GrammarBook:
 
     def fill(self, seq_ids: Sequence[str | None], out: Any) -> np.ndarray:
         """The next token's mask of each sequence into row r of ``out`` (a host int32
-        tensor (rows, words), the bitmask layout), the live matchers' by a batch call per
-        slice of rows (``rows``); a completed grammar allows only its stop tokens, and a
-        None entry or a sequence without a grammar gets all ones. Returns which rows have
-        a mask (bool per row). Reads the matchers only: callers keep them from changing."""
+        tensor (rows, words), the bitmask layout), the live matchers' in one batch call
+        on this thread; a completed grammar allows only its stop tokens, and a None entry
+        or a sequence without a grammar gets all ones. Returns which rows have a mask
+        (bool per row). Reads the matchers only: callers keep them from changing."""
         import xgrammar as xgr
 
         words = (self.vocab + 31) // 32
@@ -214,13 +211,9 @@ class GrammarBook:
                 live_rows.append(r)
                 has[r] = True
         if live:
-            while len(self._batches) < self.rows.threads:
-                self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
-
-            def fill(i: int, lo: int, hi: int) -> None:  # (slices write apart rows)
-                self._batches[i].batch_fill_next_token_bitmask(live[lo:hi], out,
-                                                               live_rows[lo:hi])
-            self.rows.run(len(live), fill)
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+            self._batch.batch_fill_next_token_bitmask(live, out, live_rows)
         return has
 
     def masks(self, seq_ids: Sequence[str | None]) -> list[np.ndarray | None]:

@@ -22,8 +22,8 @@ VOCAB = synthetic_vocab(V)
 G = Grammar("regex", "(ab|cd)x")
 
 
-def book(fill_threads: int | None = None) -> GrammarBook:
-    return GrammarBook(lambda: synthetic_tokenizer_info(V), V, fill_threads)
+def book() -> GrammarBook:
+    return GrammarBook(lambda: synthetic_tokenizer_info(V), V)
 
 
 def allowed(b: GrammarBook, seq: str) -> set[str]:
@@ -85,23 +85,6 @@ def test_advance_rows_accepts_per_row_and_reports_completion() -> None:
     assert allowed(b, "p") == {"d"} and {"a", "c"} <= allowed(b, "q")
     assert b.advance_rows(["p", "q"], [tok("d"), tok("a")]) == [False, False]
     assert [b.seqs[s].accepted for s in ("p", "q")] == [2, 1]
-
-
-def test_masks_filled_in_slices_on_threads_equal_one_thread() -> None:
-    books = [book(1), book(3)]
-    seqs = [f"s{i}" for i in range(50)]
-    assert books[1].rows.slices(50) == [(0, 17), (17, 34), (34, 50)]
-    for b in books:
-        for i, s in enumerate(seqs):  # at different points of the grammar
-            b.start(s, G, origin=0)
-            for piece in ("c", "d", "x", "</s>")[: i % 5]:
-                b.advance(s, tok(piece))
-    masks = [b.masks([*seqs, None]) for b in books]
-    for one, three in zip(*masks, strict=True):
-        assert (one is None and three is None) or (one == three).all()
-    assert len({repr(allowed(books[1], s)) for s in seqs[:5]}) == 4  # (the last: completed)
-    for b in books:
-        b.rows.close()
 
 
 def test_prefill_continues_the_same_grammar_and_restarts_another() -> None:
