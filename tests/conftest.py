@@ -19,7 +19,7 @@ from tests.helpers.models import ARCHS, write_model
 # the cores: torch's spinning intra-op threads of two processes on the same cores starve
 # each other and the servers' event loops.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session", autouse=True)
