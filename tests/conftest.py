@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.helpers import family_parity, moe_models
 from tests.helpers.models import ARCHS, write_model
@@ -20,6 +21,10 @@ from tests.helpers.models import ARCHS, write_model
 # each other and the servers' event loops.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+# No per-example deadline for hypothesis (tests check behaviour, never time): an example
+# stalled by the other worker would otherwise fail as a missed or flaky deadline.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session", autouse=True)
