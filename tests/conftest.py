@@ -11,23 +11,40 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.helpers import family_parity, moe_models
 from tests.helpers.models import ARCHS, write_model
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (``scripts/test.sh`` runs two workers) each worker takes its share of
+# the cores: torch's spinning intra-op threads of two processes on the same cores starve
+# each other and the servers' event loops.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+# No per-example deadline for hypothesis (tests check behaviour, never time): an example
+# stalled by the other worker would otherwise fail as a missed or flaky deadline.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Keep the tiny model cache of the test run out of the user's home, and give the
     real-checkpoint modules (which read ``MODEL_EXECUTOR_TEST_CACHE``) one cache for the
-    whole run when none is set: SmolLM2 is downloaded and converted once, not per module."""
+    whole run when none is set: SmolLM2 is downloaded and converted once, not per module.
+    Under pytest-xdist that one cache is shared by the workers (the run's base temporary
+    directory, above each worker's own); the conversion takes a file lock, so one worker
+    converts and the others wait for it."""
     old = {name: os.environ.get(name)
            for name in ("MODEL_EXECUTOR_CACHE", "MODEL_EXECUTOR_TEST_CACHE")}
     os.environ["MODEL_EXECUTOR_CACHE"] = str(tmp_path_factory.mktemp("me-cache"))
     if not old["MODEL_EXECUTOR_TEST_CACHE"]:
-        os.environ["MODEL_EXECUTOR_TEST_CACHE"] = str(tmp_path_factory.mktemp("smol"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            shared = tmp_path_factory.getbasetemp().parent / "smol-shared"
+            shared.mkdir(exist_ok=True)
+        else:
+            shared = tmp_path_factory.mktemp("smol")
+        os.environ["MODEL_EXECUTOR_TEST_CACHE"] = str(shared)
     yield
     for name, value in old.items():
         if value is None:

@@ -15,6 +15,7 @@ a directory to keep it between runs). The tests:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -158,7 +159,16 @@ def test_client_prompt_prints_the_greedy_answer(smol_server: ServerHarness,
 
 
 def test_second_start_reuses_the_conversion_and_a_damaged_one_is_rebuilt(
-        smollm2_cache: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        smollm2_cache: Path, model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a copy of the run's cache: the other modules (and pytest-xdist workers) keep
+    # reading the shared one while this test damages and rebuilds its own.
+    shared = smollm2_cache
+    smollm2_cache = tmp_path / "cache"
+    shutil.copytree(shared / "downloads", smollm2_cache / "downloads")
+    shutil.copytree(model_dir, smollm2_cache / model_dir.name)
+    model_dir = converted_dir(NAME, smollm2_cache)
+    assert model_dir == smollm2_cache / model_dir.name
     # A second start is a new process: it checks the manifest's hashes, converts nothing.
     second = subprocess.run(
         [sys.executable, "-c", "from executor.weights.catalog import ensure_named_model as e; "

@@ -158,7 +158,9 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, n: int) -> None:
 
 
 # -- skinny GEMM -------------------------------------------------------------------------
-SKINNY_SHAPES = [(1, 64, 64), (2, 96, 40), (3, 24, 200), (4, 130, 72)]  # M, N, K
+# M, N, K: one to four rows; N and K leave masked columns and a masked last K chunk for
+# the tiles tried (N = 34 masks 4- and 16-column blocks; a larger N adds only programs).
+SKINNY_SHAPES = [(1, 64, 64), (2, 96, 40), (3, 24, 200), (4, 34, 72)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
