@@ -32,8 +32,8 @@ class LateMaskRing:
         # server that never sees a grammar does not hold them.
         self._entries: list[torch.Tensor] = []
         self._turn = 0
-        if device.type == "cuda":  # the apply kernel's other tables: row r is its own
-            # "slot", no bias
+        # The apply kernel's other tables (CUDA): row r is its own "slot", no bias.
+        if device.type == "cuda":
             self._rows = torch.arange(rows, dtype=torch.int64, device=device)
             self._active = torch.ones(rows, dtype=torch.int32, device=device)
             self._bias_ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
