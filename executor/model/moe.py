@@ -16,7 +16,7 @@ GEMM (``linear_forward``) and the experts normalize the residual sum themselves.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,13 +48,17 @@ def experts_path(x: torch.Tensor, ops: LayerOps) -> ExpertsPath:
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU experts stacked: ``gate_up_proj`` ``(E, 2I, H)`` (each
-    expert's gate rows, then its up rows) and ``down_proj`` ``(E, H, I)``."""
+    expert's gate rows, then its up rows) and ``down_proj`` ``(E, H, I)``. FP8 checkpoints
+    load into ``executor.quant.experts.Fp8Experts`` instead (same weights, e4m3, with
+    scales); both say what the fused kernels take besides the weights (``kernel_args``)."""
 
-    def __init__(self, moe: MoeSpec, hidden: int) -> None:
+    def __init__(self, num_experts: int, inter: int, hidden: int) -> None:
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
-        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def kernel_args(self) -> dict[str, Any]:
+        return {}
 
 
 class SparseMoeBlock(nn.Module):
@@ -62,7 +66,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe, hidden)
+        # (the FP8 loader may swap in an ``Fp8Experts``: the same attributes)
+        self.experts = Experts(moe.num_experts, moe.intermediate_size, hidden)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """``x`` ``(T, hidden)`` (normed) -> this rank's partial sum ``(T, hidden)``."""
@@ -95,7 +100,8 @@ class SparseMoeBlock(nn.Module):
         return fused.fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
                                moe.top_k, moe.renormalize, moe.weights_in_activation_dtype,
                                norm.weight if norm is not None else None,
-                               norm.eps if norm is not None else 0.0)
+                               norm.eps if norm is not None else 0.0,
+                               **self.experts.kernel_args())
 
 
 class MoeDecoderLayer(nn.Module):

@@ -1,12 +1,13 @@
 """The loader's FP8 steps: projections swapped in before the weights load, finished after.
 
 ``install`` (on the meta-device model, checkpoint formats): each decoder projection the
-checkpoint quantized becomes an ``Fp8Linear``; a tensor-parallel size that would cut a
-128x128 block is refused first. ``quantize_at_load`` (``--quantization fp8``): the loaded
-``nn.Linear`` projections quantized per output row. ``finalize``: on a GPU with FP8 each
-layer gets its GEMM (``gemm.prepare``); elsewhere (CPU, compute capability < 8.9, float32
-serving) each is replaced by an ``nn.Linear`` of its dequantized weight, once. Either way
-the model records a ``QuantInfo`` (Health, the start-up log line).
+checkpoint quantized becomes an ``Fp8Linear``, each sparse layer's experts ``Fp8Experts``;
+a tensor-parallel size that would cut a 128x128 block is refused first.
+``quantize_at_load`` (``--quantization fp8``): the loaded projections and experts quantized
+per output row. ``finalize``: on a GPU with FP8 each layer gets its GEMM
+(``gemm.prepare``; the experts the fused MoE kernels); elsewhere (CPU, compute capability
+< 8.9, float32 serving) each is replaced by its dequantized ``nn.Linear`` (``Experts``),
+once. Either way the model records a ``QuantInfo`` (Health, the start-up log line).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from executor.errors import ConfigError, ModelLoadError
 from executor.model.spec import ModelSpec
+from executor.quant.experts import Fp8Experts, check_expert_blocks
 from executor.quant.linear import Fp8Linear
 from executor.quant.scheme import Fp8Scheme
 
@@ -110,9 +112,10 @@ def check_blocks(scheme: Fp8Scheme, spec: ModelSpec, tp_size: int) -> None:
 
 
 def install(model: nn.Module, scheme: Fp8Scheme, spec: ModelSpec, tp_size: int) -> None:
-    """Swap the projections the checkpoint quantized for ``Fp8Linear`` (call on the meta
-    device, before ``materialize``)."""
+    """Swap the projections (and experts) the checkpoint quantized for ``Fp8Linear`` (and
+    ``Fp8Experts``) (call on the meta device, before ``materialize``)."""
     check_blocks(scheme, spec, tp_size)
+    install_experts(model, scheme, tp_size)
     for name, key, parent, attr, module in _projections(model, nn.Linear):
         sources, split = PROJECTIONS[key]
         kind = key.rpartition(".")[2]
@@ -129,14 +132,50 @@ def install(model: nn.Module, scheme: Fp8Scheme, spec: ModelSpec, tp_size: int) 
                                         module.bias is not None))
 
 
+def _experts(model: nn.Module, kind: type[nn.Module]
+             ) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """(name, parent, attribute, module) of every sparse layer's experts of type ``kind``."""
+    for name, module in list(model.named_modules()):
+        if type(module) is kind and name.endswith(".mlp.experts"):
+            parent_name, _, attr = name.rpartition(".")
+            yield name, model.get_submodule(parent_name), attr, module
+
+
+def _experts_ignored(scheme: Fp8Scheme, name: str) -> bool:
+    """Whether the checkpoint left the experts of ``layers.L.mlp.experts`` unquantized
+    (by their published per-expert names, Qwen3-MoE's or Mixtral's)."""
+    layer = name.split(".")[1]
+    return any(scheme.ignores(f"model.layers.{layer}.{block}.experts.0.{proj}")
+               for block, proj in (("mlp", "gate_proj"), ("block_sparse_moe", "w1")))
+
+
+def install_experts(model: nn.Module, scheme: Fp8Scheme, tp_size: int) -> None:
+    """Swap each sparse layer's experts for ``Fp8Experts`` where the checkpoint quantized
+    them (call on the meta device, before ``materialize``)."""
+    from executor.model.moe import Experts
+
+    for name, parent, attr, module in _experts(model, Experts):
+        if _experts_ignored(scheme, name):
+            continue
+        w13: torch.Tensor = module.gate_up_proj  # type: ignore[assignment]
+        e, two_i, hidden = w13.shape
+        check_expert_blocks(scheme, two_i // 2, tp_size)
+        setattr(parent, attr, Fp8Experts(e, two_i // 2, hidden, scheme))
+
+
 def quantize_at_load(model: nn.Module, scheme: Fp8Scheme, spec: ModelSpec) -> None:
-    """``--quantization fp8``: every loaded projection quantized per output row."""
+    """``--quantization fp8``: every loaded projection and expert quantized per output row."""
+    from executor.model.moe import Experts
+
     for _name, key, parent, attr, module in _projections(model, nn.Linear):
         split, kind = PROJECTIONS[key][1], key.rpartition(".")[2]
         assert isinstance(module, nn.Linear)
         setattr(parent, attr, Fp8Linear.quantize(
             module, scheme, _shards(kind, spec, module.out_features), split))
         del module  # its storage goes back before the next layer's is quantized
+    for _name, parent, attr, module in _experts(model, Experts):
+        setattr(parent, attr, Fp8Experts.quantize(module, scheme))
+        del module
 
 
 def finalize(model: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype,
@@ -156,6 +195,13 @@ def finalize(model: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype,
         else:
             setattr(parent, attr, module.to_linear(dtype))
             paths[kind] = f"dequantized at load to {_DTYPE_NAMES.get(dtype, dtype)}"
+    for _name, parent, attr, module in _experts(model, Fp8Experts):
+        assert isinstance(module, Fp8Experts)
+        if keep:
+            paths["experts"] = "triton_fused_moe_w8a16"
+        else:
+            setattr(parent, attr, module.to_experts(dtype))
+            paths["experts"] = f"dequantized at load to {_DTYPE_NAMES.get(dtype, dtype)}"
     why = "" if keep else (" (no FP8 on this device)" if dtype != torch.float32
                            else " (float32 serving)")
     info = QuantInfo("fp8_e4m3" if keep else _DTYPE_NAMES.get(dtype, str(dtype)),

@@ -77,8 +77,8 @@ class Fp8Scheme:
         if not re.search(r"\.(weight_scale|weight_scale_inv|input_scale)$", hf_name):
             return ""
         return (f" ({self.source} quantized a module that takes no FP8 here: only the "
-                "decoder's attention and MLP projections do; MoE experts and the LM head "
-                "do not yet)")
+                "decoder's attention and MLP projections and the MoE experts do; the "
+                "router and the LM head do not)")
 
     @staticmethod
     def skips(hf_name: str) -> bool:

@@ -23,6 +23,9 @@ from executor.errors import ModelLoadError
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PER_EXPERT_SCALE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
+                               r"(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+                               r"(weight_scale|weight_scale_inv|input_scale)$")
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # checkpoint projection -> (our stacked parameter, part: 0 gate, 1 up, None down)
 _PARTS: dict[str, tuple[str, int | None]] = {
@@ -49,7 +52,7 @@ class ExpertSource:
     def keys(self, num_experts: int) -> set[tuple[str, int | None]]:
         """The (parameter, shard) keys of ``expected_keys`` this tensor fills."""
         experts = range(num_experts) if self.expert is None else (self.expert,)
-        if self.param.endswith("down_proj"):
+        if self.param.endswith(("down_proj", "down_scale")):
             return {(self.param, e) for e in experts}
         parts = (0, 1) if self.part is None else (self.part,)
         return {(self.param, 2 * e + p) for e in experts for p in parts}
@@ -67,11 +70,25 @@ def match(hf_name: str) -> ExpertSource | None:
     return None
 
 
+def match_scale(hf_name: str) -> tuple[ExpertSource, str] | None:
+    """An FP8 expert's scale tensor (already ``canonical``): where it goes (our stacked
+    scale parameter ``gate_up_scale`` or ``down_scale``) and the checkpoint's kind of scale
+    (``weight_scale``, ``weight_scale_inv`` or ``input_scale``); else None."""
+    m = _PER_EXPERT_SCALE.match(hf_name)
+    if m is None:
+        return None
+    param, part = _PARTS[m.group(3)]
+    scale = "gate_up_scale" if param == "gate_up_proj" else "down_scale"
+    return ExpertSource(f"layers.{m.group(1)}.mlp.experts.{scale}", int(m.group(2)),
+                        part), m.group(4)
+
+
 def expected_keys(name: str, param: torch.Tensor) -> set[tuple[str, int | None]] | None:
-    """Every (parameter, shard) a stacked experts parameter needs, else None."""
-    if name.endswith(".experts.gate_up_proj"):
+    """Every (parameter, shard) a stacked experts parameter (weights, or FP8 scales) needs,
+    else None."""
+    if name.endswith((".experts.gate_up_proj", ".experts.gate_up_scale")):
         return {(name, s) for s in range(2 * param.shape[0])}
-    if name.endswith(".experts.down_proj"):
+    if name.endswith((".experts.down_proj", ".experts.down_scale")):
         return {(name, e) for e in range(param.shape[0])}
     return None
 

@@ -33,6 +33,7 @@ from executor.errors import ModelLoadError
 from executor.model.base import CausalModel, LoadableModel, model_factory
 from executor.model.spec import ModelSpec, spec_from_hf_config
 from executor.quant import Fp8Linear, Fp8Scheme
+from executor.quant.experts import Fp8Experts
 from executor.weights import experts
 from executor.weights.sharding import copy_fused_shard, copy_shard
 
@@ -141,6 +142,23 @@ def _readers(path: Path, files: list[Path] | None, seed: int, device: torch.devi
             yield f, file.name
 
 
+def _load_expert_scale(reader: Any, hf_name: str, scale: tuple[experts.ExpertSource, str],
+                       fp8_experts: dict[str, Fp8Experts], scheme: Fp8Scheme | None,
+                       spec: ModelSpec, tp: TensorParallel, where: str) -> None:
+    """An FP8 expert's scale into its layer's ``Fp8Experts`` (a static ``input_scale`` is
+    read past: the experts multiply in w8a16)."""
+    src, kind = scale
+    module = fp8_experts.get(src.param.rpartition(".")[0])
+    if module is None or scheme is None or kind not in (scheme.scale_name, "input_scale"):
+        hint = scheme.misplaced(hf_name) if scheme is not None else ""
+        raise ModelLoadError(f"unexpected tensor {hf_name!r} in {where} for "
+                             f"{spec.architecture}{hint}")
+    if kind != "input_scale":
+        assert src.expert is not None
+        with torch.no_grad():
+            module.load_scale(reader, hf_name, src.expert, src.part, tp.rank, tp.size, where)
+
+
 def _finish_fp8(model: torch.nn.Module, scheme: Fp8Scheme, spec: ModelSpec,
                 dtype: torch.dtype, device: torch.device) -> None:
     if scheme.at_load:
@@ -181,12 +199,20 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_context
         quant.install(model, scheme, spec, tp.size)  # type: ignore[arg-type]
     model.materialize(dtype, device)
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}  # type: ignore[attr-defined]
+    fp8_experts = {n: m for n, m in model.named_modules()  # type: ignore[attr-defined]
+                   if isinstance(m, Fp8Experts)}
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_sources(model, spec)
     loaded: set[tuple[str, int | None]] = set()
     for f, where in _readers(path, files, seed, device):
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             if _IGNORED_RE.search(hf_name) or (scheme is not None and scheme.skips(hf_name)):
+                continue
+            scale = experts.match_scale(experts.canonical(hf_name))
+            if scale is not None:  # an FP8 expert's scale
+                _load_expert_scale(f, hf_name, scale, fp8_experts, scheme, spec, tp, where)
+                if scale[1] != "input_scale":
+                    loaded.update(scale[0].keys(params[scale[0].param].shape[0]))
                 continue
             expert = experts.match(experts.canonical(hf_name))
             if expert is not None:  # a stacked experts parameter's slice

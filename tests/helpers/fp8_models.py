@@ -21,7 +21,9 @@ from executor.weights.random_weights import random_state_dict
 
 Format = Literal["block", "channel", "tensor", "modelopt", "fp8_tensor"]
 FORMATS: tuple[Format, ...] = ("block", "channel", "tensor", "modelopt")
-_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+# (the MoE experts' too: Qwen3-MoE's per-expert gate/up/down_proj, Mixtral's w1/w3/w2)
+_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
+                   r"\.weight$")
 #: The static input scale written for per-tensor formats (activations up to ~8).
 INPUT_SCALE = 8.0 / 448.0
 
@@ -89,8 +91,34 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], fmt: Format) -> dict[str, t
     return out
 
 
-def write_fp8_model(path: Path, fmt: Format, seed: int = 7, **cfg: Any) -> Path:
-    config = fp8_config(cfg)
+def fp8_moe_config(kind: str, cfg: dict[str, Any]) -> Any:
+    """A tiny Qwen3-MoE (layer 1 dense) or Mixtral whose projections, experts and their
+    TP = 2 slices keep whole 128x128 blocks (``cfg`` overrides its fields)."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2)
+    if kind == "qwen3_moe":
+        c = tf.Qwen3MoeConfig(**{**common, "intermediate_size": 512,
+                                 "moe_intermediate_size": 256, "num_experts": 4,
+                                 "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                 "mlp_only_layers": [1], **cfg})
+        c.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        c = tf.MixtralConfig(**{**common, "intermediate_size": 256, "num_local_experts": 4,
+                                "num_experts_per_tok": 2, "sliding_window": None, **cfg})
+        c.architectures = ["MixtralForCausalLM"]
+    return c
+
+
+def write_fp8_model(path: Path, fmt: Format, seed: int = 7, moe: str | None = None,
+                    **cfg: Any) -> Path:
+    """An FP8 checkpoint in ``fmt``: a tiny Llama, or with ``moe`` ("qwen3_moe",
+    "mixtral") a tiny mixture of experts (its experts quantized too, the routers not)."""
+    config = fp8_config(cfg) if moe is None else fp8_moe_config(moe, cfg)
     config.quantization_config = quantization_config(fmt)
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(path))

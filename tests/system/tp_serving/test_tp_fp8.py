@@ -2,11 +2,11 @@
 
 Each format (block-wise ``quant_method: fp8``, compressed-tensors per-channel and
 per-tensor, ModelOpt per-tensor) is written from random bf16 weights by the test helper
-and served; the reference is Hugging Face transformers (float32) on the same FP8 values
-dequantized to float32. CPU has no FP8, so the server dequantizes once at load (Health
-says so) and must match the reference: greedy tokens identical for 3 prompts x 32 steps,
-and every sampled token's log-probability (the first one is the last prompt position's)
-within ``LOGPROB_ATOL``.
+(a Llama; for mixtures of experts, the experts quantized too) and served; the reference
+is Hugging Face transformers (float32) on the same FP8 values dequantized to float32. CPU
+has no FP8, so the server dequantizes once at load (Health says so) and must match the
+reference: greedy tokens identical for 3 prompts x 32 steps, and every sampled token's
+log-probability (the first one is the last prompt position's) within ``LOGPROB_ATOL``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,11 @@ def reference(path: Path) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-def serve(path: Path, tp: int, name: str) -> tuple[list[list[int]], list[list[float]]]:
+DENSE_PATHS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+
+
+def serve(path: Path, tp: int, name: str, paths_of: frozenset[str] = DENSE_PATHS
+          ) -> tuple[list[list[int]], list[list[float]]]:
     args = [*ARGS, "--model", str(path)] + (["--tensor-parallel-size", str(tp)] if tp > 1
                                             else [])
     server = ServeProcess(args)
@@ -64,7 +68,7 @@ def serve(path: Path, tp: int, name: str) -> tuple[list[list[int]], list[list[fl
         model = server.stub.Health(pb.HealthRequest(), timeout=10).model
         assert (model.quantization, model.weight_format) == (name, "float32")
         paths = server.wait_for("fp8_gemm_paths", timeout=10)["paths"]
-        assert set(paths) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+        assert set(paths) == paths_of
         assert all(p.startswith("dequantized at load") for p in paths.values())
         sampling = pb.SamplingParams(logprobs=True)
         first = server.stub.Prefill(pb.PrefillRequest(items=[
@@ -96,6 +100,24 @@ def test_fp8_checkpoint_serves_its_dequantized_values(fmt: Format, sizes: tuple[
     want_tokens, want_lps = reference(write_dequantized(fp8, tmp_path / "ref"))
     for tp in sizes:
         tokens, lps = serve(fp8, tp, NAMES[fmt])
+        assert tokens == want_tokens, f"TP={tp}"
+        for got, want in zip(lps, want_lps, strict=True):
+            assert got == pytest.approx(want, abs=LOGPROB_ATOL), f"TP={tp}"
+
+
+# Mixture of experts: the experts' scales follow their rows (gate, up) and columns (down)
+# under TP = 2; Qwen3-MoE's dense layer keeps its MLP projections.
+@pytest.mark.parametrize(("moe", "fmt", "sizes", "paths"), [
+    ("qwen3_moe", "block", (1, 2), DENSE_PATHS | {"experts"}),
+    ("mixtral", "channel", (2,), frozenset({"qkv_proj", "o_proj", "experts"})),
+    ("qwen3_moe", "tensor", (2,), DENSE_PATHS | {"experts"})])
+def test_fp8_moe_checkpoint_serves_its_dequantized_values(
+        moe: str, fmt: Format, sizes: tuple[int, ...], paths: frozenset[str],
+        tmp_path: Path) -> None:
+    fp8 = write_fp8_model(tmp_path / fmt, fmt, moe=moe)
+    want_tokens, want_lps = reference(write_dequantized(fp8, tmp_path / "ref"))
+    for tp in sizes:
+        tokens, lps = serve(fp8, tp, NAMES[fmt], paths)
         assert tokens == want_tokens, f"TP={tp}"
         for got, want in zip(lps, want_lps, strict=True):
             assert got == pytest.approx(want, abs=LOGPROB_ATOL), f"TP={tp}"
