@@ -92,11 +92,14 @@ def spec_weight_bytes(spec: Any) -> int:
     return 2 * (n - spec.vocab_size * spec.hidden_size)
 
 
-def moe_step_weight_bytes(spec: Any, experts_per_layer: Sequence[int]) -> int:
+def moe_step_weight_bytes(spec: Any, experts_per_layer: Sequence[int], fp8: bool = False
+                          ) -> int:
     """Bytes of bf16 weights a mixture-of-experts step reads: everything but the experts
     (attention, norms, routers, dense layers' MLPs, the LM head; embedding rows excluded)
     plus ``experts_per_layer[j]`` experts of the ``j``-th sparse layer (``top_k`` each at
-    batch 1; the distinct experts a batch's tokens were routed to)."""
+    batch 1; the distinct experts a batch's tokens were routed to). ``fp8``: the attention
+    projections, dense MLPs and experts at one byte a weight (routers, norms and the LM head
+    stay bf16)."""
     moe = spec.moe
     sparse = [layer for layer in range(spec.num_layers) if moe.sparse(layer)]
     if len(experts_per_layer) != len(sparse):
@@ -106,7 +109,12 @@ def moe_step_weight_bytes(spec: Any, experts_per_layer: Sequence[int]) -> int:
     rest = spec.num_params() - len(sparse) * moe.num_experts * per_expert
     if not spec.tie_word_embeddings:  # the embedding table is looked up, not read
         rest -= spec.vocab_size * spec.hidden_size
-    return 2 * (rest + per_expert * sum(experts_per_layer))
+    if not fp8:
+        return 2 * (rest + per_expert * sum(experts_per_layer))
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    proj = spec.num_layers * (h * (q + 2 * kv) + q * h) \
+        + (spec.num_layers - len(sparse)) * 3 * h * spec.intermediate_size
+    return 2 * (rest - proj) + proj + per_expert * sum(experts_per_layer)
 
 
 def spec(name: str) -> Any:

@@ -3,6 +3,7 @@ active-weight floor, decode at batch 64 against the floor of the experts it touc
 a 2048-token prefill against its FLOPs floor, on random weights (bf16, one GPU).
 
     python -m bench.e2e.moe [--model qwen3-30b-a3b] [--cases decode:1,decode:64,prefill:2048]
+                            [--quantization fp8]
 
 The model is a catalog shape served with ``--load-format random`` (no checkpoint). Each
 case's steps are profiled as ``bench.profile.kernel_table`` does (graph steps, kernels +
@@ -63,18 +64,20 @@ def experts_touched(ex: Any, step: Callable[[], None]) -> list[int]:
     return counts
 
 
-def measure(model: str, cases: list[str], steps: int, context: int) -> dict[str, Any]:
+def measure(model: str, cases: list[str], steps: int, context: int,
+            quantization: str | None = None) -> dict[str, Any]:
     import torch
 
     bw, tflops = hardware.read_bandwidth_gbs(), hardware.matmul_tflops()
-    ex = _executor(model, "triton", {}, "random", "breakable")
+    ex = _executor(model, "triton", {}, "random", "breakable", quantization)
     ex.capture(["decode", "prefill"])
     spec = ex.spec
     assert spec.moe is not None, f"{model} is not a mixture of experts"
     sparse = sum(spec.moe.sparse(i) for i in range(spec.num_layers))
     out: dict[str, Any] = {"model": model, "device": torch.cuda.get_device_name(),
                            "commit": git_commit(), "read_bandwidth_gbs": bw,
-                           "matmul_tflops": tflops, "context": context, "cases": {}}
+                           "matmul_tflops": tflops, "context": context,
+                           "quantization": quantization or "", "cases": {}}
     for n, case in enumerate(cases):
         phase, size = case.split(":")[0], int(case.split(":")[1])
         step = case_step(ex, phase, size, context, f"m{n}")
@@ -87,7 +90,7 @@ def measure(model: str, cases: list[str], steps: int, context: int) -> dict[str,
         # one token reads exactly top_k experts per layer; a batch, those it touched
         touched = [spec.moe.top_k] * sparse if phase == "decode" and size == 1 \
             else experts_touched(ex, step)
-        wbytes = moe_step_weight_bytes(spec, touched)
+        wbytes = moe_step_weight_bytes(spec, touched, fp8=quantization is not None)
         floor, bound = floor_ms(spec, phase, size, context if phase == "decode" else 0, bw,
                                 tflops, wbytes)
         out["cases"][case] = {"gpu_ms": gpu_ms, "moe_kernels_ms": moe_ms, "floor_ms": floor,
@@ -98,7 +101,8 @@ def measure(model: str, cases: list[str], steps: int, context: int) -> dict[str,
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} on {result['device']} (commit {result['commit']}): read "
+    fmt = f" {result['quantization']}" if result.get("quantization") else ""
+    lines = [f"{result['model']}{fmt} on {result['device']} (commit {result['commit']}): read "
              f"{result['read_bandwidth_gbs']:.0f} GB/s, matmul {result['matmul_tflops']:.0f} "
              f"TFLOP/s, decode context {result['context']}",
              "| case | kernels + idle ms | fused MoE ms | floor ms (by) | x floor "
@@ -117,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="decode:1,decode:64,prefill:2048")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps per case")
     ap.add_argument("--context", type=int, default=512, help="decode context per sequence")
+    ap.add_argument("--quantization", choices=("fp8",),
+                    help="serve the random weights quantized at load (FP8 experts too)")
     ap.add_argument("--out", type=Path, default=Path("results-local"))
     args = ap.parse_args(argv)
-    result = measure(args.model, args.cases.split(","), args.steps, args.context)
+    result = measure(args.model, args.cases.split(","), args.steps, args.context,
+                     args.quantization)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"moe-{args.model}.json").write_text(json.dumps(result, indent=2))
+    tag = f"-{args.quantization}" if args.quantization else ""
+    (args.out / f"moe-{args.model}{tag}.json").write_text(json.dumps(result, indent=2))
     print(table(result))
     return 0
 

@@ -38,13 +38,16 @@ DEFAULT_CASES = ("decode:1", "decode:8", "decode:64", "prefill:128", "prefill:20
 
 
 def _executor(source: str, attention: str, switches: dict[str, str],
-              load_format: str = "safetensors", prefill_graph: str = "breakable") -> Any:
+              load_format: str = "safetensors", prefill_graph: str = "breakable",
+              quantization: str | None = None) -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
 
     # (``load_format`` only where it is not the default: a base tree older than the
     # option, which ``kernel_check.sh`` may measure for "before" tables, knows no such field)
-    extra = {} if load_format == "safetensors" else {"load_format": load_format}
+    extra: dict[str, Any] = {} if load_format == "safetensors" else {"load_format": load_format}
+    if quantization is not None:
+        extra["quantization"] = quantization
     return Executor(ExecutorConfig(
         model=ModelConfig(source=source, dtype="bfloat16", **extra),  # type: ignore[arg-type]
         device="cuda",

@@ -23,6 +23,10 @@ def test_active_weight_bytes_of_qwen3_30b_a3b() -> None:
     batch1 = moe_step_weight_bytes(spec, [8] * 48)
     assert batch1 == 2 * (attention + routers + 48 * 8 * expert + v * h + h)
     assert 6.0e9 < batch1 < 7.0e9  # the 3.3B active parameters, bf16, less the embedding
+    # FP8: projections and experts at one byte a weight; norms, routers, LM head bf16
+    proj = 48 * (h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h)
+    fp8 = moe_step_weight_bytes(spec, [8] * 48, fp8=True)
+    assert fp8 == batch1 - proj - 48 * 8 * expert
     every = moe_step_weight_bytes(spec, [128] * 48)
     assert every == spec_weight_bytes(spec)  # all experts touched: the whole model
     with pytest.raises(ValueError, match="47 expert counts for 48 sparse layers"):
