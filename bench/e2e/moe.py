@@ -47,8 +47,8 @@ def experts_touched(ex: Any, step: Callable[[], None]) -> list[int]:
         counts.append(int(ids.unique().numel()))
         return weights, ids, aligned
 
-    def counting_decode(*args: Any) -> Any:  # the decode path routes inside its kernels
-        out, weights, ids = routed(*args)
+    def counting_decode(*args: Any, **kwargs: Any) -> Any:  # (routing inside its kernels)
+        out, weights, ids = routed(*args, **kwargs)
         counts.append(int(ids.unique().numel()))
         return out, weights, ids
 
