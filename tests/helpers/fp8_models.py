@@ -128,6 +128,20 @@ def write_fp8_model(path: Path, fmt: Format, seed: int = 7, moe: str | None = No
     return path
 
 
+def write_fp8_copy(src: Path, path: Path, fmt: Format) -> Path:
+    """``src`` (an unquantized checkpoint, one file) quantized in ``fmt`` at ``path``."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt)
+    (path / "config.json").write_text(json.dumps(config))
+    sd = load_file(str(src / "model.safetensors"))
+    save_file(quantize_state_dict(sd, fmt), str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
 def dequantized_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The FP8 checkpoint at ``path`` with every projection dequantized to float32."""
     sd = load_file(str(path / "model.safetensors"))

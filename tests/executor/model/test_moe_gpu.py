@@ -5,9 +5,11 @@ and breakable prefill capture.
 Kernel outputs (bf16) against the eager reference: the Qwen3-30B-A3B expert shape (128
 experts, top 8, hidden 2048, width 768) from decode batch 1 to a 2048-token prefill, and
 Mixtral-8x7B's at TP = 2 (8 experts, top 2, hidden 4096, width 7168); the decode path at
-1, 2 and 4 tokens at those shapes and Mixtral's full one, in and out of a graph. Models: every step
-of a chunked prefill and ten decode steps replays a graph (no eager fallback) and agrees
-with an eager executor on every clear greedy choice; graph logits equal eager ones.
+1, 2 and 4 tokens at those shapes and Mixtral's full one, in and out of a graph. Models
+(bf16, an FP8 block-wise checkpoint, FP8 at load): every step of a chunked prefill and
+ten decode steps replays a graph (no eager fallback) and agrees with an eager executor on
+every clear greedy choice; graph logits equal eager ones; FP8 experts agree with their
+dequantized model.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from executor.api import PrefillItem
 from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
 from executor.executor import Executor
+from tests.helpers.fp8_models import write_fp8_copy
 from tests.helpers.gpu import (
     LOGIT_ATOL,
     LOGIT_RTOL,
@@ -234,9 +237,10 @@ def test_decode_path_with_pdl_equals_plain_launches() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def _make(path: Path, graphs: bool) -> Executor:
+def _make(path: Path, graphs: bool, quantization: str | None = None) -> Executor:
     cfg = ExecutorConfig(
-        model=ModelConfig(source=str(path), dtype="bfloat16"), device="cuda",
+        model=ModelConfig(source=str(path), dtype="bfloat16", quantization=quantization),
+        device="cuda",
         cache=CacheConfig(kv_tokens=64 * 1024, max_sequences=32, max_context=2048),
         graphs=GraphConfig(decode_mode="full" if graphs else "disabled",
                            prefill_mode="breakable" if graphs else "disabled",
@@ -245,14 +249,41 @@ def _make(path: Path, graphs: bool) -> Executor:
     return Executor(cfg)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen3_moe-fp8-block",
+                                        "mixtral-fp8-at-load"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[Executor, Executor]:
-    path = gpu_moe_model(tmp_path_factory.mktemp("moe"), request.param)
-    ex = _make(path, graphs=True)
+    """(graphs, eager) executors of one model: bf16, an FP8 block-wise checkpoint of it,
+    or it quantized at load (``--quantization fp8``): FP8 experts through the kernels."""
+    kind = request.param.split("-")[0]
+    root = tmp_path_factory.mktemp("moe")
+    path, quantization = gpu_moe_model(root, kind), None
+    if request.param.endswith("fp8-block"):
+        path = write_fp8_copy(path, root / "fp8", "block")
+    elif request.param.endswith("fp8-at-load"):
+        quantization = "fp8"
+    ex = _make(path, graphs=True, quantization=quantization)
+    if "fp8" in request.param:
+        assert ex.status().model.weight_format == "fp8_e4m3"
+        assert type(ex.model.layers[0].mlp.experts).__name__ == "Fp8Experts"  # type: ignore[union-attr, index]
     for phase in ex.capture(["decode", "prefill"]):
         assert phase.buckets and all(b.ok for b in phase.buckets), phase
-    return ex, _make(path, graphs=False)
+    return ex, _make(path, graphs=False, quantization=quantization)
+
+
+def test_fp8_experts_agree_with_their_dequantized_model(tmp_path: Path) -> None:
+    """An FP8 block-wise checkpoint served with its experts (and projections) in e4m3
+    against the same values dequantized to a bf16 checkpoint: the same clear greedy
+    choices through prefill and decode (the kernels dequantize in float32 registers, the
+    reference rounds each weight to bf16 once: logits differ by that rounding)."""
+    from tests.helpers.fp8_models import write_dequantized
+
+    fp8 = write_fp8_copy(gpu_moe_model(tmp_path, "qwen3_moe"), tmp_path / "fp8", "block")
+    ex = _make(fp8, graphs=True)
+    for phase in ex.capture(["decode", "prefill"]):
+        assert phase.buckets and all(b.ok for b in phase.buckets), phase
+    ref = _make(write_dequantized(fp8, tmp_path / "ref"), graphs=False)
+    greedy_agrees(ex, ref)
 
 
 def test_greedy_graphs_equal_eager_without_fallbacks(pair: tuple[Executor, Executor]) -> None:
