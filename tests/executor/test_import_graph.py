@@ -1,4 +1,5 @@
-"""The import graph of ``executor/`` has floors: no circle, ``config`` imports only
+"""The import graph of ``executor/`` has floors: no circle (an import of a module counts as
+one of each package around it too, whose ``__init__`` runs first), ``config`` imports only
 ``errors``, and the service reaches the executor only through its packages' faces.
 
 Imports are read from the source (module level and inside functions alike: a lazy import
@@ -55,8 +56,12 @@ def _edges() -> dict[str, set[str]]:
         for target in _imports(path):
             while target and target not in mods:  # an attribute: its module
                 target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
-                targets.add(target)
+            # importing ``a.b.c`` runs the package ``a.b``'s ``__init__`` first: an edge
+            # to each enclosing package too (but not to this module's own packages)
+            while target:
+                if target in mods and target != name and not name.startswith(target + "."):
+                    targets.add(target)
+                target = target.rpartition(".")[0]
         edges[name] = targets
     return edges
 
