@@ -22,6 +22,7 @@ import torch
 from bench.e2e.tensor_parallel import serve, stop
 from service.gen.model_executor.v1 import executor_pb2 as pb
 from service.gen.model_executor.v1 import executor_pb2_grpc as pb_grpc
+from tests.helpers.fp8_models import write_fp8_copy
 from tests.helpers.moe_models import gpu_moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -31,10 +32,13 @@ SCORED = pb.SamplingParams(logprobs=True, top_logprobs=2)
 MARGIN, LOGPROB_ATOL, LOGPROB_MAX, WITHIN_SHARE = 0.05, 0.1, 0.5, 0.95
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module", params=["bf16", "fp8-channel"])
+def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[pb_grpc.ExecutorStub, pb_grpc.ExecutorStub]]:
-    model: Path = gpu_moe_model(tmp_path_factory.mktemp("tp-moe"), "qwen3_moe")
+    root = tmp_path_factory.mktemp("tp-moe")
+    model: Path = gpu_moe_model(root, "qwen3_moe")
+    if request.param == "fp8-channel":  # FP8 experts: each rank's rows of their scales
+        model = write_fp8_copy(model, root / "fp8", "channel")
     procs: list[subprocess.Popen[bytes]] = []
     stubs = []
     try:
