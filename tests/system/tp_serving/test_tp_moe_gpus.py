@@ -1,13 +1,14 @@
 """A mixture-of-experts model under tensor parallelism on two GPUs (marker ``gpu``; skips
 with fewer): ``serve --tensor-parallel-size 2`` of a bf16 random Qwen3-MoE (16 experts,
 top 4, one dense layer; each rank holds half of every expert's width), and of its FP8
-per-channel checkpoint (the experts in e4m3 too), against ``--tensor-parallel-size 1``, both replaying graphs (breakable prefill, full decode) with
-the experts' all-reduce captured inside. Lockstep calls; wherever TP = 1's top-2
-log-probability margin exceeds 0.05 the tokens must be equal; the sampled tokens'
-log-probabilities within 0.1 at 95 % of the positions and within 0.5 at all. (Unlike a
-dense model's, a position may move by more than reduction noise: where a router's k-th and
-(k+1)-th experts nearly tie, TP = 2's different bf16 sums can pick the other one, and that
-position's distribution moves by the two experts' difference.)"""
+per-channel checkpoint (the experts in e4m3 too), against ``--tensor-parallel-size 1``,
+both replaying graphs (breakable prefill, full decode) with the experts' all-reduce
+captured inside. Lockstep calls; wherever TP = 1's top-2 log-probability margin exceeds
+0.05 the tokens must be equal; the sampled tokens' log-probabilities within 0.1 at 95 % of
+the positions and within 0.5 at all. (Unlike a dense model's, a position may move by more
+than reduction noise: where a router's k-th and (k+1)-th experts nearly tie, TP = 2's
+different bf16 sums can pick the other one, and that position's distribution moves by the
+two experts' difference.)"""
 
 from __future__ import annotations
 
