@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from tests.helpers.interpret import interpreter_triton
 
@@ -27,9 +26,13 @@ triton = interpreter_triton()
 from executor import kernels  # noqa: E402
 from executor.kernels.moe import decode, fused, scales  # noqa: E402
 from executor.kernels.moe.reference import experts_reference, route  # noqa: E402
-from executor.quant.fp8 import dequantize, quantize_blocks, quantize_rows  # noqa: E402
+from tests.helpers.moe_fp8 import (  # noqa: E402
+    BLOCK,
+    dequantize_experts,
+    quantize_experts,
+    rounded_reference,
+)
 
-BLOCK = (128, 128)
 #: float32 activations: relative, and absolute as a fraction of the output's largest value
 F32_TOL = (1e-5, 1e-5)
 #: half activations, in ulps of the output's largest value (and relative ulps)
@@ -40,23 +43,6 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _quantize(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked experts ``(E, rows, cols)`` -> e4m3 ``(E, rows, cols)`` and float32 scales
-    ``(E, rows)`` (channel) or ``(E, cdiv(rows, 128), cdiv(cols, 128))`` (block)."""
-    qs, ss = [], []
-    for e in range(w.shape[0]):
-        q, s = quantize_blocks(w[e], BLOCK) if layout == "block" else quantize_rows(w[e])
-        qs.append(q)
-        ss.append(s if layout == "block" else s.reshape(-1))
-    return torch.stack(qs), torch.stack(ss).contiguous()
-
-
-def _dequantize(q: torch.Tensor, s: torch.Tensor, layout: str) -> torch.Tensor:
-    block = BLOCK if layout == "block" else None
-    return torch.stack([dequantize(q[e], s[e], block, torch.float32)
-                        for e in range(q.shape[0])])
-
-
 def _problem(tokens: int, experts: int, hidden: int, inter: int, layout: str, seed: int
              ) -> dict[str, Any]:
     g = _gen(seed)
@@ -64,33 +50,14 @@ def _problem(tokens: int, experts: int, hidden: int, inter: int, layout: str, se
     w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
     # rows of different magnitudes, so per-row and per-block scales differ
     w13 = w13 * torch.rand(experts, 2 * inter, 1, generator=g).add(0.25)
-    q13, s13 = _quantize(w13, layout)
-    q2, s2 = _quantize(w2, layout)
+    q13, s13 = quantize_experts(w13, layout)
+    q2, s2 = quantize_experts(w2, layout)
     return {"x": torch.randn(tokens, hidden, generator=g),
             "logits": torch.randn(tokens, experts, generator=g),
-            "q13": q13, "q2": q2,
+            "q13": q13, "q2": q2, "w13": w13, "w2": w2,
             "fp8": {"w13_scale": s13, "w2_scale": s2,
                     "block": BLOCK if layout == "block" else None},
-            "d13": _dequantize(q13, s13, layout), "d2": _dequantize(q2, s2, layout)}
-
-
-def _rounded_reference(x: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor,
-                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The experts on float32 dequantized weights, rounded to ``x``'s dtype where the
-    kernels round: each GEMM's output, SiLU, the product, the weighted output; the
-    ``top_k`` outputs summed in float32."""
-    dt = x.dtype
-    inter = d13.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for expert in ids.unique().tolist():
-        token, slot = torch.where(ids == expert)
-        xs = x[token].float()
-        gate = (xs @ d13[expert, :inter].T).to(dt).float()
-        up = (xs @ d13[expert, inter:].T).to(dt).float()
-        act = (nn.functional.silu(gate).to(dt).float() * up).to(dt).float()
-        y = (act @ d2[expert].T).to(dt).float()
-        out.index_add_(0, token, (y * weights[token, slot, None]).to(dt).float())
-    return out.to(dt)
+            "d13": dequantize_experts(q13, s13, layout), "d2": dequantize_experts(q2, s2, layout)}
 
 
 def _assert_matches(got: torch.Tensor, x: torch.Tensor, p: dict[str, Any],
@@ -100,13 +67,14 @@ def _assert_matches(got: torch.Tensor, x: torch.Tensor, p: dict[str, Any],
         want = experts_reference(x, p["d13"], p["d2"], weights, ids)
         rtol, frac = F32_TOL
         torch.testing.assert_close(got, want, rtol=rtol, atol=frac * float(want.abs().max()))
+        # not merely the unquantized experts' result: the FP8 rounding is there
+        exact = experts_reference(x, p["w13"], p["w2"], weights, ids)
+        assert not torch.allclose(got, exact, rtol=rtol, atol=frac * float(want.abs().max()))
         return
-    want = _rounded_reference(x, p["d13"], p["d2"], weights, ids)
+    want = rounded_reference(x, p["d13"], p["d2"], weights, ids)
     eps = torch.finfo(x.dtype).eps
     torch.testing.assert_close(got.float(), want.float(), rtol=HALF_ULPS * eps,
                                atol=HALF_ULPS * eps * float(want.abs().max()))
-    # and not the unquantized experts' result: the FP8 rounding is there
-    assert not torch.equal(got, want) or p["q13"].dtype == scales.FP8
 
 
 @pytest.mark.parametrize("layout", ["channel", "block"])
@@ -215,7 +183,7 @@ def test_bad_scale_arguments_are_refused() -> None:
     p = _problem(1, 8, 160, 128, "channel", 31)
     q13, q2, s13, s2 = p["q13"], p["q2"], p["fp8"]["w13_scale"], p["fp8"]["w2_scale"]
     x, logits = p["x"], p["logits"]
-    b13, b2 = _quantize(p["d13"], "block")[1], _quantize(p["d2"], "block")[1]
+    b13, b2 = quantize_experts(p["d13"], "block")[1], quantize_experts(p["d2"], "block")[1]
     cases = [
         ({"w13_scale": s13, "w2_scale": None}, "both or neither"),
         ({}, "e4m3 weights need their scales"),
@@ -233,9 +201,9 @@ def test_bad_scale_arguments_are_refused() -> None:
         fused.route_and_experts(x, logits, p["d13"], p["d2"], 2, True, True, w13_scale=s13,
                                 w2_scale=s2)
     # block scales need the experts' width in whole blocks
-    q, s = _quantize(p["d13"][:, :192], "block")
+    q, s = quantize_experts(p["d13"][:, :192], "block")
     with pytest.raises(ValueError, match="multiple of 128"):
-        fused.route_and_experts(x, logits, q, _quantize(p["d2"][:, :, :96], "block")[0],
+        fused.route_and_experts(x, logits, q, quantize_experts(p["d2"][:, :, :96], "block")[0],
                                 2, True, True, w13_scale=s, w2_scale=s, block=BLOCK)
 
 
