@@ -80,7 +80,7 @@ def _assert_matches(got: torch.Tensor, x: torch.Tensor, p: dict[str, Any],
 @pytest.mark.parametrize("layout", ["channel", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"),
-                         [(1, 8, 1, 160, 128), (1, 16, 8, 160, 128), (4, 32, 2, 96, 128)])
+                         [(1, 8, 1, 160, 128), (1, 16, 8, 160, 128), (4, 32, 2, 96, 256)])
 def test_decode_path_fp8(layout: str, dtype: torch.dtype, tokens: int, experts: int,
                          top_k: int, hidden: int, inter: int) -> None:
     """``decode.routed`` on e4m3 experts, its routing as ``route``'s; hidden sizes off the
@@ -101,7 +101,7 @@ def test_decode_path_fp8(layout: str, dtype: torch.dtype, tokens: int, experts: 
 @pytest.mark.parametrize("layout", ["channel", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"),
-                         [(9, 8, 2, 160, 128), (33, 6, 1, 128, 128), (9, 16, 8, 96, 128)])
+                         [(9, 8, 2, 160, 256), (33, 6, 1, 128, 128), (9, 16, 8, 96, 128)])
 def test_grouped_path_fp8(layout: str, dtype: torch.dtype, tokens: int, experts: int,
                           top_k: int, hidden: int, inter: int) -> None:
     """``route_and_experts`` past the decode path: routing, align, the two grouped GEMMs
