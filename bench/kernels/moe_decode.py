@@ -1,5 +1,5 @@
 """The MoE decode path's kernels against the grouped path and their floor, and the RoPE
-kernel's head split, at decode sizes (random bf16 weights, one GPU).
+kernel's head split, at decode sizes (random bf16 or FP8 weights, one GPU).
 
     python -m bench.kernels.moe_decode [--shape qwen3-30b-a3b|mixtral] [--tokens 1,2,4]
                                        [--weights bf16|fp8-channel|fp8-block]
@@ -132,8 +132,11 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     mode = {"bf16": scales.NONE, "fp8-channel": scales.CHANNEL,
             "fp8-block": scales.BLOCKS}[weights]
     default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms, mode)
-    # block scales: reduction chunks inside one 128-column block
-    widest = [128] if mode == scales.BLOCKS else [128, 256]
+    # reduction chunks swept (gate_up's, down's): bf16's; block scales keep them inside
+    # one 128-column block; per-channel FP8 rows are half the bytes, so twice as long too
+    chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
+              scales.BLOCKS: ((64, 128), (32, 64, 128)),
+              scales.CHANNEL: ((128, 256, 512), (64, 128, 256, 512))}[mode]
     out: dict[str, Any] = {"tokens": tokens, "weights": weights, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
@@ -141,11 +144,11 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
                            "tiles": dataclasses.asdict(default)}
     if sweep:
         timed = []
-        for bn, bk, nw_ in itertools.product((8, 16, 32), [64, *widest], (4, 8)):
+        for bn, bk, nw_ in itertools.product((8, 16, 32), chunks[0], (4, 8)):
             t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
         best_up = min(timed, key=lambda r: r[0])[1]
-        for bn, bk, nw_ in itertools.product((4, 8, 16), [32, 64, *widest], (4, 8)):
+        for bn, bk, nw_ in itertools.product((4, 8, 16), chunks[1], (4, 8)):
             t = dataclasses.replace(decode.DecodeTiles(**best_up), block_n_down=bn,
                                     block_k_down=bk, num_warps_down=nw_)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
