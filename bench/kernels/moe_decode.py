@@ -1,18 +1,21 @@
 """The MoE decode path's kernels against the grouped path and their floor, and the RoPE
-kernel's head split, at decode sizes (random bf16 weights, one GPU).
+kernel's head split, at decode sizes (random bf16 or FP8 weights, one GPU).
 
     python -m bench.kernels.moe_decode [--shape qwen3-30b-a3b|mixtral] [--tokens 1,2,4]
+                                       [--weights bf16|fp8-channel|fp8-block]
                                        [--sweep] [--out DIR]
 
 Per token count: one MoE layer's experts as the decode path (``moe.decode.routed``, the
 input norm fused) and as the grouped path it replaces at those sizes (the norm kernel,
 ``route_align``, the two grouped GEMMs and the sum), each call on its own copy of the
 experts (copies together exceed L2, so weights stream from HBM as in a forward), against
-the bytes of the experts routed to over the measured read bandwidth. ``--sweep`` times the
+the bytes of the experts routed to over the measured read bandwidth (``--weights``: bf16
+experts, or e4m3 with per-channel or 128x128 block scales: 1 byte a weight plus the
+scales in the floor). ``--sweep`` times the
 decode path's tiles at the first token count (gate_up's, then down's with gate_up's best)
 and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE, 32 q and 4 KV heads of 128) at
 one token: the head split against one program per kind of head. Prints a table; writes
-``moe_decode.json`` under ``--out``.
+``moe_decode.json`` (``moe_decode_<weights>.json`` for FP8) under ``--out``.
 """
 
 from __future__ import annotations
@@ -60,49 +63,92 @@ def kernel_us(fn: Callable[[int], object], calls: int) -> dict[str, float]:
             if e.device_time_total > 0}
 
 
-def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep: bool
-             ) -> dict[str, Any]:
+def _scale_shapes(weights: str, experts: int, hidden: int, inter: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The scales' shapes of ``w_gate_up`` and ``w_down`` (None: bf16 weights)."""
+    if weights == "fp8-channel":
+        return (experts, 2 * inter), (experts, hidden)
+    if weights == "fp8-block":
+        rows, cols = -(-2 * inter // 128), -(-hidden // 128)
+        return (experts, rows, cols), (experts, cols, -(-inter // 128))
+    return None
+
+
+def _expert_copy(weights: str, experts: int, hidden: int, inter: int
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """One copy of the experts: ``(w_gate_up, w_down)`` and the kernels' FP8 keywords."""
+    shapes = _scale_shapes(weights, experts, hidden, inter)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16) * 0.02
+    if shapes is None:
+        return (w13, w2), {}
+    # random e4m3 values and scales: the timing does not depend on them
+    fp8 = torch.float8_e4m3fn
+    return ((w13 * 50).to(fp8), (w2 * 50).to(fp8)), {
+        "w13_scale": torch.rand(shapes[0], device=DEVICE) * 1e-3,
+        "w2_scale": torch.rand(shapes[1], device=DEVICE) * 1e-3,
+        "block": (128, 128) if weights == "fp8-block" else None}
+
+
+def expert_bytes(weights: str, hidden: int, inter: int) -> int:
+    """Bytes one expert's weights and scales take."""
+    shapes = _scale_shapes(weights, 1, hidden, inter)
+    if shapes is None:
+        return 3 * hidden * inter * 2
+    return 3 * hidden * inter + 4 * sum(int(torch.Size(s).numel()) for s in shapes)
+
+
+def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep: bool,
+             weights: str = "bf16") -> dict[str, Any]:
     from executor import kernels
-    from executor.kernels.moe import decode, fused
+    from executor.kernels.moe import decode, fused, scales
     from executor.kernels.moe import route as routing
 
     experts, top_k, hidden, inter = shape
-    expert_bytes = 3 * hidden * inter * 2
+    one_expert = expert_bytes(weights, hidden, inter)
     # the routed experts of all copies together exceed L2 twice over
-    copies = max(2, -(-2 * L2_BYTES // (min(tokens * top_k, experts) * expert_bytes)) + 1)
-    w = [(torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.02,
-          torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16) * 0.02)
-         for _ in range(copies)]
+    copies = max(2, -(-2 * L2_BYTES // (min(tokens * top_k, experts) * one_expert)) + 1)
+    drawn = [_expert_copy(weights, experts, hidden, inter) for _ in range(copies)]
+    w = [d[0] for d in drawn]
+    fp8 = [d[1] for d in drawn]
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device=DEVICE, dtype=torch.bfloat16)
     nw = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
 
     def run_decode(tiles: decode.DecodeTiles | None) -> Callable[[int], object]:
         return lambda i: decode.routed(x, logits, *w[i % copies], top_k, True, True, nw, 1e-6,
-                                       tiles)
+                                       tiles, **fp8[i % copies])
 
     def grouped(i: int) -> object:
         normed = kernels.rms_norm(x, nw, 1e-6)
         tiles = fused._tiles(normed, w[i % copies][0], tokens * top_k)
-        weights, _, aligned = routing.route_align(logits, top_k, True, True, tiles.block_m)
-        return fused.grouped_experts(normed, *w[i % copies], weights, top_k, aligned, tiles)
+        route_w, _, aligned = routing.route_align(logits, top_k, True, True, tiles.block_m)
+        return fused.grouped_experts(normed, *w[i % copies], route_w, top_k, aligned, tiles,
+                                     **fp8[i % copies])
 
     touched = int(routing.route_topk(logits, top_k, True, True)[1].unique().numel())
-    floor_us = touched * expert_bytes / (bw_gbs * 1e3)
+    floor_us = touched * one_expert / (bw_gbs * 1e3)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms)
-    out: dict[str, Any] = {"tokens": tokens, "floor_us": floor_us,
+    mode = {"bf16": scales.NONE, "fp8-channel": scales.CHANNEL,
+            "fp8-block": scales.BLOCKS}[weights]
+    default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms, mode)
+    # reduction chunks swept (gate_up's, down's): bf16's; block scales keep them inside
+    # one 128-column block; per-channel FP8 rows are half the bytes, so twice as long too
+    chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
+              scales.BLOCKS: ((64, 128), (32, 64, 128)),
+              scales.CHANNEL: ((128, 256, 512), (64, 128, 256, 512))}[mode]
+    out: dict[str, Any] = {"tokens": tokens, "weights": weights, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
                            "kernels_us": kernel_us(run_decode(None), copies),
                            "tiles": dataclasses.asdict(default)}
     if sweep:
         timed = []
-        for bn, bk, nw_ in itertools.product((8, 16, 32), (128, 256), (4, 8)):
+        for bn, bk, nw_ in itertools.product((8, 16, 32), chunks[0], (4, 8)):
             t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
         best_up = min(timed, key=lambda r: r[0])[1]
-        for bn, bk, nw_ in itertools.product((4, 8, 16), (64, 128, 256), (4, 8)):
+        for bn, bk, nw_ in itertools.product((4, 8, 16), chunks[1], (4, 8)):
             t = dataclasses.replace(decode.DecodeTiles(**best_up), block_n_down=bn,
                                     block_k_down=bk, num_warps_down=nw_)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
@@ -133,20 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,2,4")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8-channel", "fp8-block"),
+                    help="the experts' format: bf16, or e4m3 with per-channel or 128x128 "
+                         "block scales")
     ap.add_argument("--sweep", action="store_true",
                     help="time the decode path's tiles at the first token count")
     ap.add_argument("--out", type=Path, default=Path("results-local"))
     args = ap.parse_args(argv)
     bw = hardware.read_bandwidth_gbs(2**30)
-    result: dict[str, Any] = {"shape": args.shape, "device": torch.cuda.get_device_name(),
+    result: dict[str, Any] = {"shape": args.shape, "weights": args.weights,
+                              "device": torch.cuda.get_device_name(),
                               "commit": git_commit(), "read_bandwidth_gbs": bw,
                               "moe": [moe_case(SHAPES[args.shape], int(t), bw,
-                                               args.sweep and n == 0)
+                                               args.sweep and n == 0, args.weights)
                                       for n, t in enumerate(args.tokens.split(","))],
                               "rope": rope_case()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_decode.json").write_text(json.dumps(result, indent=1))
-    print(f"{args.shape} on {result['device']}, read {bw:.0f} GB/s")
+    name = "moe_decode" if args.weights == "bf16" else f"moe_decode_{args.weights}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.shape} ({args.weights} experts) on {result['device']}, read {bw:.0f} GB/s")
     print("tokens  decode us  grouped us  floor us  decode/floor  tiles")
     for c in result["moe"]:
         print(f"{c['tokens']:>6}  {c['decode_us']:9.1f}  {c['grouped_us']:10.1f}  "

@@ -8,6 +8,7 @@ slot) pairs grouped by expert, each run padded to the GEMM's row block, in fixed
 device buffers: capturable), ``fused`` (two grouped GEMM launches, gate/up with
 SiLU-and-mul fused, then down scaled by the routing weights, and the sum of each token's
 ``top_k`` rows); ``decode`` (a few tokens: two GEMV-style launches, routing in the first,
-the top-k sum in the second, the input norm optionally fused). Why it is shaped so:
-``docs/kernels.md``. Only ``reference`` imports without Triton.
+the top-k sum in the second, the input norm optionally fused); ``scales`` (FP8 expert
+weights: per-channel or 128x128 block scales, checked). Why it is shaped so:
+``docs/kernels.md``. Only ``reference`` and ``scales`` import without Triton.
 """

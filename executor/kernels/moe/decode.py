@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl
+from executor.kernels.moe import scales
 from executor.kernels.moe.route import topk_rows
 from executor.kernels.pdl import pdl_enter
 
@@ -45,16 +46,18 @@ def _moe_decode_gate_up_kernel(
     x_ptr,  # (T, K): the experts' input, or with HAS_NORM the residual sum to normalize
     nw_ptr,  # (K,) RMSNorm weight (HAS_NORM)
     logits_ptr,  # (T, E) router logits
-    w_ptr,  # (E, 2 * N, K): gate rows [0, N), up rows [N, 2N)
+    w_ptr,  # (E, 2 * N, K): gate rows [0, N), up rows [N, 2N); e4m3 with W_SCALES
+    s_ptr,  # W_SCALES 1: (E, 2 * N) float32; 2: (E, 2 * N / SB, cdiv(K, SB))
     act_ptr,  # (T * TOP_K, N) out, by pair
     weights_ptr, ids_ptr,  # (T, TOP_K) float32 / int32 out
     num_experts, n_cols, k_dim,
-    stride_x, stride_l, stride_we, stride_wn,
+    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sr,
     inv_k, eps,
     TOP_K: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,  # next_power_of_2(K) (HAS_NORM)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_SCALES: tl.constexpr, SB: tl.constexpr,  # scales.NONE/CHANNEL/BLOCKS, block size
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
@@ -85,6 +88,12 @@ def _moe_decode_gate_up_kernel(
     ks = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     u_ptrs = g_ptrs + n_cols * stride_wn
+    if W_SCALES == 2:  # each row's block row; a chunk lies in one block column
+        sg_ptrs = s_ptr + expert * stride_se + (cols // SB) * stride_sr
+        su_ptrs = s_ptr + expert * stride_se + ((cols + n_cols) // SB) * stride_sr
+    else:  # per-row scales (W_SCALES 1)
+        sg_ptrs = s_ptr + expert * stride_se + cols
+        su_ptrs = sg_ptrs + n_cols
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # the next chunk's weights are loaded before this chunk's products (two chunks in
@@ -101,11 +110,22 @@ def _moe_decode_gate_up_kernel(
         if HAS_NORM:  # rounded before and after the weight multiply, as the norm kernel
             nw = tl.load(nw_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
             xk = ((xk * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
-        gate += g_w.to(tl.float32) * xk[None, :]
-        up += u_w.to(tl.float32) * xk[None, :]
+        if W_SCALES == 2:  # the dequantized weight (as fp8.dequantize), then the product
+            sg = tl.load(sg_ptrs + k // SB, mask=col_ok, other=0.0)
+            su = tl.load(su_ptrs + k // SB, mask=col_ok, other=0.0)
+            gate += (g_w.to(tl.float32) * sg[:, None]) * xk[None, :]
+            up += (u_w.to(tl.float32) * su[:, None]) * xk[None, :]
+        else:
+            gate += g_w.to(tl.float32) * xk[None, :]
+            up += u_w.to(tl.float32) * xk[None, :]
         g_w, u_w = g_next, u_next
-    g = tl.sum(gate, axis=1).to(act_ty).to(tl.float32)
-    u = tl.sum(up, axis=1).to(act_ty).to(tl.float32)
+    g = tl.sum(gate, axis=1)
+    u = tl.sum(up, axis=1)
+    if W_SCALES == 1:  # each row's sum times its scale, before the rounding
+        g = g * tl.load(sg_ptrs, mask=col_ok, other=0.0)
+        u = u * tl.load(su_ptrs, mask=col_ok, other=0.0)
+    g = g.to(act_ty).to(tl.float32)
+    u = u.to(act_ty).to(tl.float32)
     act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32) * u
     tl.store(act_ptr + pair.to(tl.int64) * n_cols + cols, act.to(act_ty), mask=col_ok)
 
@@ -113,13 +133,15 @@ def _moe_decode_gate_up_kernel(
 @triton.jit
 def _moe_decode_down_kernel(
     act_ptr,  # (T * TOP_K, K) activations, by pair
-    w_ptr,  # (E, N, K)
+    w_ptr,  # (E, N, K); e4m3 with W_SCALES
+    s_ptr,  # W_SCALES 1: (E, N) float32; 2: (E, cdiv(N, SB), K / SB)
     out_ptr,  # (T, N)
     weights_ptr, ids_ptr,  # (T, TOP_K) float32 / int32
     num_experts, n_cols, k_dim,
-    stride_we, stride_wn, stride_o,
+    stride_we, stride_wn, stride_o, stride_se, stride_sr,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_SCALES: tl.constexpr, SB: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -137,6 +159,11 @@ def _moe_decode_down_kernel(
               + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])
     a_ptrs = act_ptr + (t * TOP_K + slots)[:, None, None] * k_dim + ks[None, None, :]
     rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    s_ok = slot_ok[:, None] & col_ok[None, :]
+    if W_SCALES == 2:  # (K_POW2, BLOCK_N): each expert's row's block row
+        s_ptrs = s_ptr + expert[:, None] * stride_se + (cols // SB)[None, :] * stride_sr
+    else:
+        s_ptrs = s_ptr + expert[:, None] * stride_se + cols[None, :]
     acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
     for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
@@ -144,10 +171,17 @@ def _moe_decode_down_kernel(
                          mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :], other=0.0)
         k_ok = (ks + k < k_dim)[None, None, :]
         a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)
+        if W_SCALES == 2:
+            s = tl.load(s_ptrs + k // SB, mask=s_ok, other=0.0)
+            acc += (w.to(tl.float32) * s[:, :, None]) * a.to(tl.float32)
+        else:
+            acc += w.to(tl.float32) * a.to(tl.float32)
         w = w_next
     act_ty = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=2).to(act_ty).to(tl.float32) * scale[:, None]  # (K_POW2, BLOCK_N)
+    y = tl.sum(acc, axis=2)  # (K_POW2, BLOCK_N)
+    if W_SCALES == 1:
+        y = y * tl.load(s_ptrs, mask=s_ok, other=0.0)
+    y = y.to(act_ty).to(tl.float32) * scale[:, None]
     total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
     tl.store(out_ptr + t * stride_o + cols, total.to(act_ty), mask=col_ok)
 
@@ -175,17 +209,19 @@ def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) ->
 
 @functools.lru_cache(maxsize=64)
 def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
-               sms: int) -> DecodeTiles:
+               sms: int, w_scales: int = scales.NONE) -> DecodeTiles:
     """Blocks narrowed until about two programs per multiprocessor stream weights, and
     reduction chunks that keep each load at a few thousand elements (wide, many in
-    flight, without spilling the float32 accumulators)."""
+    flight, without spilling the float32 accumulators, which bound FP8 weights' chunks
+    too). Block-scaled weights: chunks inside one block column (at most ``scales.BLOCK``)."""
     elems = 4096 if dtype == torch.float32 else 8192
+    widest = scales.BLOCK if w_scales == scales.BLOCKS else 256
     block_n = _narrow(num_tokens * top_k, inter, 32, 8, 2 * sms)
     block_k = min(triton.next_power_of_2(hidden), max(16, elems // (2 * block_n)))
     block_n_down = _narrow(num_tokens, hidden, 32, 8, 2 * sms)
     k_pow2 = triton.next_power_of_2(top_k)
     block_k_down = min(triton.next_power_of_2(inter), max(16, elems // (k_pow2 * block_n_down)))
-    return DecodeTiles(block_n, min(block_k, 256), block_n_down, min(block_k_down, 256))
+    return DecodeTiles(block_n, min(block_k, widest), block_n_down, min(block_k_down, widest))
 
 
 @functools.lru_cache(maxsize=8)
@@ -198,11 +234,15 @@ def _multiprocessors(device: torch.device) -> int:
 def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
            w_down: torch.Tensor, top_k: int, renormalize: bool,
            weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None = None,
-           eps: float = 0.0, tiles: DecodeTiles | None = None
+           eps: float = 0.0, tiles: DecodeTiles | None = None, *,
+           w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+           block: tuple[int, int] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out (T, H), weights (T, top_k) float32, ids (T, top_k) int32)``: the routing of
     ``router_logits`` (as ``route.route_topk``) and the experts on ``x`` (with
-    ``norm_weight``: on ``rms_norm(x, norm_weight, eps)``), in two launches."""
+    ``norm_weight``: on ``rms_norm(x, norm_weight, eps)``), in two launches. With
+    ``w13_scale`` / ``w2_scale`` the weights are e4m3, scaled per output channel or (with
+    ``block``) per block as ``scales`` describes."""
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -211,28 +251,33 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
     assert x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
     assert norm_weight is None or (norm_weight.shape == (hidden,)
                                    and norm_weight.is_contiguous())
+    s13, s2 = scales.check_pair(w_gate_up, w_down, w13_scale, w2_scale, block)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     out = torch.empty_like(x)
     if t == 0:
         return out, weights, ids
     if tiles is None:
-        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device))
+        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device),
+                           s13.mode)
+    if s13.mode == scales.BLOCKS:
+        assert scales.BLOCK % tiles.block_k == 0 and scales.BLOCK % tiles.block_k_down == 0, \
+            "block scales: reduction chunks inside one block column"
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     k_pow2 = triton.next_power_of_2(top_k)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
-        x, norm_weight if norm_weight is not None else x, router_logits, w_gate_up, act,
-        weights, ids, experts, inter, hidden,
+        x, norm_weight if norm_weight is not None else x, router_logits, w_gate_up, s13.scale,
+        act, weights, ids, experts, inter, hidden,
         x.stride(0), router_logits.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        1.0 / hidden, eps,
+        s13.stride_e, s13.stride_r, 1.0 / hidden, eps,
         TOP_K=top_k, E_POW2=triton.next_power_of_2(experts), K_POW2=k_pow2,
         RENORMALIZE=renormalize, ROUND_TO_ACT=weights_in_activation_dtype,
         HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        **pdl.options())
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, W_SCALES=s13.mode, SB=scales.BLOCK,
+        num_warps=tiles.num_warps, **pdl.options())
     _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
-        act, w_down, out, weights, ids, experts, hidden, inter,
-        w_down.stride(0), w_down.stride(1), out.stride(0),
+        act, w_down, s2.scale, out, weights, ids, experts, hidden, inter,
+        w_down.stride(0), w_down.stride(1), out.stride(0), s2.stride_e, s2.stride_r,
         TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=tiles.block_n_down, BLOCK_K=tiles.block_k_down,
-        num_warps=tiles.num_warps_down, **pdl.options())
+        W_SCALES=s2.mode, SB=scales.BLOCK, num_warps=tiles.num_warps_down, **pdl.options())
     return out, weights, ids

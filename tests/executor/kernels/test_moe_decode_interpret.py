@@ -122,9 +122,9 @@ def test_route_and_experts_takes_decode_path_at_few_tokens(monkeypatch: pytest.M
     calls: list[int] = []
     routed = decode.routed
 
-    def counting(x: torch.Tensor, *args: Any) -> Any:
+    def counting(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         calls.append(x.shape[0])
-        return routed(x, *args)
+        return routed(x, *args, **kwargs)
 
     monkeypatch.setattr(decode, "routed", counting)
     for tokens in (1, 3):
@@ -146,9 +146,9 @@ def test_moe_model_decodes_one_sequence_through_the_decode_path(
     normed: list[bool] = []
     routed = decode.routed
 
-    def counting(x: torch.Tensor, *args: Any) -> Any:
+    def counting(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         normed.append(args[6] is not None)
-        return routed(x, *args)
+        return routed(x, *args, **kwargs)
 
     monkeypatch.setattr(decode, "routed", counting)
     path = write_moe_model(tmp_path, "qwen3_moe")

@@ -199,9 +199,9 @@ def test_moe_model_fused_matches_eager(tmp_path: Path, monkeypatch: pytest.Monke
     calls = {"fused": 0, "eager": 0}
 
     def counted(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
         return wrapper
 
     monkeypatch.setattr(fused, "fused_moe", counted("fused", fused.fused_moe))
