@@ -137,6 +137,8 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
               scales.BLOCKS: ((64, 128), (32, 64, 128)),
               scales.CHANNEL: ((128, 256, 512), (64, 128, 256, 512))}[mode]
+    # FP8: also the chunks through Triton's pipelined loop (``DecodeTiles.stages``)
+    stages = (0,) if mode == scales.NONE else (0, 3, 4)
     out: dict[str, Any] = {"tokens": tokens, "weights": weights, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
@@ -144,13 +146,13 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
                            "tiles": dataclasses.asdict(default)}
     if sweep:
         timed = []
-        for bn, bk, nw_ in itertools.product((8, 16, 32), chunks[0], (4, 8)):
-            t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
+        for bn, bk, nw_, st in itertools.product((8, 16, 32), chunks[0], (4, 8), stages):
+            t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_, stages=st)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
         best_up = min(timed, key=lambda r: r[0])[1]
-        for bn, bk, nw_ in itertools.product((4, 8, 16), chunks[1], (4, 8)):
+        for bn, bk, nw_, st in itertools.product((4, 8, 16), chunks[1], (4, 8), stages):
             t = dataclasses.replace(decode.DecodeTiles(**best_up), block_n_down=bn,
-                                    block_k_down=bk, num_warps_down=nw_)
+                                    block_k_down=bk, num_warps_down=nw_, stages_down=st)
             timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
         out["sweep_best"] = min(timed, key=lambda r: r[0])
     return out

@@ -11,6 +11,8 @@ no host sync, and a CUDA graph replayed on new inputs gives the eager run's bits
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ def _experts(layout: str) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 4, 64, 512])
 def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> None:
-    from executor.kernels.moe import decode
+    from executor.kernels.moe import decode, scales
     from executor.kernels.moe.fused import route_and_experts
     from executor.kernels.moe.reference import experts_reference
 
@@ -70,6 +72,14 @@ def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> No
         got, weights, ids = decode.routed(x, logits, q13, q2, top_k, True, True, **fp8)
         assert torch.equal(got, route_and_experts(x, logits, q13, q2, top_k, True, True,
                                                   **fp8))
+        # the weight chunks through Triton's pipelined loop: the same bits
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        mode = scales.CHANNEL if layout == "channel" else scales.BLOCKS
+        tiles = decode.pick_tiles(tokens, top_k, QWEN3_30B[2], QWEN3_30B[3], torch.bfloat16,
+                                  sms, mode)
+        tiles = dataclasses.replace(tiles, stages=3, stages_down=3)
+        piped = decode.routed(x, logits, q13, q2, top_k, True, True, tiles=tiles, **fp8)[0]
+        assert torch.equal(piped, got)
     else:
         from executor.kernels.moe.fused import fused_experts
         from executor.kernels.moe.route import route_topk

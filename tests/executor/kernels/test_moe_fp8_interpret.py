@@ -14,6 +14,7 @@ path equals the unquantized one bit for bit; bad scale arguments are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -119,7 +120,8 @@ def test_grouped_path_fp8(layout: str, dtype: torch.dtype, tokens: int, experts:
 def test_uneven_loads_and_idle_experts(layout: str) -> None:
     """Expert 0 takes every token (two 16-row blocks), expert 3 most, expert 5 a few,
     the rest none; grouped tiles of two sizes, and the decode path with every token on
-    the same two experts and tiles leaving partial column blocks."""
+    the same two experts and tiles leaving partial column blocks, its weight chunks
+    prefetched in registers and through the pipelined loop."""
     tokens, experts = 20, 8
     p = _problem(tokens, experts, 160, 128, layout, 5)
     x = p["x"]
@@ -133,10 +135,16 @@ def test_uneven_loads_and_idle_experts(layout: str) -> None:
     logits = p["logits"][:3].clone()
     logits[:, 5] = 8.0
     logits[:, 2] = 6.0
-    out, w, i = decode.routed(x[:3], logits, p["q13"], p["q2"], 2, True, False,
-                              tiles=decode.DecodeTiles(32, 64, 16, 128), **p["fp8"])
+    tiles = decode.DecodeTiles(32, 64, 16, 128)
+    out, w, i = decode.routed(x[:3], logits, p["q13"], p["q2"], 2, True, False, tiles=tiles,
+                              **p["fp8"])
     assert i.tolist() == [[5, 2]] * 3
     _assert_matches(out, x[:3], p, w, i)
+    # the weight chunks through the pipelined loop: the same products in the same order
+    piped = dataclasses.replace(tiles, stages=3, stages_down=2)
+    again = decode.routed(x[:3], logits, p["q13"], p["q2"], 2, True, False, tiles=piped,
+                          **p["fp8"])[0]
+    assert torch.equal(again, out)
 
 
 @pytest.mark.parametrize("layout", ["channel", "block"])
