@@ -13,6 +13,7 @@ columns of the token's ``top_k`` experts at once (a ``(top_k, BLOCK_N, BLOCK_K)`
 step), rounds each expert's output, scales it by its routing weight, rounds, and sums the
 ``top_k`` in float32 in one program: deterministic, as the grouped path rounds. Each pair
 streams its own expert, so the path serves only while pairs rarely share one (``takes``).
+FP8 weights (``scales``) are converted to float32 in registers, as the bf16 ones are.
 """
 
 from __future__ import annotations
