@@ -145,11 +145,12 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     mode = {"bf16": scales.NONE, "fp8-channel": scales.CHANNEL,
             "fp8-block": scales.BLOCKS}[weights]
     default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms, mode)
-    # reduction chunks swept (gate_up's, down's): bf16's; block scales keep them inside
-    # one 128-column block; per-channel FP8 rows are half the bytes, so gate_up's twice as
-    # long too (down's accumulators are top_k times wider already)
+    # reduction chunks swept (gate_up's, down's): bf16's; block scales also shorter ones
+    # inside one 128-column block (the default: wider chunks are split into their blocks);
+    # per-channel FP8 rows are half the bytes, so gate_up's twice as long too (down's
+    # accumulators are top_k times wider already)
     chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
-              scales.BLOCKS: ((64, 128), (32, 64, 128)),
+              scales.BLOCKS: ((64, 128, 256), (32, 64, 128, 256)),
               scales.CHANNEL: ((128, 256, 512), (64, 128, 256))}[mode]
     # FP8: also the chunks through Triton's pipelined loop (``DecodeTiles.stages``)
     stages = (0,) if mode == scales.NONE else (0, 3, 4)
