@@ -123,7 +123,7 @@ def test_uneven_loads_and_idle_experts(layout: str) -> None:
     the same two experts, chunks wider than a scale block, its weight chunks prefetched
     in registers and through the pipelined loop."""
     tokens, experts = 20, 8
-    p = _problem(tokens, experts, 160, 128, layout, 5)
+    p = _problem(tokens, experts, 320, 128, layout, 5)
     x = p["x"]
     ids = torch.zeros(tokens, 2, dtype=torch.int32)
     ids[:, 1] = 3
@@ -135,7 +135,8 @@ def test_uneven_loads_and_idle_experts(layout: str) -> None:
     logits = p["logits"][:3].clone()
     logits[:, 5] = 8.0
     logits[:, 2] = 6.0
-    # (block scales: gate_up's chunks span two blocks, down's one and a masked one)
+    # (block scales: gate_up's chunks span two blocks, the last a partial one and one
+    # past the end; down's one and one past the end)
     tiles = decode.DecodeTiles(16, 256, 16, 256)
     out, w, i = decode.routed(x[:3], logits, p["q13"], p["q2"], 2, True, False, tiles=tiles,
                               **p["fp8"])
