@@ -138,13 +138,13 @@ def test_uneven_loads_and_idle_experts(layout: str) -> None:
     logits[:, 2] = 6.0
     # (block scales: gate_up's chunks span two blocks, the last a partial one and one
     # past the end; down's one and one past the end)
-    tiles = decode.DecodeTiles(16, 256, 16, 256)
-    out, w, i = decode.routed(x, logits, p["q13"], p["q2"], 2, True, False, tiles=tiles,
+    wide = decode.DecodeTiles(16, 256, 16, 256)
+    out, w, i = decode.routed(x, logits, p["q13"], p["q2"], 2, True, False, tiles=wide,
                               **p["fp8"])
     assert i.tolist() == [[5, 2]] * 3
     _assert_matches(out, x, p, w, i)
     # the weight chunks through the pipelined loop: the same products in the same order
-    piped = dataclasses.replace(tiles, stages=3, stages_down=2)
+    piped = dataclasses.replace(wide, stages=3, stages_down=2)
     again = decode.routed(x, logits, p["q13"], p["q2"], 2, True, False, tiles=piped,
                           **p["fp8"])[0]
     assert torch.equal(again, out)
