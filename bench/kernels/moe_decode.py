@@ -50,13 +50,15 @@ def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
 
 def _timed(fn: Callable[[int], object], calls: int, tiles: Any
            ) -> list[tuple[float, dict[str, Any]]]:
-    """``[(us per call, tiles)]``, or nothing where the tiles do not fit the GPU (a
-    pipelined loop's shared memory)."""
+    """``[(us per call, tiles)]``, or nothing (and a line saying why) where the tiles do
+    not fit the GPU (a pipelined loop's shared memory) or do not compile."""
     import triton
 
     try:
         return [(_per_call_us(fn, calls), dataclasses.asdict(tiles))]
-    except triton.runtime.errors.OutOfResources:
+    except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:
+        first = (str(e).splitlines() or [""])[0][:120]
+        print(f"        skipped {tiles}: {type(e).__name__}: {first}")
         return []
 
 
