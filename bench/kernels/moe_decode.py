@@ -11,11 +11,12 @@ input norm fused) and as the grouped path it replaces at those sizes (the norm k
 experts (copies together exceed L2, so weights stream from HBM as in a forward), against
 the bytes of the experts routed to over the measured read bandwidth (``--weights``: bf16
 experts, or e4m3 with per-channel or 128x128 block scales: 1 byte a weight plus the
-scales in the floor). ``--sweep`` times the
-decode path's tiles at the first token count (gate_up's, then down's with gate_up's best)
-and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE, 32 q and 4 KV heads of 128) at
-one token: the head split against one program per kind of head. Prints a table; writes
-``moe_decode.json`` (``moe_decode_<weights>.json`` for FP8) under ``--out``.
+scales in the floor; FP8 also with the pipelined weight stream, ``DecodeTiles.stages``).
+``--sweep`` times the decode path's tiles at the first token count (gate_up's, then
+down's with gate_up's best) and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE,
+32 q and 4 KV heads of 128) at one token: the head split against one program per kind of
+head. Prints a table; writes ``moe_decode.json`` (``moe_decode_<weights>.json`` for FP8)
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
         return replay_us(graph, calls, 50, warmup=5)
     finally:
         del graph
+
+
+def _timed(fn: Callable[[int], object], calls: int, tiles: Any
+           ) -> list[tuple[float, dict[str, Any]]]:
+    """``[(us per call, tiles)]``, or nothing (and a line saying why) where the tiles do
+    not fit the GPU (a pipelined loop's shared memory) or do not compile."""
+    import triton
+
+    try:
+        return [(_per_call_us(fn, calls), dataclasses.asdict(tiles))]
+    except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:
+        first = (str(e).splitlines() or [""])[0][:120]
+        print(f"        skipped {tiles}: {type(e).__name__}: {first}")
+        return []
 
 
 def kernel_us(fn: Callable[[int], object], calls: int) -> dict[str, float]:
@@ -132,26 +147,33 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     mode = {"bf16": scales.NONE, "fp8-channel": scales.CHANNEL,
             "fp8-block": scales.BLOCKS}[weights]
     default = decode.pick_tiles(tokens, top_k, hidden, inter, torch.bfloat16, sms, mode)
-    # reduction chunks swept (gate_up's, down's): bf16's; block scales keep them inside
-    # one 128-column block; per-channel FP8 rows are half the bytes, so twice as long too
+    # reduction chunks swept (gate_up's, down's): bf16's; block scales also shorter ones
+    # inside one 128-column block (the default: wider chunks are split into their blocks);
+    # per-channel FP8 rows are half the bytes, so gate_up's twice as long too (down's
+    # accumulators are top_k times wider already)
     chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
-              scales.BLOCKS: ((64, 128), (32, 64, 128)),
-              scales.CHANNEL: ((128, 256, 512), (64, 128, 256, 512))}[mode]
+              scales.BLOCKS: ((64, 128, 256), (32, 64, 128, 256)),
+              scales.CHANNEL: ((128, 256, 512), (64, 128, 256))}[mode]
+    # FP8: also the chunks through Triton's pipelined loop (``DecodeTiles.stages``)
+    stages = (0,) if mode == scales.NONE else (0, 3, 4)
     out: dict[str, Any] = {"tokens": tokens, "weights": weights, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
                            "kernels_us": kernel_us(run_decode(None), copies),
                            "tiles": dataclasses.asdict(default)}
+    if mode != scales.NONE:  # the default tiles with the pipelined weight stream
+        piped = dataclasses.replace(default, stages=3, stages_down=3)
+        out["pipelined_us"] = [t for t, _ in _timed(run_decode(piped), copies, piped)]
     if sweep:
         timed = []
-        for bn, bk, nw_ in itertools.product((8, 16, 32), chunks[0], (4, 8)):
-            t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_)
-            timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
+        for bn, bk, nw_, st in itertools.product((8, 16, 32), chunks[0], (4, 8), stages):
+            t = dataclasses.replace(default, block_n=bn, block_k=bk, num_warps=nw_, stages=st)
+            timed += _timed(run_decode(t), copies, t)
         best_up = min(timed, key=lambda r: r[0])[1]
-        for bn, bk, nw_ in itertools.product((4, 8, 16), chunks[1], (4, 8)):
+        for bn, bk, nw_, st in itertools.product((4, 8, 16), chunks[1], (4, 8), stages):
             t = dataclasses.replace(decode.DecodeTiles(**best_up), block_n_down=bn,
-                                    block_k_down=bk, num_warps_down=nw_)
-            timed.append((_per_call_us(run_decode(t), copies), dataclasses.asdict(t)))
+                                    block_k_down=bk, num_warps_down=nw_, stages_down=st)
+            timed += _timed(run_decode(t), copies, t)
         out["sweep_best"] = min(timed, key=lambda r: r[0])
     return out
 
@@ -204,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['floor_us']:8.1f}  {c['decode_us'] / c['floor_us']:12.2f}  {c['tiles']}")
         print("        kernels: " + ", ".join(f"{k} {v:.1f} us"
                                                for k, v in c["kernels_us"].items()))
+        if c.get("pipelined_us"):
+            print(f"        stages=3 (pipelined weight stream): {c['pipelined_us'][0]:.1f} us")
         if "sweep_best" in c:
             print(f"        sweep best {c['sweep_best'][0]:.1f} us: {c['sweep_best'][1]}")
     r = result["rope"]

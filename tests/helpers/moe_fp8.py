@@ -4,6 +4,8 @@ float32 for the reference, and that reference rounded where the kernels round.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -31,7 +33,7 @@ def dequantize_experts(q: torch.Tensor, s: torch.Tensor, layout: str) -> torch.T
                         for e in range(q.shape[0])])
 
 
-def fp8_kwargs(s13: torch.Tensor, s2: torch.Tensor, layout: str) -> dict[str, object]:
+def fp8_kwargs(s13: torch.Tensor, s2: torch.Tensor, layout: str) -> dict[str, Any]:
     """The kernels' keyword arguments for the scales of ``layout``."""
     return {"w13_scale": s13, "w2_scale": s2, "block": BLOCK if layout == "block" else None}
 

@@ -13,6 +13,7 @@ columns of the token's ``top_k`` experts at once (a ``(top_k, BLOCK_N, BLOCK_K)`
 step), rounds each expert's output, scales it by its routing weight, rounds, and sums the
 ``top_k`` in float32 in one program: deterministic, as the grouped path rounds. Each pair
 streams its own expert, so the path serves only while pairs rarely share one (``takes``).
+FP8 weights (``scales``) are converted to float32 in registers, as the bf16 ones are.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _moe_decode_gate_up_kernel(
     HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,  # next_power_of_2(K) (HAS_NORM)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALES: tl.constexpr, SB: tl.constexpr,  # scales.NONE/CHANNEL/BLOCKS, block size
+    STAGES: tl.constexpr,  # 0: the next chunk prefetched in registers; >= 2: pipelined
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
@@ -96,29 +98,29 @@ def _moe_decode_gate_up_kernel(
         su_ptrs = sg_ptrs + n_cols
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # the next chunk's weights are loaded before this chunk's products (two chunks in
-    # flight per program: the loop is not pipelined for us, there being no dot)
-    w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
-    g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
-    u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
-    for k in range(0, k_dim, BLOCK_K):
-        w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
-        g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
-        u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
-        k_ok = ks + k < k_dim
-        xk = tl.load(x_row + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_NORM:  # rounded before and after the weight multiply, as the norm kernel
-            nw = tl.load(nw_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            xk = ((xk * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
-        if W_SCALES == 2:  # the dequantized weight (as fp8.dequantize), then the product
-            sg = tl.load(sg_ptrs + k // SB, mask=col_ok, other=0.0)
-            su = tl.load(su_ptrs + k // SB, mask=col_ok, other=0.0)
-            gate += (g_w.to(tl.float32) * sg[:, None]) * xk[None, :]
-            up += (u_w.to(tl.float32) * su[:, None]) * xk[None, :]
-        else:
-            gate += g_w.to(tl.float32) * xk[None, :]
-            up += u_w.to(tl.float32) * xk[None, :]
-        g_w, u_w = g_next, u_next
+    if STAGES == 0:
+        # the next chunk's weights are loaded before this chunk's products (two chunks in
+        # flight per program: the loop is not pipelined for us, there being no dot)
+        w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
+        g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        for k in range(0, k_dim, BLOCK_K):
+            w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
+            g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+            u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+            gate, up = _gate_up_chunk(gate, up, g_w, u_w, k, ks, k_dim, x_row, nw_ptr, rstd,
+                                      act_ptr, sg_ptrs, su_ptrs, col_ok, HAS_NORM, W_SCALES,
+                                      SB, BLOCK_N, BLOCK_K)
+            g_w, u_w = g_next, u_next
+    else:  # Triton's pipelined loop: STAGES chunks in flight through shared memory (FP8
+        # chunks are half the bytes, so registers alone hold few in flight)
+        for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
+            w_mask = col_ok[:, None] & (ks + k < k_dim)[None, :]
+            g_w = tl.load(g_ptrs + k, mask=w_mask, other=0.0)
+            u_w = tl.load(u_ptrs + k, mask=w_mask, other=0.0)
+            gate, up = _gate_up_chunk(gate, up, g_w, u_w, k, ks, k_dim, x_row, nw_ptr, rstd,
+                                      act_ptr, sg_ptrs, su_ptrs, col_ok, HAS_NORM, W_SCALES,
+                                      SB, BLOCK_N, BLOCK_K)
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     if W_SCALES == 1:  # each row's sum times its scale, before the rounding
@@ -128,6 +130,44 @@ def _moe_decode_gate_up_kernel(
     u = u.to(act_ty).to(tl.float32)
     act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32) * u
     tl.store(act_ptr + pair.to(tl.int64) * n_cols + cols, act.to(act_ty), mask=col_ok)
+
+
+@triton.jit
+def _gate_up_chunk(gate, up, g_w, u_w, k, ks, k_dim, x_row, nw_ptr, rstd, act_ptr, sg_ptrs,
+                   su_ptrs, col_ok, HAS_NORM: tl.constexpr, W_SCALES: tl.constexpr,
+                   SB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``gate`` and ``up`` plus one chunk's products: the input chunk at ``k`` (normed
+    with ``HAS_NORM``) times the weight chunks ``g_w`` / ``u_w`` (BLOCK_N, BLOCK_K)."""
+    act_ty = act_ptr.dtype.element_ty
+    k_ok = ks + k < k_dim
+    xk = tl.load(x_row + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_NORM:  # rounded before and after the weight multiply, as the norm kernel
+        nw = tl.load(nw_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+        xk = ((xk * rstd).to(act_ty).to(tl.float32) * nw).to(act_ty).to(tl.float32)
+    if W_SCALES == 2:  # the dequantized weight (as fp8.dequantize), then the product
+        gate += _block_scaled(g_w, sg_ptrs, col_ok, k, k_dim, SB, BLOCK_N, BLOCK_K) * xk[None, :]
+        up += _block_scaled(u_w, su_ptrs, col_ok, k, k_dim, SB, BLOCK_N, BLOCK_K) * xk[None, :]
+    else:
+        gate += g_w.to(tl.float32) * xk[None, :]
+        up += u_w.to(tl.float32) * xk[None, :]
+    return gate, up
+
+
+@triton.jit
+def _block_scaled(w, s_ptrs, s_ok, k, k_dim, SB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """e4m3 ``w`` (BLOCK_N, BLOCK_K) at reduction offset ``k`` times its block scales (each
+    row's block row at ``s_ptrs``), in float32: one scale a row while the chunk lies in one
+    block column, else one a row and block column (the chunk split into its blocks)."""
+    if BLOCK_K <= SB:
+        s = tl.load(s_ptrs + k // SB, mask=s_ok, other=0.0)
+        return w.to(tl.float32) * s[:, None]
+    NB: tl.constexpr = BLOCK_K // SB
+    blocks = k // SB + tl.arange(0, NB)
+    s = tl.load(s_ptrs[:, None] + blocks[None, :],
+                mask=s_ok[:, None] & (blocks < tl.cdiv(k_dim, SB))[None, :], other=0.0)
+    w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, SB)) * s[:, :, None]
+    return tl.reshape(w3, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -142,6 +182,7 @@ def _moe_decode_down_kernel(
     TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALES: tl.constexpr, SB: tl.constexpr,
+    STAGES: tl.constexpr,  # as gate_up's
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -165,18 +206,20 @@ def _moe_decode_down_kernel(
     else:
         s_ptrs = s_ptr + expert[:, None] * stride_se + cols[None, :]
     acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
-    for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
-        w_next = tl.load(w_ptrs + k + BLOCK_K,
-                         mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :], other=0.0)
-        k_ok = (ks + k < k_dim)[None, None, :]
-        a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
-        if W_SCALES == 2:
-            s = tl.load(s_ptrs + k // SB, mask=s_ok, other=0.0)
-            acc += (w.to(tl.float32) * s[:, :, None]) * a.to(tl.float32)
-        else:
-            acc += w.to(tl.float32) * a.to(tl.float32)
-        w = w_next
+    if STAGES == 0:
+        w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
+        for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
+            w_next = tl.load(w_ptrs + k + BLOCK_K,
+                             mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :],
+                             other=0.0)
+            acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
+                              SB, K_POW2, BLOCK_N, BLOCK_K)
+            w = w_next
+    else:  # pipelined, as in gate_up
+        for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
+            w = tl.load(w_ptrs + k, mask=rows_ok & (ks + k < k_dim)[None, None, :], other=0.0)
+            acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
+                              SB, K_POW2, BLOCK_N, BLOCK_K)
     act_ty = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2)  # (K_POW2, BLOCK_N)
     if W_SCALES == 1:
@@ -186,9 +229,32 @@ def _moe_decode_down_kernel(
     tl.store(out_ptr + t * stride_o + cols, total.to(act_ty), mask=col_ok)
 
 
+@triton.jit
+def _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES: tl.constexpr,
+                SB: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """``acc`` plus one chunk's products: the ``top_k`` activation chunks at ``k`` times
+    their experts' weight chunks ``w`` (K_POW2, BLOCK_N, BLOCK_K)."""
+    k_ok = (ks + k < k_dim)[None, None, :]
+    a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
+    if W_SCALES == 2 and BLOCK_K <= SB:  # one scale a row of each expert
+        s = tl.load(s_ptrs + k // SB, mask=s_ok, other=0.0)
+        acc += (w.to(tl.float32) * s[:, :, None]) * a.to(tl.float32)
+    elif W_SCALES == 2:  # the experts' rows as one (K_POW2 * BLOCK_N)-row tile
+        rows: tl.constexpr = K_POW2 * BLOCK_N
+        w2 = _block_scaled(tl.reshape(w, (rows, BLOCK_K)), tl.reshape(s_ptrs, (rows,)),
+                           tl.reshape(s_ok, (rows,)), k, k_dim, SB, rows, BLOCK_K)
+        acc += tl.reshape(w2, (K_POW2, BLOCK_N, BLOCK_K)) * a.to(tl.float32)
+    else:
+        acc += w.to(tl.float32) * a.to(tl.float32)
+    return acc
+
+
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Columns and reduction chunk per program of each launch."""
+    """Columns and reduction chunk per program of each launch, and how the weight chunks
+    stream (``stages``: 0, the next one prefetched in registers; 2 or more, that many in
+    flight through Triton's pipelined loop)."""
 
     block_n: int  # gate_up: columns of gate (and as many of up)
     block_k: int
@@ -196,6 +262,8 @@ class DecodeTiles:
     block_k_down: int
     num_warps: int = 4
     num_warps_down: int = 4
+    stages: int = 0
+    stages_down: int = 0
 
 
 def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) -> int:
@@ -213,7 +281,8 @@ def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torc
     """Blocks narrowed until about two programs per multiprocessor stream weights, and
     reduction chunks that keep each load at a few thousand elements (wide, many in
     flight, without spilling the float32 accumulators, which bound FP8 weights' chunks
-    too). Block-scaled weights: chunks inside one block column (at most ``scales.BLOCK``)."""
+    too). Block-scaled weights: chunks inside one block column (at most ``scales.BLOCK``;
+    the kernels split wider ones into their blocks)."""
     elems = 4096 if dtype == torch.float32 else 8192
     widest = scales.BLOCK if w_scales == scales.BLOCKS else 256
     block_n = _narrow(num_tokens * top_k, inter, 32, 8, 2 * sms)
@@ -260,9 +329,6 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
     if tiles is None:
         tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device),
                            s13.mode)
-    if s13.mode == scales.BLOCKS:
-        assert scales.BLOCK % tiles.block_k == 0 and scales.BLOCK % tiles.block_k_down == 0, \
-            "block scales: reduction chunks inside one block column"
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     k_pow2 = triton.next_power_of_2(top_k)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
@@ -274,10 +340,11 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         RENORMALIZE=renormalize, ROUND_TO_ACT=weights_in_activation_dtype,
         HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, W_SCALES=s13.mode, SB=scales.BLOCK,
-        num_warps=tiles.num_warps, **pdl.options())
+        STAGES=tiles.stages, num_warps=tiles.num_warps, **pdl.options())
     _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
         act, w_down, s2.scale, out, weights, ids, experts, hidden, inter,
         w_down.stride(0), w_down.stride(1), out.stride(0), s2.stride_e, s2.stride_r,
         TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=tiles.block_n_down, BLOCK_K=tiles.block_k_down,
-        W_SCALES=s2.mode, SB=scales.BLOCK, num_warps=tiles.num_warps_down, **pdl.options())
+        W_SCALES=s2.mode, SB=scales.BLOCK, STAGES=tiles.stages_down,
+        num_warps=tiles.num_warps_down, **pdl.options())
     return out, weights, ids

@@ -12,7 +12,8 @@ take ``decode``'s two launches instead, the sum in the down kernel). Programs pa
 ``num_padded`` return at once, so grids are fixed by ``T`` (capturable) and experts that
 received no token cost nothing. Rounding follows the eager reference: each GEMM's output
 in the activation dtype, SiLU in float32 rounded, the product rounded, the routing weight
-applied in float32 and rounded.
+applied in float32 and rounded. FP8 weights (``scales``) enter ``tl.dot`` converted to the
+activation dtype, scaled per output column at the end or per block on each chunk's sums.
 """
 
 from __future__ import annotations

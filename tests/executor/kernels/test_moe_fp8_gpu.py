@@ -11,6 +11,8 @@ no host sync, and a CUDA graph replayed on new inputs gives the eager run's bits
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ def _experts(layout: str) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 4, 64, 512])
 def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> None:
-    from executor.kernels.moe import decode
+    from executor.kernels.moe import decode, scales
     from executor.kernels.moe.fused import route_and_experts
     from executor.kernels.moe.reference import experts_reference
 
@@ -66,10 +68,24 @@ def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> No
                     generator=torch.Generator(device="cuda").manual_seed(tokens)).bfloat16()
     logits = x @ router.t()
     fp8 = fp8_kwargs(s13, s2, layout)
+    others = []  # other tiles' results, within the same tolerance
     if decode.takes(tokens, top_k, QWEN3_30B[0]):
         got, weights, ids = decode.routed(x, logits, q13, q2, top_k, True, True, **fp8)
         assert torch.equal(got, route_and_experts(x, logits, q13, q2, top_k, True, True,
                                                   **fp8))
+        # the weight chunks through Triton's pipelined loop: the same bits
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        mode = scales.CHANNEL if layout == "channel" else scales.BLOCKS
+        tiles = decode.pick_tiles(tokens, top_k, QWEN3_30B[2], QWEN3_30B[3], torch.bfloat16,
+                                  sms, mode)
+        tiles = dataclasses.replace(tiles, stages=3, stages_down=3)
+        piped = decode.routed(x, logits, q13, q2, top_k, True, True, tiles=tiles, **fp8)[0]
+        assert torch.equal(piped, got)
+        if layout == "block":  # chunks of two scale blocks, split into them in the kernel
+            wide = dataclasses.replace(tiles, block_k=256, block_k_down=256, stages=0,
+                                       stages_down=0)
+            others.append(decode.routed(x, logits, q13, q2, top_k, True, True, tiles=wide,
+                                        **fp8)[0])
     else:
         from executor.kernels.moe.fused import fused_experts
         from executor.kernels.moe.route import route_topk
@@ -83,8 +99,9 @@ def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> No
     err = (got.float() - rounded).abs()
     print(f"{layout} x{tokens}: max |got - f32 ref| {(got.float() - want).abs().max():.3g}, "
           f"|got - rounded ref| {err.max():.3g} (amax {rounded.abs().max():.3g})")
-    torch.testing.assert_close(got.float(), rounded, rtol=ROUNDED_ULPS * eps,
-                               atol=ROUNDED_ULPS * eps * float(rounded.abs().max()))
+    for out in (got, *others):
+        torch.testing.assert_close(out.float(), rounded, rtol=ROUNDED_ULPS * eps,
+                                   atol=ROUNDED_ULPS * eps * float(rounded.abs().max()))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
