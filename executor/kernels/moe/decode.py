@@ -18,6 +18,7 @@ FP8 weights (``scales``) are converted to float32 in registers, as the bf16 ones
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -281,16 +282,21 @@ def pick_tiles(num_tokens: int, top_k: int, hidden: int, inter: int, dtype: torc
     """Blocks narrowed until about two programs per multiprocessor stream weights, and
     reduction chunks that keep each load at a few thousand elements (wide, many in
     flight, without spilling the float32 accumulators, which bound FP8 weights' chunks
-    too). Block-scaled weights: chunks inside one block column (at most ``scales.BLOCK``;
-    the kernels split wider ones into their blocks)."""
+    too; the kernels split a block-scaled chunk wider than a block into its blocks). FP8
+    rows are half the bytes: down's blocks narrow to 4 columns and both kernels stream
+    through Triton's pipelined loop (as the tile sweep at one token measured fastest)."""
+    fp8 = w_scales != scales.NONE
     elems = 4096 if dtype == torch.float32 else 8192
-    widest = scales.BLOCK if w_scales == scales.BLOCKS else 256
     block_n = _narrow(num_tokens * top_k, inter, 32, 8, 2 * sms)
     block_k = min(triton.next_power_of_2(hidden), max(16, elems // (2 * block_n)))
-    block_n_down = _narrow(num_tokens, hidden, 32, 8, 2 * sms)
+    block_n_down = _narrow(num_tokens, hidden, 32, 4 if fp8 else 8, 2 * sms)
     k_pow2 = triton.next_power_of_2(top_k)
     block_k_down = min(triton.next_power_of_2(inter), max(16, elems // (k_pow2 * block_n_down)))
-    return DecodeTiles(block_n, min(block_k, widest), block_n_down, min(block_k_down, widest))
+    tiles = DecodeTiles(block_n, min(block_k, 256), block_n_down, min(block_k_down, 256))
+    if not fp8:
+        return tiles
+    return dataclasses.replace(tiles, block_k_down=min(block_k_down, scales.BLOCK),
+                               stages=4 if w_scales == scales.CHANNEL else 3, stages_down=3)
 
 
 @functools.lru_cache(maxsize=8)

@@ -106,12 +106,12 @@ def test_fp8_experts_match_dequantized_reference(layout: str, tokens: int) -> No
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 4, 64])
-def test_unit_scales_give_the_bf16_paths_bits(layout: str, tokens: int) -> None:
-    """e4m3-exact weights with scales of 1 against the same weights in bf16: the same bits
-    on the decode path (the same float32 products and sums on the CUDA cores); on the
-    grouped path within the rounded reference's tolerance (the converted operand may
-    take another MMA schedule, and block scales add each chunk's sums outside the MMA;
-    the share of equal bits is printed)."""
+def test_unit_scales_give_the_bf16_paths_values(layout: str, tokens: int) -> None:
+    """e4m3-exact weights with scales of 1 against the same weights in bf16: within the
+    rounded reference's tolerance, the share of equal bits printed. (Not bit-equal on the
+    GPU: FP8 weights take their own decode tiles, a pipelined stream and other chunks,
+    so the float32 sums run in another order; the grouped path's converted operand may
+    take another MMA schedule. The interpreter tests check the bits at equal tiles.)"""
     from executor.kernels.moe import decode
     from executor.kernels.moe.fused import route_and_experts
 
@@ -123,13 +123,11 @@ def test_unit_scales_give_the_bf16_paths_bits(layout: str, tokens: int) -> None:
     want = route_and_experts(x, logits, q13.bfloat16(), q2.bfloat16(), 8, True, True)
     got = route_and_experts(x, logits, q13, q2, 8, True, True, **ones)
     assert want.isfinite().all()
-    if decode.takes(tokens, 8, QWEN3_30B[0]):
-        assert torch.equal(got, want)
-    else:
-        print(f"{layout} x{tokens}: {(got == want).float().mean().item():.2%} bits equal")
-        eps = torch.finfo(torch.bfloat16).eps
-        torch.testing.assert_close(got, want, rtol=ROUNDED_ULPS * eps,
-                                   atol=ROUNDED_ULPS * eps * float(want.abs().max()))
+    path = "decode" if decode.takes(tokens, 8, QWEN3_30B[0]) else "grouped"
+    print(f"{layout} x{tokens} ({path}): {(got == want).float().mean().item():.2%} bits equal")
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got, want, rtol=ROUNDED_ULPS * eps,
+                               atol=ROUNDED_ULPS * eps * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
