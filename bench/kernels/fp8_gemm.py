@@ -273,9 +273,11 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
 
 
 def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks"),
-          kernel: str = "all", w8a16_tiles: bool = False) -> list[dict[str, Any]]:
+          kernel: str = "all", w8a16_tiles: bool = False,
+          only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
-    128x128) and row count (see the docstring); ``kernel``: which kernels' tiles."""
+    128x128) and row count (see the docstring); ``kernel``: which kernels' tiles;
+    ``only``: these projections (a mixture of experts' dense ones: ``qkv``, ``o``)."""
     from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import (
         ADD_RMS_NORM,
@@ -293,7 +295,7 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
     ops = {"qkv": ADD_RMS_NORM, "o": PLAIN, "gate_up": ADD_RMS_NORM, "down": SILU_MUL}
     out = []
     for name, (k, n) in shapes.projections(spec).items():
-        if name not in ops:
+        if name not in ops or (only and name not in only):
             continue
         fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
                for _ in range(weight_copies(k, n, 1))]
@@ -397,11 +399,14 @@ def main(argv: list[str] | None = None) -> int:
                          "tile in use now; or the w8a16 kernel's only")
     ap.add_argument("--w8a16-tiles", action="store_true",
                     help="with --sweep: from 8 rows also search the w8a16 tiles")
+    ap.add_argument("--projections", default="",
+                    help="with --sweep: a comma list of projections to tune (qkv, o, gate_up, "
+                         "down); default all (a mixture of experts' MLP is its experts: qkv,o)")
     args = ap.parse_args(argv)
     if args.sweep:
         kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
         tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.kernel,
-                      args.w8a16_tiles)
+                      args.w8a16_tiles, tuple(filter(None, args.projections.split(","))))
         if args.tiles_out:
             merge_tiles(args.tiles_out, tuned)
         return 0
