@@ -11,7 +11,8 @@ input norm fused) and as the grouped path it replaces at those sizes (the norm k
 experts (copies together exceed L2, so weights stream from HBM as in a forward), against
 the bytes of the experts routed to over the measured read bandwidth (``--weights``: bf16
 experts, or e4m3 with per-channel or 128x128 block scales: 1 byte a weight plus the
-scales in the floor; FP8 also with the pipelined weight stream, ``DecodeTiles.stages``).
+scales in the floor), the default tiles also with the other weight stream (chunks
+prefetched in registers or through Triton's pipelined loop, ``DecodeTiles.stages``).
 ``--sweep`` times the decode path's tiles at the first token count (gate_up's, then
 down's with gate_up's best) and prints the fastest. Then ``rope_qk`` (q/k norm + RoPE,
 32 q and 4 KV heads of 128) at one token: the head split against one program per kind of
@@ -154,16 +155,20 @@ def moe_case(shape: tuple[int, int, int, int], tokens: int, bw_gbs: float, sweep
     chunks = {scales.NONE: ((128, 256), (64, 128, 256)),
               scales.BLOCKS: ((64, 128, 256), (32, 64, 128, 256)),
               scales.CHANNEL: ((128, 256, 512), (64, 128, 256))}[mode]
-    # FP8: also the chunks through Triton's pipelined loop (``DecodeTiles.stages``)
-    stages = (0,) if mode == scales.NONE else (0, 3, 4)
+    # the chunks prefetched in registers (0) or through Triton's pipelined loop
+    # (``DecodeTiles.stages``)
+    stages = (0, 3, 4)
     out: dict[str, Any] = {"tokens": tokens, "weights": weights, "floor_us": floor_us,
                            "decode_us": _per_call_us(run_decode(None), copies),
                            "grouped_us": _per_call_us(grouped, copies),
                            "kernels_us": kernel_us(run_decode(None), copies),
                            "tiles": dataclasses.asdict(default)}
-    if mode != scales.NONE:  # the default tiles with the pipelined weight stream
-        piped = dataclasses.replace(default, stages=3, stages_down=3)
-        out["pipelined_us"] = [t for t, _ in _timed(run_decode(piped), copies, piped)]
+    # the default tiles with the other weight stream: pipelined (3 stages) where the
+    # default prefetches in registers, in registers where it pipelines
+    other = 3 if default.stages == 0 else 0
+    alt = dataclasses.replace(default, stages=other, stages_down=other)
+    for us, _ in _timed(run_decode(alt), copies, alt):
+        out["other_stream"] = {"stages": other, "us": us}
     if sweep:
         timed = []
         for bn, bk, nw_, st in itertools.product((8, 16, 32), chunks[0], (4, 8), stages):
@@ -226,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['floor_us']:8.1f}  {c['decode_us'] / c['floor_us']:12.2f}  {c['tiles']}")
         print("        kernels: " + ", ".join(f"{k} {v:.1f} us"
                                                for k, v in c["kernels_us"].items()))
-        if c.get("pipelined_us"):
-            print(f"        stages=3 (pipelined weight stream): {c['pipelined_us'][0]:.1f} us")
+        if c.get("other_stream"):
+            o = c["other_stream"]
+            how = "pipelined weight stream" if o["stages"] else "prefetch in registers"
+            print(f"        stages={o['stages']} ({how}): {o['us']:.1f} us")
         if "sweep_best" in c:
             print(f"        sweep best {c['sweep_best'][0]:.1f} us: {c['sweep_best'][1]}")
     r = result["rope"]
