@@ -301,6 +301,8 @@ class WeightControl:
         started = time.perf_counter()
         ex = self._ex
         dropped: tuple[str, ...] = ()
+        if discard and "weights" in tags and not self.memory.discarded:
+            _check_refillable(ex.spec, ex.model_info.quantization, ex.tp.size)
         if "kv_cache" in tags and "kv_cache" not in self.memory.asleep:
             live = ex.kv.seq_ids()
             if live and not drop:
@@ -379,13 +381,28 @@ class WeightControl:
             _log.error("weight operation %s failed on this rank: %s", op, exc)
 
 
-def _check_updatable(spec: ModelSpec, quantization: str, tp_size: int) -> None:
-    """Refuse (FAILED_PRECONDITION, nothing applied) an update of weights that the copy
-    into existing parameters does not cover yet: FP8 projections, and checkpoints storing
-    q/k/v and gate/up fused (Phi-3) split over tensor-parallel ranks."""
-    what = (f"FP8 weights ({quantization})" if quantization
+def _not_updatable(spec: ModelSpec, quantization: str, tp_size: int) -> str:
+    """What of the served weights the copy into existing parameters does not cover yet
+    (FP8 weights, and checkpoints storing q/k/v and gate/up fused (Phi-3) split over
+    tensor-parallel ranks), or ""."""
+    return (f"FP8 weights ({quantization})" if quantization
             else f"{spec.architecture}'s fused qkv_proj / gate_up_proj under tensor "
             "parallelism" if spec.features.fused_checkpoint and tp_size > 1 else "")
+
+
+def _check_updatable(spec: ModelSpec, quantization: str, tp_size: int) -> None:
+    """Refuse (FAILED_PRECONDITION, nothing applied) an update ``_not_updatable`` names."""
+    what = _not_updatable(spec, quantization, tp_size)
     if what:
         raise StateConflict(f"UpdateWeights does not update {what} yet; it serves dense "
                             "unquantized models", "UPDATE_UNSUPPORTED")
+
+
+def _check_refillable(spec: ModelSpec, quantization: str, tp_size: int) -> None:
+    """Refuse Sleep(discard_weights) where no UpdateWeights could refill what it drops: the
+    server would never serve again."""
+    what = _not_updatable(spec, quantization, tp_size)
+    if what:
+        raise StateConflict(f"Sleep would discard {what}, which UpdateWeights cannot refill "
+                            "yet; sleep without discard_weights (the weights are kept in "
+                            "host memory)", "UPDATE_UNSUPPORTED")

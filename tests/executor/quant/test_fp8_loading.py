@@ -208,6 +208,20 @@ def test_quantization_flag_quantizes_at_load_and_health_says_so(tmp_path: Path) 
         with pytest.raises(StateConflict, match=r"FP8 weights \(fp8_at_load\)"):
             ex.weights.update_from_disk("v2", str(tiny))
         assert ex.status().model.weight_version == "initial"
+        # So Sleep may not discard them (nothing could refill them): refused, awake or
+        # already asleep with a host backup, and the backup still wakes.
+        qkv = ex.model.layers[0].self_attn.qkv_proj.weight  # type: ignore[attr-defined]
+        kept = qkv.clone()
+        for asleep in (False, True):
+            with pytest.raises(StateConflict, match="Sleep would discard FP8 weights") as err:
+                ex.weights.sleep(["weights"], True, False)
+            assert err.value.reason == "UPDATE_UNSUPPORTED"
+            assert ex.weights.sleeping == (("weights",) if asleep else ())
+            assert not ex.status().model.weights_discarded
+            if not asleep:
+                ex.weights.sleep(["weights"], False, False)
+        ex.weights.wake(["weights"])
+        assert torch.equal(qkv, kept) and ex.weights.sleeping == ()
     finally:
         ex.close()
     ex = Executor(dataclasses.replace(cfg, model=ModelConfig(source=str(tiny))))
