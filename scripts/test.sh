@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 echo "== ruff"; .venv/bin/ruff check .
-echo "== mypy"; .venv/bin/mypy executor service
+echo "== mypy"; .venv/bin/mypy executor service bench
 # Triton's interpreter runs the attention kernels on CPU tensors; it must be chosen before
 # triton is first imported, hence here.
 export TRITON_INTERPRET=1

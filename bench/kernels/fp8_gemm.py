@@ -312,7 +312,8 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                 run = _runner(x, op, res, nw, scale, block)
                 default = default_tile(m, n, k, blocks, op)
                 want = run(fp8[0], default).float()
-                times = {default: weights_replay_us(functools.partial(run, tile=default), fp8)}
+                times: dict[Any, float] = {
+                    default: weights_replay_us(functools.partial(run, tile=default), fp8)}
                 dot = m >= DOT_MIN_ROWS
                 tiles = candidates(m, n, k, blocks, op, kernel, device_name(dev)) \
                     if not dot or w8a16_tiles else \
