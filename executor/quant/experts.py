@@ -13,7 +13,6 @@ past. ``to_experts``: the dequantized module, for devices without FP8 kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,10 +20,11 @@ from torch import nn
 
 from executor.errors import ConfigError
 from executor.quant.fp8 import FP8, dequantize, quantize_rows
+from executor.quant.linear import FixedDtypes, copy_split
 from executor.quant.scheme import Fp8Scheme
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(FixedDtypes):
     """``num_experts`` SwiGLU experts of width ``inter`` (this rank's) in e4m3."""
 
     def __init__(self, num_experts: int, inter: int, hidden: int, scheme: Fp8Scheme) -> None:
@@ -49,17 +49,6 @@ class Fp8Experts(nn.Module):
     def inter(self) -> int:
         return int(self.down_proj.shape[2])
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-               ) -> Fp8Experts:
-        # (as Fp8Linear: the weight format fixes the dtypes, not the serving dtype)
-        kept = {n: p.dtype for n, p in self._parameters.items() if p is not None}
-        super()._apply(fn, recurse)
-        for n, dtype in kept.items():
-            p = self._parameters[n]
-            if p is not None and p.dtype != dtype:
-                self._parameters[n] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
-        return self
-
     def kernel_args(self) -> dict[str, Any]:
         """The fused MoE kernels' FP8 arguments (``kernels.moe.fused.fused_moe``)."""
         return {"w13_scale": self.gate_up_scale, "w2_scale": self.down_scale,
@@ -70,8 +59,6 @@ class Fp8Experts(nn.Module):
                    size: int, where: str) -> None:
         """Copy this rank's part of expert ``expert``'s scale tensor ``hf_name`` (``part``:
         0 gate, 1 up, None down) into place."""
-        from executor.quant.linear import copy_split
-
         width = self.inter
         if part is None:  # down: (H, I), this rank's I columns
             target = self.down_scale[expert]

@@ -26,7 +26,27 @@ from executor.quant.fp8 import FP8, dequantize, quantize_rows
 from executor.quant.scheme import Fp8Scheme
 
 
-class Fp8Linear(nn.Module):
+class FixedDtypes(nn.Module):
+    """A module whose weight format fixes its parameters' dtypes, not the serving dtype: a
+    model-wide ``.to(dtype)`` (``materialize``) must not turn FP8 weights or float32 scales
+    into bf16. Device moves and ``to_empty`` apply as usual; the parameters named in
+    ``serving_dtype`` (a bias) follow the serving dtype."""
+
+    serving_dtype: tuple[str, ...] = ()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> FixedDtypes:
+        kept = {n: p.dtype for n, p in self._parameters.items()
+                if p is not None and n not in self.serving_dtype}
+        super()._apply(fn, recurse)
+        for n, dtype in kept.items():
+            p = self._parameters[n]
+            if p is not None and p.dtype != dtype:
+                self._parameters[n] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        return self
+
+
+class Fp8Linear(FixedDtypes):
     """``y = x @ dequantize(weight).T (+ bias)`` with ``weight`` (N, K) in e4m3.
 
     ``shards``: the output rows of each checkpoint tensor fused into this one (q, k, v /
@@ -34,6 +54,8 @@ class Fp8Linear(nn.Module):
     weight along (0 column-parallel, 1 row-parallel, None replicated). ``gemm`` is set by
     ``gemm.prepare`` (``path`` names it for the start-up log).
     """
+
+    serving_dtype = ("bias",)
 
     def __init__(self, in_features: int, out_features: int, scheme: Fp8Scheme,
                  shards: tuple[int, ...], split: int | None, bias: bool) -> None:
@@ -75,20 +97,6 @@ class Fp8Linear(nn.Module):
     def scales(self) -> torch.Tensor:
         """The weight scales, whatever the checkpoint calls them."""
         return getattr(self, self.scheme.scale_name)  # type: ignore[no-any-return]
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-               ) -> Fp8Linear:
-        # NOTE: the weight format fixes these dtypes, not the serving dtype: a model-wide
-        # ``.to(dtype)`` (``materialize``) must not turn the FP8 weight or the float32
-        # scales into bf16. Device moves and ``to_empty`` apply as usual; the bias follows
-        # the serving dtype.
-        kept = {n: p.dtype for n, p in self._parameters.items() if p is not None and n != "bias"}
-        super()._apply(fn, recurse)
-        for n, dtype in kept.items():
-            p = self._parameters[n]
-            if p is not None and p.dtype != dtype:
-                self._parameters[n] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
-        return self
 
     # -- loading --------------------------------------------------------------------
     def load(self, reader: Any, hf_name: str, pname: str, shard: int | None, rank: int,
