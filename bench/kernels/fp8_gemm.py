@@ -19,7 +19,8 @@ short sweep), ``--kernel w8a16`` only the w8a16 tiles. From 8 rows it also times
 FP8 kernel's tiles (``dot_kernel``: activation quantization included, as in cuBLAS FP8's
 time), and records the fastest tile (``dot_tile``, ``dot_us``) and the fastest of the
 three paths (``kernel``); the w8a16 kernel is timed there at its current tile only,
-unless ``--w8a16-tiles``.
+unless ``--w8a16-tiles``. Launches take PDL as the server's ``--pdl`` does (``--pdl``,
+default ``auto``: on where the GPU has it), so a tile is timed as the step launches it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import hardware, shapes
+from bench.common.switches import KERNEL_SWITCH_MODES
 from bench.common.timing import weight_copies, weights_replay_us
 
 
@@ -134,13 +136,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The row kernel's (programs per SM, pipeline stages) the sweep tries: the register
+#: prefetch (0) on 4 programs, Triton's pipelined loop 2 to 4 deep.
+ROW_PIPELINES = ((4, 0), (4, 2), (4, 3), (2, 3), (2, 4), (1, 4))
+
+
 def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all",
                device: str = "") -> list[Any]:
     """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
     tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
     8 KiB to 64 KiB of weight per column block, 32 or 64 bytes of it per thread, each with
-    the register prefetch on 4 programs per SM and a 3-stage (2 per SM) and 4-stage (1 per
-    SM) pipeline."""
+    the register prefetch on 4 programs per SM and a 2- to 4-stage pipeline on 1, 2 or 4
+    programs per SM (``ROW_PIPELINES``; the grid holds as many as fit)."""
     from executor.kernels.fast_launch import next_power_of_2
     from executor.quant.tiles import (
         DOT_MIN_ROWS,
@@ -162,7 +169,7 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
         tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
         tiles += [Fp8RowTile(bn, w, p, stages) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16)
-                  for p, stages in ((4, 0), (2, 3), (1, 4))
+                  for p, stages in ROW_PIPELINES
                   if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)
                   and stages * bn * kp <= 196608]  # (shared memory: at most 192 KiB)
     return [t for t in tiles if valid(t, m, blocks)]
@@ -403,7 +410,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--projections", default="",
                     help="with --sweep: a comma list of projections to tune (qkv, o, gate_up, "
                          "down); default all (a mixture of experts' MLP is its experts: qkv,o)")
+    ap.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
+                    help="programmatic dependent launch of our kernels (as the server's "
+                         "--pdl): tiles are timed the way the decode step launches them")
     args = ap.parse_args(argv)
+    from executor.kernels.switches import KernelSwitches
+
+    with KernelSwitches.resolve(args.pdl, "auto", torch.device("cuda")):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.sweep:
         kinds = ("rows", "blocks") if args.scales == "both" else (args.scales,)
         tuned = sweep(shapes.spec(args.shape), args.tokens or [1], kinds, args.kernel,
