@@ -81,11 +81,6 @@ def _moe_decode_gate_up_kernel(
         tl.store(ids_ptr + routed, top_i, mask=slots < TOP_K)
     act_ty = act_ptr.dtype.element_ty
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    rstd = 0.0
-    if HAS_NORM:  # the norm kernel's sum of squares, over the whole row at once
-        offs = tl.arange(0, BLOCK_ROW)
-        xr = tl.load(x_row + offs, mask=offs < k_dim, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) * inv_k + eps)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     ks = tl.arange(0, BLOCK_K)
@@ -101,10 +96,12 @@ def _moe_decode_gate_up_kernel(
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if STAGES == 0:
         # the next chunk's weights are loaded before this chunk's products (two chunks in
-        # flight per program: the loop is not pipelined for us, there being no dot)
+        # flight per program: the loop is not pipelined for us, there being no dot); the
+        # first chunk is in flight during the norm's pass over the row
         w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
         g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
         u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        rstd = _row_rstd(x_row, k_dim, inv_k, eps, HAS_NORM, BLOCK_ROW)
         for k in range(0, k_dim, BLOCK_K):
             w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
             g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
@@ -115,6 +112,7 @@ def _moe_decode_gate_up_kernel(
             g_w, u_w = g_next, u_next
     else:  # Triton's pipelined loop: STAGES chunks in flight through shared memory (FP8
         # chunks are half the bytes, so registers alone hold few in flight)
+        rstd = _row_rstd(x_row, k_dim, inv_k, eps, HAS_NORM, BLOCK_ROW)
         for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
             w_mask = col_ok[:, None] & (ks + k < k_dim)[None, :]
             g_w = tl.load(g_ptrs + k, mask=w_mask, other=0.0)
@@ -131,6 +129,18 @@ def _moe_decode_gate_up_kernel(
     u = u.to(act_ty).to(tl.float32)
     act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32) * u
     tl.store(act_ptr + pair.to(tl.int64) * n_cols + cols, act.to(act_ty), mask=col_ok)
+
+
+@triton.jit
+def _row_rstd(x_row, k_dim, inv_k, eps, HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    """With ``HAS_NORM`` the norm kernel's ``1 / rms`` of the row, its squares summed over
+    the whole row at once; else 0 (unread)."""
+    rstd = 0.0
+    if HAS_NORM:
+        offs = tl.arange(0, BLOCK_ROW)
+        xr = tl.load(x_row + offs, mask=offs < k_dim, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) * inv_k + eps)
+    return rstd
 
 
 @triton.jit
