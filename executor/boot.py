@@ -81,7 +81,8 @@ def place(config: ExecutorConfig) -> Placement:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
     dtype_name = config.model.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    switches = KernelSwitches.resolve(config.pdl, config.skinny_row_kernel, device)
+    switches = KernelSwitches.resolve(config.pdl, config.skinny_row_kernel, device,
+                                      config.fp8_glu)
     return Placement(device, _DTYPES[dtype_name], dtype_name, switches)
 
 
@@ -198,7 +199,10 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
     # FP8 projections never store into the all-reduce's buffers (only the bf16 skinny GEMM
     # does), so under FP8 the send is not in effect whatever the group planned.
     sends = group.projection_features(tp) if qi.weight_format != "fp8_e4m3" else ()
-    features = ("fused_decode_rope",) * fuses + at.switches.features + sends
+    # (the FP8 gated epilogue is in effect only where projections are held in FP8)
+    switched = tuple(f for f in at.switches.features
+                     if f != "fp8_glu" or qi.weight_format == "fp8_e4m3")
+    features = ("fused_decode_rope",) * fuses + switched + sends
     info = ModelInfo(
         name=w.name, architecture=w.spec.architecture, dtype=at.dtype_name,
         device=str(at.device), vocab_size=w.spec.vocab_size, max_context=w.max_context,

@@ -25,7 +25,8 @@ Quantization = Literal["fp8"]
 TINY_MODEL = "tiny"
 
 
-#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``, ``skinny_row_kernel``).
+#: Values of the kernel switches (``fuse_decode_rope``, ``pdl``, ``skinny_row_kernel``,
+#: ``fp8_glu``).
 KERNEL_SWITCH_MODES = ("auto", "on", "off")
 
 
@@ -129,13 +130,18 @@ class ExecutorConfig:
     #: takes (``executor/kernels/skinny/tiles.py``, ``row_tile``): ``auto`` on CUDA devices,
     #: ``on`` (refused elsewhere), ``off`` (the classic kernel only).
     skinny_row_kernel: str = "auto"
+    #: FP8 gate_up projections of fewer than 8 rows end in SiLU-and-mul (the gated
+    #: epilogue, ``executor/quant/launch.py`` ``w8a16_glu``) and down takes the activation
+    #: as a plain input: ``auto``/``on`` wherever projections are held in FP8, ``off``
+    #: (down computes SiLU-and-mul itself, fused into its GEMM).
+    fp8_glu: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
-        for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel"):
+        for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu"):
             value = getattr(self, name)
             _require(value in KERNEL_SWITCH_MODES,
                      f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")

@@ -90,6 +90,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        "row kernel where it takes the shape (K from 2048 to 8192, two column "
                        "blocks or more a program); off: the "
                        "classic kernel only; auto: on CUDA devices (default: %(default)s)")
+    model.add_argument("--fp8-glu", choices=KERNEL_SWITCH_MODES, default="auto",
+                       help="FP8 gate_up projections of fewer than 8 rows end in "
+                       "SiLU-and-mul (the gated epilogue) and down takes the activation as "
+                       "is; off: down computes SiLU-and-mul itself; auto and on: wherever "
+                       "projections are held in FP8 (default: %(default)s)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -265,7 +270,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
         fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl,
-        skinny_row_kernel=args.skinny_row_kernel)
+        skinny_row_kernel=args.skinny_row_kernel, fp8_glu=args.fp8_glu)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

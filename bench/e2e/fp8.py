@@ -11,7 +11,9 @@ bf16 (attention, LM head) and FP8 (projections) matmul rates.
 
     python -m bench.e2e.fp8 --model llama-3.1-8b [--case decode:1 ...] [--out DIR]
 
-Prints the table and writes ``fp8-<model>.json`` and ``.md`` to ``--out``.
+Prints the table and writes ``fp8-<model>.json`` and ``.md`` to ``--out``. The kernel
+switches (``bench.common.switches``: ``--fp8-glu off`` and the like) apply to both runs, so
+two runs with one switch flipped A/B it (give each its own ``--out``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import hardware, shapes
+from bench.common import switches as bench_switches
 from bench.common.meta import git_commit
 from bench.profile.kernel_classes import median_classes, step_table
 from bench.profile.kernel_table import case_step, profile_step
@@ -69,7 +72,8 @@ def floors(spec: Any, phase: str, size: int, context: int, bw: float, bf16_tflop
     return max(read_ms, flops_ms)
 
 
-def _executor(source: str, quantization: str | None, attention: str) -> Any:
+def _executor(source: str, quantization: str | None, attention: str,
+              switches: dict[str, str]) -> Any:
     from executor.config import CacheConfig, ExecutorConfig, GraphConfig, ModelConfig
     from executor.executor import Executor
 
@@ -80,11 +84,12 @@ def _executor(source: str, quantization: str | None, attention: str) -> Any:
         cache=CacheConfig(kv_tokens=96 * 1024, max_sequences=80, max_context=4096),
         graphs=GraphConfig(decode_mode="full", prefill_mode="breakable",
                            decode_buckets=(1, 8, 64), prefill_buckets=(128, 2048)),
-        attention_backend=attention, max_decode_batch=64, max_prefill_tokens=8192))
+        attention_backend=attention, max_decode_batch=64, max_prefill_tokens=8192,
+        **switches))  # type: ignore[arg-type]
 
 
 def measure(model: str, root: Path, cases: list[str], steps: int, context: int,
-            attention: str) -> dict[str, Any]:
+            attention: str, switches: dict[str, str] | None = None) -> dict[str, Any]:
     import torch
 
     bw, tflops, fp8_tflops = (hardware.read_bandwidth_gbs(), hardware.matmul_tflops(),
@@ -93,12 +98,14 @@ def measure(model: str, root: Path, cases: list[str], steps: int, context: int,
     result: dict[str, Any] = {
         "model": model, "device": torch.cuda.get_device_name(), "commit": git_commit(),
         "torch": torch.__version__, "read_bandwidth_gbs": bw, "matmul_tflops": tflops,
-        "fp8_matmul_tflops": fp8_tflops, "context": context, "steps": steps, "runs": {}}
+        "fp8_matmul_tflops": fp8_tflops, "context": context, "steps": steps,
+        "switches": switches or {}, "runs": {}}
     for label, quantization in (("bf16", None), ("fp8", "fp8")):
-        ex = _executor(str(path), quantization, attention)
+        ex = _executor(str(path), quantization, attention, switches or {})
         info = ex.model_info
         run: dict[str, Any] = {"weight_format": info.weight_format,
                                "quantization": info.quantization,
+                               "kernel_features": list(info.kernel_features),
                                "rank_memory_bytes": list(info.rank_memory_bytes), "cases": {}}
         ex.capture(["decode", "prefill"])
         for n_case, case in enumerate(cases):
@@ -129,7 +136,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['matmul_tflops']:.0f} TFLOP/s, FP8 {result['fp8_matmul_tflops']:.0f} "
              f"TFLOP/s (measured in the run); kernels + idle of graph steps, medians of "
              f"{result['steps']}; decode context {result['context']}. FP8: "
-             f"{fp8['quantization']} ({fp8['weight_format']}).", "",
+             f"{fp8['quantization']} ({fp8['weight_format']}); kernel features: "
+             f"{', '.join(fp8.get('kernel_features', [])) or 'none'}.", "",
              "| case | bf16 ms | FP8 ms | FP8 / bf16 | target | FP8 floor ms | FP8 / its floor "
              "| bf16 / its floor |", "|---|---|---|---|---|---|---|---|"]
     for case, f in fp8["cases"].items():
@@ -152,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--models", type=Path, default=Path("/tmp/model-executor-bench"))
     ap.add_argument("--out", type=Path, default=Path("results-local"))
+    bench_switches.add_arguments(ap)
     args = ap.parse_args(argv)
     result = measure(args.model, args.models, args.case or list(DEFAULT_CASES), args.steps,
-                     args.context, args.attention)
+                     args.context, args.attention, bench_switches.overrides(args))
     text = markdown(result)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"fp8-{args.model}.json").write_text(json.dumps(result, indent=1))

@@ -12,15 +12,20 @@ Prints a table; ``--out`` also writes ``fp8_gemm.json``.
 it at few rows, row and block scales, each ``--tokens`` up to 64: every candidate tile
 checked against the default tile's output and timed, and the cuBLAS FP8 path of the same
 work timed; ``--tiles-out executor/quant/tiles.json`` merges the fastest tile per (scales,
-rows, N, K, input op, GPU) with both times (``executor.quant.tiles``), and which kernel
-won (``kernel``). At one row the candidates include the persistent row kernel's tiles;
-``--kernel row`` times only those against the w8a16 tile in use now and its default (a
-short sweep), ``--kernel w8a16`` only the w8a16 tiles. From 8 rows it also times the FP8 x
-FP8 kernel's tiles (``dot_kernel``: activation quantization included, as in cuBLAS FP8's
-time), and records the fastest tile (``dot_tile``, ``dot_us``) and the fastest of the
-three paths (``kernel``); the w8a16 kernel is timed there at its current tile only,
-unless ``--w8a16-tiles``. Launches take PDL as the server's ``--pdl`` does (``--pdl``,
-default ``auto``: on where the GPU has it), so a tile is timed as the step launches it.
+rows, N, K, input op, GLU, GPU) with both times (``executor.quant.tiles``), and which
+kernel won (``kernel``). Below 8 rows the decoder's MLP runs one of two ways (the
+``fp8_glu`` kernel switch), each tuned as its own projections: ``gate_up`` (add + RMSNorm
+in) and ``down`` (SiLU-and-mul in), or ``gate_up_glu`` (add + RMSNorm in, the gated
+epilogue out: ``glu`` rows) and ``down_plain`` (a plain input); from 8 rows the latter two
+are the former's launches and are skipped. At one row the candidates include the
+persistent row kernel's tiles; ``--kernel row`` times only those against the w8a16 tile in
+use now and its default (a short sweep), ``--kernel w8a16`` only the w8a16 tiles. From 8
+rows it also times the FP8 x FP8 kernel's tiles (``dot_kernel``: activation quantization
+included, as in cuBLAS FP8's time), and records the fastest tile (``dot_tile``,
+``dot_us``) and the fastest of the three paths (``kernel``); the w8a16 kernel is timed
+there at its current tile only, unless ``--w8a16-tiles``. Launches take PDL as the server's
+``--pdl`` does (``--pdl``, default ``auto``: on where the GPU has it), so a tile is timed as
+the step launches it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from bench.common import hardware, shapes
 from bench.common.switches import KERNEL_SWITCH_MODES
 from bench.common.timing import weight_copies, weights_replay_us
+from executor.quant.tiles import ADD_RMS_NORM, PLAIN, SILU_MUL
 
 
 def _paths(m: int, k: int, n: int) -> dict[str, tuple[Callable[[torch.Tensor], object], bool]]:
@@ -142,12 +148,14 @@ ROW_PIPELINES = ((4, 0), (4, 2), (4, 3), (2, 3), (2, 4), (1, 4))
 
 
 def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all",
-               device: str = "") -> list[Any]:
+               device: str = "", glu: bool = False) -> list[Any]:
     """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
     tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
     8 KiB to 64 KiB of weight per column block, 32 or 64 bytes of it per thread, each with
     the register prefetch on 4 programs per SM and a 2- to 4-stage pipeline on 1, 2 or 4
-    programs per SM (``ROW_PIPELINES``; the grid holds as many as fit)."""
+    programs per SM (``ROW_PIPELINES``; the grid holds as many as fit). ``glu``: the gated
+    epilogue's launches, whose block of ``block_n`` columns reads twice as many weight rows
+    (the same blocks of weight rows are timed)."""
     from executor.kernels.fast_launch import next_power_of_2
     from executor.quant.tiles import (
         DOT_MIN_ROWS,
@@ -159,18 +167,21 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
     )
 
     kp = next_power_of_2(k)
+    per = 2 if glu else 1  # weight rows per output column
     tiles: list[Any]
     if kernel == "row":
-        tiles = [pick_tile(m, n, k, blocks, op, device)]
+        tiles = [pick_tile(m, n, k, blocks, op, device, glu=glu)]
     elif m < DOT_MIN_ROWS:
-        tiles = [Fp8Tile(bn, bk, w, 3) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
-                 for w in (4, 8) if bk <= max(512, kp)]
+        tiles = [Fp8Tile(bn // per, bk, w, 3) for bn in (2, 4, 8, 16)
+                 for bk in (512, 1024, 2048, 4096) for w in (4, 8) if bk <= max(512, kp)]
     else:
         tiles = [Fp8Tile(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
-        tiles += [Fp8RowTile(bn, w, p, stages) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16)
-                  for p, stages in ROW_PIPELINES
-                  if 8192 <= bn * kp <= 65536 and bn * kp // (32 * w) in (32, 64)
+        # (bn: weight rows per block)
+        tiles += [Fp8RowTile(bn // per, w, p, stages) for bn in (1, 2, 4, 8, 16)
+                  for w in (4, 8, 16) for p, stages in ROW_PIPELINES
+                  if bn >= per and 8192 <= bn * kp <= 65536
+                  and bn * kp // (32 * w) in (32, 64)
                   and stages * bn * kp <= 196608]  # (shared memory: at most 192 KiB)
     return [t for t in tiles if valid(t, m, blocks)]
 
@@ -242,16 +253,19 @@ def _time_dot(x: torch.Tensor, fp8: list[torch.Tensor], scale: torch.Tensor,
 
 
 def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
-            scale: torch.Tensor, block: tuple[int, int] | None
+            scale: torch.Tensor, block: tuple[int, int] | None, glu: bool = False
             ) -> Callable[..., torch.Tensor]:
-    """``run(w, tile)``: the launch the sweep times, with ``op`` fused in."""
+    """``run(w, tile)``: the launch the sweep times, with ``op`` fused in (``glu``: and
+    the gated epilogue)."""
     from executor.quant import launch
-    from executor.quant.tiles import ADD_RMS_NORM, PLAIN
 
     def run(w: torch.Tensor, tile: Any) -> torch.Tensor:
+        norm = op == ADD_RMS_NORM
+        if glu:
+            return launch.w8a16_glu(x, w, scale, block, op, res if norm else None,
+                                    nw if norm else None, 1e-5, tile)[0]
         if op == PLAIN:
             return launch.w8a16(x, w, scale, block, tile)
-        norm = op == ADD_RMS_NORM
         return launch.w8a16_fused(x, w, scale, block, op, res if norm else None,
                                   nw if norm else None, 1e-5, tile)[0]
 
@@ -259,12 +273,11 @@ def _runner(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
 
 
 def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Tensor,
-                       scale: torch.Tensor) -> Callable[[torch.Tensor], object]:
+                       scale: torch.Tensor, glu: bool = False) -> Callable[[torch.Tensor], object]:
     """The cuBLAS FP8 path of the same work: the input op's own kernel, the activation
-    quantization, ``torch._scaled_mm`` row-wise."""
+    quantization, ``torch._scaled_mm`` row-wise (``glu``: then SiLU-and-mul)."""
     from executor import kernels
     from executor.quant import launch
-    from executor.quant.tiles import ADD_RMS_NORM, SILU_MUL
 
     def run(w: torch.Tensor) -> object:
         a = x
@@ -273,24 +286,33 @@ def _unfused_scaled_mm(x: torch.Tensor, op: int, res: torch.Tensor, nw: torch.Te
         elif op == SILU_MUL:
             a = kernels.silu_and_mul(x)
         q, s = launch.act_quant(a, None)
-        return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1),
-                                out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1),
+                             out_dtype=torch.bfloat16)
+        return kernels.silu_and_mul(y) if glu else y
 
     return run
+
+
+#: The sweep's projections: name -> (the weight's projection in ``shapes.projections``,
+#: the input op the decoder fuses into it below 8 rows, the gated epilogue). ``gate_up_glu``
+#: and ``down_plain`` are the MLP with the ``fp8_glu`` switch on, below 8 rows only.
+PROJECTIONS: dict[str, tuple[str, int, bool]] = {
+    "qkv": ("qkv", ADD_RMS_NORM, False), "o": ("o", PLAIN, False),
+    "gate_up": ("gate_up", ADD_RMS_NORM, False), "down": ("down", SILU_MUL, False),
+    "gate_up_glu": ("gate_up", ADD_RMS_NORM, True), "down_plain": ("down", PLAIN, False)}
+FEW_ROWS_ONLY = ("gate_up_glu", "down_plain")
 
 
 def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "blocks"),
           kernel: str = "all", w8a16_tiles: bool = False,
           only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The fastest valid tile per projection, scales (``rows``: per channel, ``blocks``:
-    128x128) and row count (see the docstring); ``kernel``: which kernels' tiles;
-    ``only``: these projections (a mixture of experts' dense ones: ``qkv``, ``o``)."""
+    """The fastest valid tile per projection (``PROJECTIONS``), scales (``rows``: per
+    channel, ``blocks``: 128x128) and row count (see the docstring); ``kernel``: which
+    kernels' tiles; ``only``: these projections (a mixture of experts' dense ones: ``qkv``,
+    ``o``)."""
     from executor.kernels.skinny.tiles import device_name
     from executor.quant.tiles import (
-        ADD_RMS_NORM,
         DOT_MIN_ROWS,
-        PLAIN,
-        SILU_MUL,
         Fp8RowTile,
         default_tile,
         pick_tile,
@@ -299,11 +321,15 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
 
     dev = torch.device("cuda")
     bw = hardware.read_bandwidth_gbs() * 1e9
-    ops = {"qkv": ADD_RMS_NORM, "o": PLAIN, "gate_up": ADD_RMS_NORM, "down": SILU_MUL}
+    weights = shapes.projections(spec)
+    unknown = set(only) - set(PROJECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown projections {sorted(unknown)}; known: {list(PROJECTIONS)}")
     out = []
-    for name, (k, n) in shapes.projections(spec).items():
-        if name not in ops or (only and name not in only):
+    for name, (proj, fused_op, glu) in PROJECTIONS.items():
+        if proj not in weights or (only and name not in only):
             continue
+        k, n = weights[proj]
         fp8 = [(torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
                for _ in range(weight_copies(k, n, 1))]
         for blocks in [kind == "blocks" for kind in scales]:
@@ -311,18 +337,20 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                                device=dev) / 448 + 1e-3
             block = (128, 128) if blocks else None
             for m in [t for t in tokens if t <= 64]:
-                op = ops[name] if m < DOT_MIN_ROWS else PLAIN
+                if m >= DOT_MIN_ROWS and name in FEW_ROWS_ONLY:
+                    continue  # (no input op, no epilogue: the plain projection's rows)
+                op = fused_op if m < DOT_MIN_ROWS else PLAIN
                 x = torch.randn(m, 2 * k if op == SILU_MUL else k, device=dev).to(torch.bfloat16)
                 res = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
 
-                run = _runner(x, op, res, nw, scale, block)
-                default = default_tile(m, n, k, blocks, op)
+                run = _runner(x, op, res, nw, scale, block, glu)
+                default = default_tile(m, n, k, blocks, op, glu)
                 want = run(fp8[0], default).float()
                 times: dict[Any, float] = {
                     default: weights_replay_us(functools.partial(run, tile=default), fp8)}
                 dot = m >= DOT_MIN_ROWS
-                tiles = candidates(m, n, k, blocks, op, kernel, device_name(dev)) \
+                tiles = candidates(m, n, k, blocks, op, kernel, device_name(dev), glu) \
                     if not dot or w8a16_tiles else \
                     [pick_tile(m, n, k, blocks, op, device_name(dev))]  # (the current one)
                 for tile in tiles:
@@ -344,9 +372,11 @@ def sweep(spec: Any, tokens: list[int], scales: tuple[str, ...] = ("rows", "bloc
                                        default=None) for kind in ("row", "w8a16")}
                 cublas = None
                 if not blocks and k % 16 == 0 and n % 16 == 0:
-                    cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale), fp8)
+                    cublas = weights_replay_us(_unfused_scaled_mm(x, op, res, nw, scale, glu),
+                                               fp8)
                 row = {"device": device_name(dev), "scales": "blocks" if blocks else "rows",
                        "m": rows_bucket(m), "n": n, "k": k, "input_op": op,
+                       **({"glu": True} if glu else {}),
                        "kernel": "row" if isinstance(best, Fp8RowTile) else "w8a16",
                        "tile": _tile_list(best),
                        "us": round(times[best], 2), "default_us": round(times[default], 2),
@@ -385,7 +415,8 @@ def _tile_list(tile: Any) -> list[int]:
 def merge_tiles(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` into the tile file at ``path``, replacing rows of the same key."""
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        return (r["device"], r["scales"], r["m"], r["n"], r["k"], r["input_op"])
+        return (r["device"], r["scales"], r["m"], r["n"], r["k"], r["input_op"],
+                bool(r.get("glu", False)))
 
     old = json.loads(path.read_text())["tiles"] if path.is_file() else []
     new = {key(r): r for r in old}
@@ -409,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --sweep: from 8 rows also search the w8a16 tiles")
     ap.add_argument("--projections", default="",
                     help="with --sweep: a comma list of projections to tune (qkv, o, gate_up, "
-                         "down); default all (a mixture of experts' MLP is its experts: qkv,o)")
+                         "down, gate_up_glu, down_plain: the MLP below 8 rows with the gated "
+                         "epilogue); default all (a mixture of experts' MLP is its experts: "
+                         "qkv,o)")
     ap.add_argument("--pdl", choices=KERNEL_SWITCH_MODES, default="auto",
                     help="programmatic dependent launch of our kernels (as the server's "
                          "--pdl): tiles are timed the way the decode step launches them")

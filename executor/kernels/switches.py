@@ -1,4 +1,5 @@
-"""The process-wide kernel switches: programmatic dependent launch and the row kernel.
+"""The process-wide kernel switches: programmatic dependent launch, the row kernel, the FP8
+gated epilogue.
 
 Kernels are launched from deep inside the model, and a switch is part of each launch's
 specialization, so the switches are read at launch (``active()``), not passed down. One
@@ -25,11 +26,17 @@ class KernelSwitches:
     pdl: bool = False
     #: Let one-row skinny GEMM launches take the persistent row kernel where it serves.
     row_kernel: bool = True
+    #: Let an FP8 gate|up projection of fewer than 8 rows end in ``silu(gate) * up``
+    #: (``executor.quant.launch.w8a16_glu``), its down projection then taking a plain input.
+    fp8_glu: bool = True
 
     @staticmethod
-    def resolve(pdl: str, row_kernel: str, device: torch.device) -> KernelSwitches:
-        """The switches ``--pdl`` and ``--skinny-row-kernel`` (``auto``/``on``/``off``)
-        mean on ``device``; ConfigError for ``on`` where a switch cannot be on."""
+    def resolve(pdl: str, row_kernel: str, device: torch.device,
+                fp8_glu: str = "auto") -> KernelSwitches:
+        """The switches ``--pdl``, ``--skinny-row-kernel`` and ``--fp8-glu``
+        (``auto``/``on``/``off``) mean on ``device``; ConfigError for ``on`` where a switch
+        cannot be on. ``fp8_glu`` is on unless ``off``: it acts only where projections are
+        held in FP8 (FP8 GPUs), which the loader decides, not this."""
         pdl_on = False
         if device.type == "cuda" or pdl == "on":
             reason = "" if pdl == "off" else pdl_unsupported_reason(device)
@@ -40,13 +47,14 @@ class KernelSwitches:
         if row_kernel == "on" and device.type != "cuda":
             raise ConfigError(f"--skinny-row-kernel on needs a CUDA device, not {device}")
         return KernelSwitches(pdl=pdl_on, row_kernel=device.type == "cuda"
-                              and row_kernel != "off")
+                              and row_kernel != "off", fp8_glu=fp8_glu != "off")
 
     @property
     def features(self) -> tuple[str, ...]:
         """The switches that are on, by the names Health's ``kernel_features`` uses."""
         return tuple(name for name, on in (("pdl", self.pdl),
-                                           ("skinny_row_kernel", self.row_kernel)) if on)
+                                           ("skinny_row_kernel", self.row_kernel),
+                                           ("fp8_glu", self.fp8_glu)) if on)
 
     def __enter__(self) -> KernelSwitches:
         if _HELD and _HELD[-1] != self:
@@ -60,7 +68,7 @@ class KernelSwitches:
 
 
 #: What launches take outside any executor's forward (direct kernel calls in tests and
-#: benchmarks): plain launches, the row kernel where it serves.
+#: benchmarks): plain launches, the row kernel and the FP8 gated epilogue where they serve.
 DEFAULT = KernelSwitches()
 _HELD: list[KernelSwitches] = []
 

@@ -83,6 +83,15 @@ class LayerOps(Protocol):
         """``layer(silu_and_mul(gate_up))``: the down projection of a gated MLP."""
         ...
 
+    def add_rms_norm_glu_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                weight: torch.Tensor, eps: float, layer: nn.Module
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(silu_and_mul(layer(rms_norm(x + residual))), x + residual)`` for a gate_up
+        ``layer``, in one launch where the layer has that GEMM and it fuses these rows
+        (``executor.quant.Fp8Linear.norm_glu_linear``); else None, having computed
+        nothing (the caller takes ``add_rms_norm_linear`` and ``silu_and_mul_linear``)."""
+        ...
+
 
 class TorchOps:
     """Plain PyTorch, following the Hugging Face modules op for op."""
@@ -126,6 +135,11 @@ class TorchOps:
 
     def silu_and_mul_linear(self, gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         return layer(self.silu_and_mul(gate_up))  # type: ignore[no-any-return]
+
+    def add_rms_norm_glu_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                weight: torch.Tensor, eps: float, layer: nn.Module
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # (op for op: the norm, the projection, SiLU-and-mul)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +199,13 @@ class TritonOps:
 
         return kernels.silu_and_mul_linear(gate_up, layer, kernels.silu_and_mul)
 
+    def add_rms_norm_glu_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                weight: torch.Tensor, eps: float, layer: nn.Module
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        own = None if type(layer) is nn.Linear else \
+            getattr(layer, "norm_glu_linear", None)  # e.g. executor.quant.Fp8Linear
+        return None if own is None else own(x, residual, weight, eps)  # type: ignore[no-any-return]
+
 
 TORCH_OPS = TorchOps()
 TRITON_OPS = TritonOps()
@@ -232,6 +253,14 @@ class RMSNorm(nn.Module):
         """``(layer(self(x + residual)), x + residual)``: the residual step and the
         projection after it (``residual=None``: ``x`` alone, and ``x`` is the residual)."""
         return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, layer)
+
+    def glu_linear_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           layer: nn.Module, ops: LayerOps
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``linear_forward`` of a gate_up ``layer`` with SiLU-and-mul after it, as one
+        launch where the ops and the layer have it (``LayerOps.add_rms_norm_glu_linear``),
+        else None."""
+        return ops.add_rms_norm_glu_linear(x, residual, self.weight, self.eps, layer)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:

@@ -10,8 +10,9 @@ norm) does the add and the norm in one step, the same sums as Hugging Face's
 ``residual + hidden`` in the same dtype. The element-wise work between the matmuls goes
 through a ``LayerOps`` picked once per forward (``select_ops``): fused Triton kernels on
 CUDA for fp16/bf16 (at one row each norm fused into the GEMM after it and SiLU-and-mul
-into down: ``executor.kernels.skinny``), plain torch else. Under tensor parallelism
-o_proj and down_proj are row-parallel (``TensorParallel.linear_all_reduce``).
+into down: ``executor.kernels.skinny``; an FP8 gate_up below 8 rows ends in SiLU-and-mul
+itself instead: ``executor.quant``), plain torch else. Under tensor parallelism o_proj and
+down_proj are row-parallel (``TensorParallel.linear_all_reduce``).
 """
 
 from __future__ import annotations
@@ -90,11 +91,23 @@ class DecoderLayer(nn.Module):
         """``hidden``: the previous layer's MLP output (the embeddings for the first layer,
         with ``residual=None``); returns ``(mlp_out, residual)``, not yet added. Each norm
         goes with the projection after it (``linear_forward``: one kernel where the ops
-        fuse them). Under tensor parallelism o_proj and down_proj are row-parallel: their
-        partial sums are all-reduced."""
+        fuse them). Where the gate_up projection has the gated epilogue for these rows
+        (FP8 decode, ``glu_linear_forward``), SiLU-and-mul comes out of it and down_proj
+        takes a plain input; else down_proj computes SiLU-and-mul (fused into its GEMM
+        where it can). Under tensor parallelism o_proj and down_proj are row-parallel:
+        their partial sums are all-reduced (each rank's gate_up rows are its [gate; up]
+        shards, so the epilogue pairs them per rank)."""
         qkv, residual = self.input_layernorm.linear_forward(
             hidden, residual, self.self_attn.qkv_proj, ops)
         attn = self.self_attn.attend(positions, qkv, backend, meta, ops)
+        glu = self.post_attention_layernorm.glu_linear_forward(
+            attn, residual, self.mlp.gate_up_proj, ops)
+        if glu is not None:
+            act, residual = glu  # (T, intermediate): silu(gate) * up
+            down = self.tp.linear_all_reduce(self.mlp.down_proj, act,
+                                             lambda: ops.linear(self.mlp.down_proj, act),
+                                             send=ops.gemm_sends)
+            return down, residual
         gate_up, residual = self.post_attention_layernorm.linear_forward(
             attn, residual, self.mlp.gate_up_proj, ops)
         down = self.tp.linear_all_reduce(self.mlp.down_proj, gate_up,

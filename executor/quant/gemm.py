@@ -15,6 +15,10 @@
 * more rows, block scales: ``w8a16`` on the tensor cores (``tl.dot`` of bf16 after the
   in-register conversion; block scales applied to each 128-column chunk's partial sums).
 
+A gate|up projection's w8a16 rows may also end in the gated epilogue (``norm_glu_gemm``:
+the norm before it and ``silu(gate) * up`` after it in one launch, so the down projection
+takes the activation as a plain input instead of recomputing it in every program).
+
 Everything is shape-static and sync-free, so CUDA graphs capture it; under Dynamo the layer
 is one custom op (``model_executor::fp8_linear``).
 """
@@ -96,8 +100,8 @@ def prepare(layer: Fp8Linear) -> None:
         return _route(x.shape[0], n, k, block is not None, mode, input_scale, name)
 
     layer.gemm, layer.route_of = gemm, route_of
-    layer.norm_gemm, layer.silu_mul_gemm = _fused(weight, gemm_scale, input_scale, block,
-                                                  mode)
+    layer.norm_gemm, layer.silu_mul_gemm, layer.norm_glu_gemm = _fused(
+        weight, gemm_scale, input_scale, block, mode)
     name = ""
     if dev.type == "cuda":
         from executor.kernels.skinny.tiles import device_name
@@ -118,14 +122,19 @@ def prepare(layer: Fp8Linear) -> None:
 def _fused(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
            block: tuple[int, int] | None, mode: int
            ) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None],
-                      Callable[[torch.Tensor], torch.Tensor | None]]:
+                      Callable[[torch.Tensor], torch.Tensor | None],
+                      Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None]]:
     """The layer's GEMMs with the RMSNorm (residual-add + RMSNorm) or the SiLU-and-mul
     before it fused in. Fewer than ``DOT_MIN_ROWS`` rows: one w8a16 launch instead of two
     (as the bf16 skinny GEMM fuses them), not where the sweep found cuBLAS FP8 faster.
     More rows, where the path quantizes its activations per token (the FP8 x FP8 kernel,
     cuBLAS FP8 row-wise): the norm or SiLU-and-mul writes e4m3 rows and their scales, which
-    the GEMM takes, instead of a separate quantization pass (equal results). Outside a
-    Dynamo trace only (the fused launches are no custom ops)."""
+    the GEMM takes, instead of a separate quantization pass (equal results). The third,
+    for a gate|up weight: the norm fused in and the gated epilogue after it
+    (``launch.w8a16_glu``), where the w8a16 norm GEMM runs and the kernel switches allow
+    it (``KernelSwitches.fp8_glu``). Outside a Dynamo trace only (the fused launches are no
+    custom ops)."""
+    from executor.kernels import switches
     from executor.kernels.skinny.tiles import device_name
     from executor.quant import launch
     from executor.quant.tiles import ADD_RMS_NORM, RMS_NORM, SILU_MUL
@@ -144,12 +153,20 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor 
             return route if route == W8A16_KERNEL else None
         return None if route == W8A16_KERNEL or input_scale is not None else route
 
-    def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        route = path(x)
+    def norm_route(x: torch.Tensor, residual: torch.Tensor | None,
+                   norm_weight: torch.Tensor) -> str | None:
+        """``path(x)`` where the norm's operands fuse too."""
+        route = path(x)  # (first: it asks whether Dynamo traces before anything else)
         if route is None or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous() \
                 or (residual is not None and (residual.dtype != x.dtype
                                               or residual.stride(-1) != 1)):
+            return None
+        return route
+
+    def norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        route = norm_route(x, residual, norm_weight)
+        if route is None:
             return None
         if route == W8A16_KERNEL:
             op = RMS_NORM if residual is None else ADD_RMS_NORM
@@ -171,7 +188,16 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor 
         q, s = silu_and_mul_quant(gate_up)
         return _quantized(q, s, weight, scale, None, block, mode, route, gate_up.dtype)
 
-    return norm, silu_mul
+    def norm_glu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if norm_route(x, residual, norm_weight) != W8A16_KERNEL \
+                or x.shape[0] >= DOT_MIN_ROWS or weight.shape[0] % 2 \
+                or not switches.active().fp8_glu:
+            return None
+        op = RMS_NORM if residual is None else ADD_RMS_NORM
+        return launch.w8a16_glu(x, weight, scale, block, op, residual, norm_weight, eps)
+
+    return norm, silu_mul, norm_glu
 
 
 def _requantize_to_one_scale(layer: Fp8Linear) -> None:

@@ -11,8 +11,12 @@ GEMM does, with its input ops fused in (``INPUT_OP``: RMSNorm, residual-add + RM
 SiLU-and-mul, rounded as the unfused kernels round). Block scales multiply each 128-column
 block's partial sums (a tensor-core chunk lies in one block; a wider CUDA-core chunk sums
 per block first); row scales multiply the final sums. No split-K: the result is
-deterministic. ``_act_quant_kernel``: rows to e4m3 with a
-per-row (dynamic) or one static scale, for ``torch._scaled_mm``.
+deterministic. ``GLU`` (CUDA cores, and the row kernel in ``row_kernel.py``): the gated
+epilogue of a fused gate|up weight (``_weight_rows``, ``_silu_mul_sums``): output column
+``j`` of ``N`` is ``silu(gate_j) * up_j`` of weight rows ``j`` and ``j + N``, each sum
+rounded as the plain GEMM stores it, then as ``silu_and_mul`` rounds.
+``_act_quant_kernel``: rows to e4m3 with a per-row (dynamic) or one static scale, for
+``torch._scaled_mm``.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ def _w8a16_kernel(
     x_ptr,  # (M, K) activations, unit column stride; (M, 2K) gate|up for SILU_MUL
     res_ptr,  # (M, K) residual in (ADD_RMS_NORM)
     nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
-    w_ptr,  # (N, K) e4m3, row-major
-    s_ptr,  # BLOCK_SCALES: (ceil(N/SBN), ceil(K/SBK)) float32; else (N,) float32
+    w_ptr,  # (N, K) e4m3, row-major; (2N, K) gate|up rows for GLU
+    s_ptr,  # BLOCK_SCALES: (ceil(rows/SBN), ceil(K/SBK)) float32; else (rows,) float32
     out_ptr,  # (M, N)
     res_out_ptr,  # (M, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
-    M, N, K,
+    M, N, K,  # N: output columns (half the weight rows for GLU)
     stride_xm, stride_rm, stride_wn, stride_om, stride_rom, stride_sn,
     inv_k, eps,  # the norm's 1 / K and epsilon
     SBN: tl.constexpr,  # scale block rows (BLOCK_SCALES)
@@ -48,15 +52,18 @@ def _w8a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    GLU: tl.constexpr,  # silu(gate) * up of each column's two weight rows (not USE_DOT)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The weight rows this program reads: its BLOCK_N columns' (GLU: their gate and up
+    # rows, interleaved, 2 * BLOCK_N), and whether each one's column is inside N.
+    BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N
+    offs_n, mask_n = _weight_rows(tl.arange(0, BLOCK_R), pid_n, N, BLOCK_N, GLU)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
     mask_m = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_R, 1)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
     r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
     act_ty = out_ptr.dtype.element_ty
@@ -71,20 +78,20 @@ def _w8a16_kernel(
                                 INPUT_OP).to(tl.float32)
             ssq += tl.sum(s32 * s32, axis=1)
         rstd = tl.math.rsqrt(ssq * inv_k + eps)[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if USE_DOT:
             x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            part = tl.dot(x, tl.trans(w.to(act_ty)))  # (BLOCK_M, BLOCK_N), float32
+            part = tl.dot(x, tl.trans(w.to(act_ty)))  # (BLOCK_M, BLOCK_R), float32
         else:
             x32 = _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m, mask_k, rstd, K,
                                INPUT_OP)  # (BLOCK_M, BLOCK_K) float32
             if BLOCK_SCALES and BLOCK_K > SBK:  # a chunk of several block columns
                 part = _block_scaled_sums(x32, w.to(tl.float32), s_ptr, offs_n, mask_n, k0,
-                                          K, stride_sn, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K)
+                                          K, stride_sn, SBN, SBK, BLOCK_M, BLOCK_R, BLOCK_K)
             elif BLOCK_M == 1:
                 part = tl.sum(w.to(tl.float32) * x32, axis=1)[None, :]
             else:
@@ -97,8 +104,41 @@ def _w8a16_kernel(
             acc += part
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(act_ty), mask=mask_m[:, None] & mask_n[None, :])
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if GLU:  # (BLOCK_M, BLOCK_N, 2): each column's gate and up sums
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        y = _silu_mul_sums(gate, up, act_ty)
+    else:
+        y = acc.to(act_ty)
+    tl.store(dst, y, mask=mask_m[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _weight_rows(offs_r, block, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """The weight rows of column block ``block`` (``offs_r``: ``arange`` of ``BLOCK_N``,
+    ``2 * BLOCK_N`` for GLU) and whether each row's output column is inside ``N``. GLU:
+    column ``j``'s gate row ``j`` and up row ``j + N``, interleaved (gate, up, gate, ...),
+    so a block's sums pair up along a last dimension of 2 (``tl.split``). The sums of
+    ``2 * BLOCK_N`` rows reduce as the plain kernel's of a ``2 * BLOCK_N`` tile do."""
+    if GLU:
+        cols = block * BLOCK_N + offs_r // 2
+        rows = cols + (offs_r % 2) * N
+    else:
+        cols = block * BLOCK_N + offs_r
+        rows = cols
+    return rows, cols < N
+
+
+@triton.jit
+def _silu_mul_sums(gate, up, act_ty: tl.constexpr):
+    """``silu(gate) * up`` of float32 GEMM sums: each sum rounded to the activation dtype
+    as the plain GEMM stores it, then SiLU and the product rounded as
+    ``executor.kernels.activation.silu_and_mul`` rounds them (its division ``div_rn``)."""
+    g = gate.to(act_ty).to(tl.float32)
+    u = up.to(act_ty).to(tl.float32)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(act_ty).to(tl.float32)
+    return (a * u).to(act_ty)
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Launchers of the FP8 Triton kernels (``kernels.py``, ``row_kernel.py``): output
 allocation, the tile (``tiles.py``), the grid. One row takes the persistent row kernel where
 its tile says so (an ``Fp8RowTile``; through a ``FastLauncher`` with PDL, its grid sized as the
-bf16 row kernel's, ``skinny.ops.row_grid``), else the w8a16 kernel.
+bf16 row kernel's, ``skinny.ops.row_grid``), else the w8a16 kernel. ``w8a16_glu``: the same
+kernels with the gated epilogue (a gate|up weight in, ``silu(gate) * up`` out).
 
 Imported at the first FP8 GEMM, never with the model, so CPU runs that only load and
 dequantize never import Triton.
@@ -48,7 +49,7 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """``x @ dequantize(weight).T`` for ``x`` (M, K) bf16/fp16, ``weight`` (N, K) e4m3 and
     ``scale`` block scales (with ``block``) or (N,) row scales. A new (M, N) tensor.
     ``tile``: the launch shape (default: ``tiles.pick_tile``)."""
-    return _launch(x, weight, scale, block, PLAIN, None, None, 0.0, tile)[0]
+    return _launch(x, weight, scale, block, PLAIN, None, None, 0.0, tile, False)[0]
 
 
 def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -61,42 +62,59 @@ def w8a16_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     ``norm_weight``), for fewer than ``DOT_MIN_ROWS`` rows; with a residual also
     ``x + residual``, as ``skinny_norm_gemm`` returns them."""
     assert 0 < x.shape[0] < DOT_MIN_ROWS, x.shape
-    return _launch(x, weight, scale, block, input_op, residual, norm_weight, eps, tile)
+    return _launch(x, weight, scale, block, input_op, residual, norm_weight, eps, tile, False)
+
+
+def w8a16_glu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
+              norm_weight: torch.Tensor | None, eps: float,
+              tile: Fp8Tile | Fp8RowTile | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w8a16_fused`` of a fused gate|up ``weight`` (2I, K) with the gated epilogue:
+    ``silu_and_mul`` of its (M, 2I) output as (M, I), bit for bit what the unfused
+    kernels give at a tile of the same reduction (``tile``'s block: I-columns, each two
+    weight rows, reduced as the plain launch's twice-as-tall block). With a residual also
+    ``x + residual``. Fewer than ``DOT_MIN_ROWS`` rows; block scales follow the weight
+    rows, so a (TP shard's) gate|up weight need not split on a block boundary."""
+    assert 0 < x.shape[0] < DOT_MIN_ROWS and weight.shape[0] % 2 == 0, (x.shape, weight.shape)
+    return _launch(x, weight, scale, block, input_op, residual, norm_weight, eps, tile, True)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None, input_op: int, residual: torch.Tensor | None,
-            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | Fp8RowTile | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            norm_weight: torch.Tensor | None, eps: float, tile: Fp8Tile | Fp8RowTile | None,
+            glu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8, (x.shape, weight.dtype)
     m = x.shape[0]
     n, k = weight.shape
     assert x.shape[1] == (2 * k if input_op == SILU_MUL else k), (x.shape, weight.shape)
-    out = x.new_empty((m, n))
+    cols = n // 2 if glu else n  # output columns
+    out = x.new_empty((m, cols))
     res_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
         return out, res_out
     dot = m >= DOT_MIN_ROWS
-    assert not dot or input_op == PLAIN
+    assert not dot or (input_op == PLAIN and not glu)
     if tile is None:
         name = device_name(x.device) if x.is_cuda else ""
         row_sms = sm_count(x.device) if x.is_cuda and switches.active().row_kernel else 0
-        tile = pick_tile(m, n, k, block is not None, input_op, name, row_sms)
+        tile = pick_tile(m, n, k, block is not None, input_op, name, row_sms, glu)
     assert valid(tile, m, block is not None), tile
     sbn, sbk = block or (1, 1)
     res_in = residual if residual is not None else x
     res_dst = res_out if res_out is not None else out
     nw = norm_weight if norm_weight is not None else x
     if isinstance(tile, Fp8RowTile):
-        _launch_row(x, res_in, nw, weight, scale, block, out, res_dst, input_op, eps, tile)
+        _launch_row(x, res_in, nw, weight, scale, block, out, res_dst, input_op, eps, tile,
+                    glu)
         return out, res_out
     bm = block_m(m)
-    grid = (cdiv(n, tile.block_n), cdiv(m, bm))
-    _w8a16_kernel[grid](x, res_in, nw, weight, scale, out, res_dst, m, n, k, x.stride(0),
+    grid = (cdiv(cols, tile.block_n), cdiv(m, bm))
+    _w8a16_kernel[grid](x, res_in, nw, weight, scale, out, res_dst, m, cols, k, x.stride(0),
                         res_in.stride(0), weight.stride(0), out.stride(0), res_dst.stride(0),
                         scale.stride(0), 1.0 / k, eps, SBN=sbn, SBK=sbk,
                         BLOCK_SCALES=block is not None, INPUT_OP=input_op, BLOCK_M=bm,
-                        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_DOT=dot,
+                        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_DOT=dot, GLU=glu,
                         num_warps=tile.num_warps,
                         num_stages=tile.num_stages or stages(x.device))
     return out, res_out
@@ -109,10 +127,12 @@ _ROW_GRIDS: dict[tuple[Any, ...], int] = {}
 
 def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight: torch.Tensor,
                 scale: torch.Tensor, block: tuple[int, int] | None, out: torch.Tensor,
-                res_dst: torch.Tensor, input_op: int, eps: float, tile: Fp8RowTile) -> None:
+                res_dst: torch.Tensor, input_op: int, eps: float, tile: Fp8RowTile,
+                glu: bool) -> None:
     """``_w8a16_row_kernel`` on a persistent grid of what its compiled kernel fits on an SM
     (sized at a specialization's first launch)."""
-    n, k = weight.shape
+    k = weight.shape[1]
+    n = out.shape[1]  # output columns (GLU: half the weight rows)
     sbn, sbk = block or (1, 0)
     block_k = max(next_power_of_2(k), sbk)
     sbk = sbk or block_k  # row scales: one "block" of the whole row (no per-block sums)
@@ -123,12 +143,12 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
     launcher = _ROW_LAUNCHERS[tile.num_warps]
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
-           input_op, tile.block_n, block_k, tile.num_stages)
+           input_op, tile.block_n, block_k, tile.num_stages, glu)
     args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
             scale.stride(0), 1.0 / k, eps)
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
                   "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
-                  "STAGES": tile.num_stages}
+                  "STAGES": tile.num_stages, "GLU": glu}
     grid_key = (key, tile.programs_per_sm, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:

@@ -80,6 +80,10 @@ class Fp8Linear(FixedDtypes):
         #: where the shape or dtypes do not fuse; (gate_up) -> out, or None. Set with ``gemm``.
         self.norm_gemm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
         self.silu_mul_gemm: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        #: As ``norm_gemm`` for a fused gate|up weight, with the gated epilogue: out is
+        #: ``silu(gate) * up`` (M, N / 2). Set with ``gemm``.
+        self.norm_glu_gemm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] \
+            | None = None
         #: (x) -> the path ``gemm`` takes for it ("w8a16", "dot", "scaled_mm"). Set with it.
         self.route_of: Callable[[torch.Tensor], str] | None = None
         self.path = ""
@@ -177,6 +181,20 @@ class Fp8Linear(FixedDtypes):
             return None
         out, res = got
         return (out if self.bias is None else out + self.bias), (x if res is None else res)
+
+    def norm_glu_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(silu_and_mul(self(rms_norm(x [+ residual]))), x + residual)`` in one launch,
+        for a gate|up projection (weight rows [gate; up], per tensor-parallel shard);
+        None where it does not fuse (a bias: it would have to come before the SiLU)."""
+        if self.norm_glu_gemm is None or self.bias is not None:
+            return None
+        got = self.norm_glu_gemm(x, residual, norm_weight, eps)
+        if got is None:
+            return None
+        out, res = got
+        return out, (x if res is None else res)
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """``self(silu_and_mul(gate_up))`` in one launch; None where it does not fuse."""

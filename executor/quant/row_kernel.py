@@ -12,7 +12,11 @@ in flight per SM than registers hold). A block is ``BLOCK_N`` whole weight rows,
 16-byte loads (16 e4m3 values), converted in registers (exactly: every e4m3 value is a
 bf16 value), summed in float32 and scaled per output row, or per 128x128 block (each
 block's partial sum times its scale). One rounding to the activation dtype at the end; no
-split-K, so results are deterministic.
+split-K, so results are deterministic. ``GLU``: a block is ``BLOCK_N`` output columns of a
+fused gate|up weight, their ``2 * BLOCK_N`` gate and up rows interleaved
+(``kernels._weight_rows``), and each column stores ``silu(gate) * up``
+(``kernels._silu_mul_sums``): the plain kernel's sums of a ``2 * BLOCK_N`` block, rounded
+as it stores them, then as ``silu_and_mul`` rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton.language as tl
 
 from executor.kernels.pdl import pdl_enter
 from executor.kernels.skinny.kernel import _row_input
+from executor.quant.kernels import _silu_mul_sums, _weight_rows
 
 
 @triton.jit
@@ -29,33 +34,35 @@ def _w8a16_row_kernel(
     x_ptr,  # (1, K) row; (1, 2K) gate|up for SILU_MUL
     res_ptr,  # (1, K) residual in (ADD_RMS_NORM)
     nw_ptr,  # (K,) RMSNorm weight (RMS_NORM, ADD_RMS_NORM)
-    w_ptr,  # (N, K) e4m3, row-major
-    s_ptr,  # BLOCK_SCALES: (ceil(N/SBN), ceil(K/SBK)) float32; else (N,) float32
+    w_ptr,  # (N, K) e4m3, row-major; (2N, K) gate|up rows for GLU
+    s_ptr,  # BLOCK_SCALES: (ceil(rows/SBN), ceil(K/SBK)) float32; else (rows,) float32
     out_ptr,  # (1, N)
     res_out_ptr,  # (1, K) x + residual out (ADD_RMS_NORM; program 0 writes it)
-    N, K, stride_wn, stride_sn,
+    N, K, stride_wn, stride_sn,  # N: output columns (half the weight rows for GLU)
     inv_k, eps,  # the norm's 1 / K and epsilon
     SBN: tl.constexpr,  # scale block rows (BLOCK_SCALES)
     SBK: tl.constexpr,  # scale block columns (BLOCK_SCALES); a power of two <= BLOCK_K
     BLOCK_SCALES: tl.constexpr,
     INPUT_OP: tl.constexpr,  # PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns per block
     BLOCK_K: tl.constexpr,  # >= K: the whole input row
     USE_PDL: tl.constexpr,
     STAGES: tl.constexpr,  # 0: next block prefetched in registers; >= 2: Triton's pipeline
+    GLU: tl.constexpr,  # silu(gate) * up of each column's gate and up rows
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    offs_b = tl.arange(0, BLOCK_N)
-    offs_n = pid * BLOCK_N + offs_b
+    BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N  # weight rows per block
+    offs_r = tl.arange(0, BLOCK_R)
     kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
     # The first block's weight and scales depend on nothing the step writes: in flight
     # before the PDL wait, while the previous kernel finishes.
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
-    s = _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+    rows, live = _weight_rows(offs_r, pid, N, BLOCK_N, GLU)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                mask=live[:, None] & mask_k[None, :], other=0.0)
+    s = _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
     pdl_enter(USE_PDL)
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
@@ -64,52 +71,62 @@ def _w8a16_row_kernel(
     if STAGES == 0:  # the next block's load in registers before this block's sums
         block = pid
         while block < n_blocks:
-            offs_n = block * BLOCK_N + offs_b
+            this = block
             block += programs
-            offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
-            w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn
+            # (past N: masked, nothing read)
+            rows_next, live_next = _weight_rows(offs_r, block, N, BLOCK_N, GLU)
+            w_next = tl.load(w_ptr + rows_next.to(tl.int64)[:, None] * stride_wn
                              + offs_k[None, :],
-                             mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
-            s_next = _scales(s_ptr, offs_next, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-            _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+                             mask=live_next[:, None] & mask_k[None, :], other=0.0)
+            s_next = _scales(s_ptr, rows_next, live_next, kb, K, stride_sn, SBN, SBK,
+                             BLOCK_SCALES)
+            _block_out(w, s, x, this, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
             w = w_next
             s = s_next
     else:  # the other blocks through shared memory, STAGES deep, then the first one
         # (its weight, loaded before the wait, waits in registers: the pipeline's first
         # loads go out as soon as the input row is ready)
         for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
-            cols = block * BLOCK_N + offs_b
-            w_b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                          mask=(cols < N)[:, None] & mask_k[None, :], other=0.0)
-            s_b = _scales(s_ptr, cols, kb, N, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-            _block_out(w_b, s_b, x, cols, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
-        _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
+            rows_b, live_b = _weight_rows(offs_r, block, N, BLOCK_N, GLU)
+            w_b = tl.load(w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                          mask=live_b[:, None] & mask_k[None, :], other=0.0)
+            s_b = _scales(s_ptr, rows_b, live_b, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            _block_out(w_b, s_b, x, block, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES,
+                       GLU)
+        _block_out(w, s, x, pid, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
 
 
 @triton.jit
-def _block_out(w, s, x, offs_n, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SBK: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """Output columns ``offs_n``: the float32 sums of ``w`` (BLOCK_N, BLOCK_K) e4m3 times
-    the row ``x``, scaled by ``s`` (per block column, or per row after the sums), rounded
-    once to the activation dtype."""
-    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
+def _block_out(w, s, x, block, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SBK: tl.constexpr, BLOCK_SCALES: tl.constexpr, GLU: tl.constexpr):
+    """Output columns of block ``block``: the float32 sums of ``w`` (BLOCK_R, BLOCK_K) e4m3
+    times the row ``x``, scaled by ``s`` (per block column, or per row after the sums),
+    rounded once to the activation dtype; GLU: the row pairs' ``silu(gate) * up``."""
+    BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_R, BLOCK_K)
     if BLOCK_SCALES:  # each block column's sum times its scale
-        per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SBK, SBK)), axis=2)
+        per_block = tl.sum(tl.reshape(prod, (BLOCK_R, BLOCK_K // SBK, SBK)), axis=2)
         acc = tl.sum(per_block * s, axis=1)
     else:
         acc = tl.sum(prod, axis=1) * s
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    act_ty = out_ptr.dtype.element_ty
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # (BLOCK_N, 2): each column's gate and up sums
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+        y = _silu_mul_sums(gate, up, act_ty)
+    else:
+        y = acc.to(act_ty)
+    tl.store(out_ptr + offs_n, y, mask=offs_n < N)
 
 
 @triton.jit
-def _scales(s_ptr, offs_n, kb, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+def _scales(s_ptr, rows, live, kb, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
             BLOCK_SCALES: tl.constexpr):
-    """The scales of output rows ``offs_n``: (BLOCK_N, BLOCK_K // SBK) block scales, or
-    (BLOCK_N,) row scales; 0 past N and past the row's last block column."""
-    mask_n = offs_n < N
+    """The scales of weight rows ``rows``: (BLOCK_R, BLOCK_K // SBK) block scales, or
+    (BLOCK_R,) row scales; 0 where not ``live`` and past the row's last block column."""
     if BLOCK_SCALES:
-        s = tl.load(s_ptr + (offs_n // SBN)[:, None] * stride_sn + kb[None, :],
-                    mask=mask_n[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
+        s = tl.load(s_ptr + (rows // SBN)[:, None] * stride_sn + kb[None, :],
+                    mask=live[:, None] & (kb < tl.cdiv(K, SBK))[None, :], other=0.0)
     else:
-        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+        s = tl.load(s_ptr + rows, mask=live, other=0.0)
     return s

@@ -1,7 +1,7 @@
 """Launch shapes of the FP8 kernels and which kernel takes a row bucket: tuned ones as
 data, defaults otherwise.
 
-A launch of ``(scales, rows, N, K, input op)`` takes the tile tuned for it on this GPU
+A launch of ``(scales, rows, N, K, input op, GLU)`` takes the tile tuned for it on this GPU
 (``tiles.json`` beside this module, written by ``bench.kernels.fp8_gemm --sweep
 --tiles-out``), else the first GPU's the file lists for it, else the default: one row on a
 GPU the persistent row kernel's ``default_row_tile`` where it takes the shape, else
@@ -10,14 +10,18 @@ sweep times each bucket's top). A file row's ``kernel`` names the path it measur
 fastest: at one row ``"w8a16"`` (``Fp8Tile``; rows without the field) or ``"row"``
 (``Fp8RowTile``); from ``DOT_MIN_ROWS`` rows ``"w8a16"``, ``"dot"`` (the FP8 x FP8
 kernel, its tile in ``dot_tile``) or ``"scaled_mm"`` (``skinny_kernel``); a bucket the
-sweep did not time takes the nearest timed one's.
+sweep did not time takes the nearest timed one's. A row with ``"glu": true`` is the gated
+epilogue's launch of a fused gate|up weight (``launch.w8a16_glu``; ``n``: the weight's
+rows, ``tile`` block: output columns, twice that many weight rows), tuned apart from the
+plain launch of the same weight; its ``scaled_mm_us`` (the unfused cuBLAS FP8 path) is
+informative only.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +71,17 @@ def block_m(m: int) -> int:
     return next_power_of_2(m) if m < DOT_MIN_ROWS else min(max(16, next_power_of_2(m)), 64)
 
 
-def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN) -> Fp8Tile:
+def default_tile(m: int, n: int, k: int, blocks: bool, input_op: int = PLAIN,
+                 glu: bool = False) -> Fp8Tile:
     """Untuned shapes. CUDA cores (fewer than ``DOT_MIN_ROWS`` rows): the bf16 skinny
     GEMM's shape (narrow programs, long K chunks: many programs in flight, each streaming
-    its rows), 4 columns per program (FP8 rows are half the bytes) over 8 warps, which
-    keeps a fused input op's program under 96 registers on Hopper (8 columns over 4 warps
-    take 224). Tensor cores: 64 columns (128 above 64 rows), 128-column chunks (a block's
-    width)."""
+    its rows), 4 weight rows per program (FP8 rows are half the bytes; GLU: 2 columns of
+    a gate and an up row each) over 8 warps, which keeps a fused input op's program under
+    96 registers on Hopper (8 columns over 4 warps take 224). Tensor cores: 64 columns
+    (128 above 64 rows), 128-column chunks (a block's width)."""
     if m < DOT_MIN_ROWS:
-        return Fp8Tile(4, max(64, min(next_power_of_2(k), 2048 // next_power_of_2(m))), 8)
+        return Fp8Tile(2 if glu else 4,
+                       max(64, min(next_power_of_2(k), 2048 // next_power_of_2(m))), 8)
     return Fp8Tile(64 if m <= 64 else 128, 128 if blocks or k >= 128 else 64,
                    4 if m <= 64 else 8)
 
@@ -123,14 +129,15 @@ ROW_MAX_K = 16384
 ROW_BLOCK_BYTES = 16384
 
 
-def default_row_tile(n: int, k: int, sms: int) -> Fp8RowTile | None:
+def default_row_tile(n: int, k: int, sms: int, glu: bool = False) -> Fp8RowTile | None:
     """The row kernel's untuned tile for one row of an (N, K) projection on ``sms`` SMs,
     or None where the w8a16 kernel takes it: ``K`` above ``ROW_MAX_K``, or fewer column
     blocks than a full grid has programs (the grid would save no input-op work). Up to
     K = 8192: columns per block for ``ROW_BLOCK_BYTES`` (at most 8), 8 warps, 2 programs
     per SM, a 3-stage pipeline (each program computes the input row, so few programs, each
     with blocks in flight through shared memory); longer rows (registers: the row itself)
-    2 columns over 16 warps, one program per SM, 4 stages."""
+    2 columns over 16 warps, one program per SM, 4 stages. GLU (``n``: the fused gate|up
+    weight's rows): the same weight rows per block, as half as many output columns."""
     kp = next_power_of_2(k)
     if kp > ROW_MAX_K:
         return None
@@ -138,7 +145,7 @@ def default_row_tile(n: int, k: int, sms: int) -> Fp8RowTile | None:
         else Fp8RowTile(2, 16, 1, 4)
     if cdiv(n, tile.block_n) < tile.programs_per_sm * sms:
         return None
-    return tile
+    return replace(tile, block_n=max(1, tile.block_n // 2)) if glu else tile
 
 
 def _tile(row: dict[str, Any]) -> Fp8Tile | Fp8RowTile:
@@ -146,13 +153,18 @@ def _tile(row: dict[str, Any]) -> Fp8Tile | Fp8RowTile:
     return Fp8RowTile(*row["tile"]) if row.get("kernel") == "row" else Fp8Tile(*row["tile"])
 
 
+#: A tuned tile's key: scales ("rows"/"blocks"), rows bucket, N (weight rows), K, input
+#: op, GLU.
+TileKey = tuple[str, int, int, int, int, bool]
+
+
 @functools.cache
-def tuned_tiles() -> dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | Fp8RowTile]]:
-    """(scales "rows"/"blocks", rows bucket, N, K, input op) -> device name -> tile, read
-    once."""
-    out: dict[tuple[str, int, int, int, int], dict[str, Fp8Tile | Fp8RowTile]] = {}
+def tuned_tiles() -> dict[TileKey, dict[str, Fp8Tile | Fp8RowTile]]:
+    """``TileKey`` -> device name -> tile, read once."""
+    out: dict[TileKey, dict[str, Fp8Tile | Fp8RowTile]] = {}
     for row in _rows():
-        key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"])
+        key = (row["scales"], row["m"], row["n"], row["k"], row["input_op"],
+               bool(row.get("glu", False)))
         out.setdefault(key, {})[row.get("device", "")] = _tile(row)
     return out
 
@@ -162,7 +174,7 @@ def _scaled_mm_faster() -> frozenset[tuple[int, int, int, str]]:
     """(rows bucket, N, K, device) where the sweep found cuBLAS FP8 faster (per-channel
     scales, by ``SCALED_MM_MARGIN``)."""
     return frozenset((r["m"], r["n"], r["k"], r.get("device", "")) for r in _rows()
-                     if r["scales"] == "rows" and "scaled_mm_us" in r
+                     if r["scales"] == "rows" and "scaled_mm_us" in r and not r.get("glu")
                      and r["scaled_mm_us"] <= SCALED_MM_MARGIN * r["us"])
 
 
@@ -179,7 +191,7 @@ def _dot_rows() -> dict[tuple[str, int, int, int, str], tuple[str, DotTile | Non
     the rows of ``DOT_MIN_ROWS`` and more that name one."""
     out: dict[tuple[str, int, int, int, str], tuple[str, DotTile | None]] = {}
     for r in _rows():
-        if "kernel" in r and r["m"] >= DOT_MIN_ROWS:
+        if "kernel" in r and r["m"] >= DOT_MIN_ROWS and not r.get("glu"):
             tile = DotTile(*r["dot_tile"]) if "dot_tile" in r else None
             out[(r["scales"], r["m"], r["n"], r["k"], r.get("device", ""))] = (r["kernel"], tile)
     return out
@@ -229,17 +241,17 @@ def _rows() -> list[dict[str, Any]]:
 
 
 def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str,
-              row_sms: int = 0) -> Fp8Tile | Fp8RowTile:
+              row_sms: int = 0, glu: bool = False) -> Fp8Tile | Fp8RowTile:
     """The tile for a launch (see the module docstring). ``row_sms``: the GPU's SMs where
     the row kernel may run (0: it may not; a tuned row tile then gives way to the
-    defaults too)."""
+    defaults too). ``glu``: the gated epilogue's launch of an (N, K) gate|up weight."""
     op = ADD_RMS_NORM if input_op == RMS_NORM else input_op  # the norms share tiles
-    tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op))
+    tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op, glu))
     tile = (tuned.get(device) or next(iter(tuned.values()))) if tuned else None
     if tile is not None and (row_sms or not isinstance(tile, Fp8RowTile)):
         return tile
-    row = default_row_tile(n, k, row_sms) if m == 1 and row_sms else None
-    return row or default_tile(m, n, k, blocks, input_op)
+    row = default_row_tile(n, k, row_sms, glu) if m == 1 and row_sms else None
+    return row or default_tile(m, n, k, blocks, input_op, glu)
 
 
 def valid(tile: Fp8Tile | Fp8RowTile, m: int, blocks: bool) -> bool:

@@ -80,3 +80,29 @@ def test_sweep_candidates_and_row_tiles_round_trip(tmp_path: Any) -> None:
     shipped = json.loads(tiles.TILES_FILE.read_text())["tiles"]
     assert all(isinstance(tiles._tile(r), Fp8RowTile) == (r.get("kernel") == "row")
                for r in shipped)
+
+
+def test_glu_rows_merge_apart_and_time_the_same_weight_blocks(tmp_path: Any) -> None:
+    """The sweep's GLU gate_up rows (``glu``) merge beside the plain launch's rows of the
+    same weight, not over them; its candidates are the plain ones with half the columns
+    per block (the same weight rows); the GLU gate_up and the plain-input down are
+    projections of their own, below 8 rows."""
+    import dataclasses
+
+    from bench.kernels.fp8_gemm import FEW_ROWS_ONLY, PROJECTIONS, candidates, merge_tiles
+    from executor.quant import tiles
+
+    path = tmp_path / "tiles.json"
+    row = {"device": "H200", "scales": "rows", "m": 1, "n": 28672, "k": 4096, "input_op": 3,
+           "kernel": "row", "tile": [4, 8, 2, 3], "us": 35.0}
+    merge_tiles(path, [row, {**row, "glu": True, "tile": [2, 8, 2, 3]}])
+    merge_tiles(path, [{**row, "glu": True, "tile": [1, 16, 1, 4]}])
+    rows = json.loads(path.read_text())["tiles"]
+    assert [(r.get("glu", False), r["tile"]) for r in rows] == \
+        [(False, [4, 8, 2, 3]), (True, [1, 16, 1, 4])]
+    plain = candidates(1, 28672, 4096, False, tiles.ADD_RMS_NORM)
+    glu = candidates(1, 28672, 4096, False, tiles.ADD_RMS_NORM, glu=True)
+    assert {dataclasses.replace(t, block_n=2 * t.block_n) for t in glu} == set(plain)
+    assert PROJECTIONS["gate_up_glu"] == ("gate_up", tiles.ADD_RMS_NORM, True)
+    assert PROJECTIONS["down_plain"] == ("down", tiles.PLAIN, False)
+    assert set(FEW_ROWS_ONLY) == {"gate_up_glu", "down_plain"}

@@ -238,6 +238,9 @@ def test_pdl_resolves_on_only_where_supported() -> None:
         KernelSwitches.resolve("off", "on", cpu)
     # off asks nothing of the device (no CUDA here)
     assert KernelSwitches.resolve("off", "off", cuda) == KernelSwitches(False, False)
+    # the FP8 gated epilogue: on unless off (it acts where the loader kept FP8 weights)
+    assert KernelSwitches.resolve("off", "off", cpu, "on").fp8_glu
+    assert not KernelSwitches.resolve("off", "off", cuda, "off").fp8_glu
     with KernelSwitches(pdl=True):  # only holding switches sets them
         assert pdl.enabled() and pdl.options()["USE_PDL"]
         with KernelSwitches(pdl=True):  # re-entry with equal switches

@@ -132,7 +132,7 @@ def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatc
     assert _transcript(off) == want and off.attn.rotated == 0
 
 
-@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl", "skinny_row_kernel"])
+@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu"])
 def test_kernel_switches_take_auto_on_or_off(field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} must be one of \\['auto', 'on', 'off'\\]"):
         ExecutorConfig(**{field: "yes"})  # type: ignore[arg-type]

@@ -11,6 +11,10 @@
   order);
 * the norm and SiLU-and-mul that quantize their own output give the unfused path's
   result exactly, through the layer's fused hooks at 8 and 64 rows;
+* the gated (GLU) epilogue of the gate_up projections at 1 row (and 4): ``silu_and_mul``
+  of the unfused launch bit for bit at tiles of the same reduction (both kernels, row and
+  block scales), the layer's hook against float32 and replayed in a CUDA graph, and a
+  small FP8 model decoding alike with ``--fp8-glu`` on and off;
 * the activation quantization kernel equals ``fp8.quantize_activations`` bit for bit;
 * graphs (full decode, breakable prefill) give eager's greedy tokens with FP8 weights,
   and the layers keep FP8 (no dequantized fallback);
@@ -36,7 +40,7 @@ from executor.quant.fp8 import (
     quantize_tensor,
 )
 from executor.quant.scheme import AT_LOAD
-from executor.quant.tiles import Fp8RowTile
+from executor.quant.tiles import Fp8RowTile, Fp8Tile
 from tests.helpers.fp8_models import write_fp8_model
 from tests.helpers.gpu import greedy_agrees, make_prefill_executor
 
@@ -176,6 +180,108 @@ def test_row_kernel_fused_input_ops(shape: str, kind: str) -> None:
             err = (got.float() - ref).abs().max().item()
             assert err <= REL * ref.abs().max().item(), f"{shape} {proj} {kind} {tile}: {err}"
             assert want_res is None or (got_res is not None and torch.equal(got_res, want_res))
+
+
+#: GLU launch tiles the exactness check runs, each against the plain launch whose block has
+#: twice its columns (the same weight rows per block, the same reduction): the row
+#: kernel's default shapes (short and long rows) and register prefetch; w8a16 tiles.
+GLU_TILES = (Fp8RowTile(4, 8, 2, 3), Fp8RowTile(1, 16, 1, 4), Fp8RowTile(1, 8, 4, 0),
+             Fp8Tile(2, 2048, 8, 3), Fp8Tile(4, 1024, 4, 3))
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["block", "channel"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_glu_epilogue_equals_unfused(shape: str, kind: str) -> None:
+    """The gate_up projection with the residual-add + RMSNorm in and ``silu(gate) * up``
+    out (``launch.w8a16_glu``) against ``silu_and_mul`` of the plain launch at the tile of
+    the same reduction, bit for bit (the new residual too), at 1 row and, on the w8a16
+    kernel, 4; the layer's hook (``norm_glu_linear``, whatever the tile file picks) within
+    ``REL`` of float32, and its CUDA graph replay equal to eager."""
+    import dataclasses
+
+    from executor import kernels
+    from executor.quant.tiles import ADD_RMS_NORM
+
+    k, shards = _projection_shards(shape)["gate_up"]
+    layer, dense = _layer(kind, k, shards)
+    block = layer.scheme.block if kind == "block" else None
+    scale = _gemm_scale(layer, kind)
+    gen = torch.Generator(device=DEV).manual_seed(k)
+    for m in (1, 4):
+        x, res = (torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+                  for _ in range(2))
+        nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+        for tile in GLU_TILES:
+            if m > 1 and isinstance(tile, Fp8RowTile):
+                continue
+            got, got_res = launch.w8a16_glu(x, layer.weight, scale, block, ADD_RMS_NORM,
+                                            res, nw, 1e-5, tile)
+            gate_up, want_res = launch.w8a16_fused(
+                x, layer.weight, scale, block, ADD_RMS_NORM, res, nw, 1e-5,
+                dataclasses.replace(tile, block_n=2 * tile.block_n))
+            want = kernels.silu_and_mul(gate_up)
+            assert torch.equal(got, want), \
+                f"{shape} {kind} M={m} {tile}: {(got.float() - want.float()).abs().max()}"
+            assert got_res is not None and want_res is not None
+            assert torch.equal(got_res, want_res)
+        # the layer's own launch (tuned or default tile) against float32
+        fused = layer.norm_glu_linear(x, res, nw, 1e-5)
+        assert fused is not None, (shape, kind, m)
+        normed, _ = kernels.add_rms_norm(x, res, nw, 1e-5)
+        gu = (normed.float() @ dense.T).to(torch.bfloat16).float()
+        inter = gu.shape[1] // 2
+        ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        err = (fused[0].float() - ref).abs().max().item()
+        assert err <= 2 * REL * ref.abs().max().item(), f"{shape} {kind} M={m}: {err:.4g}"
+    # one row captured in a CUDA graph, replayed on new inputs
+    x, res = (torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+    eager = layer.norm_glu_linear(x, res, nw, 1e-5)
+    assert eager is not None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.norm_glu_linear(x, res, nw, 1e-5)  # (warm: compiled, grid sized)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer.norm_glu_linear(x, res, nw, 1e-5)
+    assert captured is not None
+    x2, res2 = (torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+                for _ in range(2))
+    want2 = layer.norm_glu_linear(x2, res2, nw, 1e-5)
+    assert want2 is not None
+    x.copy_(x2)
+    res.copy_(res2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], want2[0]) and torch.equal(captured[1], want2[1])
+
+
+@needs_fp8
+def test_fp8_glu_off_decodes_alike(tmp_path: Path) -> None:
+    """A block FP8 model decoding one sequence (one row a step, decode graphs) with the
+    gated epilogue (the default) and without it (``fp8_glu="off"``): the same greedy
+    tokens and log-probabilities (the untuned GLU tile reduces as the plain one), and
+    Health's kernel features say which ran."""
+    path = _fp8_model(tmp_path)
+    params = SamplingParams(logprobs=True, top_logprobs=2)
+    runs = {}
+    for glu in ("auto", "off"):
+        ex = make_prefill_executor(path, fp8_glu=glu)
+        try:
+            assert ("fp8_glu" in ex.model_info.kernel_features) == (glu == "auto")
+            ex.capture(["decode"])
+            out = ex.prefill([PrefillItem("s", list(range(3, 40)), sampling=params)]).outputs
+            steps = [(int(out[0].token_id), out[0].top_logprobs)]
+            for _ in range(16):
+                o = ex.decode([DecodeItem("s", steps[-1][0], params)]).outputs[0]
+                steps.append((int(o.token_id), o.top_logprobs))
+            runs[glu] = steps
+        finally:
+            ex.close()
+    assert runs["auto"] == runs["off"]
 
 
 @needs_fp8
