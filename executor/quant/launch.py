@@ -137,19 +137,18 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
     block_k = max(next_power_of_2(k), sbk)
     sbk = sbk or block_k  # row scales: one "block" of the whole row (no per-block sums)
     assert sbk & (sbk - 1) == 0, "the row kernel takes power-of-two scale blocks"
-    assert not (glu and tile.preload), "the gated epilogue preloads no blocks"
     if tile.num_warps not in _ROW_LAUNCHERS:
         _ROW_LAUNCHERS[tile.num_warps] = FastLauncher(_w8a16_row_kernel, pdl=True,
                                                       num_warps=tile.num_warps)
     launcher = _ROW_LAUNCHERS[tile.num_warps]
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
-           input_op, tile.block_n, block_k, tile.num_stages, glu, tile.preload)
+           input_op, tile.block_n, block_k, tile.num_stages, glu)
     args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
             scale.stride(0), 1.0 / k, eps)
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
                   "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
-                  "STAGES": tile.num_stages, "GLU": glu, "PRELOAD": tile.preload}
+                  "STAGES": tile.num_stages, "GLU": glu}
     grid_key = (key, tile.programs_per_sm, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:

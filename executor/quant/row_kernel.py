@@ -16,9 +16,7 @@ split-K, so results are deterministic. ``GLU``: a block is ``BLOCK_N`` output co
 fused gate|up weight, their ``2 * BLOCK_N`` gate and up rows interleaved
 (``kernels._weight_rows``), and each column stores ``silu(gate) * up``
 (``kernels._silu_mul_sums``): the plain kernel's sums of a ``2 * BLOCK_N`` block, rounded
-as it stores them, then as ``silu_and_mul`` rounds. ``PRELOAD`` > 0 (not with GLU): the
-program's first ``PRELOAD`` blocks are loaded before the PDL wait as one tile, so behind a
-latency-bound kernel (the attention, before o_proj) the weight streams while it runs.
+as it stores them, then as ``silu_and_mul`` rounds.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.pdl import pdl_enter
-from executor.kernels.skinny.kernel import _preload_columns, _row_input
+from executor.kernels.skinny.kernel import _row_input
 from executor.quant.kernels import _silu_mul_sums, _weight_rows
 
 
@@ -51,7 +49,6 @@ def _w8a16_row_kernel(
     USE_PDL: tl.constexpr,
     STAGES: tl.constexpr,  # 0: next block prefetched in registers; >= 2: Triton's pipeline
     GLU: tl.constexpr,  # silu(gate) * up of each column's gate and up rows
-    PRELOAD: tl.constexpr = 0,  # column blocks held in registers from before the PDL wait
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -60,16 +57,9 @@ def _w8a16_row_kernel(
     BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N  # weight rows per block
     offs_r = tl.arange(0, BLOCK_R)
     kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
-    # The weights and scales depend on nothing the step writes: the preloaded blocks
-    # (PRELOAD; not with GLU) and the first block of the loop are in flight before the
-    # PDL wait, while the previous kernel runs.
-    if PRELOAD > 0:
-        pre_n = _preload_columns(pid, programs, PRELOAD, BLOCK_N)
-        w_pre = tl.load(w_ptr + pre_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                        mask=(pre_n < N)[:, None] & mask_k[None, :], other=0.0)
-        s_pre = _scales(s_ptr, pre_n, pre_n < N, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-    first = pid + PRELOAD * programs
-    rows, live = _weight_rows(offs_r, first, N, BLOCK_N, GLU)
+    # The first block's weight and scales depend on nothing the step writes: in flight
+    # before the PDL wait, while the previous kernel finishes.
+    rows, live = _weight_rows(offs_r, pid, N, BLOCK_N, GLU)
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                 mask=live[:, None] & mask_k[None, :], other=0.0)
     s = _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
@@ -77,12 +67,9 @@ def _w8a16_row_kernel(
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
                    act_ty, INPUT_OP)  # (BLOCK_K,) activation dtype
-    if PRELOAD > 0:
-        pre = _row_sums(w_pre, s_pre, x, PRELOAD * BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES)
-        tl.store(out_ptr + pre_n, pre.to(act_ty), mask=pre_n < N)
     n_blocks = tl.cdiv(N, BLOCK_N)
     if STAGES == 0:  # the next block's load in registers before this block's sums
-        block = first
+        block = pid
         while block < n_blocks:
             this = block
             block += programs
@@ -99,29 +86,14 @@ def _w8a16_row_kernel(
     else:  # the other blocks through shared memory, STAGES deep, then the first one
         # (its weight, loaded before the wait, waits in registers: the pipeline's first
         # loads go out as soon as the input row is ready)
-        for block in tl.range(first + programs, n_blocks, programs, num_stages=STAGES):
+        for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
             rows_b, live_b = _weight_rows(offs_r, block, N, BLOCK_N, GLU)
             w_b = tl.load(w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                           mask=live_b[:, None] & mask_k[None, :], other=0.0)
             s_b = _scales(s_ptr, rows_b, live_b, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
             _block_out(w_b, s_b, x, block, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES,
                        GLU)
-        _block_out(w, s, x, first, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
-
-
-@triton.jit
-def _row_sums(w, s, x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SBK: tl.constexpr,
-              BLOCK_SCALES: tl.constexpr):
-    """The float32 sums (BLOCK_R,) of ``w`` (BLOCK_R, BLOCK_K) e4m3 times the row ``x``,
-    scaled by ``s``: each block column's sum times its scale, or each row's sum times its
-    row scale."""
-    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_R, BLOCK_K)
-    if BLOCK_SCALES:
-        per_block = tl.sum(tl.reshape(prod, (BLOCK_R, BLOCK_K // SBK, SBK)), axis=2)
-        sums = tl.sum(per_block * s, axis=1)
-    else:  # (one return: Triton compiles what follows a constexpr branch's return too)
-        sums = tl.sum(prod, axis=1) * s
-    return sums
+        _block_out(w, s, x, pid, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
 
 
 @triton.jit
@@ -131,7 +103,12 @@ def _block_out(w, s, x, block, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     times the row ``x``, scaled by ``s`` (per block column, or per row after the sums),
     rounded once to the activation dtype; GLU: the row pairs' ``silu(gate) * up``."""
     BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N
-    acc = _row_sums(w, s, x, BLOCK_R, BLOCK_K, SBK, BLOCK_SCALES)
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_R, BLOCK_K)
+    if BLOCK_SCALES:  # each block column's sum times its scale
+        per_block = tl.sum(tl.reshape(prod, (BLOCK_R, BLOCK_K // SBK, SBK)), axis=2)
+        acc = tl.sum(per_block * s, axis=1)
+    else:
+        acc = tl.sum(prod, axis=1) * s
     act_ty = out_ptr.dtype.element_ty
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     if GLU:  # (BLOCK_N, 2): each column's gate and up sums

@@ -53,14 +53,12 @@ class Fp8RowTile:
     block, warps per program, programs per SM (the grid is at most that many times the
     SM count, fewer where fewer fit), and the weight pipeline's depth (0: the next block
     prefetched in registers; 2 or more: Triton's pipelined loop, that many stages in
-    shared memory), and the column blocks each program loads before its PDL wait
-    (``preload_tile``)."""
+    shared memory)."""
 
     block_n: int
     num_warps: int = 8
     programs_per_sm: int = 4
     num_stages: int = 0
-    preload: int = 0
 
 
 def rows_bucket(m: int) -> int:
@@ -148,18 +146,6 @@ def default_row_tile(n: int, k: int, sms: int, glu: bool = False) -> Fp8RowTile 
     if cdiv(n, tile.block_n) < tile.programs_per_sm * sms:
         return None
     return replace(tile, block_n=max(1, tile.block_n // 2)) if glu else tile
-
-
-def preload_tile(k: int) -> Fp8RowTile | None:
-    """The row kernel's tile for one row of a plain-input projection (o_proj, after the
-    attention) with ``K`` in the bf16 row kernel's range: 2 columns a block, 8 warps, 2
-    programs per SM, ``skinny.tiles.PRELOAD_BLOCKS`` blocks besides the first loaded
-    before the PDL wait, as the bf16 o_proj; else None."""
-    from executor.kernels.skinny.tiles import PRELOAD_BLOCKS, ROW_KERNEL_K
-
-    if not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
-        return None
-    return Fp8RowTile(2, 8, 2, 0, PRELOAD_BLOCKS)
 
 
 def _tile(row: dict[str, Any]) -> Fp8Tile | Fp8RowTile:
@@ -260,10 +246,6 @@ def pick_tile(m: int, n: int, k: int, blocks: bool, input_op: int, device: str,
     the row kernel may run (0: it may not; a tuned row tile then gives way to the
     defaults too). ``glu``: the gated epilogue's launch of an (N, K) gate|up weight."""
     op = ADD_RMS_NORM if input_op == RMS_NORM else input_op  # the norms share tiles
-    if m == 1 and row_sms and op == PLAIN and not glu:
-        held = preload_tile(k)
-        if held is not None:
-            return held
     tuned = tuned_tiles().get(("blocks" if blocks else "rows", rows_bucket(m), n, k, op, glu))
     tile = (tuned.get(device) or next(iter(tuned.values()))) if tuned else None
     if tile is not None and (row_sms or not isinstance(tile, Fp8RowTile)):

@@ -27,7 +27,6 @@ from executor.kernels.skinny.linear import (
 )
 from executor.kernels.skinny.ops import SendLane, send_linear, skinny_gemm, skinny_norm_gemm
 from executor.kernels.skinny.tiles import (
-    PRELOAD_BLOCKS,
     ROW_KERNEL_K,
     ROW_KERNEL_MIN_BLOCKS,
     ROW_KERNEL_REDUCE,
@@ -45,8 +44,7 @@ from executor.kernels.skinny.tiles import (
     tuned_tiles,
 )
 
-__all__ = ["ADD_RMS_NORM", "MAX_ROWS", "NO_REDUCE", "PLAIN", "PRELOAD_BLOCKS", "RMS_NORM",
-           "ROW_KERNEL_K",
+__all__ = ["ADD_RMS_NORM", "MAX_ROWS", "NO_REDUCE", "PLAIN", "RMS_NORM", "ROW_KERNEL_K",
            "ROW_KERNEL_MIN_BLOCKS", "ROW_KERNEL_REDUCE", "SEND", "SILU_MUL", "TILES_FILE",
            "RowTile", "SendLane", "Tile", "add_rms_norm_linear", "cublas_faster",
            "default_tile", "device_name", "linear", "pick_tile", "resident_programs",

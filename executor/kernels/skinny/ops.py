@@ -127,7 +127,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             res_out.copy_(x + residual)
         return out.zero_(), res_out
     if tile is None:
-        tile = row_tile(input_op, m, n, k, reduce, sms=sm_count(x.device)) or \
+        tile = row_tile(input_op, m, n, k, reduce, sms=sm_count(x.device),
+                        elem_bytes=weight.element_size()) or \
             pick_tile(input_op, m, n, k, device_name(x.device) if x.is_cuda else "")
     if isinstance(tile, RowTile):
         assert m == 1, "the row kernel takes one row"

@@ -316,21 +316,29 @@ def test_row_kernel_preload_takes_the_same_columns(n: int, k: int, tile: tuple[i
     assert base_res is None or torch.equal(got_res, base_res)
 
 
-def test_plain_row_launches_take_the_preloading_row_kernel() -> None:
+def test_plain_row_launches_preload_what_fits() -> None:
     """A one-row plain launch (o_proj) in the row kernel's K range takes the row kernel
-    whatever its block count, 2 columns a block on 2 programs per SM, each program loading
-    ``PRELOAD_BLOCKS`` blocks besides its first before the PDL wait, with and without PDL
-    (a launch computes the same either way); input ops keep their rule."""
+    whatever its block count, 2 columns a block on 2 programs per SM, each program
+    preloading its share of blocks where it fits ``PRELOAD_BYTES``, else as many as fit,
+    with and without PDL (a launch computes the same either way); input ops keep their
+    rule."""
     from executor.kernels import skinny as sg
-    from executor.kernels.skinny.tiles import PRELOAD_BLOCKS
+    from executor.kernels.skinny.tiles import PRELOAD_BYTES, preload_blocks
 
     lo, hi = sg.ROW_KERNEL_K
-    held = sg.RowTile(2, 8, 2, PRELOAD_BLOCKS)
+    assert preload_blocks(16384, 1024, 264) == 4  # 3.9 blocks a program: all of them
+    assert preload_blocks(16384, 2048, 264) == 4  # 7.8 a program, 4 fit
+    assert preload_blocks(8192, 2048, 264) == 8
+    assert preload_blocks(PRELOAD_BYTES * 2, 100, 10) == 1  # a block too big: still one
+    assert preload_blocks(1024, 5, 10) == 1
     for pdl in (True, False):
         with KernelSwitches(pdl=pdl):
-            assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132) == held  # 30B-A3B's o_proj
-            assert sg.row_tile(sg.PLAIN, 1, 4096, 4096, sms=132) == held  # the 8B's
-            assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) == held
+            # Qwen3-30B-A3B's o_proj on 132 SMs: 1,024 blocks of 16 KiB, all preloaded
+            assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132) == sg.RowTile(2, 8, 2, 4)
+            # the same in one byte (FP8-sized blocks): 8 KiB blocks, 4 a program
+            assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132, elem_bytes=1) == \
+                sg.RowTile(2, 8, 2, 4)
+            assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 2, 2)  # 32 KiB
             assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
             assert sg.row_tile(sg.PLAIN, 1, 64, hi + 1, sms=2) is None
             assert sg.row_tile(sg.PLAIN, 2, 64, hi, sms=2) is None
@@ -355,6 +363,7 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 4 * 4 * 132 * least - 4, lo, sms=132) is None
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sg.SEND, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sg.SEND, sms=132) is None  # too few
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) == sg.RowTile(2, 8, 2, 1)
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
                          (1, hi + 1, sg.NO_REDUCE), (2, lo, sg.SEND), (1, hi + 1, sg.SEND)):
         assert sg.row_tile(sg.PLAIN, m, 64, k, reduce, sms=2) is None
@@ -372,9 +381,10 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     # a block too few: the classic kernel
     sg.skinny_norm_gemm(x, None, nw, EPS, w[:4 * 4 * 2 * least - 4])
     assert len(launched) == 1
-    # a plain input takes the row kernel, a block preloaded
-    torch.testing.assert_close(sg.skinny_gemm(x, w[:8]), x @ w[:8].T, atol=1e-5, rtol=1e-5)
-    assert launched[1:] == [sg.RowTile(2, 8, 2, sg.PRELOAD_BLOCKS)]
+    # a plain input takes the row kernel, its blocks preloaded (16 KiB of float32 each)
+    torch.testing.assert_close(sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4]),
+                               x @ w[:4 * 4 * 2 * least - 4].T, atol=1e-5, rtol=1e-5)
+    assert launched[1:] == [sg.RowTile(2, 8, 2, 4)]
     launched.pop()
     with KernelSwitches(row_kernel=False):  # an executor's --skinny-row-kernel off
         assert sg.row_tile(sg.PLAIN, 1, 64, lo, sms=2) is None

@@ -102,40 +102,6 @@ def test_row_kernel_fused_input_ops(op: int, block: bool, stages: int) -> None:
         assert got_res is not None and torch.equal(got_res, want_res)
 
 
-@pytest.mark.parametrize("stages", [0, 3])
-@pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize("preload", [1, 2, 4])
-def test_row_kernel_preload_equals_the_plain_launch(preload: int, block: bool,
-                                                    stages: int) -> None:
-    """Column blocks loaded before the PDL wait (``Fp8RowTile.preload``: fewer than a
-    program's share, as many, more) leave every column's sum as the launch without them
-    computes it, and within the dequantized product's tolerance."""
-    n, k = 37, 256  # 19 blocks of two on a 4-program grid; the last block half past N
-    q, s, blk, dense = _weight(n, k, block, seed=preload)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    plain = launch.w8a16(x, q, s, blk, tile=Fp8RowTile(2, 4, 2, stages))
-    got = launch.w8a16(x, q, s, blk, tile=Fp8RowTile(2, 4, 2, stages, preload))
-    assert torch.equal(got, plain)
-    assert _close(got, x.float() @ dense.T)
-
-
-def test_plain_rows_take_the_preloading_row_kernel() -> None:
-    """A plain one-row launch (o_proj) with K in the bf16 row kernel's range takes the row
-    kernel as the bf16 o_proj does (``preload_tile``), ahead of any tuned tile; longer
-    rows (the gated epilogue's down), input ops, the gated epilogue and GPUs where the row
-    kernel may not run keep the other rules."""
-    from executor.kernels.skinny.tiles import PRELOAD_BLOCKS
-
-    held = Fp8RowTile(2, 8, 2, 0, PRELOAD_BLOCKS)
-    assert tiles.pick_tile(1, 4096, 4096, False, PLAIN, "NVIDIA H200", 132) == held
-    assert tiles.pick_tile(1, 2048, 4096, True, PLAIN, "GPU A", 132) == held
-    assert tiles.preload_tile(14336) is None and tiles.preload_tile(576) is None
-    assert tiles.pick_tile(1, 4096, 4096, False, ADD_RMS_NORM, "GPU A", 132) != held
-    assert isinstance(tiles.pick_tile(1, 4096, 4096, False, PLAIN, "GPU A", 0), Fp8Tile)
-    glu = tiles.pick_tile(1, 4096, 4096, False, PLAIN, "GPU A", 132, glu=True)
-    assert not isinstance(glu, Fp8RowTile) or glu.preload == 0
-
-
 def test_tile_choice_by_kernel_field(tmp_path: Any, monkeypatch: Any) -> None:
     """A tuned row's ``kernel`` says which kernel it is for (no field: w8a16); a row tile
     gives way where the row kernel may not run (``row_sms`` 0); untuned single rows take
@@ -155,7 +121,7 @@ def test_tile_choice_by_kernel_field(tmp_path: Any, monkeypatch: Any) -> None:
             tiles.default_tile(1, 4096, 4096, False, ADD_RMS_NORM)
         assert tiles.pick_tile(1, 4096, 14336, False, SILU_MUL, "GPU A", 132) == \
             Fp8Tile(8, 2048, 4, 3)  # an old row: the w8a16 kernel's
-        assert tiles.pick_tile(1, 6144, 4096, False, ADD_RMS_NORM, "GPU A", 132) == \
+        assert tiles.pick_tile(1, 6144, 4096, False, PLAIN, "GPU A", 132) == \
             Fp8RowTile(4, 8, 2, 3)  # untuned: the default row tile
         assert tiles.pick_tile(2, 6144, 4096, False, PLAIN, "GPU A", 132) == \
             tiles.default_tile(2, 6144, 4096, False)
