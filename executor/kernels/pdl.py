@@ -10,8 +10,7 @@ predecessor grid has completed, then lets its own successor launch
 
 Rules a PDL kernel must keep, or it races: no load of anything a kernel of the step may
 have written, and no store at all, before the wait; every program waits, whatever path it
-takes (``pdl_launch_then_wait`` lets the successor launch before this kernel's own wait).
-Results are bit-identical with and without PDL. Whether launches use it is a
+takes. Results are bit-identical with and without PDL. Whether launches use it is a
 process-wide switch (``enabled()``, owned by ``executor.kernels.switches``) and part of
 each kernel's specialization (``USE_PDL``, ``launch_pdl``). See ``docs/kernels.md``.
 """
@@ -48,15 +47,3 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_launch_then_wait(USE_PDL: tl.constexpr):
-    """Step 3 before step 2: let the successor launch at once, then wait for the
-    predecessor. For a short kernel of few programs ahead of one that loads its weights
-    before its own wait (the decode attention's merge, then o_proj): the successor's
-    programs take the idle SMs and stream while this kernel and the one before it run.
-    Its wait still orders it after this grid, and so after the predecessor."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()

@@ -234,27 +234,20 @@ def _skinny_row_kernel(
     REDUCE: tl.constexpr,  # NO_REDUCE or SEND
     WORLD: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PRELOAD: tl.constexpr = 0,  # column blocks held in registers from before the PDL wait
 ):
     """One row, a persistent grid (``RowTile``): each program computes the input op's
     row once and keeps it in registers, then takes column blocks ``pid``,
     ``pid + programs``, ... with the next block's weight load issued before the current
     block is reduced, so its weight stream has no gaps. The input op rounds exactly as the
-    classic kernel's two-pass one (and the norm and SiLU kernels) do. ``PRELOAD`` > 0: the
-    program's first ``PRELOAD`` blocks are loaded before the PDL wait, as one tile (behind
-    a latency-bound predecessor, the attention, the weight stream then runs during it)."""
+    classic kernel's two-pass one (and the norm and SiLU kernels) do."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_b = tl.arange(0, BLOCK_N)
-    # The weights depend on nothing the step writes: the preloaded blocks and the loop's
-    # first block are in flight before the PDL wait, while the previous kernel runs.
-    if PRELOAD > 0:
-        pre_n = _preload_columns(pid, programs, PRELOAD, BLOCK_N)
-        w_pre = tl.load(w_ptr + pre_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                        mask=(pre_n < N)[:, None] & mask_k[None, :], other=0.0)
-    offs_n = (pid + PRELOAD * programs) * BLOCK_N + offs_b  # past N: masked, nothing read
+    offs_n = pid * BLOCK_N + offs_b
+    # The first block's weight depends on nothing the step writes: in flight before the
+    # PDL wait, while the previous kernel finishes.
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                 mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
     pdl_enter(USE_PDL)
@@ -264,13 +257,7 @@ def _skinny_row_kernel(
     region = 0
     if REDUCE == SEND_:  # (the lane's counter: written by the all-reduce, after the wait)
         region = push_next_region(ctl_ptr, rank, slot_elems, WORLD)
-    if PRELOAD > 0:
-        pre = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1).to(act_ty)
-        if REDUCE == SEND_:
-            push_send(pre, pre_n, pre_n < N, red_ptr, region, WORLD)
-        else:
-            tl.store(out_ptr + pre_n, pre, mask=pre_n < N)
-    block = pid + PRELOAD * programs
+    block = pid
     while block < tl.cdiv(N, BLOCK_N):
         offs_n = block * BLOCK_N + offs_b
         block += programs
@@ -283,11 +270,3 @@ def _skinny_row_kernel(
         else:
             tl.store(out_ptr + offs_n, acc, mask=offs_n < N)
         w = w_next
-
-
-@triton.jit
-def _preload_columns(pid, programs, PRELOAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The output columns of a row-kernel program's first ``PRELOAD`` column blocks
-    (``pid``, ``pid + programs``, ...), block by block: (PRELOAD * BLOCK_N,)."""
-    r = tl.arange(0, PRELOAD * BLOCK_N)
-    return (pid + (r // BLOCK_N) * programs) * BLOCK_N + r % BLOCK_N

@@ -127,8 +127,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             res_out.copy_(x + residual)
         return out.zero_(), res_out
     if tile is None:
-        tile = row_tile(input_op, m, n, k, reduce, sms=sm_count(x.device),
-                        elem_bytes=weight.element_size()) or \
+        tile = row_tile(input_op, m, n, k, reduce, sms=sm_count(x.device)) or \
             pick_tile(input_op, m, n, k, device_name(x.device) if x.is_cuda else "")
     if isinstance(tile, RowTile):
         assert m == 1, "the row kernel takes one row"
@@ -174,13 +173,13 @@ def _launch_row(x: torch.Tensor, residual: torch.Tensor | None,
     block_k = next_power_of_2(k)
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), input_op, tile.block_n, block_k, reduce, world,
-           red[2:], tile.preload)
+           red[2:])
     launcher = _row_launcher(tile.num_warps)
     args = (x, residual if residual is not None else x,
             norm_weight if norm_weight is not None else x, weight, out,
             res_out if res_out is not None else out, n, k, weight.stride(0), 1.0 / k, eps, *red)
     constexprs = {"INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
-                  "REDUCE": reduce, "WORLD": world, "PRELOAD": tile.preload}
+                  "REDUCE": reduce, "WORLD": world}
     grid_key = (key, tile.programs_per_sm, tile.num_warps, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:

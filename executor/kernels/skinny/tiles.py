@@ -10,7 +10,6 @@ is the occupancy model that caps the row kernel's grid. The reasons behind each 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -117,9 +116,6 @@ class RowTile:
     block_n: int
     num_warps: int = 8
     programs_per_sm: int = 4
-    #: Column blocks each program loads before its PDL wait (0: only the loop's first):
-    #: behind a latency-bound kernel the weight stream then runs during it (``preload``).
-    preload: int = 0
 
 
 #: Inner sizes ``K`` (the weight's) the row kernel takes by default: the whole input row
@@ -136,40 +132,17 @@ ROW_KERNEL_MIN_BLOCKS = 2
 _INTERPRETER_SMS = 2
 
 
-#: Weight bytes a row-kernel program may hold in registers from before its PDL wait (64 a
-#: thread of 8 warps, beside the input row).
-PRELOAD_BYTES = 64 * 1024
-
-
-def preload_blocks(block_bytes: int, blocks: int, programs: int) -> int:
-    """Column blocks of ``block_bytes`` each a program of a ``programs`` grid over
-    ``blocks`` blocks loads before its PDL wait: all of its share where that fits
-    ``PRELOAD_BYTES``, else as many as fit (a power of two, at least 1)."""
-    fit = max(1, PRELOAD_BYTES // block_bytes)
-    return min(1 << (fit.bit_length() - 1), next_power_of_2(cdiv(blocks, programs)))
-
-
 def row_tile(input_op: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
-             sms: int, elem_bytes: int = 2) -> RowTile | None:
+             sms: int) -> RowTile | None:
     """The row kernel's tile for a launch it takes by default on a GPU of ``sms`` SMs,
     else None (the classic kernel): the switch on (``switches.active().row_kernel``), one
     row, an output kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``, and at least
     ``ROW_KERNEL_MIN_BLOCKS`` column blocks for each program of a full grid. 8 warps;
     SiLU-and-mul inputs (the down projection, the widest K) 2 columns per block and 2
-    programs per SM, the others 4 columns up to K = 2048 and 2 above, 4 programs per SM.
-
-    A plain input (o_proj: it follows the attention, whose few programs leave the SMs
-    idle and HBM unread) takes the row kernel whatever its block count, 2 columns per
-    block on 2 programs per SM, each program's blocks loaded before the PDL wait
-    (``preload_blocks``), so under PDL its weights stream while the attention runs. (Not
-    conditional on PDL: a launch computes the same with and without it.)"""
+    programs per SM, the others 4 columns up to K = 2048 and 2 above, 4 programs per SM."""
     if not switches.active().row_kernel or m != 1 or reduce not in ROW_KERNEL_REDUCE \
             or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
-    if input_op == PLAIN:
-        tile = RowTile(2, 8, 2)
-        return dataclasses.replace(tile, preload=preload_blocks(
-            tile.block_n * k * elem_bytes, cdiv(n, tile.block_n), tile.programs_per_sm * sms))
     tile = RowTile(2, 8, 2) if input_op == SILU_MUL else RowTile(4 if k <= 2048 else 2, 8, 4)
     if cdiv(n, tile.block_n) < ROW_KERNEL_MIN_BLOCKS * tile.programs_per_sm * sms:
         return None

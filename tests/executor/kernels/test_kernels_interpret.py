@@ -289,61 +289,6 @@ def test_skinny_row_kernel(dtype: torch.dtype, n: int, k: int, tile: tuple[int, 
     assert ((outs[0] - outs[1]).abs() <= 4 * ulp * ref32.abs() + 1e-4).all()
 
 
-@pytest.mark.parametrize(("n", "k", "tile"), ROW_CASES)
-@pytest.mark.parametrize("preload", [1, 2, 4])
-@pytest.mark.parametrize("prologue", ["plain", "add_norm"])
-def test_row_kernel_preload_takes_the_same_columns(n: int, k: int, tile: tuple[int, int, int],
-                                                  preload: int, prologue: str) -> None:
-    """Column blocks loaded before the PDL wait (``RowTile.preload``; more than a program
-    has, fewer, or as many) give every column once, each within an ulp of the same
-    launch without preload, and the same new residual."""
-    from executor.kernels.skinny import RowTile, skinny_gemm, skinny_norm_gemm
-
-    dtype = torch.bfloat16
-    x = _randn(1, k, dtype=dtype, seed=46, scale=2.0)
-    w = _randn(n, k, dtype=dtype, seed=47, scale=k**-0.5)
-    res = _randn(1, k, dtype=dtype, seed=48, scale=3.0)
-    nw = _norm_weight(k, dtype, seed=49)
-    outs = []
-    for t in (RowTile(*tile), RowTile(*tile, preload=preload)):
-        if prologue == "plain":
-            outs.append((skinny_gemm(x, w, tile=t), None))
-        else:
-            outs.append(skinny_norm_gemm(x, res, nw, EPS, w, tile=t))
-    (base, base_res), (got, got_res) = outs
-    ulp = 2.0**-7
-    assert ((got.float() - base.float()).abs() <= ulp * base.float().abs() + 1e-4).all()
-    assert base_res is None or torch.equal(got_res, base_res)
-
-
-def test_plain_row_launches_preload_what_fits() -> None:
-    """A one-row plain launch (o_proj) in the row kernel's K range takes the row kernel
-    whatever its block count, 2 columns a block on 2 programs per SM, each program
-    preloading its share of blocks where it fits ``PRELOAD_BYTES``, else as many as fit,
-    with and without PDL (a launch computes the same either way); input ops keep their
-    rule."""
-    from executor.kernels import skinny as sg
-    from executor.kernels.skinny.tiles import PRELOAD_BYTES, preload_blocks
-
-    lo, hi = sg.ROW_KERNEL_K
-    assert preload_blocks(16384, 1024, 264) == 4  # 3.9 blocks a program: all of them
-    assert preload_blocks(16384, 2048, 264) == 4  # 7.8 a program, 4 fit
-    assert preload_blocks(8192, 2048, 264) == 8
-    assert preload_blocks(PRELOAD_BYTES * 2, 100, 10) == 1  # a block too big: still one
-    assert preload_blocks(1024, 5, 10) == 1
-    for pdl in (True, False):
-        with KernelSwitches(pdl=pdl):
-            # Qwen3-30B-A3B's o_proj on 132 SMs: 1,024 blocks of 16 KiB, all preloaded
-            assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132) == sg.RowTile(2, 8, 2, 4)
-            # the same in one byte (FP8-sized blocks): 8 KiB blocks, 4 a program
-            assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132, elem_bytes=1) == \
-                sg.RowTile(2, 8, 2, 4)
-            assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 2, 2)  # 32 KiB
-            assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
-            assert sg.row_tile(sg.PLAIN, 1, 64, hi + 1, sms=2) is None
-            assert sg.row_tile(sg.PLAIN, 2, 64, hi, sms=2) is None
-
-
 def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the row kernel serves one-row launches storing their output or sending
@@ -356,14 +301,13 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     least = sg.ROW_KERNEL_MIN_BLOCKS
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
-    # too few column blocks for the grid: 16 blocks of four, 4 programs on each of 132 SMs
-    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=132) is None
-    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 4 * 4 * 132 * least, lo, sms=132) == \
-        sg.RowTile(4, 8, 4)
-    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 4 * 4 * 132 * least - 4, lo, sms=132) is None
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 4)
+    # too few column blocks for the grid: 32 blocks of two, 4 programs on each of 132 SMs
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=132) is None
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least, hi, sms=132) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least - 2, hi, sms=132) is None
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sg.SEND, sms=2) == sg.RowTile(2, 8, 2)
-    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sg.SEND, sms=132) is None  # too few
-    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) == sg.RowTile(2, 8, 2, 1)
+    assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) is None  # too few blocks
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
                          (1, hi + 1, sg.NO_REDUCE), (2, lo, sg.SEND), (1, hi + 1, sg.SEND)):
         assert sg.row_tile(sg.PLAIN, m, 64, k, reduce, sms=2) is None
@@ -372,20 +316,11 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     monkeypatch.setattr(ops, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
     x = _randn(1, lo, dtype=torch.float32, seed=44)
     w = _randn(4 * 4 * 2 * least, lo, dtype=torch.float32, seed=45, scale=lo**-0.5)
-    nw = _norm_weight(lo, torch.float32, seed=46)
-    normed = kernels.rms_norm(x, nw, EPS)
-    torch.testing.assert_close(sg.skinny_norm_gemm(x, None, nw, EPS, w)[0], normed @ w.T,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     assert launched == [sg.RowTile(4, 8, 4)]
-    sg.skinny_norm_gemm(torch.cat([x, x]), None, nw, EPS, w)  # two rows: the classic kernel
-    # a block too few: the classic kernel
-    sg.skinny_norm_gemm(x, None, nw, EPS, w[:4 * 4 * 2 * least - 4])
+    sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
+    sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4])  # a block too few: the classic kernel
     assert len(launched) == 1
-    # a plain input takes the row kernel, its blocks preloaded (16 KiB of float32 each)
-    torch.testing.assert_close(sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4]),
-                               x @ w[:4 * 4 * 2 * least - 4].T, atol=1e-5, rtol=1e-5)
-    assert launched[1:] == [sg.RowTile(2, 8, 2, 4)]
-    launched.pop()
     with KernelSwitches(row_kernel=False):  # an executor's --skinny-row-kernel off
         assert sg.row_tile(sg.PLAIN, 1, 64, lo, sms=2) is None
         torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
