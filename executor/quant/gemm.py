@@ -190,9 +190,11 @@ def _fused(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor 
 
     def norm_glu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        if norm_route(x, residual, norm_weight) != W8A16_KERNEL \
-                or x.shape[0] >= DOT_MIN_ROWS or weight.shape[0] % 2 \
-                or not switches.active().fp8_glu:
+        # (the cheap tests first: at 8 rows and more the norm GEMM decides the route again;
+        # under Dynamo nothing fuses, and no shape is read there: it would guard on it)
+        if torch.compiler.is_compiling() or x.shape[0] >= DOT_MIN_ROWS or weight.shape[0] % 2 \
+                or not switches.active().fp8_glu \
+                or norm_route(x, residual, norm_weight) != W8A16_KERNEL:
             return None
         op = RMS_NORM if residual is None else ADD_RMS_NORM
         return launch.w8a16_glu(x, weight, scale, block, op, residual, norm_weight, eps)
