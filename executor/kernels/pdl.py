@@ -10,9 +10,11 @@ predecessor grid has completed, then lets its own successor launch
 
 Rules a PDL kernel must keep, or it races: no load of anything a kernel of the step may
 have written, and no store at all, before the wait; every program waits, whatever path it
-takes. Results are bit-identical with and without PDL. Whether launches use it is a
-process-wide switch (``enabled()``, owned by ``executor.kernels.switches``) and part of
-each kernel's specialization (``USE_PDL``, ``launch_pdl``). See ``docs/kernels.md``.
+takes. A kernel may instead wait (``pdl_wait``) and let its successor launch only after
+its main loop (``pdl_trigger``). Results are bit-identical with and without PDL. Whether
+launches use it is a process-wide switch (``enabled()``, owned by
+``executor.kernels.switches``) and part of each kernel's specialization (``USE_PDL``,
+``launch_pdl``). See ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -46,4 +48,21 @@ def pdl_enter(USE_PDL: tl.constexpr):
     Call it in every program before the first load of step data and the first store."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Step 2 alone, for a kernel that lets its successor launch late (``pdl_trigger``
+    after its main loop): a persistent successor's programs then find the SMs this grid's
+    programs leave, all of them at once, instead of a part of them parked beside it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Step 3 alone: let the successor launch (once every program has called it or
+    exited)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -148,7 +148,7 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
             scale.stride(0), 1.0 / k, eps)
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
                   "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
-                  "STAGES": tile.num_stages, "GLU": glu}
+                  "STAGES": tile.num_stages, "GLU": glu, "LATE_TRIGGER": input_op == PLAIN}
     grid_key = (key, tile.programs_per_sm, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:

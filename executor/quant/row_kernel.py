@@ -16,7 +16,10 @@ split-K, so results are deterministic. ``GLU``: a block is ``BLOCK_N`` output co
 fused gate|up weight, their ``2 * BLOCK_N`` gate and up rows interleaved
 (``kernels._weight_rows``), and each column stores ``silu(gate) * up``
 (``kernels._silu_mul_sums``): the plain kernel's sums of a ``2 * BLOCK_N`` block, rounded
-as it stores them, then as ``silu_and_mul`` rounds.
+as it stores them, then as ``silu_and_mul`` rounds. ``LATE_TRIGGER`` (a plain input: the
+down projection after the gated epilogue): the next kernel launches only after this
+grid's main loop, so the next layer's persistent qkv launch finds its SMs free rather than
+parking part of its grid beside this one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from executor.kernels.pdl import pdl_enter
+from executor.kernels.pdl import pdl_enter, pdl_trigger, pdl_wait
 from executor.kernels.skinny.kernel import _row_input
 from executor.quant.kernels import _silu_mul_sums, _weight_rows
 
@@ -49,6 +52,7 @@ def _w8a16_row_kernel(
     USE_PDL: tl.constexpr,
     STAGES: tl.constexpr,  # 0: next block prefetched in registers; >= 2: Triton's pipeline
     GLU: tl.constexpr,  # silu(gate) * up of each column's gate and up rows
+    LATE_TRIGGER: tl.constexpr = False,  # the successor launches after the main loop
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -63,7 +67,10 @@ def _w8a16_row_kernel(
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
                 mask=live[:, None] & mask_k[None, :], other=0.0)
     s = _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
-    pdl_enter(USE_PDL)
+    if LATE_TRIGGER:
+        pdl_wait(USE_PDL)
+    else:
+        pdl_enter(USE_PDL)
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
                    act_ty, INPUT_OP)  # (BLOCK_K,) activation dtype
@@ -83,6 +90,8 @@ def _w8a16_row_kernel(
             _block_out(w, s, x, this, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
             w = w_next
             s = s_next
+        if LATE_TRIGGER:
+            pdl_trigger(USE_PDL)
     else:  # the other blocks through shared memory, STAGES deep, then the first one
         # (its weight, loaded before the wait, waits in registers: the pipeline's first
         # loads go out as soon as the input row is ready)
@@ -93,6 +102,8 @@ def _w8a16_row_kernel(
             s_b = _scales(s_ptr, rows_b, live_b, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
             _block_out(w_b, s_b, x, block, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES,
                        GLU)
+        if LATE_TRIGGER:
+            pdl_trigger(USE_PDL)
         _block_out(w, s, x, pid, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU)
 
 
