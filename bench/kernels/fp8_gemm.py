@@ -151,7 +151,8 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
                device: str = "", glu: bool = False) -> list[Any]:
     """The tiles to time: w8a16 ones (``kernel`` "row": only the one ``device`` takes now,
     tuned or default), and at one row the row kernel's (unless ``kernel`` is "w8a16"):
-    8 KiB to 64 KiB of weight per column block, 32 or 64 bytes of it per thread, each with
+    8 KiB to 64 KiB of weight per column block, 32, 64 or 128 bytes of it per thread (the
+    more a thread sums of a row, the less the cross-warp reduction weighs), each with
     the register prefetch on 4 programs per SM and a 2- to 4-stage pipeline on 1, 2 or 4
     programs per SM (``ROW_PIPELINES``; the grid holds as many as fit). ``glu``: the gated
     epilogue's launches, whose block of ``block_n`` columns reads twice as many weight rows
@@ -179,9 +180,9 @@ def candidates(m: int, n: int, k: int, blocks: bool, op: int, kernel: str = "all
     if m == 1 and kernel != "w8a16" and kp <= ROW_MAX_K:
         # (bn: weight rows per block)
         tiles += [Fp8RowTile(bn // per, w, p, stages) for bn in (1, 2, 4, 8, 16)
-                  for w in (4, 8, 16) for p, stages in ROW_PIPELINES
+                  for w in (2, 4, 8, 16) for p, stages in ROW_PIPELINES
                   if bn >= per and 8192 <= bn * kp <= 65536
-                  and bn * kp // (32 * w) in (32, 64)
+                  and bn * kp // (32 * w) in (32, 64, 128)
                   and stages * bn * kp <= 196608]  # (shared memory: at most 192 KiB)
     return [t for t in tiles if valid(t, m, blocks)]
 
