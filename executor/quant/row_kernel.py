@@ -16,10 +16,10 @@ split-K, so results are deterministic. ``GLU``: a block is ``BLOCK_N`` output co
 fused gate|up weight, their ``2 * BLOCK_N`` gate and up rows interleaved
 (``kernels._weight_rows``), and each column stores ``silu(gate) * up``
 (``kernels._silu_mul_sums``): the plain kernel's sums of a ``2 * BLOCK_N`` block, rounded
-as it stores them, then as ``silu_and_mul`` rounds. ``LATE_TRIGGER`` (a plain input: the
-down projection after the gated epilogue): the next kernel launches only after this
-grid's main loop, so the next layer's persistent qkv launch finds its SMs free rather than
-parking part of its grid beside this one.
+as it stores them, then as ``silu_and_mul`` rounds. ``LATE_TRIGGER`` (a plain input: o_proj,
+and down_proj after the gated epilogue): the next kernel launches only after this grid's
+main loop, so the persistent launch that follows (gate_up, the next layer's qkv) finds its
+SMs free rather than parking part of its grid beside this one.
 """
 
 from __future__ import annotations
