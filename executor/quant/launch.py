@@ -146,6 +146,9 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
            input_op, tile.block_n, block_k, tile.num_stages, glu)
     args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
             scale.stride(0), 1.0 / k, eps)
+    # A plain input (o_proj; down_proj after the gated epilogue) is followed by a persistent
+    # row launch, which starts best on SMs this grid has left: trigger it late. A fused
+    # input op's successor (attention, down_proj) gains from launching early.
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
                   "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
                   "STAGES": tile.num_stages, "GLU": glu, "LATE_TRIGGER": input_op == PLAIN}
