@@ -196,6 +196,18 @@ def _half_pairs(x, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _chunk_words(w, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``w`` (BLOCK_R, BLOCK_K // 4) words dealt into each 16-column chunk's four:
+    ``w[m][r, g]`` is word ``4 g + m`` of row ``r`` (a register split: a thread's 16-byte
+    load holds a chunk)."""
+    # word m = 2a + b of chunk g at [r, g, a, b]
+    b0, b1 = tl.split(tl.reshape(w, (BLOCK_R, BLOCK_K // 16, 2, 2)))
+    w0, w2 = tl.split(b0)
+    w1, w3 = tl.split(b1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _chunk_sums(w, x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per 16-column chunk of each weight row of ``w`` (BLOCK_R, BLOCK_K // 4) int32 words
     of four e4m3 values: the sum of its 16 products with the row's ``_half_pairs`` ``x``,
@@ -203,10 +215,7 @@ def _chunk_sums(w, x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     (``cvt.rn.f16x2.e4m3x2`` is exact; one ``mul`` and seven ``fma`` on f16x2, so each half
     sums eight products, at most 8 x 448 x 16 = 57344: no overflow), the two halves added
     in float32: about 1.25 instructions a weight, against five for float32 products."""
-    # word m = 2a + b of chunk g at [r, g, a, b]
-    b0, b1 = tl.split(tl.reshape(w, (BLOCK_R, BLOCK_K // 16, 2, 2)))
-    w0, w2 = tl.split(b0)
-    w1, w3 = tl.split(b1)
+    w0, w1, w2, w3 = _chunk_words(w, BLOCK_R, BLOCK_K)
     p0, p1, p2, p3, p4, p5, p6, p7, _ = x
     return tl.inline_asm_elementwise(
         asm="""{
