@@ -120,6 +120,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out, res_out
 
 
+@functools.cache
+def half_products(device: torch.device) -> bool:
+    """Whether the row kernel forms its products in f16 pairs on ``device`` (``HALF``:
+    ``cvt.rn.f16x2.e4m3x2`` is an sm_89 instruction; the interpreter runs no PTX)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 _ROW_LAUNCHERS: dict[int, FastLauncher] = {}
 #: The row kernel's grid per specialization, tile and device (``skinny.ops.row_grid``).
 _ROW_GRIDS: dict[tuple[Any, ...], int] = {}
@@ -141,17 +148,22 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
         _ROW_LAUNCHERS[tile.num_warps] = FastLauncher(_w8a16_row_kernel, pdl=True,
                                                       num_warps=tile.num_warps)
     launcher = _ROW_LAUNCHERS[tile.num_warps]
+    # f16-pair products read 16-column chunks of 4-byte words (the stride in words)
+    half = half_products(x.device) and k % 16 == 0 and weight.stride(0) % 16 == 0 \
+        and sbk >= 16
+    stride_w = weight.stride(0) // 4 if half else weight.stride(0)
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
-           input_op, tile.block_n, block_k, tile.num_stages, glu)
-    args = (x, res_in, nw, weight, scale, out, res_dst, n, k, weight.stride(0),
+           input_op, tile.block_n, block_k, tile.num_stages, glu, half)
+    args = (x, res_in, nw, weight, scale, out, res_dst, n, k, stride_w,
             scale.stride(0), 1.0 / k, eps)
     # A plain input (o_proj; down_proj after the gated epilogue) is followed by a persistent
     # row launch, which starts best on SMs this grid has left: trigger it late. A fused
     # input op's successor (attention, down_proj) gains from launching early.
     constexprs = {"SBN": sbn, "SBK": sbk, "BLOCK_SCALES": block is not None,
                   "INPUT_OP": input_op, "BLOCK_N": tile.block_n, "BLOCK_K": block_k,
-                  "STAGES": tile.num_stages, "GLU": glu, "LATE_TRIGGER": input_op == PLAIN}
+                  "STAGES": tile.num_stages, "GLU": glu, "LATE_TRIGGER": input_op == PLAIN,
+                  "HALF": half}
     grid_key = (key, tile.programs_per_sm, x.device)
     programs = _ROW_GRIDS.get(grid_key)
     if programs is None:

@@ -148,6 +148,42 @@ def _gemm_scale(layer: Fp8Linear, kind: str) -> torch.Tensor:
 
 @needs_fp8
 @pytest.mark.parametrize("kind", ["block", "channel"])
+def test_row_kernel_half_products(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row kernel's f16-pair products (``launch.half_products``, on on every FP8 GPU):
+    within ``REL`` of float32 for a plain row and for one with outliers near bf16's f16
+    limit (no f16 overflow: the row's power-of-two scale), zeros for a zero row, outputs
+    scaled bit for bit with a power-of-two scaling of the row (the scale absorbs it, down
+    to rows of 2^-24), and within ``REL`` of the float32-product kernel at the same tile."""
+    k, shards = _projection_shards("llama-3.2-1b")["o"]
+    layer, dense = _layer(kind, k, shards)
+    block = layer.scheme.block if kind == "block" else None
+    scale = _gemm_scale(layer, kind)
+    assert launch.half_products(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+    spiky = x.clone()
+    spiky[0, 5], spiky[0, 77] = 30000.0, -20000.0
+    for tile in (Fp8RowTile(2, 8, 2, 3), Fp8RowTile(4, 4, 4, 0)):
+        for row in (x, spiky):
+            got = launch.w8a16(row, layer.weight, scale, block, tile).float()
+            ref = row.float() @ dense.T
+            assert torch.isfinite(got).all()
+            err = (got - ref).abs().max().item()
+            assert err <= REL * ref.abs().max().item(), f"{kind} {tile}: {err:.4g}"
+        assert not launch.w8a16(torch.zeros_like(x), layer.weight, scale, block, tile).any()
+        base = launch.w8a16(x, layer.weight, scale, block, tile).float()
+        for e in (-24, -7, 9):
+            scaled = launch.w8a16((x.float() * 2.0**e).to(torch.bfloat16), layer.weight,
+                                  scale, block, tile)
+            assert torch.equal(scaled.float(), base * 2.0**e), (kind, tile, e)
+        with monkeypatch.context() as m:
+            m.setattr(launch, "half_products", lambda device: False)
+            f32 = launch.w8a16(x, layer.weight, scale, block, tile).float()
+        assert (base - f32).abs().max() <= REL * f32.abs().max(), (kind, tile)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["block", "channel"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_row_kernel_fused_input_ops(shape: str, kind: str) -> None:
     """One row with the input op the decoder fuses (add + RMSNorm into qkv and gate_up,

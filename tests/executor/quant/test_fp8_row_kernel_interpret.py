@@ -9,6 +9,7 @@ of a tuned row, the default rule). Skipped on CUDA machines (``test_fp8_gpu.py``
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -17,10 +18,12 @@ import torch
 from tests.helpers.interpret import interpreter_triton
 
 triton = interpreter_triton()
+import triton.language as tl  # noqa: E402
 
 from executor import kernels  # noqa: E402
 from executor.quant import launch, tiles  # noqa: E402
 from executor.quant.fp8 import dequantize, quantize_blocks, quantize_rows  # noqa: E402
+from executor.quant.row_kernel import _chunk_words, _half_pairs  # noqa: E402
 from executor.quant.tiles import (  # noqa: E402
     ADD_RMS_NORM,
     PLAIN,
@@ -131,3 +134,52 @@ def test_tile_choice_by_kernel_field(tmp_path: Any, monkeypatch: Any) -> None:
     assert tiles.default_row_tile(576, 576, 132) is None  # too few blocks for the grid
     assert tiles.default_row_tile(4096, 32768, 132) is None  # the row exceeds registers
     assert tiles.valid(Fp8RowTile(2), 1, blocks=True) and not tiles.valid(Fp8RowTile(2), 2, False)
+
+
+@triton.jit
+def _half_layout_probe(x_ptr, w_ptr, words_ptr, pairs_ptr, inv_ptr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Stores what ``_chunk_words`` and ``_half_pairs`` deal out: (4, R, G) words,
+    (8, G) pairs and 1 / s."""
+    G: tl.constexpr = BLOCK_K // 16
+    half = _half_pairs(tl.load(x_ptr + tl.arange(0, BLOCK_K)), BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    w = tl.load(w_ptr + offs_r[:, None] * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)[None, :])
+    words = _chunk_words(w, BLOCK_R, BLOCK_K)
+    g = tl.arange(0, G)
+    for m in tl.static_range(4):
+        tl.store(words_ptr + m * BLOCK_R * G + offs_r[:, None] * G + g[None, :], words[m])
+    for j in tl.static_range(8):
+        tl.store(pairs_ptr + j * G + g, half[j])
+    tl.store(inv_ptr, half[8])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amax", [0.0, 3e-3, 1.0, 12.0, 3000.0])
+def test_half_products_layout(amax: float, dtype: torch.dtype) -> None:
+    """The f16-pair path's data layout (its ``cvt``/``fma`` are PTX, which the interpreter
+    cannot run; ``test_fp8_gpu.py`` checks its sums): ``_chunk_words`` gives word
+    ``4 g + m`` of each row as ``w[m][r, g]``; ``_half_pairs`` scales the row by the power of
+    two ``s`` that puts its largest magnitude in [8, 16), exactly, and packs elements
+    ``16 g + 2 j`` (low half) and ``16 g + 2 j + 1`` (high) into ``p[j][g]``."""
+    k, r = 256, 4
+    g = k // 16
+    gen = torch.Generator().manual_seed(int(amax) + 1)
+    x = torch.randn(k, generator=gen)
+    x = (x / x.abs().max() * amax).to(dtype)
+    w = torch.randint(-2**31, 2**31 - 1, (r, k // 4), generator=gen, dtype=torch.int32)
+    words = torch.empty(4, r, g, dtype=torch.int32)
+    pairs = torch.empty(8, g, dtype=torch.int32)
+    inv = torch.empty(1, dtype=torch.float32)
+    _half_layout_probe[(1,)](x, w, words, pairs, inv, BLOCK_R=r, BLOCK_K=k)
+    assert torch.equal(words, w.reshape(r, g, 4).permute(2, 0, 1))
+    s = 1.0 / inv.item()
+    assert s == 2.0 ** round(math.log2(s))  # a power of two
+    top = x.float().abs().max().item()
+    assert 8 <= top * s < 16 or top == 0
+    scaled = x.float() * s
+    half = scaled.to(torch.float16)
+    assert torch.equal(half.float(), scaled)  # exact
+    bits = half.view(torch.int16).to(torch.int32) & 0xFFFF
+    want = (bits[0::2] | (bits[1::2] << 16)).reshape(g, 8).T
+    assert torch.equal(pairs, want)
