@@ -195,6 +195,28 @@ def _half_pairs(x, BLOCK_K: tl.constexpr):
     return p0, p1, p2, p3, p4, p5, p6, p7, inv_s
 
 
+def _chunk_ptx() -> str:
+    """``_chunk_sums``' PTX: words ``$1``-``$4``; word m's low two bytes times pair
+    ``$(5 + 2m)``, its high two times ``$(6 + 2m)``, into one f16x2 sum; ``$0`` its halves'
+    float32 sum."""
+    lines = [".reg .b16 lo, hi;", ".reg .b32 a, c;", ".reg .f16 p, q;", ".reg .f32 u, v;"]
+    for m in range(4):
+        lines.append(f"mov.b32 {{lo, hi}}, ${1 + m};")
+        for half, pair in (("lo", 5 + 2 * m), ("hi", 6 + 2 * m)):
+            lines.append(f"cvt.rn.f16x2.e4m3x2 a, {half};")
+            first = m == 0 and half == "lo"
+            lines.append(f"mul.rn.f16x2 c, a, ${pair};" if first
+                         else f"fma.rn.f16x2 c, a, ${pair}, c;")
+    lines += ["mov.b32 {p, q}, c;", "cvt.f32.f16 u, p;", "cvt.f32.f16 v, q;",
+              "add.f32 $0, u, v;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# (constexpr: a jitted function reads only constexpr globals)
+_CHUNK_PTX = tl.constexpr(_chunk_ptx())
+_CHUNK_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 12))  # f32 out; 4 words, 8 pairs
+
+
 @triton.jit
 def _chunk_words(w, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """``w`` (BLOCK_R, BLOCK_K // 4) words dealt into each 16-column chunk's four:
@@ -218,37 +240,8 @@ def _chunk_sums(w, x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     w0, w1, w2, w3 = _chunk_words(w, BLOCK_R, BLOCK_K)
     p0, p1, p2, p3, p4, p5, p6, p7, _ = x
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        .reg .b32 a, c;
-        .reg .f16 p, q;
-        .reg .f32 u, v;
-        mov.b32 {lo, hi}, $1;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        mul.rn.f16x2 c, a, $5;
-        cvt.rn.f16x2.e4m3x2 a, hi;
-        fma.rn.f16x2 c, a, $6, c;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        fma.rn.f16x2 c, a, $7, c;
-        cvt.rn.f16x2.e4m3x2 a, hi;
-        fma.rn.f16x2 c, a, $8, c;
-        mov.b32 {lo, hi}, $3;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        fma.rn.f16x2 c, a, $9, c;
-        cvt.rn.f16x2.e4m3x2 a, hi;
-        fma.rn.f16x2 c, a, $10, c;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        fma.rn.f16x2 c, a, $11, c;
-        cvt.rn.f16x2.e4m3x2 a, hi;
-        fma.rn.f16x2 c, a, $12, c;
-        mov.b32 {p, q}, c;
-        cvt.f32.f16 u, p;
-        cvt.f32.f16 v, q;
-        add.f32 $0, u, v;
-        }""",
-        constraints="=f," + "r," * 11 + "r",
+        asm=_CHUNK_PTX,
+        constraints=_CHUNK_CONSTRAINTS,
         args=[w0, w1, w2, w3, p0[None, :], p1[None, :], p2[None, :], p3[None, :],
               p4[None, :], p5[None, :], p6[None, :], p7[None, :]],
         dtype=tl.float32, is_pure=True, pack=1)
