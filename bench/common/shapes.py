@@ -40,8 +40,9 @@ SMOLLM2_135M: dict[str, Any] = dict(
 SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B,
           "llama-3.1-70b": LLAMA_3_1_70B, "smollm2-135m": SMOLLM2_135M}
 # Shapes of other families, from the executor's catalog of random shapes (served there by
-# name with ``--load-format random``): Gemma 3 12B (sliding and global layers, head_dim 256).
-for _name in ("gemma-3-12b",):
+# name with ``--load-format random``): Gemma 3 12B (sliding and global layers, head_dim
+# 256), Qwen3-30B-A3B (128 experts, 8 active).
+for _name in ("gemma-3-12b", "qwen3-30b-a3b"):
     SHAPES[_name] = {}
 
 
@@ -124,7 +125,14 @@ def spec(name: str) -> Any:
 
 
 def projections(spec: Any) -> dict[str, tuple[int, int]]:
-    """``name -> (in_features, out_features)`` of one decoder layer's GEMMs and the head."""
+    """``name -> (in_features, out_features)`` of one decoder layer's GEMMs and the head;
+    a mixture of experts' layer has its router (``router``) for an MLP (its experts are
+    ``bench.kernels.moe_decode``'s)."""
+    if getattr(spec, "moe", None) is not None:
+        return {"qkv": (spec.hidden_size, spec.q_size + 2 * spec.kv_size),
+                "o": (spec.q_size, spec.hidden_size),
+                "router": (spec.hidden_size, spec.moe.num_experts),
+                "lm_head": (spec.hidden_size, spec.vocab_size)}
     return {
         "qkv": (spec.hidden_size, spec.q_size + 2 * spec.kv_size),
         "o": (spec.q_size, spec.hidden_size),

@@ -4,7 +4,8 @@ the tuner of its tiles.
 ``python -m bench.kernels.skinny_gemm --shape llama-3.2-1b [--tp N] [--sweep] [--tiles-out
 FILE]`` on a CUDA machine (``--tp N``: one of N tensor-parallel ranks' projections). For
 each layer projection with the input prologue the model uses (qkv and gate_up:
-residual-add + RMSNorm; o: none; down: SiLU-and-mul), one decode row: the unfused path
+residual-add + RMSNorm; o: none; down: SiLU-and-mul; a mixture of experts' router:
+residual-add + RMSNorm, its experts not here), one decode row: the unfused path
 (the norm or SiLU kernel, then cuBLAS ``F.linear``) and the skinny kernel with its tile
 (tuned or default), and the persistent row kernel where it takes the shape by default.
 ``--sweep`` times every tile of a small grid (and the row kernel's, reported only), each
@@ -67,7 +68,7 @@ def _cases(k: int, proj: str
     from executor.kernels import skinny as sg
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    if proj in ("qkv", "gate_up"):
+    if proj in ("qkv", "gate_up", "router"):
         x = torch.randn(1, k, device=dev, dtype=dt)
         res = torch.randn(1, k, device=dev, dtype=dt) * 3
         nw = (1 + 0.2 * torch.randn(k, device=dev)).to(dt)

@@ -26,3 +26,15 @@ def test_report_line_has_the_row_kernel_and_failed_candidates() -> None:
     line = bench._line(row)
     assert "row    5.6 [4, 8, 4]" in line and "best row    5.5 [8, 8, 2]" in line
     assert line.endswith("FAILED ['[1, 4, 1]']")
+
+
+def test_moe_shape_projections_are_attention_router_and_head() -> None:
+    """A mixture of experts' layer has no dense MLP to tune: its skinny GEMMs are qkv, o
+    and the router (experts x hidden); a dense shape keeps gate_up and down."""
+    from bench.common import shapes
+
+    moe = shapes.projections(shapes.spec("qwen3-30b-a3b"))
+    assert moe == {"qkv": (2048, 32 * 128 + 2 * 4 * 128), "o": (32 * 128, 2048),
+                   "router": (2048, 128), "lm_head": (2048, 151936)}
+    dense = shapes.projections(shapes.spec("llama-3.2-1b"))
+    assert {"gate_up", "down"} <= dense.keys() and "router" not in dense
