@@ -150,7 +150,7 @@ def _launch_row(x: torch.Tensor, res_in: torch.Tensor, nw: torch.Tensor, weight:
     launcher = _ROW_LAUNCHERS[tile.num_warps]
     # f16-pair products read 16-column chunks of 4-byte words (the stride in words)
     half = half_products(x.device) and k % 16 == 0 and weight.stride(0) % 16 == 0 \
-        and sbk >= 16
+        and weight.data_ptr() % 16 == 0 and sbk >= 16
     stride_w = weight.stride(0) // 4 if half else weight.stride(0)
     # Key: what the JIT specializes on besides pointer alignment (dtype, integers).
     key = (x.dtype, n, k, weight.stride(0), scale.stride(0), sbn, sbk, block is not None,
