@@ -63,24 +63,10 @@ def _w8a16_row_kernel(
     programs = tl.num_programs(0)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N  # weight rows per block
-    offs_r = tl.arange(0, BLOCK_R)
-    kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
-    # What a block load reads: e4m3 bytes, or (HALF) int32 words of four
-    if HALF:
-        wq_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        offs_c = tl.arange(0, BLOCK_K // 4)
-        mask_c = offs_c < K // 4
-    else:
-        wq_ptr = w_ptr
-        offs_c = offs_k
-        mask_c = mask_k
     # The first block's weight and scales depend on nothing the step writes: in flight
     # before the PDL wait, while the previous kernel finishes.
-    rows, live = _weight_rows(offs_r, pid, N, BLOCK_N, GLU)
-    w = tl.load(wq_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_c[None, :],
-                mask=live[:, None] & mask_c[None, :], other=0.0)
-    s = _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+    w, s = _load_block(w_ptr, s_ptr, pid, N, K, stride_wn, stride_sn, SBN, SBK, BLOCK_N,
+                       BLOCK_K, BLOCK_SCALES, GLU, HALF)
     if LATE_TRIGGER:
         pdl_wait(USE_PDL)
     else:
@@ -96,13 +82,8 @@ def _w8a16_row_kernel(
         while block < n_blocks:
             this = block
             block += programs
-            # (past N: masked, nothing read)
-            rows_next, live_next = _weight_rows(offs_r, block, N, BLOCK_N, GLU)
-            w_next = tl.load(wq_ptr + rows_next.to(tl.int64)[:, None] * stride_wn
-                             + offs_c[None, :],
-                             mask=live_next[:, None] & mask_c[None, :], other=0.0)
-            s_next = _scales(s_ptr, rows_next, live_next, kb, K, stride_sn, SBN, SBK,
-                             BLOCK_SCALES)
+            w_next, s_next = _load_block(w_ptr, s_ptr, block, N, K, stride_wn, stride_sn,
+                                         SBN, SBK, BLOCK_N, BLOCK_K, BLOCK_SCALES, GLU, HALF)
             _block_out(w, s, x, this, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES, GLU,
                        HALF)
             w = w_next
@@ -113,10 +94,8 @@ def _w8a16_row_kernel(
         # (its weight, loaded before the wait, waits in registers: the pipeline's first
         # loads go out as soon as the input row is ready)
         for block in tl.range(pid + programs, n_blocks, programs, num_stages=STAGES):
-            rows_b, live_b = _weight_rows(offs_r, block, N, BLOCK_N, GLU)
-            w_b = tl.load(wq_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_c[None, :],
-                          mask=live_b[:, None] & mask_c[None, :], other=0.0)
-            s_b = _scales(s_ptr, rows_b, live_b, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
+            w_b, s_b = _load_block(w_ptr, s_ptr, block, N, K, stride_wn, stride_sn, SBN, SBK,
+                                   BLOCK_N, BLOCK_K, BLOCK_SCALES, GLU, HALF)
             _block_out(w_b, s_b, x, block, N, out_ptr, BLOCK_N, BLOCK_K, SBK, BLOCK_SCALES,
                        GLU, HALF)
         if LATE_TRIGGER:
@@ -156,6 +135,29 @@ def _block_out(w, s, x, block, N, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     else:
         y = acc.to(act_ty)
     tl.store(out_ptr + offs_n, y, mask=offs_n < N)
+
+
+@triton.jit
+def _load_block(w_ptr, s_ptr, block, N, K, stride_wn, stride_sn, SBN: tl.constexpr,
+                SBK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_SCALES: tl.constexpr, GLU: tl.constexpr, HALF: tl.constexpr):
+    """Column block ``block``'s weight rows, (BLOCK_R, BLOCK_K) e4m3 or (HALF) (BLOCK_R,
+    BLOCK_K // 4) int32 words of four, and their scales (``_scales``); rows past ``N``
+    masked, nothing read."""
+    BLOCK_R: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N
+    rows, live = _weight_rows(tl.arange(0, BLOCK_R), block, N, BLOCK_N, GLU)
+    if HALF:
+        ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        offs = tl.arange(0, BLOCK_K // 4)
+        cols_ok = offs < K // 4
+    else:
+        ptr = w_ptr
+        offs = tl.arange(0, BLOCK_K)
+        cols_ok = offs < K
+    w = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_wn + offs[None, :],
+                mask=live[:, None] & cols_ok[None, :], other=0.0)
+    kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
+    return w, _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
 
 
 @triton.jit
