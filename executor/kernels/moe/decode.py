@@ -61,6 +61,7 @@ def _moe_decode_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALES: tl.constexpr, SB: tl.constexpr,  # scales.NONE/CHANNEL/BLOCKS, block size
     STAGES: tl.constexpr,  # 0: the next chunk prefetched in registers; >= 2: pipelined
+    ROUTE_ROWS: tl.constexpr,  # copies of the token's logits row (num_warps)
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
@@ -68,17 +69,21 @@ def _moe_decode_gate_up_kernel(
     pid_n = tl.program_id(1)
     t = pair // TOP_K
     j = pair % TOP_K
-    top_w, top_i = topk_rows(logits_ptr, t + tl.arange(0, 1), t + 1, num_experts, stride_l,
-                             TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (1, K_POW2)
+    # the token's row once a warp (ROUTE_ROWS = num_warps copies): each pick's reduction
+    # then stays inside a warp (no shared-memory round and barrier), the same bits per copy
+    rows = t + tl.zeros((ROUTE_ROWS,), dtype=tl.int32)
+    top_w, top_i = topk_rows(logits_ptr, rows, t + 1, num_experts, stride_l,
+                             TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (R, K_POW2)
     slots = tl.arange(0, K_POW2)[None, :]
-    expert = tl.sum(tl.where(slots == j, top_i, 0))
+    expert = tl.max(tl.sum(tl.where(slots == j, top_i, 0), axis=1), axis=0)
     # an id past the experts (a padded column's, for a row of NaN logits) reads the last
     # expert rather than past the end
     expert = tl.minimum(expert, num_experts - 1).to(tl.int64)
-    routed = t.to(tl.int64) * TOP_K + slots
-    if (j == 0) & (pid_n == 0):  # one program per token stores its routing
-        tl.store(weights_ptr + routed, top_w, mask=slots < TOP_K)
-        tl.store(ids_ptr + routed, top_i, mask=slots < TOP_K)
+    routed = t.to(tl.int64) * TOP_K + slots + 0 * rows[:, None]  # (R, K_POW2)
+    if (j == 0) & (pid_n == 0):  # one program per token stores its routing (each copy
+        # writes the same values)
+        tl.store(weights_ptr + routed, top_w, mask=routed < (t + 1) * TOP_K)
+        tl.store(ids_ptr + routed, top_i, mask=routed < (t + 1) * TOP_K)
     act_ty = act_ptr.dtype.element_ty
     x_row = x_ptr + t.to(tl.int64) * stride_x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -356,7 +361,8 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         RENORMALIZE=renormalize, ROUND_TO_ACT=weights_in_activation_dtype,
         HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, W_SCALES=s13.mode, SB=scales.BLOCK,
-        STAGES=tiles.stages, num_warps=tiles.num_warps, **pdl.options())
+        STAGES=tiles.stages, ROUTE_ROWS=tiles.num_warps, num_warps=tiles.num_warps,
+        **pdl.options())
     _moe_decode_down_kernel[(t, triton.cdiv(hidden, tiles.block_n_down))](
         act, w_down, s2.scale, out, weights, ids, experts, hidden, inter,
         w_down.stride(0), w_down.stride(1), out.stride(0), s2.stride_e, s2.stride_r,
