@@ -4,10 +4,11 @@
 
 ``_moe_decode_gate_up_kernel``: programs over (routed pair ``t * top_k + j``, block of the
 experts' columns). Each routes its token itself from the router logits (``route.topk_rows``
-on one row of ``E`` logits: no routing launch) and streams its expert's gate and up rows,
-SiLU-and-mul fused; the first block of slot 0 stores the token's weights and ids for the
-down pass. With a norm weight its input is the residual sum, RMS-normed in the kernel as
-``executor.kernels.norm`` rounds it (the router GEMM takes the norm fused: no norm launch).
+on one copy of the row of ``E`` logits a warp, so no pick waits on a barrier; no routing
+launch) and streams its expert's gate and up rows, SiLU-and-mul fused; the first block of
+slot 0 stores the token's weights and ids for the down pass. With a norm weight its input
+is the residual sum, RMS-normed in the kernel as ``executor.kernels.norm`` rounds it (the
+router GEMM takes the norm fused: no norm launch).
 ``_moe_decode_down_kernel``: programs over (token, block of hidden columns); each reads its
 columns of the token's ``top_k`` experts at once (a ``(top_k, BLOCK_N, BLOCK_K)`` tile per
 step), rounds each expert's output, scales it by its routing weight, rounds, and sums the
@@ -69,8 +70,10 @@ def _moe_decode_gate_up_kernel(
     pid_n = tl.program_id(1)
     t = pair // TOP_K
     j = pair % TOP_K
-    # the token's row once a warp (ROUTE_ROWS = num_warps copies): each pick's reduction
-    # then stays inside a warp (no shared-memory round and barrier), the same bits per copy
+    # the token's row once a warp (ROUTE_ROWS = num_warps copies, the same bits in each):
+    # where the row loads vectorize (its stride a multiple of 16, as 128 experts' is),
+    # Triton gives each warp a copy, and each pick's reduction stays inside a warp (no
+    # shared-memory round and barrier; the routing precedes the first weight load)
     rows = t + tl.zeros((ROUTE_ROWS,), dtype=tl.int32)
     top_w, top_i = topk_rows(logits_ptr, rows, t + 1, num_experts, stride_l,
                              TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT)  # (R, K_POW2)

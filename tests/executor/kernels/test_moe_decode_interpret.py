@@ -103,6 +103,31 @@ def test_decode_path_fused_norm_equals_norm_then_path(dtype: torch.dtype) -> Non
                                atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("warps", [1, 2, 4, 8])
+def test_decode_routing_bits_equal_the_routing_kernel(warps: int) -> None:
+    """gate_up routes on one copy of the logits row a warp: the same ids and weight bits as
+    ``route_topk`` for any warp count, with tied logits (the lowest expert first), an
+    expert count off a power of two, and a row of NaN logits; the output is the reference's
+    on those experts."""
+    x, logits, w13, w2 = _problem(4, 12, 32, 16, torch.float16, 5)
+    logits = logits.round()  # many equal logits
+    logits[0, 3] = logits[0, 7] = logits[0, 10] = 9.0  # a three-way tie on top
+    logits[2] = float("nan")
+    tiles = dataclasses.replace(decode.pick_tiles(4, 3, 32, 16, torch.float16, 1),
+                                num_warps=warps)
+    for renormalize, rounded in ((True, True), (False, False)):
+        out, weights, ids = decode.routed(x, logits, w13, w2, 3, renormalize, rounded,
+                                          tiles=tiles)
+        want_w, want_i = route_topk(logits, 3, renormalize, rounded)
+        assert torch.equal(ids, want_i)
+        assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32))
+        assert ids[0].tolist() == [3, 7, 10]
+        ok = torch.tensor([True, True, False, True])
+        want = experts_reference(x[ok], w13, w2, want_w[ok], want_i[ok].long())
+        torch.testing.assert_close(out[ok], want, atol=TOL[torch.float16][0],
+                                   rtol=TOL[torch.float16][1])
+
+
 def test_dispatch_rule_and_tiles() -> None:
     assert decode.takes(1, 8, 128) and decode.takes(4, 8, 128)
     assert not decode.takes(5, 8, 128) and not decode.takes(0, 8, 128)
