@@ -82,11 +82,12 @@ def _moe_decode_gate_up_kernel(
     # an id past the experts (a padded column's, for a row of NaN logits) reads the last
     # expert rather than past the end
     expert = tl.minimum(expert, num_experts - 1).to(tl.int64)
-    routed = t.to(tl.int64) * TOP_K + slots + 0 * rows[:, None]  # (R, K_POW2)
     if (j == 0) & (pid_n == 0):  # one program per token stores its routing (each copy
         # writes the same values)
-        tl.store(weights_ptr + routed, top_w, mask=routed < (t + 1) * TOP_K)
-        tl.store(ids_ptr + routed, top_i, mask=routed < (t + 1) * TOP_K)
+        routed = tl.broadcast_to(t.to(tl.int64) * TOP_K + slots, (ROUTE_ROWS, K_POW2))
+        stored = tl.broadcast_to(slots < TOP_K, (ROUTE_ROWS, K_POW2))
+        tl.store(weights_ptr + routed, top_w, mask=stored)
+        tl.store(ids_ptr + routed, top_i, mask=stored)
     act_ty = act_ptr.dtype.element_ty
     x_row = x_ptr + t.to(tl.int64) * stride_x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
