@@ -68,6 +68,22 @@ def _moe_decode_gate_up_kernel(
     pdl_enter(USE_PDL)  # everything it reads but the weights comes from the step
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert, _, _ = _route_pair(logits_ptr, weights_ptr, ids_ptr, pair, pid_n, num_experts,
+                               stride_l, TOP_K, E_POW2, K_POW2, RENORMALIZE, ROUND_TO_ACT,
+                               ROUTE_ROWS)
+    _gate_up_pair(x_ptr, nw_ptr, w_ptr, s_ptr, act_ptr, expert, pair, pid_n, n_cols, k_dim,
+                  stride_x, stride_we, stride_wn, stride_se, stride_sr, inv_k, eps, TOP_K,
+                  HAS_NORM, BLOCK_ROW, BLOCK_N, BLOCK_K, W_SCALES, SB, STAGES)
+
+
+@triton.jit
+def _route_pair(logits_ptr, weights_ptr, ids_ptr, pair, pid_n, num_experts, stride_l,
+                TOP_K: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                RENORMALIZE: tl.constexpr, ROUND_TO_ACT: tl.constexpr,
+                ROUTE_ROWS: tl.constexpr):
+    """``(expert, weights, ids)``: the expert of routed pair ``pair`` (int64) and its
+    token's routing, ``(ROUTE_ROWS, K_POW2)`` copies; the first column block of slot 0
+    stores the routing."""
     t = pair // TOP_K
     j = pair % TOP_K
     # the token's row once a warp (ROUTE_ROWS = num_warps copies, the same bits in each):
@@ -88,6 +104,18 @@ def _moe_decode_gate_up_kernel(
         stored = tl.broadcast_to(slots < TOP_K, (ROUTE_ROWS, K_POW2))
         tl.store(weights_ptr + routed, top_w, mask=stored)
         tl.store(ids_ptr + routed, top_i, mask=stored)
+    return expert, top_w, top_i
+
+
+@triton.jit
+def _gate_up_pair(x_ptr, nw_ptr, w_ptr, s_ptr, act_ptr, expert, pair, pid_n, n_cols, k_dim,
+                  stride_x, stride_we, stride_wn, stride_se, stride_sr, inv_k, eps,
+                  TOP_K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALES: tl.constexpr,
+                  SB: tl.constexpr, STAGES: tl.constexpr):
+    """Column block ``pid_n`` of routed pair ``pair``'s activations (its token's input
+    through ``expert``'s gate and up rows, SiLU-and-mul), stored at ``act_ptr``."""
+    t = pair // TOP_K
     act_ty = act_ptr.dtype.element_ty
     x_row = x_ptr + t.to(tl.int64) * stride_x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
