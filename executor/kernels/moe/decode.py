@@ -261,13 +261,13 @@ def _moe_decode_down_kernel(
                              mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :],
                              other=0.0)
             acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
-                              SB, K_POW2, BLOCK_N, BLOCK_K)
+                              SB, K_POW2, BLOCK_N, BLOCK_K, "")
             w = w_next
     else:  # pipelined, as in gate_up
         for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
             w = tl.load(w_ptrs + k, mask=rows_ok & (ks + k < k_dim)[None, None, :], other=0.0)
             acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
-                              SB, K_POW2, BLOCK_N, BLOCK_K)
+                              SB, K_POW2, BLOCK_N, BLOCK_K, "")
     act_ty = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2)  # (K_POW2, BLOCK_N)
     if W_SCALES == 1:
@@ -280,11 +280,13 @@ def _moe_decode_down_kernel(
 @triton.jit
 def _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES: tl.constexpr,
                 SB: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """``acc`` plus one chunk's products: the ``top_k`` activation chunks at ``k`` times
-    their experts' weight chunks ``w`` (K_POW2, BLOCK_N, BLOCK_K)."""
+                BLOCK_K: tl.constexpr, A_CACHE: tl.constexpr):
+    """``acc`` plus one chunk's products: the ``top_k`` activation chunks at ``k`` (loaded
+    with cache modifier ``A_CACHE``) times their experts' weight chunks ``w`` (K_POW2,
+    BLOCK_N, BLOCK_K)."""
     k_ok = (ks + k < k_dim)[None, None, :]
-    a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0)
+    a = tl.load(a_ptrs + k, mask=slot_ok[:, None, None] & k_ok, other=0.0,
+                cache_modifier=A_CACHE)
     if W_SCALES == 2 and BLOCK_K <= SB:  # one scale a row of each expert
         s = tl.load(s_ptrs + k // SB, mask=s_ok, other=0.0)
         acc += (w.to(tl.float32) * s[:, :, None]) * a.to(tl.float32)
@@ -312,6 +314,7 @@ class DecodeTiles:
     num_warps_down: int = 4
     stages: int = 0
     stages_down: int = 0
+    one_launch: bool = True  # one token: down in gate_up's grid where it fits at once
 
 
 def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) -> int:
@@ -383,6 +386,14 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device),
                            s13.mode)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    if tiles.one_launch and s13.mode == scales.NONE and tiles.stages == 0:
+        from executor.kernels.moe import decode_persistent
+
+        if decode_persistent.try_one_launch(
+                x, router_logits, w_gate_up, w_down, out, act, weights, ids, top_k,
+                renormalize, weights_in_activation_dtype, norm_weight, eps, tiles.block_n,
+                tiles.block_k, tiles.block_n_down, tiles.block_k_down, tiles.num_warps):
+            return out, weights, ids
     k_pow2 = triton.next_power_of_2(top_k)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
         x, norm_weight if norm_weight is not None else x, router_logits, w_gate_up, s13.scale,

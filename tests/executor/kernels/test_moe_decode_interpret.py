@@ -128,6 +128,38 @@ def test_decode_routing_bits_equal_the_routing_kernel(warps: int) -> None:
                                    rtol=TOL[torch.float16][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_launch_kernel_equals_two_launches(dtype: torch.dtype,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token single launch (``decode_persistent``: down in gate_up's grid after
+    every program has arrived), here as a grid of one program (the interpreter runs
+    programs one after another), gives the two launches' bits with and without the fused
+    norm; a grid of more programs is left to the two launches."""
+    from executor.kernels.moe import decode_persistent
+
+    x, logits, w13, w2 = _problem(1, 6, 24, 16, dtype, 3)
+    nw = (1.0 + 0.2 * torch.randn(24, generator=_gen(4))).to(dtype)
+    one = decode.DecodeTiles(16, 16, 32, 16)
+    two = dataclasses.replace(one, one_launch=False)
+    taken: list[bool] = []
+    real = decode_persistent.try_one_launch
+
+    def counting(*args: Any, **kwargs: Any) -> bool:
+        taken.append(real(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    for norm in (None, nw):
+        got = decode.routed(x, logits, w13, w2, 1, True, True, norm, 1e-6, one)
+        want = decode.routed(x, logits, w13, w2, 1, True, True, norm, 1e-6, two)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    wide = decode.routed(x, logits, w13, w2, 2, True, True, None, 0.0, one)[0]
+    assert taken == [True, True, False]
+    weights, ids = route(logits, 2, True, True)
+    torch.testing.assert_close(wide, experts_reference(x, w13, w2, weights, ids),
+                               atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
 def test_dispatch_rule_and_tiles() -> None:
     assert decode.takes(1, 8, 128) and decode.takes(4, 8, 128)
     assert not decode.takes(5, 8, 128) and not decode.takes(0, 8, 128)

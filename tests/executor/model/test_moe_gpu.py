@@ -174,6 +174,61 @@ def test_decode_path_matches_eager_at_real_shapes(shape: tuple[int, int, int, in
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize(("shape", "fits"), [
+    (QWEN3_30B, "3 an SM"), ((64, 4, 1024, 512), "2 an SM"), (MIXTRAL, "no")])
+def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token's experts in one launch (down in gate_up's grid, behind a device-wide
+    arrival counter) give the two launches' bits, output and routing, with and without
+    the fused norm, where the grid fits the GPU at once (Mixtral's 896 programs do not:
+    two launches); launches of different grid sizes alternate in one process and in one
+    CUDA graph replayed several times (each grid size counts its own arrivals)."""
+    import dataclasses
+
+    from executor.kernels.moe import decode, decode_persistent
+
+    w13, w2, router = _experts(shape, 7)
+    x = torch.randn(1, shape[2], device="cuda").bfloat16()
+    logits = x @ router.t()
+    nw = (1.0 + 0.1 * torch.randn(shape[2], device="cuda")).bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = decode.pick_tiles(1, shape[1], shape[2], shape[3], torch.bfloat16, sms)
+    two = dataclasses.replace(tiles, one_launch=False)
+    taken: list[bool] = []
+    real = decode_persistent.try_one_launch
+
+    def counting(*args: object, **kwargs: object) -> bool:
+        taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    for norm in (None, nw):
+        got = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, tiles)
+        want = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, two)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    expected = {"3 an SM": sms >= 128, "2 an SM": sms >= 128, "no": False}[fits]
+    assert taken == [expected] * 2
+    monkeypatch.undo()
+    small = (16, 2, 256, 128)
+    sw13, sw2, srouter = _experts(small, 8)
+    sx = torch.randn(1, small[2], device="cuda").bfloat16()
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        a = decode.routed(x, x @ router.t(), w13, w2, shape[1], True, True)[0]
+        b = decode.routed(sx, sx @ srouter.t(), sw13, sw2, small[1], True, True)[0]
+        return a, b
+
+    eager = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(5):
+        graph.replay()
+        eager = step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True))
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_decode_path_never_syncs_and_replays_in_a_graph(tokens: int) -> None:
     """``fused_moe`` at decode sizes with the norm fused: no host sync, and a CUDA graph
