@@ -382,7 +382,7 @@ class ModelInfo:
     # bytes of weights and KV cache each rank holds, in rank order (counted at start-up)
     rank_memory_bytes: tuple[int, ...] = ()
     # kernel switches in effect ("fused_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu",
-    # "tp_projections_send"): what ``auto`` and the defaults resolved to
+    # "moe_one_launch", "tp_projections_send"): what ``auto`` and the defaults resolved to
     kernel_features: tuple[str, ...] = ()
     # where the weights came from: "safetensors", or "random" (``--load-format random``)
     load_format: str = "safetensors"

@@ -82,7 +82,7 @@ def place(config: ExecutorConfig) -> Placement:
         raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
     dtype_name = config.model.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     switches = KernelSwitches.resolve(config.pdl, config.skinny_row_kernel, device,
-                                      config.fp8_glu)
+                                      config.fp8_glu, config.moe_one_launch)
     return Placement(device, _DTYPES[dtype_name], dtype_name, switches)
 
 
@@ -199,9 +199,11 @@ def build_attention(config: ExecutorConfig, at: Placement, w: Weights, cache: Ca
     # FP8 projections never store into the all-reduce's buffers (only the bf16 skinny GEMM
     # does), so under FP8 the send is not in effect whatever the group planned.
     sends = group.projection_features(tp) if qi.weight_format != "fp8_e4m3" else ()
-    # (the FP8 gated epilogue is in effect only where projections are held in FP8)
-    switched = tuple(f for f in at.switches.features
-                     if f != "fp8_glu" or qi.weight_format == "fp8_e4m3")
+    # (the FP8 gated epilogue is in effect only where projections are held in FP8, the
+    # one-launch MoE decode only for a mixture of experts held in bf16/fp16/fp32)
+    fp8 = qi.weight_format == "fp8_e4m3"
+    in_effect = {"fp8_glu": fp8, "moe_one_launch": w.spec.moe is not None and not fp8}
+    switched = tuple(f for f in at.switches.features if in_effect.get(f, True))
     features = ("fused_decode_rope",) * fuses + switched + sends
     info = ModelInfo(
         name=w.name, architecture=w.spec.architecture, dtype=at.dtype_name,

@@ -26,7 +26,7 @@ TINY_MODEL = "tiny"
 
 
 #: Values of the kernel switches (``fuse_decode_rope``, ``pdl``, ``skinny_row_kernel``,
-#: ``fp8_glu``).
+#: ``fp8_glu``, ``moe_one_launch``).
 KERNEL_SWITCH_MODES = ("auto", "on", "off")
 
 
@@ -135,13 +135,20 @@ class ExecutorConfig:
     #: as a plain input: ``auto``/``on`` wherever projections are held in FP8, ``off``
     #: (down computes SiLU-and-mul itself, fused into its GEMM).
     fp8_glu: str = "auto"
+    #: A mixture of experts' routed experts at one decode token in one launch (down in
+    #: gate_up's grid, behind a device-wide spin; ``executor/kernels/moe/
+    #: decode_persistent.py``) where the grid fits the GPU at once: ``auto`` on CUDA
+    #: devices, ``on`` (refused elsewhere), ``off`` (two launches; for GPUs shared with
+    #: other processes' kernels at once, as under MPS).
+    moe_one_launch: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.max_decode_batch > 0, "max_decode_batch must be > 0")
-        for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu"):
+        for name in ("fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu",
+                     "moe_one_launch"):
             value = getattr(self, name)
             _require(value in KERNEL_SWITCH_MODES,
                      f"{name} must be one of {list(KERNEL_SWITCH_MODES)}, got {value!r}")

@@ -95,6 +95,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        "SiLU-and-mul (the gated epilogue) and down takes the activation as "
                        "is; off: down computes SiLU-and-mul itself; auto and on: wherever "
                        "projections are held in FP8 (default: %(default)s)")
+    model.add_argument("--moe-one-launch", choices=KERNEL_SWITCH_MODES, default="auto",
+                       help="a mixture of experts' routed experts at one decode token in "
+                       "one launch (down in gate_up's grid, behind a device-wide spin) "
+                       "where the grid fits the GPU at once; off: two launches (for a GPU "
+                       "whose SMs other processes' kernels share at once, as under MPS); "
+                       "auto: on CUDA devices (default: %(default)s)")
     cache = p.add_argument_group("KV cache and batches")
     cache.add_argument("--kv-tokens", type=int, default=None,
                        help="KV token locations (default: sized from --kv-memory-fraction)")
@@ -270,7 +276,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         device=device, attention_backend=args.attention_backend,
         max_prefill_tokens=args.max_prefill_tokens, max_decode_batch=max_decode_batch,
         fuse_decode_rope=args.fuse_decode_rope, pdl=args.pdl,
-        skinny_row_kernel=args.skinny_row_kernel, fp8_glu=args.fp8_glu)
+        skinny_row_kernel=args.skinny_row_kernel, fp8_glu=args.fp8_glu,
+        moe_one_launch=args.moe_one_launch)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

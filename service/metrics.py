@@ -127,8 +127,8 @@ class Metrics:
                                 ["name", "architecture", "dtype", "device"], registry=r)
         self.kernel_feature = Gauge(p + "kernel_feature", "Kernel switches in effect (1 per "
                                     "feature: fused_decode_rope, pdl, skinny_row_kernel, "
-                                    "fp8_glu, tp_projections_send), what auto "
-                                    "resolved to",
+                                    "fp8_glu, moe_one_launch, tp_projections_send), "
+                                    "what auto resolved to",
                                     ["feature"], registry=r)
         self.tp_all_reduce = Gauge(p + "tp_all_reduce", "What the tensor-parallel group's "
                                    "small all-reduces run as (always 1; absent for one "

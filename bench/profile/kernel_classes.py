@@ -34,8 +34,9 @@ WAIT_US = 20.0
 # parallelism); their time includes waiting inside the kernel for the other ranks.
 _BY_NAME: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather")),
-    # the fused mixture-of-experts kernels (executor/kernels/moe): align, the two GEMMs
-    ("moe", ("_align_kernel", "_gate_up_kernel", "_down_kernel")),
+    # the fused mixture-of-experts kernels (executor/kernels/moe): align, the two GEMMs,
+    # one token's experts in one launch
+    ("moe", ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_moe_decode_one_token")),
     ("gemm", ("nvjet", "gemm", "gemv", "splitkreduce", "xmma", "cutlass", "_skinny_",
               "_fp8_dot_", "_w8a16_")),
     ("attention", ("_decode_split", "_decode_reduce", "_extend_kernel", "_extend_fixed_grid",

@@ -1,5 +1,5 @@
 """The process-wide kernel switches: programmatic dependent launch, the row kernel, the FP8
-gated epilogue.
+gated epilogue, the one-launch MoE decode.
 
 Kernels are launched from deep inside the model, and a switch is part of each launch's
 specialization, so the switches are read at launch (``active()``), not passed down. One
@@ -29,14 +29,18 @@ class KernelSwitches:
     #: Let an FP8 gate|up projection of fewer than 8 rows end in ``silu(gate) * up``
     #: (``executor.quant.launch.w8a16_glu``), its down projection then taking a plain input.
     fp8_glu: bool = True
+    #: Let one token's routed experts run in one launch (``kernels/moe/decode_persistent``:
+    #: down in gate_up's grid behind a device-wide spin) where the grid fits the GPU.
+    moe_one_launch: bool = True
 
     @staticmethod
     def resolve(pdl: str, row_kernel: str, device: torch.device,
-                fp8_glu: str = "auto") -> KernelSwitches:
-        """The switches ``--pdl``, ``--skinny-row-kernel`` and ``--fp8-glu``
-        (``auto``/``on``/``off``) mean on ``device``; ConfigError for ``on`` where a switch
-        cannot be on. ``fp8_glu`` is on unless ``off``: it acts only where projections are
-        held in FP8 (FP8 GPUs), which the loader decides, not this."""
+                fp8_glu: str = "auto", moe_one_launch: str = "auto") -> KernelSwitches:
+        """The switches ``--pdl``, ``--skinny-row-kernel``, ``--fp8-glu`` and
+        ``--moe-one-launch`` (``auto``/``on``/``off``) mean on ``device``; ConfigError for
+        ``on`` where a switch cannot be on. ``fp8_glu`` is on unless ``off``: it acts only
+        where projections are held in FP8 (FP8 GPUs), which the loader decides, not this;
+        ``moe_one_launch`` acts only for mixture-of-experts models."""
         pdl_on = False
         if device.type == "cuda" or pdl == "on":
             reason = "" if pdl == "off" else pdl_unsupported_reason(device)
@@ -44,17 +48,22 @@ class KernelSwitches:
                 raise ConfigError(
                     f"--pdl on: programmatic dependent launch is not available: {reason}")
             pdl_on = pdl != "off" and not reason
-        if row_kernel == "on" and device.type != "cuda":
-            raise ConfigError(f"--skinny-row-kernel on needs a CUDA device, not {device}")
-        return KernelSwitches(pdl=pdl_on, row_kernel=device.type == "cuda"
-                              and row_kernel != "off", fp8_glu=fp8_glu != "off")
+        for flag, value in (("--skinny-row-kernel", row_kernel),
+                            ("--moe-one-launch", moe_one_launch)):
+            if value == "on" and device.type != "cuda":
+                raise ConfigError(f"{flag} on needs a CUDA device, not {device}")
+        cuda = device.type == "cuda"
+        return KernelSwitches(pdl=pdl_on, row_kernel=cuda and row_kernel != "off",
+                              fp8_glu=fp8_glu != "off",
+                              moe_one_launch=cuda and moe_one_launch != "off")
 
     @property
     def features(self) -> tuple[str, ...]:
         """The switches that are on, by the names Health's ``kernel_features`` uses."""
         return tuple(name for name, on in (("pdl", self.pdl),
                                            ("skinny_row_kernel", self.row_kernel),
-                                           ("fp8_glu", self.fp8_glu)) if on)
+                                           ("fp8_glu", self.fp8_glu),
+                                           ("moe_one_launch", self.moe_one_launch)) if on)
 
     def __enter__(self) -> KernelSwitches:
         if _HELD and _HELD[-1] != self:
@@ -68,7 +77,8 @@ class KernelSwitches:
 
 
 #: What launches take outside any executor's forward (direct kernel calls in tests and
-#: benchmarks): plain launches, the row kernel and the FP8 gated epilogue where they serve.
+#: benchmarks): plain launches, the row kernel, the FP8 gated epilogue and the one-launch
+#: MoE decode where they serve.
 DEFAULT = KernelSwitches()
 _HELD: list[KernelSwitches] = []
 

@@ -40,7 +40,8 @@ def test_active_weight_bytes_of_qwen3_30b_a3b() -> None:
 
 
 def test_fused_moe_kernels_have_their_class() -> None:
-    for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel"):
+    for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel",
+                 "_moe_decode_one_token_kernel"):
         assert name_class(name) == "moe"
 
 

@@ -15,6 +15,8 @@ step), rounds each expert's output, scales it by its routing weight, rounds, and
 ``top_k`` in float32 in one program: deterministic, as the grouped path rounds. Each pair
 streams its own expert, so the path serves only while pairs rarely share one (``takes``).
 FP8 weights (``scales``) are converted to float32 in registers, as the bf16 ones are.
+At one token of bf16 / fp16 / fp32 experts, ``decode_persistent`` runs both in one launch
+(down in gate_up's grid) where the grid fits the GPU at once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor.kernels import pdl
+from executor.kernels import pdl, switches
 from executor.kernels.moe import scales
 from executor.kernels.moe.route import topk_rows
 from executor.kernels.pdl import pdl_enter
@@ -365,9 +367,11 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out (T, H), weights (T, top_k) float32, ids (T, top_k) int32)``: the routing of
     ``router_logits`` (as ``route.route_topk``) and the experts on ``x`` (with
-    ``norm_weight``: on ``rms_norm(x, norm_weight, eps)``), in two launches. With
-    ``w13_scale`` / ``w2_scale`` the weights are e4m3, scaled per output channel or (with
-    ``block``) per block as ``scales`` describes."""
+    ``norm_weight``: on ``rms_norm(x, norm_weight, eps)``), in two launches (one token of
+    bf16 / fp16 / fp32 experts: in one where ``decode_persistent`` can and the
+    ``moe_one_launch`` switch is on). With ``w13_scale`` / ``w2_scale`` the weights are
+    e4m3, scaled per output channel or (with ``block``) per block as ``scales``
+    describes."""
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -386,7 +390,8 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
         tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device),
                            s13.mode)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    if tiles.one_launch and s13.mode == scales.NONE and tiles.stages == 0:
+    if tiles.one_launch and switches.active().moe_one_launch and s13.mode == scales.NONE \
+            and tiles.stages == 0:
         from executor.kernels.moe import decode_persistent
 
         if decode_persistent.try_one_launch(

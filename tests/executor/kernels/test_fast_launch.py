@@ -230,17 +230,23 @@ def test_pdl_resolves_on_only_where_supported() -> None:
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
     assert pdl_unsupported_reason("cpu") == "device cpu is not CUDA"
-    assert KernelSwitches.resolve("auto", "auto", cpu) == KernelSwitches(False, False)
+    off_cuda = KernelSwitches(False, False, moe_one_launch=False)
+    assert KernelSwitches.resolve("auto", "auto", cpu) == off_cuda
     assert not pdl.enabled() and pdl.options() == {"USE_PDL": False}
     with pytest.raises(ConfigError, match=r"--pdl on: .*not available: device cpu is not CUDA"):
         KernelSwitches.resolve("on", "auto", cpu)
     with pytest.raises(ConfigError, match="--skinny-row-kernel on needs a CUDA device"):
         KernelSwitches.resolve("off", "on", cpu)
     # off asks nothing of the device (no CUDA here)
-    assert KernelSwitches.resolve("off", "off", cuda) == KernelSwitches(False, False)
+    assert KernelSwitches.resolve("off", "off", cuda, "auto", "off") == off_cuda
     # the FP8 gated epilogue: on unless off (it acts where the loader kept FP8 weights)
     assert KernelSwitches.resolve("off", "off", cpu, "on").fp8_glu
     assert not KernelSwitches.resolve("off", "off", cuda, "off").fp8_glu
+    # the one-launch MoE decode: on CUDA devices unless off; on refused elsewhere
+    assert KernelSwitches.resolve("off", "off", cuda).moe_one_launch
+    assert not KernelSwitches.resolve("off", "off", cuda, "auto", "off").moe_one_launch
+    with pytest.raises(ConfigError, match="--moe-one-launch on needs a CUDA device, not cpu"):
+        KernelSwitches.resolve("off", "off", cpu, "auto", "on")
     with KernelSwitches(pdl=True):  # only holding switches sets them
         assert pdl.enabled() and pdl.options()["USE_PDL"]
         with KernelSwitches(pdl=True):  # re-entry with equal switches

@@ -132,7 +132,8 @@ def test_auto_fuses_exactly_where_the_backend_can(monkeypatch: pytest.MonkeyPatc
     assert _transcript(off) == want and off.attn.rotated == 0
 
 
-@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu"])
+@pytest.mark.parametrize("field", ["fuse_decode_rope", "pdl", "skinny_row_kernel", "fp8_glu",
+                                   "moe_one_launch"])
 def test_kernel_switches_take_auto_on_or_off(field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} must be one of \\['auto', 'on', 'off'\\]"):
         ExecutorConfig(**{field: "yes"})  # type: ignore[arg-type]
@@ -150,6 +151,11 @@ def test_skinny_row_kernel_on_is_refused_off_cuda() -> None:
     assert not off.switches.row_kernel and "skinny_row_kernel" not in off.model_info.kernel_features
 
 
+def test_moe_one_launch_on_is_refused_off_cuda() -> None:
+    with pytest.raises(ConfigError, match=r"--moe-one-launch on needs a CUDA device"):
+        Executor(ExecutorConfig(cache=CONFIG.cache, moe_one_launch="on"))
+
+
 def test_an_executor_holds_its_kernel_switches_around_each_forward_and_sampling() -> None:
     """The PDL and row-kernel switches are process-wide; each executor holds its own
     choices active around every forward and its sampling (and capture), so two executors
@@ -159,7 +165,8 @@ def test_an_executor_holds_its_kernel_switches_around_each_forward_and_sampling(
     from executor.sampling import Sampler
 
     ex = Executor(CONFIG)
-    assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False)
+    assert ex.switches == switches.KernelSwitches(pdl=False, row_kernel=False,
+                                                  moe_one_launch=False)
     seen: list[tuple[str, switches.KernelSwitches]] = []
     ex.switches = ex.forward.switches = switches.KernelSwitches(pdl=True, row_kernel=False)
     forward, sample = CausalLM.forward, Sampler.sample

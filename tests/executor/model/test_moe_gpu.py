@@ -293,7 +293,8 @@ def test_decode_path_with_pdl_equals_plain_launches() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def _make(path: Path, graphs: bool, quantization: str | None = None) -> Executor:
+def _make(path: Path, graphs: bool, quantization: str | None = None,
+          moe_one_launch: str = "auto") -> Executor:
     cfg = ExecutorConfig(
         model=ModelConfig(source=str(path), dtype="bfloat16", quantization=quantization),
         device="cuda",
@@ -301,7 +302,8 @@ def _make(path: Path, graphs: bool, quantization: str | None = None) -> Executor
         graphs=GraphConfig(decode_mode="full" if graphs else "disabled",
                            prefill_mode="breakable" if graphs else "disabled",
                            decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=PREFILL_BUCKETS),
-        attention_backend="triton", max_decode_batch=16, max_prefill_tokens=512)
+        attention_backend="triton", max_decode_batch=16, max_prefill_tokens=512,
+        moe_one_launch=moe_one_launch)
     return Executor(cfg)
 
 
@@ -353,6 +355,49 @@ def test_fp8_experts_agree_with_their_dequantized_model(tmp_path: Path) -> None:
         assert phase.buckets and all(b.ok for b in phase.buckets), phase
     ref = _make(write_dequantized(fp8, tmp_path / "ref"), graphs=False)
     greedy_agrees(ex, ref)
+
+
+def test_moe_one_launch_switch_serves_the_same_bits(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--moe-one-launch`` auto against off on one model (bf16 experts): Health names the
+    feature only where it is on, the one-token decode steps take the single launch only
+    there (in the captured graphs too), and both serve the same tokens and logprobs, bit
+    for bit (the single launch keeps the two launches' order and roundings)."""
+    from executor.api import DecodeItem, SamplingParams
+    from executor.kernels.moe import decode_persistent
+
+    taken: list[bool] = []
+    real = decode_persistent.try_one_launch
+
+    def counting(*args: object, **kwargs: object) -> bool:
+        taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    path = gpu_moe_model(tmp_path, "qwen3_moe")
+    runs: dict[str, list[tuple[object, ...]]] = {}
+    for mode in ("auto", "off"):
+        taken.clear()
+        ex = _make(path, graphs=True, moe_one_launch=mode)
+        assert ("moe_one_launch" in ex.status().model.kernel_features) == (mode == "auto")
+        for phase in ex.capture(["decode"]):
+            assert phase.buckets and all(b.ok for b in phase.buckets), phase
+        params = SamplingParams(logprobs=True, top_logprobs=3)
+        out = ex.prefill([PrefillItem("s", rand_tokens(50, 31), sampling=params)]).outputs[0]
+        seen = [(out.token_id, out.logprob, tuple(out.top_logprobs))]
+        for _ in range(8):
+            step = ex.decode([DecodeItem("s", int(out.token_id), params)])  # type: ignore[arg-type]
+            assert step.step.path == "graph"
+            out = step.outputs[0]
+            seen.append((out.token_id, out.logprob, tuple(out.top_logprobs)))
+        runs[mode] = seen
+        if mode == "auto":
+            assert taken and all(taken)
+        else:
+            assert not taken
+        ex.release(["s"])
+        del ex
+    assert runs["auto"] == runs["off"]
 
 
 def test_greedy_graphs_equal_eager_without_fallbacks(pair: tuple[Executor, Executor]) -> None:
