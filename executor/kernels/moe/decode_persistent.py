@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl
-from executor.kernels.moe.decode import _down_chunk, _gate_up_pair, _route_pair
+from executor.kernels.moe.decode_parts import _down_chunk, _gate_up_pair, _route_pair
 from executor.kernels.pdl import pdl_enter
 from executor.kernels.skinny.tiles import SM_REGISTERS, resident_programs
 
