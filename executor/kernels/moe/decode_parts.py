@@ -3,7 +3,8 @@
 """The pieces the decode-path kernels share (``decode.py``'s two launches and
 ``decode_persistent.py``'s one): a routed pair's routing and its block of gate_up
 activations, and one chunk of down's products. Every caller composes them in the same
-order, so the one launch and the two give the same bits.
+order, so the one launch and the two give the same bits. The grouped gate_up kernel
+(``fused.py``) takes its scale pointers from here too.
 """
 
 from __future__ import annotations
@@ -61,12 +62,8 @@ def _gate_up_pair(x_ptr, nw_ptr, w_ptr, s_ptr, act_ptr, expert, pair, pid_n, n_c
     ks = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     u_ptrs = g_ptrs + n_cols * stride_wn
-    if W_SCALES == 2:  # each row's block row; a chunk lies in one block column
-        sg_ptrs = s_ptr + expert * stride_se + (cols // SB) * stride_sr
-        su_ptrs = s_ptr + expert * stride_se + ((cols + n_cols) // SB) * stride_sr
-    else:  # per-row scales (W_SCALES 1)
-        sg_ptrs = s_ptr + expert * stride_se + cols
-        su_ptrs = sg_ptrs + n_cols
+    sg_ptrs, su_ptrs = gate_up_scale_ptrs(s_ptr, expert, stride_se, stride_sr, cols, n_cols,
+                                          W_SCALES, SB)
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if STAGES == 0:
@@ -177,3 +174,18 @@ def _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES: t
     else:
         acc += w.to(tl.float32) * a.to(tl.float32)
     return acc
+
+
+@triton.jit
+def gate_up_scale_ptrs(s_ptr, expert, stride_se, stride_sr, cols, n_cols,
+                       W_SCALES: tl.constexpr, SB: tl.constexpr):
+    """The scales of ``expert``'s gate rows ``cols`` and of the up rows ``n_cols`` below
+    them: each row's block row (``scales.BLOCKS``; a reduction chunk lies in one block
+    column), else each row's own (``scales.CHANNEL``; unread under ``scales.NONE``)."""
+    if W_SCALES == 2:  # scales.BLOCKS
+        sg_ptrs = s_ptr + expert * stride_se + (cols // SB) * stride_sr
+        su_ptrs = s_ptr + expert * stride_se + ((cols + n_cols) // SB) * stride_sr
+    else:
+        sg_ptrs = s_ptr + expert * stride_se + cols
+        su_ptrs = sg_ptrs + n_cols
+    return sg_ptrs, su_ptrs

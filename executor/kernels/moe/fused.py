@@ -29,6 +29,7 @@ import triton.language as tl
 from executor.kernels.moe import decode, scales
 from executor.kernels.moe import route as routing
 from executor.kernels.moe.align import Aligned, align
+from executor.kernels.moe.decode_parts import gate_up_scale_ptrs
 
 
 @triton.jit
@@ -59,12 +60,8 @@ def _gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
     g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + n_cols * stride_wn
-    if W_SCALES == 2:  # each column's block row; a chunk lies in one block column
-        sg_ptrs = s_ptr + expert * stride_se + (cols // SB) * stride_sr
-        su_ptrs = s_ptr + expert * stride_se + ((cols + n_cols) // SB) * stride_sr
-    else:  # per-column scales (W_SCALES 1)
-        sg_ptrs = s_ptr + expert * stride_se + cols
-        su_ptrs = sg_ptrs + n_cols
+    sg_ptrs, su_ptrs = gate_up_scale_ptrs(s_ptr, expert, stride_se, stride_sr, cols, n_cols,
+                                          W_SCALES, SB)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_dim, BLOCK_K):

@@ -27,6 +27,7 @@ from executor.kernels.moe.reference import experts_reference, route  # noqa: E40
 from executor.kernels.moe.route import route_topk  # noqa: E402
 from executor.model.layers import TORCH_OPS  # noqa: E402
 from tests.helpers.moe_models import write_moe_model  # noqa: E402
+from tests.helpers.one_launch import count_one_launches  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -136,21 +137,13 @@ def test_one_launch_kernel_equals_two_launches(dtype: torch.dtype,
     programs one after another), gives the two launches' bits with and without the fused
     norm; a grid of more programs, or the switch off (``--moe-one-launch off``), is left
     to the two launches."""
-    from executor.kernels.moe import decode_persistent
     from executor.kernels.switches import KernelSwitches
 
     x, logits, w13, w2 = _problem(1, 6, 24, 16, dtype, 3)
     nw = (1.0 + 0.2 * torch.randn(24, generator=_gen(4))).to(dtype)
     one = decode.DecodeTiles(16, 16, 32, 16)
     two = dataclasses.replace(one, one_launch=False)
-    taken: list[bool] = []
-    real = decode_persistent.try_one_launch
-
-    def counting(*args: Any, **kwargs: Any) -> bool:
-        taken.append(real(*args, **kwargs))
-        return taken[-1]
-
-    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    taken = count_one_launches(monkeypatch)
     for norm in (None, nw):
         got = decode.routed(x, logits, w13, w2, 1, True, True, norm, 1e-6, one)
         want = decode.routed(x, logits, w13, w2, 1, True, True, norm, 1e-6, two)

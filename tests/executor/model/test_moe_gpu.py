@@ -35,6 +35,7 @@ from tests.helpers.gpu import (
     rand_tokens,
 )
 from tests.helpers.moe_models import gpu_moe_model
+from tests.helpers.one_launch import count_one_launches
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -185,7 +186,7 @@ def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: 
     CUDA graph replayed several times (each grid size counts its own arrivals)."""
     import dataclasses
 
-    from executor.kernels.moe import decode, decode_persistent
+    from executor.kernels.moe import decode
 
     w13, w2, router = _experts(shape, 7)
     x = torch.randn(1, shape[2], device="cuda").bfloat16()
@@ -194,14 +195,7 @@ def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = decode.pick_tiles(1, shape[1], shape[2], shape[3], torch.bfloat16, sms)
     two = dataclasses.replace(tiles, one_launch=False)
-    taken: list[bool] = []
-    real = decode_persistent.try_one_launch
-
-    def counting(*args: object, **kwargs: object) -> bool:
-        taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
-        return taken[-1]
-
-    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    taken = count_one_launches(monkeypatch)
     for norm in (None, nw):
         got = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, tiles)
         want = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, two)
@@ -364,16 +358,8 @@ def test_moe_one_launch_switch_serves_the_same_bits(tmp_path: Path,
     there (in the captured graphs too), and both serve the same tokens and logprobs, bit
     for bit (the single launch keeps the two launches' order and roundings)."""
     from executor.api import DecodeItem, SamplingParams
-    from executor.kernels.moe import decode_persistent
 
-    taken: list[bool] = []
-    real = decode_persistent.try_one_launch
-
-    def counting(*args: object, **kwargs: object) -> bool:
-        taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
-        return taken[-1]
-
-    monkeypatch.setattr(decode_persistent, "try_one_launch", counting)
+    taken = count_one_launches(monkeypatch)
     path = gpu_moe_model(tmp_path, "qwen3_moe")
     runs: dict[str, list[tuple[object, ...]]] = {}
     for mode in ("auto", "off"):
