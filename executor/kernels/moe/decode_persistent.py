@@ -118,6 +118,11 @@ def _counter(device: torch.device, programs: int) -> torch.Tensor:
 _FITS: dict[tuple[object, ...], bool] = {}
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def register_cap(programs: int, num_warps: int, sms: int) -> int:
     """Registers a thread may take so that ``programs`` programs of ``num_warps`` warps
     are resident on ``sms`` multiprocessors at once (a multiple of 8, at most 255)."""
@@ -180,8 +185,7 @@ def try_one_launch(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
         _moe_decode_one_token_kernel[(programs,)](*args, **constexprs, num_warps=num_warps,
                                                   **pdl.options())
         return True
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    maxnreg = register_cap(programs, num_warps, sms)
+    maxnreg = register_cap(programs, num_warps, _multiprocessors(x.device))
     if maxnreg < MIN_REGISTERS:
         return False
     key = (x.device, x.dtype, w_gate_up.shape, pdl.enabled(), tuple(constexprs.items()))
