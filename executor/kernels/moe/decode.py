@@ -31,7 +31,14 @@ import triton.language as tl
 
 from executor.kernels import pdl, switches
 from executor.kernels.moe import decode_persistent, scales
-from executor.kernels.moe.decode_parts import _down_chunk, _gate_up_pair, _route_pair
+from executor.kernels.moe.decode_parts import (
+    _down_chunk,
+    _down_ptrs,
+    _down_store,
+    _down_stream,
+    _gate_up_pair,
+    _route_pair,
+)
 from executor.kernels.pdl import pdl_enter
 
 #: Tokens up to which the decode path may serve (``takes``).
@@ -102,39 +109,25 @@ def _moe_decode_down_kernel(
     expert = tl.minimum(expert, num_experts - 1).to(tl.int64)  # as gate_up reads them
     scale = tl.load(weights_ptr + t * TOP_K + slots, mask=slot_ok, other=0.0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = (w_ptr + expert[:, None, None] * stride_we
-              + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])
-    a_ptrs = act_ptr + (t * TOP_K + slots)[:, None, None] * k_dim + ks[None, None, :]
-    rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
-    s_ok = slot_ok[:, None] & col_ok[None, :]
+    w_ptrs, a_ptrs, rows_ok, s_ok, col_ok = _down_ptrs(
+        w_ptr, act_ptr, expert, t * TOP_K, slots, slot_ok, cols, ks, n_cols, k_dim,
+        stride_we, stride_wn)
     if W_SCALES == 2:  # (K_POW2, BLOCK_N): each expert's row's block row
         s_ptrs = s_ptr + expert[:, None] * stride_se + (cols // SB)[None, :] * stride_sr
     else:
         s_ptrs = s_ptr + expert[:, None] * stride_se + cols[None, :]
-    acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if STAGES == 0:
+    if STAGES == 0:  # the next chunk in flight in registers, as in gate_up
         w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
-        for k in range(0, k_dim, BLOCK_K):  # the next chunk in flight, as in gate_up
-            w_next = tl.load(w_ptrs + k + BLOCK_K,
-                             mask=rows_ok & (ks + k + BLOCK_K < k_dim)[None, None, :],
-                             other=0.0)
-            acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
-                              SB, K_POW2, BLOCK_N, BLOCK_K, "")
-            w = w_next
+        acc = _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, k_dim, slot_ok, s_ptrs, s_ok,
+                           W_SCALES, SB, K_POW2, BLOCK_N, BLOCK_K, "")
     else:  # pipelined, as in gate_up
+        acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
             w = tl.load(w_ptrs + k, mask=rows_ok & (ks + k < k_dim)[None, None, :], other=0.0)
             acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
                               SB, K_POW2, BLOCK_N, BLOCK_K, "")
-    act_ty = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=2)  # (K_POW2, BLOCK_N)
-    if W_SCALES == 1:
-        y = y * tl.load(s_ptrs, mask=s_ok, other=0.0)
-    y = y.to(act_ty).to(tl.float32) * scale[:, None]
-    total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
-    tl.store(out_ptr + t * stride_o + cols, total.to(act_ty), mask=col_ok)
+    _down_store(acc, scale, s_ptrs, s_ok, out_ptr + t * stride_o, cols, col_ok, W_SCALES)
 
 
 @dataclass(frozen=True)
@@ -221,16 +214,16 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
     out = torch.empty_like(x)
     if t == 0:
         return out, weights, ids
+    sms = _multiprocessors(x.device)
     if tiles is None:
-        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, _multiprocessors(x.device),
-                           s13.mode)
+        tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, sms, s13.mode)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     one_launch = tiles.one_launch and tiles.stages == 0 and s13.mode == scales.NONE \
         and switches.active().moe_one_launch
     if one_launch and decode_persistent.try_one_launch(
             x, router_logits, w_gate_up, w_down, out, act, weights, ids, top_k, renormalize,
             weights_in_activation_dtype, norm_weight, eps, tiles.block_n, tiles.block_k,
-            tiles.block_n_down, tiles.block_k_down, tiles.num_warps):
+            tiles.block_n_down, tiles.block_k_down, tiles.num_warps, sms):
         return out, weights, ids
     k_pow2 = triton.next_power_of_2(top_k)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](

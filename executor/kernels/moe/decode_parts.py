@@ -177,6 +177,52 @@ def _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES: t
 
 
 @triton.jit
+def _down_ptrs(w_ptr, act_ptr, experts, first_pair, slots, slot_ok, cols, ks, out_cols,
+               red_dim, stride_we, stride_wn):
+    """``(w_ptrs, a_ptrs, rows_ok, s_ok, col_ok)`` of down's chunks for output columns
+    ``cols`` of the token whose ``slots`` pairs start at ``first_pair``: its experts'
+    rows ``(K_POW2, BLOCK_N, BLOCK_K)`` and its pairs' activations ``(K_POW2, 1,
+    BLOCK_K)`` at reduction offset 0 (``red_dim`` long)."""
+    col_ok = cols < out_cols
+    w_ptrs = (w_ptr + experts[:, None, None] * stride_we
+              + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])
+    a_ptrs = act_ptr + (first_pair + slots)[:, None, None] * red_dim + ks[None, None, :]
+    rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    s_ok = slot_ok[:, None] & col_ok[None, :]
+    return w_ptrs, a_ptrs, rows_ok, s_ok, col_ok
+
+
+@triton.jit
+def _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, red_dim, slot_ok, s_ptrs, s_ok,
+                 W_SCALES: tl.constexpr, SB: tl.constexpr, K_POW2: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_CACHE: tl.constexpr):
+    """Down's float32 products summed over the reduction, ``w`` its first chunk (already
+    loaded), the next chunk in flight in registers during each chunk's products."""
+    acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, red_dim, BLOCK_K):
+        w_next = tl.load(w_ptrs + k + BLOCK_K,
+                         mask=rows_ok & (ks + k + BLOCK_K < red_dim)[None, None, :],
+                         other=0.0)
+        acc = _down_chunk(acc, w, k, ks, red_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
+                          SB, K_POW2, BLOCK_N, BLOCK_K, A_CACHE)
+        w = w_next
+    return acc
+
+
+@triton.jit
+def _down_store(acc, scale, s_ptrs, s_ok, out_row, cols, col_ok, W_SCALES: tl.constexpr):
+    """Each expert's output (per-row scale with ``W_SCALES`` 1) rounded, weighed by its
+    routing ``scale``, rounded, and the ``top_k`` summed in float32 into ``out_row``."""
+    act_ty = out_row.dtype.element_ty
+    y = tl.sum(acc, axis=2)  # (K_POW2, BLOCK_N)
+    if W_SCALES == 1:
+        y = y * tl.load(s_ptrs, mask=s_ok, other=0.0)
+    y = y.to(act_ty).to(tl.float32) * scale[:, None]
+    total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
+    tl.store(out_row + cols, total.to(act_ty), mask=col_ok)
+
+
+@triton.jit
 def gate_up_scale_ptrs(s_ptr, expert, stride_se, stride_sr, cols, n_cols,
                        W_SCALES: tl.constexpr, SB: tl.constexpr):
     """The scales of ``expert``'s gate rows ``cols`` and of the up rows ``n_cols`` below

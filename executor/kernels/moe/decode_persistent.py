@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl
-from executor.kernels.moe.decode_parts import _down_chunk, _gate_up_pair, _route_pair
+from executor.kernels.moe.decode_parts import (
+    _down_ptrs,
+    _down_store,
+    _down_stream,
+    _gate_up_pair,
+    _route_pair,
+)
 from executor.kernels.pdl import pdl_enter
 from executor.kernels.skinny.tiles import SM_REGISTERS, resident_programs
 
@@ -79,13 +85,10 @@ def _moe_decode_one_token_kernel(
         slot_ok = slots < TOP_K
         experts = tl.minimum(ids, num_experts - 1).to(tl.int64)  # as gate_up reads them
         cols = p * BLOCK_N_DOWN + tl.arange(0, BLOCK_N_DOWN)
-        col_ok = cols < k_dim
         ks = tl.arange(0, BLOCK_K_DOWN)
-        w_ptrs = (w2_ptr + experts[:, None, None] * stride_w2e
-                  + cols[None, :, None].to(tl.int64) * stride_w2n + ks[None, None, :])
-        a_ptrs = act_ptr + slots[:, None, None] * n_cols + ks[None, None, :]
-        rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
-        s_ok = slot_ok[:, None] & col_ok[None, :]
+        w_ptrs, a_ptrs, rows_ok, s_ok, col_ok = _down_ptrs(
+            w2_ptr, act_ptr, experts, 0, slots, slot_ok, cols, ks, k_dim, n_cols,
+            stride_w2e, stride_w2n)
         w = tl.load(w_ptrs, mask=rows_ok & (ks < n_cols)[None, None, :], other=0.0)
         # wait for every program's activations (launch n waits for (n + 1) * grid)
         target = (ticket // tl.num_programs(0) + 1) * tl.num_programs(0)
@@ -93,18 +96,10 @@ def _moe_decode_one_token_kernel(
         while seen < target:
             seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        acc = tl.zeros((K_POW2, BLOCK_N_DOWN, BLOCK_K_DOWN), dtype=tl.float32)
-        for k in range(0, n_cols, BLOCK_K_DOWN):  # the next chunk in flight, as down's
-            w_next = tl.load(w_ptrs + k + BLOCK_K_DOWN,
-                             mask=rows_ok & (ks + k + BLOCK_K_DOWN < n_cols)[None, None, :],
-                             other=0.0)
-            acc = _down_chunk(acc, w, k, ks, n_cols, a_ptrs, slot_ok, w_ptrs, s_ok, 0, 1,
-                              K_POW2, BLOCK_N_DOWN, BLOCK_K_DOWN, ".cg")
-            w = w_next
-        act_ty = out_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=2).to(act_ty).to(tl.float32) * scale[:, None]
-        total = tl.sum(y.to(act_ty).to(tl.float32), axis=0)  # the empty slots add zeros
-        tl.store(out_ptr + cols, total.to(act_ty), mask=col_ok)
+        # (activations through L2: ``.cg``, written by other programs of this launch)
+        acc = _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, n_cols, slot_ok, w_ptrs, s_ok, 0,
+                           1, K_POW2, BLOCK_N_DOWN, BLOCK_K_DOWN, ".cg")
+        _down_store(acc, scale, w_ptrs, s_ok, out_ptr, cols, col_ok, 0)
 
 
 @functools.cache
@@ -116,11 +111,6 @@ def _counter(device: torch.device, programs: int) -> torch.Tensor:
 
 
 _FITS: dict[tuple[object, ...], bool] = {}
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def register_cap(programs: int, num_warps: int, sms: int) -> int:
@@ -160,10 +150,10 @@ def try_one_launch(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
                    weights: torch.Tensor, ids: torch.Tensor, top_k: int, renormalize: bool,
                    weights_in_activation_dtype: bool, norm_weight: torch.Tensor | None,
                    eps: float, block_n: int, block_k: int, block_n_down: int,
-                   block_k_down: int, num_warps: int) -> bool:
+                   block_k_down: int, num_warps: int, sms: int) -> bool:
     """Run one token's experts in one launch into ``out`` (and the routing into
-    ``weights`` / ``ids``) where the grid fits the GPU at once; false (nothing launched)
-    otherwise. ``act`` is ``(top_k, N)`` scratch."""
+    ``weights`` / ``ids``) where the grid fits the GPU (``sms`` multiprocessors) at once;
+    false (nothing launched) otherwise. ``act`` is ``(top_k, N)`` scratch."""
     if x.shape[0] != 1:
         return False
     experts, two_i, hidden = w_gate_up.shape
@@ -185,7 +175,7 @@ def try_one_launch(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
         _moe_decode_one_token_kernel[(programs,)](*args, **constexprs, num_warps=num_warps,
                                                   **pdl.options())
         return True
-    maxnreg = register_cap(programs, num_warps, _multiprocessors(x.device))
+    maxnreg = register_cap(programs, num_warps, sms)
     if maxnreg < MIN_REGISTERS:
         return False
     key = (x.device, x.dtype, w_gate_up.shape, pdl.enabled(), tuple(constexprs.items()))
