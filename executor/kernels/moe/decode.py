@@ -144,7 +144,6 @@ class DecodeTiles:
     num_warps_down: int = 4
     stages: int = 0
     stages_down: int = 0
-    one_launch: bool = True  # one token: down in gate_up's grid where it fits at once
 
 
 def _narrow(rows: int, cols: int, widest: int, narrowest: int, programs: int) -> int:
@@ -218,7 +217,7 @@ def routed(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor
     if tiles is None:
         tiles = pick_tiles(t, top_k, hidden, inter, x.dtype, sms, s13.mode)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    one_launch = tiles.one_launch and tiles.stages == 0 and s13.mode == scales.NONE \
+    one_launch = tiles.stages == 0 and s13.mode == scales.NONE \
         and switches.active().moe_one_launch
     if one_launch and decode_persistent.try_one_launch(
             x, router_logits, w_gate_up, w_down, out, act, weights, ids, top_k, renormalize,

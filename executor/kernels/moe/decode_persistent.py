@@ -161,6 +161,9 @@ def try_one_launch(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
     programs = top_k * triton.cdiv(inter, block_n)
     if triton.cdiv(hidden, block_n_down) > programs or (not x.is_cuda and programs > 1):
         return False  # (the interpreter runs one program after another: one never waits)
+    maxnreg = register_cap(programs, num_warps, sms)
+    if x.is_cuda and maxnreg < MIN_REGISTERS:
+        return False
     args = (x, norm_weight if norm_weight is not None else x, router_logits, w_gate_up, act,
             w_down, out, weights, ids, _counter(x.device, programs), experts, inter, hidden,
             router_logits.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
@@ -171,16 +174,11 @@ def try_one_launch(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
         HAS_NORM=norm_weight is not None, BLOCK_ROW=triton.next_power_of_2(hidden),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_N_DOWN=block_n_down,
         BLOCK_K_DOWN=block_k_down, ROUTE_ROWS=num_warps)
-    if not x.is_cuda:
-        _moe_decode_one_token_kernel[(programs,)](*args, **constexprs, num_warps=num_warps,
-                                                  **pdl.options())
-        return True
-    maxnreg = register_cap(programs, num_warps, sms)
-    if maxnreg < MIN_REGISTERS:
-        return False
-    key = (x.device, x.dtype, w_gate_up.shape, pdl.enabled(), tuple(constexprs.items()))
-    if not fits(key, args, constexprs, programs, num_warps, maxnreg, x.device):
-        return False
-    _moe_decode_one_token_kernel[(programs,)](*args, **constexprs, num_warps=num_warps,
-                                              maxnreg=maxnreg, **pdl.options())
+    options = dict(num_warps=num_warps, **pdl.options())
+    if x.is_cuda:  # registers capped so that the grid can be resident at once, if it is
+        key = (x.device, x.dtype, w_gate_up.shape, pdl.enabled(), tuple(constexprs.items()))
+        if not fits(key, args, constexprs, programs, num_warps, maxnreg, x.device):
+            return False
+        options["maxnreg"] = maxnreg
+    _moe_decode_one_token_kernel[(programs,)](*args, **constexprs, **options)
     return True

@@ -184,9 +184,8 @@ def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: 
     the fused norm, where the grid fits the GPU at once (Mixtral's 896 programs do not:
     two launches); launches of different grid sizes alternate in one process and in one
     CUDA graph replayed several times (each grid size counts its own arrivals)."""
-    import dataclasses
-
     from executor.kernels.moe import decode
+    from executor.kernels.switches import KernelSwitches
 
     w13, w2, router = _experts(shape, 7)
     x = torch.randn(1, shape[2], device="cuda").bfloat16()
@@ -194,11 +193,12 @@ def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: 
     nw = (1.0 + 0.1 * torch.randn(shape[2], device="cuda")).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = decode.pick_tiles(1, shape[1], shape[2], shape[3], torch.bfloat16, sms)
-    two = dataclasses.replace(tiles, one_launch=False)
     taken = count_one_launches(monkeypatch)
     for norm in (None, nw):
         got = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, tiles)
-        want = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6, two)
+        with KernelSwitches(moe_one_launch=False):  # the two launches
+            want = decode.routed(4.0 * x, logits, w13, w2, shape[1], True, True, norm, 1e-6,
+                                 tiles)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     expected = {"3 an SM": sms >= 128, "2 an SM": sms >= 128, "no": False}[fits]
     assert taken == [expected] * 2
