@@ -62,6 +62,7 @@ def _moe_decode_one_token_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
     ROUTE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    MAX_POLLS: tl.constexpr = 1 << 22,  # seconds of polling: far past any real wait
 ):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
@@ -90,16 +91,29 @@ def _moe_decode_one_token_kernel(
             w2_ptr, act_ptr, experts, 0, slots, slot_ok, cols, ks, k_dim, n_cols,
             stride_w2e, stride_w2n)
         w = tl.load(w_ptrs, mask=rows_ok & (ks < n_cols)[None, None, :], other=0.0)
-        # wait for every program's activations (launch n waits for (n + 1) * grid)
+        # wait for every program's activations (launch n waits for (n + 1) * grid); a grid
+        # that is not resident at once would never arrive: after MAX_POLLS the launch fails
+        # (a CUDA error the server reports as fatal) instead of hanging the GPU
         target = (ticket // tl.num_programs(0) + 1) * tl.num_programs(0)
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
+        polls = 0
+        while (seen < target) & (polls < MAX_POLLS):
             seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        if seen < target:
+            _trap(seen)
         tl.debug_barrier()
         # (activations through L2: ``.cg``, written by other programs of this launch)
         acc = _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, n_cols, slot_ok, w_ptrs, s_ok, 0,
                            1, K_POW2, BLOCK_N_DOWN, BLOCK_K_DOWN, ".cg")
         _down_store(acc, scale, w_ptrs, s_ok, out_ptr, cols, col_ok, 0)
+
+
+@triton.jit
+def _trap(x):
+    """End the kernel with an error (PTX ``trap``): the launch fails, the context with it."""
+    tl.inline_asm_elementwise("trap;\n\tmov.b32 $0, 0;", "=r,r", [x.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache

@@ -223,6 +223,54 @@ def test_one_launch_equals_two_launches(shape: tuple[int, int, int, int], fits: 
     assert all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True))
 
 
+def test_a_grid_that_never_arrives_fails_instead_of_hanging() -> None:
+    """The one-launch spin is bounded: with the arrival counter knocked off a multiple of
+    the grid (as a grid that is not resident at once would leave it), the launch fails
+    with a CUDA error within seconds (the server then reports a fatal device error and
+    is restarted) instead of hanging the GPU. In a subprocess: the error ends its
+    context."""
+    import subprocess
+    import sys
+    import time
+
+    script = """
+import torch
+from executor.kernels.moe import decode, decode_persistent
+torch.manual_seed(0)
+e, k, h, i = 64, 4, 1024, 512
+w13 = (0.05 * torch.randn(e, 2 * i, h, device="cuda")).bfloat16()
+w2 = (0.05 * torch.randn(e, h, i, device="cuda")).bfloat16()
+x = torch.randn(1, h, device="cuda").bfloat16()
+logits = torch.randn(1, e, device="cuda").bfloat16()
+taken = []
+real = decode_persistent.try_one_launch
+def counting(*args, **kwargs):
+    taken.append(real(*args, **kwargs))
+    return taken[-1]
+decode_persistent.try_one_launch = counting
+decode.routed(x, logits, w13, w2, k, True, True)
+torch.cuda.synchronize()
+assert taken == [True], taken
+tiles = decode.pick_tiles(1, k, h, i, torch.bfloat16,
+                          torch.cuda.get_device_properties(0).multi_processor_count)
+grid = k * (i // tiles.block_n)
+counter = decode_persistent._counter(x.device, grid)
+assert int(counter.item()) == grid
+counter.fill_(2 * grid - 1)  # this launch's later arrivals wait for 3 * grid: never
+print("launching", flush=True)
+decode.routed(x, logits, w13, w2, k, True, True)
+torch.cuda.synchronize()
+print("returned", flush=True)
+"""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[3])
+    took = time.monotonic() - start
+    assert "launching" in proc.stdout and "returned" not in proc.stdout, proc.stdout
+    assert proc.returncode != 0 and "CUDA error" in proc.stderr, proc.stderr[-2000:]
+    assert took < 300
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_decode_path_never_syncs_and_replays_in_a_graph(tokens: int) -> None:
     """``fused_moe`` at decode sizes with the norm fused: no host sync, and a CUDA graph
