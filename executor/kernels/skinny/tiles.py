@@ -128,6 +128,11 @@ ROW_KERNEL_REDUCE = (NO_REDUCE, SEND)
 #: Column blocks per program of a full grid below which default launches keep the classic
 #: kernel: with fewer, the grid saves too little input-op work to pay for its start.
 ROW_KERNEL_MIN_BLOCKS = 2
+#: The same for plain inputs (o_proj), which have no input op to repeat: from one block a
+#: program the row kernel's unbroken weight stream wins (Qwen3-30B-A3B's o_proj, 1024
+#: blocks), while a norm input at that share (the 1B's qkv, 768 blocks) slows the
+#: attention after it more than it gains (docs/experiments.md).
+ROW_KERNEL_MIN_BLOCKS_PLAIN = 1
 #: SMs the interpreter's grid is sized for (no GPU): two, so programs loop.
 _INTERPRETER_SMS = 2
 
@@ -137,14 +142,16 @@ def row_tile(input_op: int, m: int, n: int, k: int, reduce: int = NO_REDUCE, *,
     """The row kernel's tile for a launch it takes by default on a GPU of ``sms`` SMs,
     else None (the classic kernel): the switch on (``switches.active().row_kernel``), one
     row, an output kind in ``ROW_KERNEL_REDUCE``, ``K`` in ``ROW_KERNEL_K``, and at least
-    ``ROW_KERNEL_MIN_BLOCKS`` column blocks for each program of a full grid. 8 warps;
+    ``ROW_KERNEL_MIN_BLOCKS`` column blocks for each program of a full grid
+    (``ROW_KERNEL_MIN_BLOCKS_PLAIN`` for a plain input). 8 warps;
     SiLU-and-mul inputs (the down projection, the widest K) 2 columns per block and 2
     programs per SM, the others 4 columns up to K = 2048 and 2 above, 4 programs per SM."""
     if not switches.active().row_kernel or m != 1 or reduce not in ROW_KERNEL_REDUCE \
             or not ROW_KERNEL_K[0] <= k <= ROW_KERNEL_K[1]:
         return None
     tile = RowTile(2, 8, 2) if input_op == SILU_MUL else RowTile(4 if k <= 2048 else 2, 8, 4)
-    if cdiv(n, tile.block_n) < ROW_KERNEL_MIN_BLOCKS * tile.programs_per_sm * sms:
+    least = ROW_KERNEL_MIN_BLOCKS_PLAIN if input_op == PLAIN else ROW_KERNEL_MIN_BLOCKS
+    if cdiv(n, tile.block_n) < least * tile.programs_per_sm * sms:
         return None
     return tile
 

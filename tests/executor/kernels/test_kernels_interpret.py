@@ -299,13 +299,22 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
 
     lo, hi = sg.ROW_KERNEL_K
     least = sg.ROW_KERNEL_MIN_BLOCKS
+    plain = sg.ROW_KERNEL_MIN_BLOCKS_PLAIN
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.ADD_RMS_NORM, 1, 64, lo, sms=2) == sg.RowTile(4, 8, 4)
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=2) == sg.RowTile(2, 8, 4)
     # too few column blocks for the grid: 32 blocks of two, 4 programs on each of 132 SMs
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sms=132) is None
-    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least, hi, sms=132) == sg.RowTile(2, 8, 4)
-    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * least - 2, hi, sms=132) is None
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * plain, hi, sms=132) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.PLAIN, 1, 2 * 4 * 132 * plain - 2, hi, sms=132) is None
+    # an input op needs more blocks a program: Qwen3-30B-A3B's o_proj (2048 x 4096) takes
+    # the row kernel, the 1B's qkv (3072 x 2048) with its norm does not
+    assert plain < least
+    assert sg.row_tile(sg.PLAIN, 1, 2048, 4096, sms=132) == sg.RowTile(2, 8, 4)
+    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 3072, 2048, sms=132) is None
+    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 4 * 4 * 132 * least, lo, sms=132) == \
+        sg.RowTile(4, 8, 4)
+    assert sg.row_tile(sg.ADD_RMS_NORM, 1, 4 * 4 * 132 * least - 4, lo, sms=132) is None
     assert sg.row_tile(sg.SILU_MUL, 1, 64, lo, sg.SEND, sms=2) == sg.RowTile(2, 8, 2)
     assert sg.row_tile(sg.PLAIN, 1, 64, hi, sg.SEND, sms=132) is None  # too few blocks
     for m, k, reduce in ((2, lo, sg.NO_REDUCE), (1, lo - 1, sg.NO_REDUCE),
@@ -319,7 +328,7 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
     torch.testing.assert_close(sg.skinny_gemm(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     assert launched == [sg.RowTile(4, 8, 4)]
     sg.skinny_gemm(torch.cat([x, x]), w)  # two rows: the classic kernel
-    sg.skinny_gemm(x, w[:4 * 4 * 2 * least - 4])  # a block too few: the classic kernel
+    sg.skinny_gemm(x, w[:4 * 4 * 2 * plain - 4])  # a block too few: the classic kernel
     assert len(launched) == 1
     with KernelSwitches(row_kernel=False):  # an executor's --skinny-row-kernel off
         assert sg.row_tile(sg.PLAIN, 1, 64, lo, sms=2) is None
