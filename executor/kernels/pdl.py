@@ -11,7 +11,10 @@ predecessor grid has completed, then lets its own successor launch
 Rules a PDL kernel must keep, or it races: no load of anything a kernel of the step may
 have written, and no store at all, before the wait; every program waits, whatever path it
 takes. A kernel may instead wait (``pdl_wait``) and let its successor launch only after
-its main loop (``pdl_trigger``). Results are bit-identical with and without PDL. Whether
+its main loop (``pdl_trigger``), or, a short kernel whose successor has long work before
+its own wait, let the successor launch first (``pdl_launch_then_wait``): that successor's
+pre-wait part then also runs beside this kernel's predecessor, so it too may read nothing
+that predecessor writes. Results are bit-identical with and without PDL. Whether
 launches use it is a process-wide switch (``enabled()``, owned by
 ``executor.kernels.switches``) and part of each kernel's specialization (``USE_PDL``,
 ``launch_pdl``). See ``docs/kernels.md``.
@@ -66,3 +69,14 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     exited)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_launch_then_wait(USE_PDL: tl.constexpr):
+    """Step 3, then step 2: let the successor launch at once, then wait. For a short kernel
+    whose successor's pre-wait work is long (the decode attention's gather of its first KV
+    block after the q/k-norm + RoPE kernel; o_proj's first weight block after the decode
+    merge): that work overlaps this kernel's predecessor instead of this kernel alone."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl
-from executor.kernels.pdl import pdl_enter
+from executor.kernels.pdl import pdl_launch_then_wait
 
 # Launch options. No FMA contraction: each product must be rounded to the activation dtype
 # before the add, as the torch ops do (with contraction on, some outputs differ from
@@ -97,7 +97,9 @@ def _rope_kernel(
     USE_PDL: tl.constexpr,
     OFFSET_NORM: tl.constexpr = False,
 ):
-    pdl_enter(USE_PDL)
+    # The attention after it may launch now: its lengths, table and first cached K/V block
+    # (nothing the qkv projection before this kernel writes) load while that GEMM finishes.
+    pdl_launch_then_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # q's head blocks first, then k's
     q_blocks = tl.cdiv(num_heads, BLOCK_HQ)

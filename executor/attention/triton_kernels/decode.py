@@ -24,7 +24,7 @@ import triton.language as tl
 
 from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels import pdl
-from executor.kernels.pdl import pdl_enter
+from executor.kernels.pdl import pdl_enter, pdl_launch_then_wait
 
 # Chunks are a multiple of this many tokens: a program does at least this much work.
 SPLIT_ALIGN = 32
@@ -284,7 +284,8 @@ def _decode_reduce_kernel(
     cached -= _window_start(cached, window, SLIDING)  # the positions the splits share
     chunk = _split_size(cached, num_splits, SPLIT_ALIGN)
     ran_splits = tl.minimum(tl.maximum((cached + chunk - 1) // chunk, 1), num_splits)
-    pdl_enter(USE_PDL)
+    # o_proj may launch now: its first weight block loads while the splits run.
+    pdl_launch_then_wait(USE_PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < ran_splits

@@ -124,10 +124,16 @@ def _step(ex: Executor, ids: list[str], tokens: list[int]) -> tuple[torch.Tensor
     return tops, [int(o.token_id) for o in step.outputs]  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("decode", ["full", "breakable"])
-def test_steps_with_pdl_equal_plain_launches_bit_for_bit(model_path: Path, decode: str) -> None:
-    plain = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="off")
-    fused = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="on")
+@pytest.mark.parametrize(("decode", "rope"), [("full", "auto"), ("breakable", "auto"),
+                                              ("full", "off")])
+def test_steps_with_pdl_equal_plain_launches_bit_for_bit(model_path: Path, decode: str,
+                                                         rope: str) -> None:
+    """``rope="off"`` keeps RoPE out of the decode attention: its own kernel, which lets
+    the attention launch before its wait (``pdl_launch_then_wait``), runs in every step."""
+    plain = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="off",
+                                  fuse_decode_rope=rope)
+    fused = make_prefill_executor(model_path, prefill="breakable", decode=decode, pdl="on",
+                                  fuse_decode_rope=rope)
     assert fused.switches.pdl and not plain.switches.pdl
     assert "pdl" in fused.model_info.kernel_features
     for ex in (plain, fused):
