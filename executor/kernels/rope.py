@@ -97,8 +97,9 @@ def _rope_kernel(
     USE_PDL: tl.constexpr,
     OFFSET_NORM: tl.constexpr = False,
 ):
-    # The attention after it may launch now: its lengths, table and first cached K/V block
-    # (nothing the qkv projection before this kernel writes) load while that GEMM finishes.
+    # The attention after it may launch now: what it loads before its own wait (the step's
+    # metadata; at decode also its first block of cached K/V), none of it written by the
+    # qkv projection before this kernel, loads while that GEMM finishes.
     pdl_launch_then_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # q's head blocks first, then k's
