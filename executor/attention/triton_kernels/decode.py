@@ -116,7 +116,8 @@ def _decode_split_kernel(
     # Before the wait (PDL): what no kernel of this step writes. The lengths, slots and
     # table arrive by copies that finish before the step's first kernel; the cached K/V
     # rows (positions < seq_len - 1) were written by earlier steps. So the first block's
-    # gather is in flight while the previous kernel (the qkv projection) finishes.
+    # gather is in flight while the qkv projection finishes (where RoPE runs apart, its
+    # kernel lets this one launch before its own wait for that).
     cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1  # pool positions 0 .. cached - 1
     # The splits share the visible cached positions lo .. cached - 1 (lo = 0 without a
     # window; the query at position ``cached`` sees keys > cached - window).
