@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from executor.kernels.cache_policy import STREAM
 from executor.kernels.pdl import pdl_enter, pdl_trigger, pdl_wait
 from executor.kernels.skinny.kernel import _row_input
 from executor.quant.kernels import _silu_mul_sums, _weight_rows
@@ -155,7 +156,7 @@ def _load_block(w_ptr, s_ptr, block, N, K, stride_wn, stride_sn, SBN: tl.constex
         offs = tl.arange(0, BLOCK_K)
         cols_ok = offs < K
     w = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_wn + offs[None, :],
-                mask=live[:, None] & cols_ok[None, :], other=0.0)
+                mask=live[:, None] & cols_ok[None, :], other=0.0, eviction_policy=STREAM)
     kb = tl.arange(0, BLOCK_K // SBK)  # the row's scale block columns (BLOCK_SCALES)
     return w, _scales(s_ptr, rows, live, kb, K, stride_sn, SBN, SBK, BLOCK_SCALES)
 

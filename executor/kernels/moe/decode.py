@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl, switches
+from executor.kernels.cache_policy import STREAM
 from executor.kernels.moe import decode_persistent, scales
 from executor.kernels.moe.decode_parts import (
     _down_chunk,
@@ -118,13 +119,15 @@ def _moe_decode_down_kernel(
     else:
         s_ptrs = s_ptr + expert[:, None] * stride_se + cols[None, :]
     if STAGES == 0:  # the next chunk in flight in registers, as in gate_up
-        w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=rows_ok & (ks < k_dim)[None, None, :], other=0.0,
+                    eviction_policy=STREAM)
         acc = _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, k_dim, slot_ok, s_ptrs, s_ok,
                            W_SCALES, SB, K_POW2, BLOCK_N, BLOCK_K, "")
     else:  # pipelined, as in gate_up
         acc = tl.zeros((K_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
-            w = tl.load(w_ptrs + k, mask=rows_ok & (ks + k < k_dim)[None, None, :], other=0.0)
+            w = tl.load(w_ptrs + k, mask=rows_ok & (ks + k < k_dim)[None, None, :], other=0.0,
+                        eviction_policy=STREAM)
             acc = _down_chunk(acc, w, k, ks, k_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
                               SB, K_POW2, BLOCK_N, BLOCK_K, "")
     _down_store(acc, scale, s_ptrs, s_ok, out_ptr + t * stride_o, cols, col_ok, W_SCALES)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from executor.kernels.cache_policy import STREAM
 from executor.kernels.moe.route import topk_rows
 
 
@@ -71,13 +72,15 @@ def _gate_up_pair(x_ptr, nw_ptr, w_ptr, s_ptr, act_ptr, expert, pair, pid_n, n_c
         # flight per program: the loop is not pipelined for us, there being no dot); the
         # first chunk is in flight during the norm's pass over the row
         w_mask = col_ok[:, None] & (ks < k_dim)[None, :]
-        g_w = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u_w = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        g_w = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy=STREAM)
+        u_w = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy=STREAM)
         rstd = _row_rstd(x_row, k_dim, inv_k, eps, HAS_NORM, BLOCK_ROW)
         for k in range(0, k_dim, BLOCK_K):
             w_mask = col_ok[:, None] & (ks + k + BLOCK_K < k_dim)[None, :]
-            g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
-            u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0)
+            g_next = tl.load(g_ptrs + k + BLOCK_K, mask=w_mask, other=0.0,
+                             eviction_policy=STREAM)
+            u_next = tl.load(u_ptrs + k + BLOCK_K, mask=w_mask, other=0.0,
+                             eviction_policy=STREAM)
             gate, up = _gate_up_chunk(gate, up, g_w, u_w, k, ks, k_dim, x_row, nw_ptr, rstd,
                                       act_ptr, sg_ptrs, su_ptrs, col_ok, HAS_NORM, W_SCALES,
                                       SB, BLOCK_N, BLOCK_K)
@@ -87,8 +90,8 @@ def _gate_up_pair(x_ptr, nw_ptr, w_ptr, s_ptr, act_ptr, expert, pair, pid_n, n_c
         rstd = _row_rstd(x_row, k_dim, inv_k, eps, HAS_NORM, BLOCK_ROW)
         for k in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
             w_mask = col_ok[:, None] & (ks + k < k_dim)[None, :]
-            g_w = tl.load(g_ptrs + k, mask=w_mask, other=0.0)
-            u_w = tl.load(u_ptrs + k, mask=w_mask, other=0.0)
+            g_w = tl.load(g_ptrs + k, mask=w_mask, other=0.0, eviction_policy=STREAM)
+            u_w = tl.load(u_ptrs + k, mask=w_mask, other=0.0, eviction_policy=STREAM)
             gate, up = _gate_up_chunk(gate, up, g_w, u_w, k, ks, k_dim, x_row, nw_ptr, rstd,
                                       act_ptr, sg_ptrs, su_ptrs, col_ok, HAS_NORM, W_SCALES,
                                       SB, BLOCK_N, BLOCK_K)
@@ -202,7 +205,7 @@ def _down_stream(w, w_ptrs, a_ptrs, rows_ok, ks, red_dim, slot_ok, s_ptrs, s_ok,
     for k in range(0, red_dim, BLOCK_K):
         w_next = tl.load(w_ptrs + k + BLOCK_K,
                          mask=rows_ok & (ks + k + BLOCK_K < red_dim)[None, None, :],
-                         other=0.0)
+                         other=0.0, eviction_policy=STREAM)
         acc = _down_chunk(acc, w, k, ks, red_dim, a_ptrs, slot_ok, s_ptrs, s_ok, W_SCALES,
                           SB, K_POW2, BLOCK_N, BLOCK_K, A_CACHE)
         w = w_next

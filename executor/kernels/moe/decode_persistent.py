@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels import pdl
+from executor.kernels.cache_policy import STREAM
 from executor.kernels.moe.decode_parts import (
     _down_ptrs,
     _down_store,
@@ -90,7 +91,8 @@ def _moe_decode_one_token_kernel(
         w_ptrs, a_ptrs, rows_ok, s_ok, col_ok = _down_ptrs(
             w2_ptr, act_ptr, experts, 0, slots, slot_ok, cols, ks, k_dim, n_cols,
             stride_w2e, stride_w2n)
-        w = tl.load(w_ptrs, mask=rows_ok & (ks < n_cols)[None, None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=rows_ok & (ks < n_cols)[None, None, :], other=0.0,
+                    eviction_policy=STREAM)
         # wait for every program's activations (launch n waits for (n + 1) * grid); a grid
         # that is not resident at once would never arrive: after MAX_POLLS the launch fails
         # (a CUDA error the server reports as fatal) instead of hanging the GPU

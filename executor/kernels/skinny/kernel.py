@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.all_reduce import push_next_region, push_send
+from executor.kernels.cache_policy import STREAM
 from executor.kernels.pdl import pdl_enter
 
 # The input op (constexpr ``INPUT_OP``): what the kernel computes from its input rows
@@ -68,7 +69,7 @@ def _skinny_gemm_kernel(
     # the wait for the previous kernel (under PDL, while that kernel finishes) and during
     # the norm's first pass.
     w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
-                      other=0.0)
+                      other=0.0, eviction_policy=STREAM)
     pdl_enter(USE_PDL)
     ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
     writes = mask_m & (offs_m * 0 + pid == 0)  # program 0 writes the new residual
@@ -93,7 +94,8 @@ def _skinny_gemm_kernel(
         for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + offs_k
             mask_k = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy=STREAM)
             acc = _accumulate(acc, w, _input_chunk(x_rows, r_rows, nw_ptr, out_ptr, ks, mask_m,
                                                    mask_k, rstd, K, INPUT_OP), BLOCK_M)
     if REDUCE == SEND_:
@@ -123,7 +125,8 @@ def _one_pass_norm_product(x_rows, r_rows, ro_rows, writes, nw_ptr, w_rows, out_
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy=STREAM)
         acc, ssq = _one_pass_chunk(acc, ssq, w, x_rows, r_rows, ro_rows, nw_ptr, out_ptr, ks,
                                    mask_m, mask_k, writes, INPUT_OP, BLOCK_M)
     return acc * tl.math.rsqrt(ssq * inv_k + eps)[:, None]
@@ -249,7 +252,7 @@ def _skinny_row_kernel(
     # The first block's weight depends on nothing the step writes: in flight before the
     # PDL wait, while the previous kernel finishes.
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0)
+                mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0, eviction_policy=STREAM)
     pdl_enter(USE_PDL)
     act_ty = out_ptr.dtype.element_ty
     x = _row_input(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, mask_k, K, inv_k, eps, pid,
@@ -263,7 +266,8 @@ def _skinny_row_kernel(
         block += programs
         offs_next = block * BLOCK_N + offs_b  # past N: masked, nothing read
         w_next = tl.load(w_ptr + offs_next.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                         mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0)
+                         mask=(offs_next < N)[:, None] & mask_k[None, :], other=0.0,
+                         eviction_policy=STREAM)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(act_ty)
         if REDUCE == SEND_:
             push_send(acc, offs_n, offs_n < N, red_ptr, region, WORLD)
