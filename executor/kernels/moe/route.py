@@ -2,11 +2,12 @@
 # (``@triton.jit`` parameters stay unannotated: Triton reads annotations as type hints.)
 """Router softmax and top-k in one kernel: what ``reference.route`` does in five torch ops.
 
-Each program takes a block of tokens' router logits ``(BLOCK_T, E)``, computes the softmax
-in float32, picks the ``top_k`` largest probabilities one after the other (descending, the
-lowest expert index first among equals; ``torch.topk``'s order among equals is its own),
-divides them by their sum with ``RENORMALIZE`` and rounds them through the logits' dtype
-with ``ROUND_TO_ACT`` (Qwen3-MoE). Outputs: float32 weights and int32 ids, ``(T, top_k)``.
+Each program takes a block of tokens' router logits ``(BLOCK_T, E)``, picks the ``top_k``
+largest one after the other (descending, the lowest expert index first among equal logits;
+softmax keeps their order, and ``torch.topk``'s order among equals is its own), takes
+their probabilities as the float32 softmax gives them, divides those by their sum with
+``RENORMALIZE`` and rounds them through the logits' dtype with ``ROUND_TO_ACT``
+(Qwen3-MoE). Outputs: float32 weights and int32 ids, ``(T, top_k)``.
 """
 
 from __future__ import annotations
@@ -36,32 +37,63 @@ def topk_rows(
     col_ok = cols < num_experts
     mask = row_ok[:, None] & col_ok[None, :]
     # rows past the end read zeros (no NaN from -inf - -inf); columns past E are -inf
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    e = tl.where(col_ok[None, :], e, 0.0)
-    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_T, E_POW2), each >= 0
-    # One reduction per pick: a probability's bits (non-negative floats order as their
-    # bits do) above its reversed expert index, so the maximum key is the largest
-    # probability and, among equals, the lowest index; 0 marks a column out of the race.
-    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(col_ok[None, :], (bits + 1) * E_POW2 + (E_POW2 - 1 - cols[None, :]), 0)
+    raw = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
+                  mask=mask, other=0.0)
+    # One reduction per pick, on integer keys: a logit's bits in signed order (softmax
+    # keeps its order) above its reversed expert index, so the maximum key is the largest
+    # logit and, among equals, the lowest index; 0 marks a column out of the race. 16-bit
+    # logits make 32-bit keys: each pick is one warp-wide integer max.
+    key = _order_key(raw) * E_POW2 + (E_POW2 - 1 - cols[None, :])
+    key = tl.where(col_ok[None, :], key, 0)
     slots = tl.arange(0, K_POW2)
-    top_w = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
+    top_l = tl.zeros((rows.shape[0], K_POW2), dtype=tl.float32)
     top_i = tl.zeros((rows.shape[0], K_POW2), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)  # (BLOCK_T,)
         idx = (E_POW2 - 1 - best % E_POW2).to(tl.int32)
-        w = (best // E_POW2 - 1).to(tl.int32).to(tl.float32, bitcast=True)
-        top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
+        top_l = tl.where(slots[None, :] == j, _key_logit(best // E_POW2, raw.dtype)[:, None],
+                         top_l)
         top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
         key = tl.where(cols[None, :] == idx[:, None], 0, key)
+    # Then their probabilities, exp(x - max) / sum as the torch ops take them in float32
+    # (after the picks: the experts are known without waiting for the softmax's sums)
+    x = tl.where(col_ok[None, :], raw.to(tl.float32), float("-inf"))
+    m = tl.max(x, axis=1)[:, None]
+    total = tl.sum(tl.where(col_ok[None, :], tl.exp(x - m), 0.0), axis=1)[:, None]
+    top_w = tl.where(slots[None, :] < TOP_K, tl.exp(top_l - m) / total, 0.0)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     if ROUND_TO_ACT:
         top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
     return top_w, top_i
+
+
+@triton.jit
+def _order_key(raw):
+    """Logits (16- or 32-bit floats) as positive integers in the same order (-0 equal to
+    0, NaN above +inf): below 2^16 in int32 for 16-bit logits (room above for 2^15 index
+    values), below 2^32 in int64 for float32."""
+    if raw.dtype.primitive_bitwidth == 16:
+        bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+        ordered = tl.where(bits < 0, -(bits & 0x7FFF), bits) + 0x8000
+    else:
+        wide = raw.to(tl.int32, bitcast=True).to(tl.int64)
+        ordered = tl.where(wide < 0, -(wide & 0x7FFFFFFF), wide) + 0x7FFFFFFF + 1
+    return ordered
+
+
+@triton.jit
+def _key_logit(ordered, dtype: tl.constexpr):
+    """The float32 value of the logit ``_order_key`` made ``ordered``."""
+    if dtype.primitive_bitwidth == 16:
+        v = ordered - 0x8000
+        half = tl.where(v < 0, (-v) | 0x8000, v).to(tl.int16)
+        logit = half.to(dtype, bitcast=True).to(tl.float32)
+    else:
+        w = ordered - 0x7FFFFFFF - 1
+        bits = tl.where(w < 0, (-w).to(tl.int32) | -2147483648, w.to(tl.int32))
+        logit = bits.to(tl.float32, bitcast=True)
+    return logit
 
 
 @triton.jit

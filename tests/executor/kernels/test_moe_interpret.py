@@ -164,6 +164,24 @@ def test_route_kernel_matches_torch_route(dtype: torch.dtype, tokens: int, exper
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_route_kernel_orders_by_logit_then_lowest_index(dtype: torch.dtype) -> None:
+    """The picks compare the logits' bits as integers: the largest logit first, the lowest
+    index among equal ones (-0 equals +0), -inf last (probability 0), a logit far below
+    the rest (probability 0 as well) still ranked above it; the weights are the float32
+    softmax's probabilities of the picked columns."""
+    from executor.kernels.moe.route import route_topk
+
+    inf = float("inf")
+    logits = torch.tensor([[0.5, -0.0, 0.0, -inf, 2.0, 0.5, -300.0, -0.0, -3.0, 1.0]],
+                          dtype=dtype)
+    weights, ids = route_topk(logits, 10, False, False)
+    assert ids.tolist() == [[4, 9, 0, 5, 1, 2, 7, 8, 6, 3]]
+    probs = torch.softmax(logits.float(), dim=-1)[0, ids[0].long()]
+    torch.testing.assert_close(weights[0], probs, rtol=1e-6, atol=0.0)
+    assert weights[0, -2:].tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_moe_raw", "mixtral"])
 def test_route_matches_transformers_router(kind: str) -> None:
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
