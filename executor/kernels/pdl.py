@@ -76,7 +76,8 @@ def pdl_launch_then_wait(USE_PDL: tl.constexpr):
     """Step 3, then step 2: let the successor launch at once, then wait. For a short kernel
     whose successor's pre-wait work is long (the decode attention's gather of its first KV
     block after the q/k-norm + RoPE kernel; o_proj's first weight block after the decode
-    merge): that work overlaps this kernel's predecessor instead of this kernel alone."""
+    merge, which the split kernel lets launch early in turn): that work overlaps this
+    kernel's predecessor instead of this kernel alone."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

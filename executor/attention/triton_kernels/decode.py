@@ -24,7 +24,7 @@ import triton.language as tl
 
 from executor.attention.triton_kernels.scores import scaled_scores, score_scales
 from executor.kernels import pdl
-from executor.kernels.pdl import pdl_enter, pdl_launch_then_wait
+from executor.kernels.pdl import pdl_launch_then_wait
 
 # Chunks are a multiple of this many tokens: a program does at least this much work.
 SPLIT_ALIGN = 32
@@ -116,8 +116,8 @@ def _decode_split_kernel(
     # Before the wait (PDL): what no kernel of this step writes. The lengths, slots and
     # table arrive by copies that finish before the step's first kernel; the cached K/V
     # rows (positions < seq_len - 1) were written by earlier steps. So the first block's
-    # gather is in flight while the qkv projection finishes (where RoPE runs apart, its
-    # kernel lets this one launch before its own wait for that).
+    # gather is in flight while the previous kernel finishes (where RoPE runs apart, its
+    # kernel lets this one launch before its own wait: the gather overlaps qkv then too).
     cached = tl.load(seq_lens_ptr + b).to(tl.int32) - 1  # pool positions 0 .. cached - 1
     # The splits share the visible cached positions lo .. cached - 1 (lo = 0 without a
     # window; the query at position ``cached`` sees keys > cached - window).
@@ -137,7 +137,10 @@ def _decode_split_kernel(
     first_mask = first_n < end  # all false for an idle split: nothing is read
     k_first, v_first = _gather_kv(k_pool_ptr, v_pool_ptr, table_row, first_n, first_mask,
                                   mask_d, head_off, stride_pool_n)
-    pdl_enter(USE_PDL)  # q and the new token's K/V come from the previous kernel
+    # q and the new token's K/V come from the previous kernel; the merge (and through its
+    # own early launch o_proj) may launch now, o_proj's first weight block loading while
+    # the attention and the kernels before it finish
+    pdl_launch_then_wait(USE_PDL)
 
     # Split 0 always runs (it owns the new token); a later split only if it has tokens.
     if (split == 0) | (start < cached):
