@@ -43,6 +43,7 @@ def topk_rows(
     # keeps its order) above its reversed expert index, so the maximum key is the largest
     # logit and, among equals, the lowest index; 0 marks a column out of the race. 16-bit
     # logits make 32-bit keys: each pick is one warp-wide integer max.
+    tl.static_assert(raw.dtype.primitive_bitwidth != 16 or E_POW2 <= 32768)
     key = _order_key(raw) * E_POW2 + (E_POW2 - 1 - cols[None, :])
     key = tl.where(col_ok[None, :], key, 0)
     slots = tl.arange(0, K_POW2)
@@ -71,8 +72,8 @@ def topk_rows(
 @triton.jit
 def _order_key(raw):
     """Logits (16- or 32-bit floats) as positive integers in the same order (-0 equal to
-    0, NaN above +inf): below 2^16 in int32 for 16-bit logits (room above for 2^15 index
-    values), below 2^32 in int64 for float32."""
+    0; a NaN above +inf, or below -inf with its sign bit set): below 2^16 in int32 for
+    16-bit logits (room above for 2^15 index values), below 2^32 in int64 for float32."""
     if raw.dtype.primitive_bitwidth == 16:
         bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
         ordered = tl.where(bits < 0, -(bits & 0x7FFF), bits) + 0x8000
