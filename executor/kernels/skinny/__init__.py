@@ -47,8 +47,8 @@ from executor.kernels.skinny.tiles import (
 
 __all__ = ["ADD_RMS_NORM", "MAX_ROWS", "NO_REDUCE", "PLAIN", "RMS_NORM", "ROW_KERNEL_K",
            "ROW_KERNEL_MIN_BLOCKS", "ROW_KERNEL_MIN_BLOCKS_PLAIN", "ROW_KERNEL_REDUCE", "SEND",
-           "SILU_MUL", "TILES_FILE",
-           "RowTile", "SendLane", "Tile", "add_rms_norm_linear", "cublas_faster",
-           "default_tile", "device_name", "linear", "pick_tile", "resident_programs",
-           "row_programs", "row_tile", "send_linear", "serves", "silu_and_mul_linear",
-           "skinny_gemm", "skinny_norm_gemm", "sm_count", "takes", "tuned_tiles"]
+           "SILU_MUL", "TILES_FILE", "RowTile", "SendLane", "Tile", "add_rms_norm_linear",
+           "cublas_faster", "default_tile", "device_name", "linear", "pick_tile",
+           "resident_programs", "row_programs", "row_tile", "send_linear", "serves",
+           "silu_and_mul_linear", "skinny_gemm", "skinny_norm_gemm", "sm_count", "takes",
+           "tuned_tiles"]

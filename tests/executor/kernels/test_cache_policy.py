@@ -10,6 +10,7 @@ pass through.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,13 +24,12 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _loads(kernel: str) -> tuple[bool, list[str], list[str]]:
     """(evict_first policy created, hinted loads, other loads; atomics aside)."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no CUDA backend to compile for sm_90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.helpers.ptx_loads", kernel], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
-    if run.returncode != 0:
-        if "ModuleNotFoundError" in run.stderr or "backend" in run.stderr.lower():
-            pytest.skip(f"this Triton cannot compile for sm_90: {run.stderr[-300:]}")
-        raise AssertionError(run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     loads = found["loads"]
     hinted = [ld for ld in loads if "L2::cache_hint" in ld]
