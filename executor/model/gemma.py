@@ -213,11 +213,10 @@ class GemmaCausalLM(nn.Module):
         does (``cap * tanh(logits / cap)``) where the config sets a final cap; with
         ``out``, written into its rows ``:S`` and returned as that view."""
         cap = self.spec.final_softcap
-        if out is not None and not cap and isinstance(self.lm_head, nn.Linear):
+        if not cap and isinstance(self.lm_head, nn.Linear):
             # The GEMM writes the buffer itself (no copy kernel after it), as Llama's.
-            dst = out[: hidden.shape[0]]
-            torch.mm(hidden, self.lm_head.weight.t(), out=dst)
-            return dst
+            dst = None if out is None else out[: hidden.shape[0]]
+            return select_ops(self.kernels, hidden).logits(hidden, self.lm_head.weight, dst)
         logits = self.lm_head(hidden)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -72,6 +72,16 @@ class LayerOps(Protocol):
         """``layer(x)`` for a projection ``layer`` (``(T, in)`` -> ``(T, out)``)."""
         ...
 
+    def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """``table(ids)``: the token embedding's rows ``(T, hidden)`` for ``ids`` ``(T,)``."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+               ) -> torch.Tensor:
+        """``hidden @ weight.T`` for an LM head ``weight`` ``(vocab, hidden)``, written into
+        ``out`` (``(T, vocab)``) if given, else a new tensor."""
+        ...
+
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                             weight: torch.Tensor, eps: float, layer: nn.Module
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +134,16 @@ class TorchOps:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)  # type: ignore[no-any-return]
+
+    def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return table(ids)  # type: ignore[no-any-return]
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+               ) -> torch.Tensor:
+        # (for 2-D input F.linear without a bias is this same mm: the same values)
+        if out is None:
+            return nn.functional.linear(hidden, weight)
+        return torch.mm(hidden, weight.t(), out=out)
 
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                             weight: torch.Tensor, eps: float, layer: nn.Module
@@ -185,6 +205,23 @@ class TritonOps:
         from executor import kernels
 
         return kernels.linear(layer, x)
+
+    def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        # The whole table in one PDL kernel (the first layer's projection starts during
+        # it); a tensor-parallel table (its own module) and a Dynamo trace keep theirs.
+        if type(table) is not nn.Embedding or torch.compiler.is_compiling() \
+                or ids.dim() != 1 or not table.weight.is_contiguous():
+            return table(ids)  # type: ignore[no-any-return]
+        from executor import kernels
+
+        return kernels.token_embedding(ids, table.weight)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+               ) -> torch.Tensor:
+        # One row (decode at batch 1): the row kernel where it takes the shape; else cuBLAS.
+        from executor import kernels
+
+        return kernels.logits_into(hidden, weight, out)
 
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                             weight: torch.Tensor, eps: float, layer: nn.Module

@@ -173,8 +173,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        embedded = self.embed_tokens(input_ids)  # (T, hidden)
-        ops = select_ops(self.kernels, embedded)
+        ops = select_ops(self.kernels, self.embed_tokens.weight)
+        embedded = ops.embed(self.embed_tokens, input_ids)  # (T, hidden)
         hidden: torch.Tensor = embedded
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -192,13 +192,12 @@ class CausalLM(nn.Module):
 
         NOTE: no float32 cast here: it would be one more vocabulary-wide copy kernel per
         decode step, for a widening the sampler does on the rows it reads anyway."""
-        if out is None:
-            return self.lm_head(hidden)
-        dst = out[: hidden.shape[0]]  # (S, vocab)
+        dst = None if out is None else out[: hidden.shape[0]]  # (S, vocab)
         if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
-            # The GEMM writes the buffer itself (no copy kernel after it): for 2-D input,
-            # F.linear without a bias is this same mm (the same GEMM call, the same values).
-            torch.mm(hidden, self.lm_head.weight.t(), out=dst)
-        else:  # vocabulary-parallel: the gathered logits are a new tensor
-            dst.copy_(self.lm_head(hidden))
+            # The GEMM writes the buffer itself (no copy kernel after it); at one row the
+            # row kernel where it takes the shape (``LayerOps.logits``), eager or captured.
+            return select_ops(self.kernels, hidden).logits(hidden, self.lm_head.weight, dst)
+        if dst is None:
+            return self.lm_head(hidden)  # type: ignore[no-any-return]
+        dst.copy_(self.lm_head(hidden))  # vocabulary-parallel: the gathered logits are new
         return dst

@@ -1,4 +1,5 @@
-"""Where the model's projections take the skinny GEMM: ``linear`` and its fused twins.
+"""Where the model's projections take the skinny GEMM: ``linear`` and its fused twins, and
+the LM head's one row (``logits_into``).
 
 A projection runs as one skinny launch where ``serves`` and ``takes`` say so (a plain
 bias-free ``nn.Linear``, at most ``MAX_ROWS`` rows, outside a Dynamo trace, and not a shape
@@ -14,7 +15,7 @@ import torch
 
 from executor.kernels.skinny.kernel import ADD_RMS_NORM, PLAIN, SILU_MUL
 from executor.kernels.skinny.ops import skinny_gemm, skinny_norm_gemm
-from executor.kernels.skinny.tiles import cublas_faster
+from executor.kernels.skinny.tiles import cublas_faster, row_tile, sm_count
 
 #: Rows up to which the skinny kernel serves; more rows go to cuBLAS (the CUDA cores do M
 #: products per weight element, so the kernel's lead over tensor cores ends after one row).
@@ -51,6 +52,29 @@ def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if takes(x, layer):
         return skinny_gemm(x, layer.weight)  # type: ignore[arg-type]
     return layer(x)  # type: ignore[no-any-return]
+
+
+def logits_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+                ) -> torch.Tensor:
+    """``x @ weight.T`` for an LM head's ``weight`` (vocab, hidden), written into ``out``
+    ((M, vocab), or a new tensor if None) and returned. One row that the row kernel takes
+    by its default rule (``row_tile``: a decode step at batch 1 on a GPU) streams the
+    weight there, with PDL, into ``out`` itself; anything else is cuBLAS's GEMM, which
+    writes ``out`` itself too (for 2-D input the ``mm`` that ``F.linear`` calls)."""
+    if _row_kernel_takes(x, weight):
+        return skinny_gemm(x, weight, out=out)
+    if out is None:
+        return torch.nn.functional.linear(x, weight)
+    return torch.mm(x, weight.t(), out=out)
+
+
+def _row_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if x.dtype != weight.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return False
+    n, k = weight.shape
+    return x.shape[1] == k and row_tile(PLAIN, 1, n, k, sms=sm_count(x.device)) is not None
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,

@@ -73,13 +73,20 @@ def _row_launcher(num_warps: int) -> FastLauncher:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                tile: Tile | RowTile | None = None) -> torch.Tensor:
+                tile: Tile | RowTile | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` (M, K) and ``weight`` (N, K); with ``silu_mul``, ``x`` is
-    (M, 2K) gate|up and the product is ``silu_and_mul(x) @ weight.T``. A new (M, N) tensor.
-    Rows of ``x`` and ``weight`` must have unit column stride."""
-    k = weight.shape[1]
+    (M, 2K) gate|up and the product is ``silu_and_mul(x) @ weight.T``. A new (M, N) tensor,
+    or written into ``out`` ((M, N) of ``x``'s dtype, unit column stride: e.g. rows of a
+    graph's logits buffer) and returned. Rows of ``x`` and ``weight`` must have unit column
+    stride."""
+    n, k = weight.shape
     assert x.dim() == 2 and x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape)
-    return _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile)[0]
+    if out is not None:
+        assert out.shape == (x.shape[0], n) and out.dtype == x.dtype and out.stride(-1) == 1, \
+            (out.shape, out.dtype, out.stride())
+    return _launch(x, None, None, 0.0, weight, SILU_MUL if silu_mul else PLAIN, tile,
+                   out=out)[0]
 
 
 def skinny_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -109,8 +116,10 @@ def send_linear(x: torch.Tensor, weight: torch.Tensor, lane: SendLane,
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             eps: float, weight: torch.Tensor, input_op: int, tile: Tile | RowTile | None,
-            lane: SendLane | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One launch; with a ``lane`` (SEND) nothing is returned in ``out`` (it is ``x``)."""
+            lane: SendLane | None = None, out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch into ``out`` (a new tensor if None); with a ``lane`` (SEND) nothing is
+    returned in ``out`` (it is ``x``)."""
     assert x.stride(-1) == 1, "x must have contiguous rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be (N, K) row-major"
     m = x.shape[0]
@@ -120,7 +129,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
     assert lane is None or m == 1
     reduce = NO_REDUCE if lane is None else SEND
-    out = x if lane is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if lane is not None:
+        out = x
+    elif out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0 or k == 0:  # nothing to launch (an empty sum is zero)
         if res_out is not None and residual is not None:

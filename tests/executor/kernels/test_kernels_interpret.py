@@ -336,6 +336,51 @@ def test_row_kernel_takes_one_stored_or_sent_row_within_its_k_range(
         assert len(launched) == 1
 
 
+def test_logits_into_streams_one_row_through_the_row_kernel_into_the_buffer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head (``logits_into``): one row whose shape the row kernel's default rule
+    takes runs there, writing the caller's rows of a buffer and nothing else; two rows,
+    a shape the rule leaves, or the row kernel switched off take cuBLAS's mm into the same
+    rows; without a buffer, a new tensor."""
+    from executor.kernels.skinny import ops
+
+    lo = kernels.skinny.ROW_KERNEL_K[0]
+    launched: list[Any] = []
+    real = ops._launch_row
+    monkeypatch.setattr(ops, "_launch_row", lambda *a: launched.append(a[8]) or real(*a))
+    w = _randn(64, lo, dtype=torch.float32, seed=46, scale=lo**-0.5)
+    x = _randn(2, lo, dtype=torch.float32, seed=47)
+    ref = x @ w.T
+    buf = torch.full((3, 64), 7.0)
+    got = kernels.logits_into(x[:1], w, buf[:1])
+    assert launched == [kernels.skinny.RowTile(4, 8, 4)]
+    assert got.data_ptr() == buf.data_ptr() and got.shape == (1, 64)
+    torch.testing.assert_close(buf[:1], ref[:1], atol=1e-5, rtol=1e-5)
+    assert (buf[1:] == 7.0).all()
+    torch.testing.assert_close(kernels.logits_into(x[:1], w, None), ref[:1], atol=1e-5,
+                               rtol=1e-5)
+    assert len(launched) == 2
+    buf.fill_(7.0)
+    kernels.logits_into(x, w, buf[:2])  # two rows: cuBLAS
+    kernels.logits_into(x[:1, :lo - 1], w[:, :lo - 1], buf[2:])  # K below the rule's range
+    with KernelSwitches(row_kernel=False):
+        kernels.logits_into(x[:1], w, buf[:1])
+    assert len(launched) == 2
+    torch.testing.assert_close(buf[:2], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(buf[2:], x[:1, :lo - 1] @ w[:, :lo - 1].T, atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_token_embedding_copies_the_rows_bit_for_bit(dtype: torch.dtype) -> None:
+    """The whole-table lookup returns ``weight[ids]`` exactly, repeated ids included."""
+    w = _randn(50, 96, dtype=dtype, seed=48)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    got = kernels.token_embedding(ids, w)
+    assert got.dtype == dtype and torch.equal(got, w[ids])
+    assert kernels.token_embedding(ids[:0], w).shape == (0, 96)
+
+
 @pytest.mark.parametrize("resident", [None, 4, 3, 1, 9])
 @pytest.mark.parametrize(("blocks", "sms"), [(768, 132), (1024, 132), (4096, 132),
                                               (1001, 132), (529, 132), (7, 2), (8, 2), (9, 2)])
@@ -657,12 +702,14 @@ def test_model_fused_matches_torch_path(arch: str, model_dirs: dict[str, Path],
     # them as skinny GEMMs with the norm or SiLU-and-mul fused in; the prefill and the
     # two-row decode call the separate kernels (counted when called through ``kernels``).
     # The final norm (add_rms_norm) runs once per forward; a qkv projection with a bias
-    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel.
+    # (Qwen2) is no plain skinny GEMM, so its input norm stays a norm kernel. Each forward
+    # starts with the embedding kernel and ends with the LM head's ``logits_into``.
     bias = ex.spec.features.qkv_bias
     assert calls == {"add_rms_norm_linear": 3 * 2 * layers, "linear": 3 * layers,
                      "silu_and_mul_linear": 3 * layers, "rope_qk": 3 * layers,
                      "silu_and_mul": 2 * layers, "rms_norm": 2 + (1 if bias else 0),
-                     "add_rms_norm": 4 * layers + (layers if bias else 1)}, calls
+                     "add_rms_norm": 4 * layers + (layers if bias else 1),
+                     "token_embedding": 3, "logits_into": 3}, calls
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
