@@ -274,17 +274,18 @@ class Forward:
             # (grammar masks: made by the worker while the device runs the forward)
             if late is not None and logits is not None:
                 self.late_masks.apply(logits, late, self.mask_worker)
-            greedy = None
+            greedy, stored = None, False
             if mode is Mode.GRAPH and late is None and batch.phase == "decode":
                 runner = self.runners[batch.phase]
                 if controlled is None or runner.controls_in_graph:
                     greedy = runner.greedy(batch.batch_size)
+                    stored = greedy is not None and runner.stores_greedy
                     if greedy is not None and fresh_tokens:
                         greedy = greedy.clone()
             sample = self.sampler.sample(
                 logits, params, positions, targets,
                 None if remember is None else self.last.sampler_target(remember), hidden,
-                needs, greedy) \
+                needs, greedy, greedy_stored=stored) \
                 if logits is not None and params else None
         elapsed_ms = (time.perf_counter() - start) * 1e3
         reason = decision.reason.value if decision.reason is not None else ""

@@ -31,6 +31,9 @@ from executor.model.layers import triton_available
 
 _MASK31 = 0x7FFFFFFF
 _HAS_TRITON = triton_available()  # looked up once: argmax_rows runs every step
+#: Whether ``argmax_rows`` of CUDA rows (2-D, unit column stride) is the split kernel,
+#: the one path that takes ``padding``.
+SPLIT_ARGMAX = _HAS_TRITON
 # Odd 31-bit multipliers for the integer mixer (products stay below 2**62: no overflow).
 _MIX_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995 & _MASK31)
 
@@ -104,17 +107,20 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 
 def argmax_rows(x: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor] | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                padding: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` scores, float32 or the activation dtype (the same
     index either way: widening to float32 is exact); on CUDA the vocabulary is split
     across the GPU (``executor.kernels.argmax``, which widens as it loads) instead of one
     thread block per row. With ``store = (table, slots)``, also ``table[slots] = tokens``
     (on CUDA inside the argmax's last launch). ``out``: a ``(B,)`` int64 tensor to write
-    the tokens into (a decode graph's static buffer), else a new one."""
-    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and _HAS_TRITON:
+    the tokens into (a decode graph's static buffer), else a new one. ``padding``: rows
+    that store nothing (the kernel's; only where ``SPLIT_ARGMAX`` runs)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and SPLIT_ARGMAX:
         from executor.kernels.argmax import argmax_rows as split_argmax
 
-        return split_argmax(x, store=store, out=out)
+        return split_argmax(x, store=store, out=out, padding=padding)
+    assert padding is None, "padded rows are skipped by the split argmax kernel only"
     tokens = x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
     if store is not None:
         store[0].index_copy_(0, store[1], tokens)
@@ -243,7 +249,8 @@ class Sampler:
                remember: tuple[torch.Tensor, torch.Tensor] | None = None,
                hidden: torch.Tensor | None = None,
                needs: BatchNeeds | None = None,
-               greedy: torch.Tensor | None = None) -> DeviceSample:
+               greedy: torch.Tensor | None = None, greedy_stored: bool = False
+               ) -> DeviceSample:
         """``logits`` (B, V), float32 or the model's activation dtype (bf16/fp16, as
         ``compute_logits`` returns them); ``positions[i]`` is the index the new token will
         have in its sequence (it keys the seeded noise). With ``targets`` (a token id per
@@ -265,7 +272,9 @@ class Sampler:
         (``SlotControls.apply``). ``needs``: ``BatchNeeds.of(params)`` if the caller has
         it (a decode step keeps it from launch to launch), else found here. ``greedy``:
         the argmax of every row of ``logits``, if the caller has it already (a decode
-        graph computes it inside the replay): then no argmax runs here."""
+        graph computes it inside the replay): then no argmax runs here; ``greedy_stored``:
+        it is in ``remember``'s table already (the graph stored it), so an all-greedy step
+        writes nothing there."""
         if needs is None:
             needs = BatchNeeds.of(params)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy] \
@@ -277,8 +286,8 @@ class Sampler:
             tokens = argmax_rows(logits, store=None if sampled_rows else remember)
         else:
             tokens = greedy
-            if remember is not None and not sampled_rows:  # (else stored below)
-                remember[0].index_copy_(0, remember[1], tokens)
+            if remember is not None and not sampled_rows and not greedy_stored:
+                remember[0].index_copy_(0, remember[1], tokens)  # (drawn rows: below)
         if sampled_rows:
             device = logits.device
             rows = device_tensor(sampled_rows, torch.int64, device)

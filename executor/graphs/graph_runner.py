@@ -26,7 +26,7 @@ from executor.kv.pool import ReqToTokenTable
 from executor.logit_controls import SlotControls
 from executor.model.base import CausalModel
 from executor.packing import GraphLayout
-from executor.sampling import argmax_rows
+from executor.sampling import SPLIT_ARGMAX, argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +270,11 @@ class GraphRunner:
             if self.controls is not None:  # the rows' slots, where the prologue reads them
                 slots = self.prologue.layouts[ids.shape[0]].field("slots")
                 self.controls.apply(logits, slots)
-            if self._greedy is not None:  # the sampler's argmax, of the same logits
-                argmax_rows(logits, out=self._greedy[: logits.shape[0]])
+            if self._greedy is not None:  # the sampler's argmax, of the same logits,
+                # also stored as the rows' last sampled tokens (``stores_greedy``)
+                store, padding = self._greedy_store(ids.shape[0])
+                argmax_rows(logits, out=self._greedy[: logits.shape[0]], store=store,
+                            padding=padding)
             return logits
         if self._out is None:
             return hidden
@@ -314,6 +317,28 @@ class GraphRunner:
         graphs do not compute it (prefill; a backend that does not capture the runner's
         forward)."""
         return None if self._greedy is None else self._greedy[:batch_size]
+
+    @property
+    def stores_greedy(self) -> bool:
+        """Whether a replay also wrote ``greedy``'s tokens to its rows' slots of the last
+        sampled tokens (the prologue's table; padded rows write nothing), so that an
+        all-greedy step has nothing left to store. A step whose samples differ (drawn
+        rows, masks applied after the graph) stores its own over them afterwards."""
+        return self._greedy is not None and self.prologue.last_tokens is not None \
+            and self.device.type == "cuda" and SPLIT_ARGMAX
+
+    def _greedy_store(self, bucket: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
+                                                  tuple[torch.Tensor, int] | None]:
+        """``argmax_rows``'s ``store`` and ``padding`` for ``bucket``'s rows (None without a
+        last sampled tokens table): the table at their slots, and the table cell padding
+        writes as the mark of a padded row (whose slot is a placeholder, maybe a live
+        sequence's)."""
+        last = self.prologue.last_tokens
+        if not self.stores_greedy or last is None:
+            return None, None
+        layout = self.prologue.layouts[bucket]
+        return (last, layout.field("slots")), \
+            (layout.field("table_index"), self.prologue.table.scratch_index)
 
     def _graphs_for(self, batch: ForwardBatch, bucket: int) -> CaptureBackend:
         """The twin of the smallest context tier that holds ``batch``'s longest sequence,

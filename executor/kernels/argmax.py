@@ -37,8 +37,9 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, n_chunks,
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, slots_ptr, table_ptr, n_chunks,
-                       CHUNKS: tl.constexpr, STORE: tl.constexpr, USE_PDL: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, slots_ptr, table_ptr, mark_ptr, skip,
+                       n_chunks, CHUNKS: tl.constexpr, STORE: tl.constexpr,
+                       MARKED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
@@ -48,18 +49,26 @@ def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, slots_ptr, table_ptr, n_chunks
     token = tl.load(idx_ptr + row * n_chunks + first).to(tl.int64)
     tl.store(out_ptr + row, token)
     if STORE:
-        tl.store(table_ptr + tl.load(slots_ptr + row), token)
+        if MARKED:  # a row marked ``skip`` (a graph bucket's padding) stores nothing
+            keep = tl.load(mark_ptr + row) != skip
+            tl.store(table_ptr + tl.load(slots_ptr + row, mask=keep, other=0), token,
+                     mask=keep)
+        else:
+            tl.store(table_ptr + tl.load(slots_ptr + row), token)
 
 
 def argmax_rows(x: torch.Tensor, block: int = BLOCK,
                 store: tuple[torch.Tensor, torch.Tensor] | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                padding: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a 2-D ``x`` with unit column stride: ``(rows,)`` int64,
     into ``out`` if given (a contiguous ``(rows,)`` int64 tensor, e.g. a graph's buffer).
 
     With ``store = (table, slots)`` (int64, ``slots`` one per row), the second launch also
     writes ``table[slots[r]] = argmax of row r``: a decode step's greedy tokens become its
-    sequences' last sampled tokens without an ``index_copy_`` launch after it."""
+    sequences' last sampled tokens without an ``index_copy_`` launch after it. With
+    ``padding = (marks, value)`` (``marks`` int64, one per row), rows whose mark is
+    ``value`` store nothing (a graph bucket's padded rows, whose slot is a placeholder)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be (rows, cols) with contiguous rows"
     rows, cols = x.shape
     if out is None:
@@ -69,6 +78,10 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK,
         table, slots = store
         assert table.dtype == slots.dtype == torch.int64 and table.dim() == 1
         assert slots.shape == (rows,) and slots.stride(0) == 1 and table.stride(0) == 1
+    if padding is not None:
+        assert store is not None, "padding marks only rows that store"
+        assert padding[0].dtype == torch.int64 and padding[0].shape[0] >= rows \
+            and padding[0].stride(0) == 1
     if rows == 0:
         return out
     if cols == 0:
@@ -81,9 +94,11 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK,
     _CHUNK.launch((rows, n_chunks, 1), (x.dtype, cols, x.stride(0), n_chunks, block),
                   (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
     table, slots = store if store is not None else (out, out)
-    _PICK.launch((rows, 1, 1), (n_chunks, store is not None),
-                 (vals, idx, out, slots, table, n_chunks),
-                 {"CHUNKS": next_power_of_2(n_chunks), "STORE": store is not None})
+    marks, skip = padding if padding is not None else (out, 0)
+    _PICK.launch((rows, 1, 1), (n_chunks, store is not None, padding is not None),
+                 (vals, idx, out, slots, table, marks, skip, n_chunks),
+                 {"CHUNKS": next_power_of_2(n_chunks), "STORE": store is not None,
+                  "MARKED": padding is not None})
     return out
 
 

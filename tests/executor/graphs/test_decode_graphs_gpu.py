@@ -220,6 +220,34 @@ def test_a_greedy_step_samples_the_graph_argmax(ex: Executor,
     ex.kv.check_invariants()
 
 
+@pytest.mark.parametrize("bs", [1, 3, 5])
+def test_the_graph_stores_greedy_tokens_at_live_slots_only(ex: Executor, bs: int) -> None:
+    """A decode graph's argmax also writes each live row's token to its slot of the last
+    sampled tokens (the sampler then stores nothing); a padded row of the bucket (3 rows
+    in bucket 4, 5 in 8), whose slot is a placeholder, writes nowhere, so every other
+    slot keeps its token. Steps reading those tokens on the device equal steps of a twin
+    batch (the same prompts) fed the same tokens from the host."""
+    assert ex.runners["decode"].stores_greedy
+    on_device, from_host = _prefill(ex, bs, f"sd{bs}-"), _prefill(ex, bs, f"sh{bs}-")
+    assert list(on_device.values()) == list(from_host.values())
+    for _ in range(3):
+        slots = [ex.kv.get(s).slot for s in on_device]  # type: ignore[union-attr]
+        before = ex.last.tokens.clone()
+        out = ex.decode([DecodeItem(s, None) for s in on_device])
+        assert out.step.path == "graph"
+        toks = [int(o.token_id) for o in out.outputs]  # type: ignore[arg-type]
+        after = ex.last.tokens.clone()
+        assert after[slots].tolist() == toks
+        others = torch.ones_like(after, dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(after[others], before[others])
+        twin = ex.decode([DecodeItem(s, t) for s, t in from_host.items()])
+        assert [int(o.token_id) for o in twin.outputs] == toks  # type: ignore[arg-type]
+        from_host = dict(zip(from_host, toks, strict=True))
+    ex.release([*on_device, *from_host])
+    ex.kv.check_invariants()
+
+
 def test_replay_timer_records_drained_events_again(ex: Executor) -> None:
     """Each replay is timed by a pair of CUDA events; once drained, a pair is recorded
     again by a later replay (no event made per step), and every replay is still timed."""

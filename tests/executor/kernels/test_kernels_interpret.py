@@ -546,6 +546,19 @@ def test_argmax_rows_is_torch_argmax_first_index_of_the_max(rows: int, cols: int
     expect = torch.full((rows + 5,), -1, dtype=torch.int64)
     expect[slots] = x.argmax(-1)
     assert torch.equal(tokens, x.argmax(-1)) and torch.equal(table, expect)
+    # ``padding``: rows marked as a bucket's padding (their slot a placeholder: 0 here,
+    # another row's) store nothing; the argmax is still every row's
+    marks = torch.arange(rows, dtype=torch.int64) * 3
+    padded = torch.arange(rows) % 2 == 1
+    marks[padded] = 99
+    table.fill_(-1)
+    pad_slots = torch.where(padded, 0, slots)
+    if rows > 1:  # a live row at slot 0 keeps its token
+        pad_slots[0] = 0
+    tokens = argmax_rows(x, block, store=(table, pad_slots), padding=(marks, 99))
+    expect = torch.full((rows + 5,), -1, dtype=torch.int64)
+    expect[pad_slots[~padded]] = x.argmax(-1)[~padded]
+    assert torch.equal(tokens, x.argmax(-1)) and torch.equal(table, expect)
 
 
 def test_empty_batches() -> None:
