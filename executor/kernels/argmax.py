@@ -95,7 +95,7 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK,
                   (x, vals, idx, cols, x.stride(0), n_chunks), {"BLOCK_N": block})
     table, slots = store if store is not None else (out, out)
     marks, skip = padding if padding is not None else (out, 0)
-    _PICK.launch((rows, 1, 1), (n_chunks, store is not None, padding is not None),
+    _PICK.launch((rows, 1, 1), (n_chunks, store is not None, padding is not None, skip),
                  (vals, idx, out, slots, table, marks, skip, n_chunks),
                  {"CHUNKS": next_power_of_2(n_chunks), "STORE": store is not None,
                   "MARKED": padding is not None})

@@ -66,7 +66,9 @@ def _launch(ids: torch.Tensor, weight: torch.Tensor, start: int, first: bool = F
     rows, hidden = weight.shape
     out = weight.new_empty((ids.shape[0], hidden))
     if ids.shape[0]:
-        _LAUNCHER.launch((ids.shape[0], triton.cdiv(hidden, BLOCK), 1), (weight.dtype, first),
+        # (the key: what the JIT specializes on besides pointer alignment, the integers)
+        _LAUNCHER.launch((ids.shape[0], triton.cdiv(hidden, BLOCK), 1),
+                         (weight.dtype, first, start, rows, hidden),
                          (ids.contiguous(), weight, out, start, rows, hidden),
                          {"BLOCK": BLOCK, "LAUNCH_FIRST": first})
     return out
