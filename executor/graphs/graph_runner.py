@@ -231,6 +231,10 @@ class GraphRunner:
         scope (attention reads the scope, not an argument: the forward gets ``SCOPED``,
         so one compiled function serves every bucket)."""
         ids, pos = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
+        # The packed batch the warm-up's argmax reads its slots from (``_greedy_store``):
+        # padding only, so that it stores no token (the buffer may still hold a live
+        # batch's slots, when graphs are captured again between steps).
+        self.prologue.layouts[bucket].fill_padding()
         if self.attention_in_graph:
             meta = self.attn.capture_metadata(self.phase, bucket, bucket, tier)
             yield lambda: self._forward(ids, pos, meta)
