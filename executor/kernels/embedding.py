@@ -9,11 +9,8 @@ element-wise kernels at batch 1 (shift, two compares, and, clamp, gather, cast, 
 here it is one, launched with PDL. Rows are copied bit for bit; an id outside the shard
 gives +0.0 where the torch ops give a signed zero, which sums the same.
 
-The whole table (``token_embedding``, one GPU) is the same kernel at ``start`` 0. It is the
-first kernel of a forward, and it lets its successor launch before its own wait: the first
-layer's projection, whose pre-wait part reads weights only, loads its first weight blocks
-while the lookup runs (ATen's gather is no PDL kernel: that projection began only after it
-had ended).
+The whole table (``token_embedding``, one GPU) is the same kernel at ``start`` 0, in place
+of ATen's gather: one PDL launch, a program per token and 1,024 columns.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.fast_launch import FastLauncher
-from executor.kernels.pdl import pdl_enter, pdl_launch_then_wait
+from executor.kernels.pdl import pdl_enter
 
 #: Columns per program.
 BLOCK = 1024
@@ -39,13 +36,8 @@ def _shard_embedding_kernel(
     hidden,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LAUNCH_FIRST: tl.constexpr = False,  # let the successor launch before the wait
 ):
-    # the ids come from the step's prologue
-    if LAUNCH_FIRST:
-        pdl_launch_then_wait(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)  # the ids come from the step's prologue
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -60,17 +52,16 @@ def _shard_embedding_kernel(
 _LAUNCHER = FastLauncher(_shard_embedding_kernel, pdl=True, num_warps=4)
 
 
-def _launch(ids: torch.Tensor, weight: torch.Tensor, start: int, first: bool = False
-            ) -> torch.Tensor:
+def _launch(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
     assert ids.dim() == 1 and weight.dim() == 2 and weight.is_contiguous()
     rows, hidden = weight.shape
     out = weight.new_empty((ids.shape[0], hidden))
     if ids.shape[0]:
         # (the key: what the JIT specializes on besides pointer alignment, the integers)
         _LAUNCHER.launch((ids.shape[0], triton.cdiv(hidden, BLOCK), 1),
-                         (weight.dtype, first, start, rows, hidden),
+                         (weight.dtype, start, rows, hidden),
                          (ids.contiguous(), weight, out, start, rows, hidden),
-                         {"BLOCK": BLOCK, "LAUNCH_FIRST": first})
+                         {"BLOCK": BLOCK})
     return out
 
 
@@ -95,7 +86,6 @@ def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torc
 
 def token_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``(T, hidden)``: row ``ids[t]`` of the whole table ``weight`` (ids already checked
-    against the vocabulary; one past it would read zeros), its successor launched early
-    (the module's docstring). Outside a Dynamo trace only: a compiled forward keeps
-    ``nn.Embedding``."""
-    return _launch(ids, weight, 0, first=True)
+    against the vocabulary; one past it would read zeros). Outside a Dynamo trace only: a
+    compiled forward keeps ``nn.Embedding``."""
+    return _launch(ids, weight, 0)

@@ -207,8 +207,8 @@ class TritonOps:
         return kernels.linear(layer, x)
 
     def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        # The whole table in one PDL kernel (the first layer's projection starts during
-        # it); a tensor-parallel table (its own module) and a Dynamo trace keep theirs.
+        # The whole table in one PDL kernel (ATen's gather is none); a tensor-parallel
+        # table (its own module) and a Dynamo trace keep theirs.
         if type(table) is not nn.Embedding or torch.compiler.is_compiling() \
                 or ids.dim() != 1 or not table.weight.is_contiguous():
             return table(ids)  # type: ignore[no-any-return]
