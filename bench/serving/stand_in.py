@@ -63,10 +63,12 @@ class StandInGraphs:
     """A decode graph runner on the host: every bucket counts as captured, a batch is
     packed for its bucket into a fixed buffer (``GraphLayout``, host memory), and a replay
     returns zero logits from a fixed output, as a captured graph leaves them (the token
-    masks, the table write and the rows' argmax happen "inside the graph": not on the
-    host)."""
+    masks, the table write, the rows' argmax and its store as their last sampled tokens
+    happen "inside the graph": not on the host; the argmax of zeros is 0, and so is every
+    slot's last token here)."""
 
     controls_in_graph = True
+    stores_greedy = True
     runs_compiled = False
 
     def __init__(self, buckets: tuple[int, ...], vocab: int, table_scratch: int) -> None:
