@@ -231,7 +231,7 @@ class GraphRunner:
         scope (attention reads the scope, not an argument: the forward gets ``SCOPED``,
         so one compiled function serves every bucket)."""
         ids, pos = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
-        # The packed batch the warm-up's argmax reads its slots from (``_greedy_store``):
+        # The packed batch the warm-up's argmax reads its slots from (``stores_greedy``):
         # padding only, so that it stores no token (the buffer may still hold a live
         # batch's slots, when graphs are captured again between steps).
         self.prologue.layouts[bucket].fill_padding()
@@ -276,7 +276,8 @@ class GraphRunner:
                 self.controls.apply(logits, slots)
             if self._greedy is not None:  # the sampler's argmax, of the same logits,
                 # also stored as the rows' last sampled tokens (``stores_greedy``)
-                store, padding = self._greedy_store(ids.shape[0])
+                store, padding = self.prologue.last_token_store(ids.shape[0]) \
+                    if self.stores_greedy else (None, None)
                 argmax_rows(logits, out=self._greedy[: logits.shape[0]], store=store,
                             padding=padding)
             return logits
@@ -330,19 +331,6 @@ class GraphRunner:
         rows, masks applied after the graph) stores its own over them afterwards."""
         return self._greedy is not None and self.prologue.last_tokens is not None \
             and self.device.type == "cuda" and SPLIT_ARGMAX
-
-    def _greedy_store(self, bucket: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
-                                                  tuple[torch.Tensor, int] | None]:
-        """``argmax_rows``'s ``store`` and ``padding`` for ``bucket``'s rows (None without a
-        last sampled tokens table): the table at their slots, and the table cell padding
-        writes as the mark of a padded row (whose slot is a placeholder, maybe a live
-        sequence's)."""
-        last = self.prologue.last_tokens
-        if not self.stores_greedy or last is None:
-            return None, None
-        layout = self.prologue.layouts[bucket]
-        return (last, layout.field("slots")), \
-            (layout.field("table_index"), self.prologue.table.scratch_index)
 
     def _graphs_for(self, batch: ForwardBatch, bucket: int) -> CaptureBackend:
         """The twin of the smallest context tier that holds ``batch``'s longest sequence,

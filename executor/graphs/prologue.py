@@ -112,6 +112,17 @@ class Prologue:
         if attention_rows is not None:
             self._refreshes_rows.add(bucket)
 
+    def last_token_store(self, bucket: int
+                         ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]:
+        """``argmax_rows``'s ``store`` and ``padding`` for ``bucket``'s rows (a decode
+        prologue's): the last sampled tokens at the rows' slots, and the table cell padding
+        writes as the mark of a padded row (whose slot is a placeholder, maybe a live
+        sequence's)."""
+        assert self.last_tokens is not None, "only a decode prologue has the table"
+        layout = self.layouts[bucket]
+        return (self.last_tokens, layout.field("slots")), \
+            (layout.field("table_index"), self.table.scratch_index)
+
     def replay(self, batch: ForwardBatch, bucket: int) -> bool:
         """Take ``batch`` (packed for ``bucket`` with ``layouts[bucket]``) into the graphs;
         returns whether the attention rows were refreshed with it."""

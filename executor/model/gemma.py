@@ -216,7 +216,7 @@ class GemmaCausalLM(nn.Module):
         if not cap and isinstance(self.lm_head, nn.Linear):
             # The GEMM writes the buffer itself (no copy kernel after it), as Llama's.
             dst = None if out is None else out[: hidden.shape[0]]
-            return select_ops(self.kernels, hidden).logits(hidden, self.lm_head.weight, dst)
+            return select_ops(self.kernels, hidden).logits(self.lm_head, hidden, dst)
         logits = self.lm_head(hidden)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -76,10 +76,10 @@ class LayerOps(Protocol):
         """``table(ids)``: the token embedding's rows ``(T, hidden)`` for ``ids`` ``(T,)``."""
         ...
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+    def logits(self, lm_head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None
                ) -> torch.Tensor:
-        """``hidden @ weight.T`` for an LM head ``weight`` ``(vocab, hidden)``, written into
-        ``out`` (``(T, vocab)``) if given, else a new tensor."""
+        """``lm_head(hidden)`` for a bias-free ``nn.Linear`` LM head, written into ``out``
+        (``(T, vocab)``) if given, else a new tensor."""
         ...
 
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -138,12 +138,12 @@ class TorchOps:
     def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return table(ids)  # type: ignore[no-any-return]
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+    def logits(self, lm_head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None
                ) -> torch.Tensor:
         # (for 2-D input F.linear without a bias is this same mm: the same values)
         if out is None:
-            return nn.functional.linear(hidden, weight)
-        return torch.mm(hidden, weight.t(), out=out)
+            return lm_head(hidden)  # type: ignore[no-any-return]
+        return torch.mm(hidden, lm_head.weight.t(), out=out)  # type: ignore[operator]
 
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                             weight: torch.Tensor, eps: float, layer: nn.Module
@@ -216,12 +216,12 @@ class TritonOps:
 
         return kernels.token_embedding(ids, table.weight)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+    def logits(self, lm_head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None
                ) -> torch.Tensor:
         # One row (decode at batch 1): the row kernel where it takes the shape; else cuBLAS.
         from executor import kernels
 
-        return kernels.logits_into(hidden, weight, out)
+        return kernels.logits_into(lm_head, hidden, out)
 
     def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                             weight: torch.Tensor, eps: float, layer: nn.Module

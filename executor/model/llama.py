@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
             # The GEMM writes the buffer itself (no copy kernel after it); at one row the
             # row kernel where it takes the shape (``LayerOps.logits``), eager or captured.
-            return select_ops(self.kernels, hidden).logits(hidden, self.lm_head.weight, dst)
+            return select_ops(self.kernels, hidden).logits(self.lm_head, hidden, dst)
         if dst is None:
             return self.lm_head(hidden)  # type: ignore[no-any-return]
         dst.copy_(self.lm_head(hidden))  # vocabulary-parallel: the gathered logits are new

@@ -54,27 +54,21 @@ def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)  # type: ignore[no-any-return]
 
 
-def logits_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+def logits_into(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None
                 ) -> torch.Tensor:
-    """``x @ weight.T`` for an LM head's ``weight`` (vocab, hidden), written into ``out``
-    ((M, vocab), or a new tensor if None) and returned. One row that the row kernel takes
-    by its default rule (``row_tile``: a decode step at batch 1 on a GPU) streams the
-    weight there, with PDL, into ``out`` itself; anything else is cuBLAS's GEMM, which
-    writes ``out`` itself too (for 2-D input the ``mm`` that ``F.linear`` calls)."""
-    if _row_kernel_takes(x, weight):
+    """``layer(x)`` for an LM head ``layer`` (a plain ``nn.Linear``, vocab x hidden),
+    written into ``out`` ((M, vocab), or a new tensor if None) and returned. One row the
+    skinny GEMM ``serves`` and the row kernel takes by its default rule (``row_tile``: a
+    decode step at batch 1 on a GPU) streams the weight there, with PDL, into ``out``
+    itself; anything else is cuBLAS's GEMM, which writes ``out`` itself too (for 2-D input
+    the ``mm`` that ``F.linear`` calls)."""
+    weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+    n, k = weight.shape
+    if serves(x, layer) and row_tile(PLAIN, 1, n, k, sms=sm_count(x.device)) is not None:
         return skinny_gemm(x, weight, out=out)
     if out is None:
-        return torch.nn.functional.linear(x, weight)
+        return layer(x)  # type: ignore[no-any-return]
     return torch.mm(x, weight.t(), out=out)
-
-
-def _row_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling() or x.dim() != 2 or x.shape[0] != 1:
-        return False
-    if x.dtype != weight.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        return False
-    n, k = weight.shape
-    return x.shape[1] == k and row_tile(PLAIN, 1, n, k, sms=sm_count(x.device)) is not None
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, layer: torch.nn.Module,

@@ -351,20 +351,23 @@ def test_logits_into_streams_one_row_through_the_row_kernel_into_the_buffer(
     w = _randn(64, lo, dtype=torch.float32, seed=46, scale=lo**-0.5)
     x = _randn(2, lo, dtype=torch.float32, seed=47)
     ref = x @ w.T
+    head, short = torch.nn.Linear(lo, 64, bias=False), torch.nn.Linear(lo - 1, 64, bias=False)
+    head.weight.data, short.weight.data = w, w[:, :lo - 1].contiguous()
+    head.requires_grad_(False), short.requires_grad_(False)  # as a served model's
     buf = torch.full((3, 64), 7.0)
-    got = kernels.logits_into(x[:1], w, buf[:1])
+    got = kernels.logits_into(head, x[:1], buf[:1])
     assert launched == [kernels.skinny.RowTile(4, 8, 4)]
     assert got.data_ptr() == buf.data_ptr() and got.shape == (1, 64)
     torch.testing.assert_close(buf[:1], ref[:1], atol=1e-5, rtol=1e-5)
     assert (buf[1:] == 7.0).all()
-    torch.testing.assert_close(kernels.logits_into(x[:1], w, None), ref[:1], atol=1e-5,
+    torch.testing.assert_close(kernels.logits_into(head, x[:1], None), ref[:1], atol=1e-5,
                                rtol=1e-5)
     assert len(launched) == 2
     buf.fill_(7.0)
-    kernels.logits_into(x, w, buf[:2])  # two rows: cuBLAS
-    kernels.logits_into(x[:1, :lo - 1], w[:, :lo - 1], buf[2:])  # K below the rule's range
+    kernels.logits_into(head, x, buf[:2])  # two rows: cuBLAS
+    kernels.logits_into(short, x[:1, :lo - 1], buf[2:])  # K below the rule's range
     with KernelSwitches(row_kernel=False):
-        kernels.logits_into(x[:1], w, buf[:1])
+        kernels.logits_into(head, x[:1], buf[:1])
     assert len(launched) == 2
     torch.testing.assert_close(buf[:2], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(buf[2:], x[:1, :lo - 1] @ w[:, :lo - 1].T, atol=1e-5,
